@@ -1,0 +1,27 @@
+"""Exception hierarchy: every error a user can cause says what is wrong and where."""
+
+from __future__ import annotations
+
+
+class MoetoolError(Exception):
+    """Base class for errors caused by input, not by bugs."""
+
+
+class RecipeError(MoetoolError):
+    """A recipe file is malformed or invalid."""
+
+
+class SourceError(MoetoolError):
+    """A model source cannot be resolved or read."""
+
+
+class PreflightError(MoetoolError):
+    """Experts cannot be merged; raised before anything is written."""
+
+
+class UnsupportedArchitecture(PreflightError):
+    """No output architecture accepts the inputs."""
+
+
+class OutputExistsError(MoetoolError):
+    """The output exists and ``--force`` was not given."""
