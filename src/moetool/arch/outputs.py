@@ -1,0 +1,224 @@
+"""Output MoE architectures: which inputs each accepts, its config, and its tensor names (as templates).
+
+Tensor names are the per-expert ("legacy") layout that transformers 5 loads and fuses on its own, and that
+llama.cpp's ``convert_hf_to_gguf.py`` maps (it cannot map the fused ``experts.gate_up_proj`` layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetool.errors import UnsupportedArchitecture
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether an output architecture accepts the inputs, and why not."""
+
+    ok: bool
+    reason: str = ""
+
+
+# config attributes copied from the dense base when present (None values are skipped)
+_COMMON_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "attention_dropout",
+    "initializer_range",
+)
+
+
+def _common(base: Any) -> dict[str, Any]:
+    return {k: getattr(base, k) for k in _COMMON_KEYS if getattr(base, k, None) is not None}
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    """An output architecture as data.
+
+    Attributes:
+        name: recipe name (``architecture:``).
+        model_type: transformers model_type written to config.json.
+        class_name: transformers causal-LM class.
+        accepts: dense base model types it can be built from.
+        router: template of the router weight ``[E, H]``.
+        expert: template of one expert projection; ``{proj}`` takes ``proj_map`` values.
+        proj_map: dense MLP projection name → the name inside an expert.
+        shared: template of the shared expert's projections, if the architecture has one.
+        shared_gate: template of the shared expert's sigmoid gate ``[1, H]``.
+        zero_attn_bias: q/k/v biases the architecture requires and a bias-free base lacks (written as zeros).
+    """
+
+    name: str
+    model_type: str
+    class_name: str
+    accepts: tuple[str, ...]
+    router: str
+    expert: str
+    proj_map: dict[str, str]
+    config_extra: Callable[[Any, int, int, int | None], dict[str, Any]]
+    shared: str | None = None
+    shared_gate: str | None = None
+    zero_attn_bias: tuple[str, ...] = ()
+    checks: tuple[Callable[[Any], str | None], ...] = field(default=())
+
+    def supports(self, base: Any, *, shared: bool) -> Verdict:
+        """Explain whether this architecture can hold a MoE built on dense config ``base``."""
+        if base.model_type not in self.accepts:
+            return Verdict(False, f"accepts {'/'.join(self.accepts)} bases, not {base.model_type!r}")
+        if shared and self.shared is None:
+            return Verdict(False, "has no shared expert")
+        if getattr(base, "mlp_bias", False):
+            return Verdict(False, "has no MLP biases (base has mlp_bias: true)")
+        for check in self.checks:
+            reason = check(base)
+            if reason:
+                return Verdict(False, reason)
+        return Verdict(True)
+
+    def make_config(self, base: Any, *, n_experts: int, top_k: int, shared_intermediate: int | None) -> dict[str, Any]:
+        """The output config.json as a dict, validated by the transformers config class."""
+        import transformers
+
+        kwargs = _common(base) | self.config_extra(base, n_experts, top_k, shared_intermediate)
+        cls = getattr(transformers, self.class_name.replace("ForCausalLM", "Config"))
+        cfg = cls(**kwargs)
+        cfg.architectures = [self.class_name]
+        out: dict[str, Any] = cfg.to_dict()
+        return out
+
+    def router_name(self, layer: int) -> str:
+        return self.router.format(layer=layer)
+
+    def expert_name(self, layer: int, expert: int, proj: str) -> str:
+        return self.expert.format(layer=layer, expert=expert, proj=self.proj_map[proj])
+
+
+def _no_attn_bias(base: Any) -> str | None:
+    if getattr(base, "attention_bias", False):
+        return "has no attention biases (base has attention_bias: true)"
+    return None
+
+
+def _mixtral_extra(base: Any, n: int, k: int, _shared: int | None) -> dict[str, Any]:
+    return {
+        "intermediate_size": base.intermediate_size,
+        "num_local_experts": n,
+        "num_experts_per_tok": k,
+        "sliding_window": getattr(base, "sliding_window", None) if base.model_type == "mistral" else None,
+        "output_router_logits": False,
+    }
+
+
+def _qwen_moe_extra(base: Any, n: int, k: int, shared: int | None) -> dict[str, Any]:
+    extra: dict[str, Any] = {
+        "intermediate_size": base.intermediate_size,
+        "moe_intermediate_size": base.intermediate_size,
+        "num_experts": n,
+        "num_experts_per_tok": k,
+        # renormalised top-k weights (as Mixtral): an MoE of identical experts then equals the dense model
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
+    }
+    if base.model_type == "qwen3":
+        extra["attention_bias"] = getattr(base, "attention_bias", False)
+    else:
+        extra["shared_expert_intermediate_size"] = shared or 0
+    return extra
+
+
+_QWEN_PROJ = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+
+MIXTRAL = MoEArch(
+    name="mixtral",
+    model_type="mixtral",
+    class_name="MixtralForCausalLM",
+    accepts=("llama", "mistral"),
+    router="model.layers.{layer}.block_sparse_moe.gate.weight",
+    expert="model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight",
+    proj_map={"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},
+    config_extra=_mixtral_extra,
+    checks=(_no_attn_bias,),
+)
+
+QWEN2_MOE = MoEArch(
+    name="qwen2_moe",
+    model_type="qwen2_moe",
+    class_name="Qwen2MoeForCausalLM",
+    accepts=("qwen2", "llama", "mistral"),
+    router="model.layers.{layer}.mlp.gate.weight",
+    expert="model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
+    proj_map=_QWEN_PROJ,
+    config_extra=_qwen_moe_extra,
+    shared="model.layers.{layer}.mlp.shared_expert.{proj}.weight",
+    shared_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
+    # Qwen2 attention always has q/k/v biases; zeros make a bias-free llama base compute exactly the same
+    zero_attn_bias=("q_proj", "k_proj", "v_proj"),
+    checks=(
+        _no_attn_bias,
+        lambda b: "has no sliding-window mistral variant"
+        if b.model_type == "mistral" and getattr(b, "sliding_window", None)
+        else None,
+    ),
+)
+
+QWEN3_MOE = MoEArch(
+    name="qwen3_moe",
+    model_type="qwen3_moe",
+    class_name="Qwen3MoeForCausalLM",
+    accepts=("qwen3",),
+    router="model.layers.{layer}.mlp.gate.weight",
+    expert="model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
+    proj_map=_QWEN_PROJ,
+    config_extra=_qwen_moe_extra,
+)
+
+OUTPUT_ARCHS: dict[str, MoEArch] = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE)}
+# auto selection prefers the architecture native to the base family
+_PREFERRED = {"llama": "mixtral", "mistral": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe"}
+
+
+def select_output_arch(requested: str, base: Any, *, shared: bool) -> MoEArch:
+    """Pick the output architecture for dense config ``base``.
+
+    Raises:
+        UnsupportedArchitecture: listing every architecture and why it was rejected.
+    """
+    if requested != "auto":
+        arch = OUTPUT_ARCHS[requested]
+        verdict = arch.supports(base, shared=shared)
+        if not verdict.ok:
+            raise UnsupportedArchitecture(f"architecture: {requested} {verdict.reason}")
+        return arch
+    order = [_PREFERRED.get(base.model_type, "")] if not shared else []
+    order += [n for n in OUTPUT_ARCHS if n not in order]
+    verdicts = {}
+    for name in order:
+        if name not in OUTPUT_ARCHS:
+            continue
+        verdict = OUTPUT_ARCHS[name].supports(base, shared=shared)
+        if verdict.ok:
+            return OUTPUT_ARCHS[name]
+        verdicts[name] = verdict.reason
+    lines = "\n".join(f"  - {n}: {r}" for n, r in verdicts.items())
+    raise UnsupportedArchitecture(
+        f"no output architecture accepts a {base.model_type!r} base"
+        f"{' with a shared expert' if shared else ''}:\n{lines}\n"
+        f"supported dense bases: llama, mistral (→ mixtral, qwen2_moe), qwen2 (→ qwen2_moe), qwen3 (→ qwen3_moe)"
+    )

@@ -1,0 +1,83 @@
+"""Model card (README.md with Hub front matter) and provenance for a merged checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from pathlib import Path
+from typing import Any
+
+from moetool import __version__
+
+_REPO_ID_LIKE = ("hf-cache",)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def provenance(sources: dict[str, Any], recipe_text: str, *, allow_pickle: bool = False) -> dict[str, Any]:
+    """Sources (reference, resolved path, kind, Hub revision, weight-file hashes) and tool versions."""
+    import torch
+    import transformers
+
+    from moetool.io.checkpoint import Checkpoint
+
+    out: dict[str, Any] = {
+        "moetool": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "recipe_sha256": hashlib.sha256(recipe_text.encode()).hexdigest(),
+        "sources": {},
+    }
+    for label, src in sources.items():
+        files = Checkpoint(src.path, allow_pickle=allow_pickle).weight_files
+        out["sources"][label] = {
+            "ref": src.ref,
+            "kind": src.kind,
+            "path": str(src.path),
+            "revision": src.revision,
+            "files": {f.name: sha256_file(f) for f in files},
+        }
+    return out
+
+
+def base_model_ids(sources: dict[str, Any]) -> list[str]:
+    """``base_model`` entries: Hub ids as given; local and zoo models by their reference."""
+    seen: list[str] = []
+    for src in sources.values():
+        ident = src.ref if src.kind in _REPO_ID_LIKE else src.ref.replace("zoo:", "moetool-zoo/")
+        if ident not in seen:
+            seen.append(ident)
+    return seen
+
+
+def model_card(*, name: str, method: str, arch: str, experts: list[str], top_k: int, gate_mode: str,
+               sources: dict[str, Any], recipe_text: str, extra_sections: str = "") -> str:
+    """Render README.md: YAML front matter the Hub understands, then what was merged and how."""
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(
+        base_model=base_model_ids(sources),
+        base_model_relation="merge",
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["moe", "moetool", "merge", method, arch],
+    )
+    rows = "\n".join(f"| {label} | `{src.ref}` | {src.kind} |" for label, src in sources.items())
+    return (
+        f"---\n{data.to_yaml()}\n---\n\n# {name}\n\n"
+        f"A Mixture-of-Experts model built by [moetool](https://github.com/) with `method: {method}`: "
+        f"attention, norms and embeddings come from the base model; each expert's FFN becomes one routed expert.\n\n"
+        f"- architecture: `{arch}`\n- experts: {', '.join(f'`{e}`' for e in experts)}\n"
+        f"- experts per token: {top_k}\n- router initialisation: `{gate_mode}`\n\n"
+        f"## Sources\n\n| role | reference | kind |\n|---|---|---|\n{rows}\n\n"
+        "File hashes and versions are in `moetool.json`.\n\n"
+        f"{extra_sections}"
+        f"## Recipe\n\n```yaml\n{recipe_text.rstrip()}\n```\n"
+    )

@@ -1,0 +1,206 @@
+"""The ``moetool`` command line: thin Typer commands over :mod:`moetool.api`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moetool.errors import MoetoolError
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Turn domain experts into one Mixture-of-Experts model: merge, inspect, evaluate.",
+)
+zoo_app = typer.Typer(no_args_is_help=True, help="The self-trained demo zoo of domain experts.")
+app.add_typer(zoo_app, name="zoo")
+console = Console(stderr=True)
+out = Console()
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _friendly(fn: F) -> F:
+    """Turn user errors into one red message and exit code 2 (no traceback)."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MoetoolError as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+@app.command()
+@_friendly
+def validate(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> None:
+    """Validate a recipe file (no model is read)."""
+    from moetool.recipe import load_recipe
+
+    r: Any = load_recipe(recipe)
+    out.print(f"[green]ok[/]: {recipe} (method: {r.method}, name: {r.name})")
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON schema of recipe files."""
+    from moetool.recipe.load import dump_schema
+
+    sys.stdout.write(dump_schema() + "\n")
+
+
+def print_plan(plan: Any) -> None:
+    by_kind = plan.bytes_by_kind()
+    t = Table(title=f"merge plan: {plan.recipe.name} → {plan.arch.name} ({plan.dtype})")
+    for col in ("tensor", "kind", "source", "shape"):
+        t.add_column(col)
+    shown = [op for op in plan.ops if ".layers." not in op.out or ".layers.0." in op.out]
+    for op in shown:
+        t.add_row(op.out, op.kind, op.source or "(computed)", "×".join(map(str, op.shape)))
+    out.print(t)
+    layers = plan.config["num_hidden_layers"]
+    if layers > 1:
+        out.print(f"(layers 1–{layers - 1} repeat layer 0's pattern)")
+    s = Table(title="bytes by kind")
+    s.add_column("kind")
+    s.add_column("bytes", justify="right")
+    for k, v in by_kind.items():
+        s.add_row(k, _human(v))
+    s.add_row("[bold]total[/]", f"[bold]{_human(plan.total_bytes)}[/] in {len(plan.ops)} tensors")
+    out.print(s)
+    base_bytes = 0
+    if plan.recipe.gate_mode == "hidden":
+        base_bytes = sum(op.numel for op in plan.ops if op.kind in ("copy",)) * 4
+        base_bytes += sum(op.numel for op in plan.ops if op.kind == "expert") * 4 // len(plan.recipe.experts)
+    out.print(f"peak memory estimate: {_human(plan.peak_memory_estimate(base_bytes))}"
+              + (" (includes the base model loaded once for hidden gates)" if base_bytes else ""))
+    for w in plan.warnings:
+        out.print(f"[yellow]warning:[/] {w}")
+
+
+@app.command()
+@_friendly
+def merge(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output directory.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; read no weights, write nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept pytorch_model*.bin inputs.")] = False,
+) -> None:
+    """Merge experts into one MoE checkpoint as the recipe says."""
+    from moetool.api import plan_merge
+    from moetool.merge import execute
+
+    plan = plan_merge(recipe, allow_pickle=allow_pickle)
+    if dry_run:
+        print_plan(plan)
+        return
+    if output is None:
+        raise MoetoolError("--output is required (or use --dry-run)")
+    path = execute(plan, output, force=force, recipe_text=recipe.read_text(encoding="utf-8"), console=console)
+    out.print(f"[green]wrote[/] {path} ({plan.arch.name}, {len(plan.recipe.experts)} experts)")
+
+
+@app.command()
+@_friendly
+def inspect(
+    model: Annotated[Path, typer.Argument(help="Checkpoint directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Architecture, experts, routers, total and active parameters, size on disk."""
+    from moetool.inspect import inspect_model
+
+    info = inspect_model(model)
+    if as_json:
+        sys.stdout.write(json.dumps(info, indent=2) + "\n")
+        return
+    t = Table(title=str(model), show_header=False)
+    for k, v in info.items():
+        if k in ("total_params", "active_params_per_token"):
+            v = f"{v:,}"
+        elif k == "size_on_disk_bytes":
+            v = _human(v)
+        t.add_row(k, str(v))
+    out.print(t)
+
+
+@zoo_app.command("build")
+@_friendly
+def zoo_build(
+    profile: Annotated[str, typer.Option(help="Zoo profile: default or tiny.")] = "default",
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even if cached.")] = False,
+) -> None:
+    """Train the base LM and one expert per domain on text already on this machine (cached)."""
+    from moetool.zoo import build_zoo
+
+    res = build_zoo(profile, force=force, console=console)
+    out.print(f"[green]zoo ready[/] at {res.root}")
+
+
+@app.command("eval")
+@_friendly
+def eval_cmd(
+    models: Annotated[list[str], typer.Argument(help="Model directories or zoo:NAME references.")],
+    domains: Annotated[str, typer.Option(help="Comma-separated zoo domains to evaluate on.")] = "code,legal,medical",
+    seq_len: Annotated[int, typer.Option(help="Window length in tokens.")] = 256,
+    max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain.")] = 32768,
+    json_file: Annotated[Path | None, typer.Option("--json", help="Write the matrix as JSON.")] = None,
+) -> None:
+    """Held-out perplexity of each model on each domain, as a matrix."""
+    from moetool.eval.perplexity import perplexity_matrix, render_matrix
+    from moetool.io.sources import resolve_source
+    from moetool.zoo import zoo_domain_text
+
+    texts = {d: zoo_domain_text(d, "valid") for d in domains.split(",") if d}
+    paths = {m: resolve_source(m).path for m in models}
+    matrix = perplexity_matrix(paths, texts, seq_len=seq_len, max_tokens=max_tokens)
+    out.print(render_matrix(matrix, "held-out perplexity (lower is better)"))
+    if json_file:
+        json_file.write_text(json.dumps(matrix, indent=2))
+
+
+@app.command()
+@_friendly
+def demo(
+    output: Annotated[Path, typer.Option(help="Where to write the merged demo model.")] = Path("out/demo-mofe"),
+    recipe: Annotated[Path, typer.Option(help="Recipe to merge.")] = Path("recipes/demo-mofe.yaml"),
+) -> None:
+    """Build the zoo, merge its experts with the demo recipe, and compare perplexities per domain."""
+    from moetool.zoo import build_zoo
+
+    build_zoo("default", console=console)
+    merge(recipe, output=output, dry_run=False, force=True, allow_pickle=False)
+    inspect(output, as_json=False)
+    from moetool.recipe import load_recipe
+
+    r: Any = load_recipe(recipe)
+    names = ["zoo:base", *[e.source for e in r.experts], str(output)]
+    eval_cmd(names, domains="code,legal,medical", seq_len=256, max_tokens=32768, json_file=output / "eval.json")
+    out.print("(the merged MoE is shown before any router training)")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

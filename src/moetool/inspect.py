@@ -1,0 +1,55 @@
+"""Summarise a checkpoint: architecture, experts, routers, total and active parameters, size on disk."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from moetool.io.checkpoint import Checkpoint
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.")
+_FUSED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight$")
+
+
+def inspect_model(path: str | Path) -> dict[str, Any]:
+    """Facts about the checkpoint at ``path`` (dense or MoE, per-expert or fused layout)."""
+    ck = Checkpoint(Path(path))
+    cfg = ck.config
+    meta_file = Path(path) / "moetool.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    top_k = cfg.get("num_experts_per_tok") or 0
+    total = 0
+    expert_params = 0
+    routers: dict[int, list[int]] = {}
+    for name, info in ck.tensors.items():
+        total += info.numel
+        if _EXPERT.match(name) or _FUSED_EXPERT.match(name):
+            expert_params += info.numel
+        m = _ROUTER.match(name)
+        if m:
+            routers[int(m.group(1))] = list(info.shape)
+    tied = bool(cfg.get("tie_word_embeddings")) and "lm_head.weight" not in ck.tensors
+    # routed experts outside the top-k are idle for a token; everything else is always active
+    active = total - (expert_params * (n_exp - top_k) // n_exp if n_exp else 0)
+    files = [p for p in Path(path).iterdir() if p.is_file()]
+    return {
+        "path": str(Path(path).resolve()),
+        "architecture": (cfg.get("architectures") or [cfg.get("model_type")])[0],
+        "model_type": cfg.get("model_type"),
+        "layers": cfg.get("num_hidden_layers"),
+        "hidden_size": cfg.get("hidden_size"),
+        "num_experts": n_exp,
+        "experts_per_token": top_k,
+        "expert_names": meta.get("experts") or [f"expert_{i}" for i in range(n_exp)],
+        "shared_expert": bool(cfg.get("shared_expert_intermediate_size")),
+        "router_shapes": {str(k): v for k, v in sorted(routers.items())},
+        "total_params": total,
+        "active_params_per_token": active,
+        "tied_embeddings": tied,
+        "size_on_disk_bytes": sum(p.stat().st_size for p in files),
+        "method": meta.get("method"),
+    }

@@ -1,0 +1,1 @@
+"""Tensor and model I/O: source resolution, lazy safetensors reading, sharded writing."""

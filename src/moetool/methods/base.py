@@ -1,0 +1,75 @@
+"""The plan a merge method produces: every output tensor and where it comes from, before any weight is read."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from moetool.io.sources import ResolvedSource
+
+OpKind = Literal["copy", "expert", "shared", "router", "shared_gate", "zeros"]
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TensorOp:
+    """One output tensor.
+
+    Attributes:
+        out: output tensor name.
+        kind: how it is produced.
+        source: label of the source checkpoint (``base``, an expert name, ``shared``), None for computed tensors.
+        src: tensor name inside the source.
+        shape: output shape.
+    """
+
+    out: str
+    kind: OpKind
+    source: str | None
+    src: str | None
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class MergePlan:
+    """A complete, weight-free description of a merge (what ``--dry-run`` prints)."""
+
+    recipe: Any
+    arch: Any
+    config: dict[str, Any]
+    ops: list[TensorOp]
+    sources: dict[str, ResolvedSource]
+    dtype: str
+    warnings: list[str] = field(default_factory=list)
+    allow_pickle: bool = False
+
+    @property
+    def element_size(self) -> int:
+        return torch.tensor([], dtype=DTYPES[self.dtype]).element_size()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(op.numel for op in self.ops) * self.element_size
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        c: Counter[str] = Counter()
+        for op in self.ops:
+            c[op.kind] += op.numel * self.element_size
+        return dict(c)
+
+    def peak_memory_estimate(self, base_model_bytes: int = 0) -> int:
+        """Bytes held at once: one output shard, the largest tensor being converted, and (hidden gates) the base."""
+        largest = max((op.numel for op in self.ops), default=0) * 4
+        shard = min(self.total_bytes, self.recipe.max_shard_size)
+        return shard + 2 * largest + base_model_bytes

@@ -1,0 +1,213 @@
+"""``method: mofe``: base attention/norms/embeddings + one FFN per expert → Mixtral / Qwen2-MoE / Qwen3-MoE.
+
+Preflight reads configs, tensor headers and tokenizers only; nothing is written until every check passes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig
+
+from moetool.arch.families import DENSE_FAMILIES, FOUNDATION_KEYS, MLP_PROJS, dense_mlp_name
+from moetool.arch.outputs import MoEArch, select_output_arch
+from moetool.errors import MoetoolError, PreflightError
+from moetool.io.checkpoint import Checkpoint
+from moetool.io.sources import ResolvedSource, resolve_source
+from moetool.methods.base import MergePlan, TensorOp
+from moetool.recipe.mofe import MoFERecipe
+
+# non-MLP tensors of a dense base that are copied unchanged; anything else in the base is an error
+_COPIED = [
+    re.compile(p)
+    for p in (
+        r"model\.embed_tokens\.weight",
+        r"model\.norm\.weight",
+        r"lm_head\.weight",
+        r"model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight",
+        r"model\.layers\.\d+\.self_attn\.[qkvo]_proj\.(weight|bias)",
+        r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight",
+    )
+]
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")  # non-persistent buffers some old checkpoints saved
+_MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _tokenizer_signature(path: Path) -> tuple[Any, ...] | None:
+    """What must match between tokenizers: the vocabulary and the special tokens. None if there is no tokenizer."""
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return (tuple(sorted(tok.get_vocab().items())), tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token)
+
+
+class MoFEMethod:
+    """Plugin for ``method: mofe``."""
+
+    name = "mofe"
+
+    def plan(self, recipe: object, *, recipe_dir: object | None = None, allow_pickle: bool = False) -> MergePlan:
+        """Resolve sources, run every preflight check and list the output tensors.
+
+        Raises:
+            PreflightError: all problems found, one per line.
+            UnsupportedArchitecture: no output architecture accepts the base (with each one's reason).
+        """
+        assert isinstance(recipe, MoFERecipe)
+        rdir = Path(recipe_dir) if recipe_dir is not None else None
+        problems: list[str] = []
+        warnings: list[str] = []
+
+        refs: dict[str, tuple[str, str]] = {"base": ("base_model", recipe.base_model)}
+        for i, e in enumerate(recipe.experts):
+            refs[e.name] = (f"experts.{i}.source", e.source)
+        if recipe.shared_expert is not None:
+            refs["shared"] = ("shared_expert.source", recipe.shared_expert.source)
+        sources: dict[str, ResolvedSource] = {}
+        for label, (fieldname, ref) in refs.items():
+            try:
+                sources[label] = resolve_source(ref, relative_to=rdir)
+            except MoetoolError as exc:
+                problems.append(f"{fieldname}: {exc}")
+        if problems:
+            raise PreflightError("\n".join(problems))
+
+        ckpts = {label: Checkpoint(src.path, allow_pickle=allow_pickle) for label, src in sources.items()}
+        try:
+            base_cfg = AutoConfig.from_pretrained(str(sources["base"].path))
+        except Exception as exc:
+            raise PreflightError(f"base_model: cannot read config of {sources['base'].path}: {exc}") from None
+        if base_cfg.model_type not in DENSE_FAMILIES:
+            supported = ", ".join(DENSE_FAMILIES)
+            raise PreflightError(
+                f"base_model: {base_cfg.model_type!r} is not a supported dense family (supported: {supported})"
+            )
+        arch = select_output_arch(recipe.architecture, base_cfg, shared=recipe.shared_expert is not None)
+
+        n_layers = base_cfg.num_hidden_layers
+        base_t = {}
+        try:
+            base_t = ckpts["base"].tensors
+        except MoetoolError as exc:
+            problems.append(f"base_model: {exc}")
+        for name in base_t:
+            if _MLP.match(name) or _IGNORED.fullmatch(name) or any(p.fullmatch(name) for p in _COPIED):
+                continue
+            problems.append(f"base_model: tensor {name!r} has no place in a {arch.name} checkpoint")
+
+        base_sig = _tokenizer_signature(sources["base"].path)
+        mlp_shapes = {}
+        for layer in range(n_layers):
+            for proj in MLP_PROJS:
+                name = dense_mlp_name(layer, proj)
+                if name in base_t:
+                    mlp_shapes[name] = base_t[name].shape
+        for label, ck in ckpts.items():
+            if label == "base":
+                continue
+            fieldname = refs[label][0]
+            try:
+                cfg = ck.config
+                tensors = ck.tensors
+            except MoetoolError as exc:
+                problems.append(f"{fieldname}: {exc}")
+                continue
+            for key in FOUNDATION_KEYS:
+                if cfg.get(key) != getattr(base_cfg, key, None):
+                    problems.append(
+                        f"{fieldname}: {key} is {cfg.get(key)!r} but the base has {getattr(base_cfg, key, None)!r} "
+                        "(experts must share the base's foundation)"
+                    )
+            for layer in range(n_layers):
+                for proj in MLP_PROJS:
+                    name = dense_mlp_name(layer, proj)
+                    info = tensors.get(name)
+                    if info is None:
+                        problems.append(f"{fieldname}: missing tensor {name!r}")
+                    elif label != "shared" and info.shape != mlp_shapes.get(name):
+                        problems.append(
+                            f"{fieldname}: {name} has shape {list(info.shape)}, base has "
+                            f"{list(mlp_shapes.get(name, ()))}"
+                        )
+            sig = _tokenizer_signature(ck.path)
+            if sig is None:
+                warnings.append(f"{fieldname}: {ck.path} has no tokenizer; vocabulary match not checked")
+            elif base_sig is not None and sig != base_sig:
+                problems.append(
+                    f"{fieldname}: its tokenizer differs from the base's (vocabulary or special tokens); experts "
+                    "must share one tokenizer"
+                )
+        if problems:
+            raise PreflightError("\n".join(problems))
+
+        n_exp = len(recipe.experts)
+        if n_exp & (n_exp - 1):
+            warnings.append(
+                f"{n_exp} experts is not a power of two; some inference stacks (older llama.cpp builds, fused "
+                "kernels) handle such counts badly or slowly"
+            )
+        srcs = [sources[e.name].path for e in recipe.experts]
+        if len(set(srcs)) < len(srcs):
+            warnings.append("several experts come from the same checkpoint; they will be identical")
+        shared_inter = None
+        if recipe.shared_expert is not None:
+            shared_inter = ckpts["shared"].tensors[dense_mlp_name(0, "gate_proj")].shape[0]
+        config = arch.make_config(base_cfg, n_experts=n_exp, top_k=recipe.experts_per_token,
+                                  shared_intermediate=shared_inter)
+        ops = _ops(arch, base_t, recipe, n_layers, shared_inter, base_cfg.hidden_size)
+        for c in ckpts.values():
+            c.close()
+        return MergePlan(recipe=recipe, arch=arch, config=config, ops=ops, sources=sources, dtype=recipe.dtype,
+                         warnings=warnings, allow_pickle=allow_pickle)
+
+
+def _ops(arch: MoEArch, base_t: dict[str, Any], recipe: MoFERecipe, n_layers: int, shared_inter: int | None,
+         hidden: int) -> list[TensorOp]:
+    """Output tensors in file order: embeddings, then each layer (attention, norms, router, experts), then head."""
+    by_layer: dict[int, list[str]] = {i: [] for i in range(n_layers)}
+    head: list[str] = []
+    tail: list[str] = []
+    for name in base_t:
+        if _MLP.match(name) or _IGNORED.fullmatch(name):
+            continue
+        m = _LAYER.match(name)
+        if m:
+            by_layer[int(m.group(1))].append(name)
+        elif name.startswith("model.embed_tokens"):
+            head.append(name)
+        else:
+            tail.append(name)
+    ops = [TensorOp(n, "copy", "base", n, base_t[n].shape) for n in head]
+    n_exp = len(recipe.experts)
+    for layer in range(n_layers):
+        names = sorted(by_layer[layer])
+        ops += [TensorOp(n, "copy", "base", n, base_t[n].shape) for n in names]
+        for proj in arch.zero_attn_bias:
+            bias = f"model.layers.{layer}.self_attn.{proj}.bias"
+            if bias not in base_t:
+                rows = base_t[f"model.layers.{layer}.self_attn.{proj}.weight"].shape[0]
+                ops.append(TensorOp(bias, "zeros", None, None, (rows,)))
+        ops.append(TensorOp(arch.router_name(layer), "router", None, None, (n_exp, hidden)))
+        for ei, e in enumerate(recipe.experts):
+            for proj in MLP_PROJS:
+                src = dense_mlp_name(layer, proj)
+                ops.append(TensorOp(arch.expert_name(layer, ei, proj), "expert", e.name, src, base_t[src].shape))
+        if recipe.shared_expert is not None and arch.shared and arch.shared_gate:
+            for proj in MLP_PROJS:
+                src = dense_mlp_name(layer, proj)
+                shape = (shared_inter, hidden) if proj != "down_proj" else (hidden, shared_inter)
+                ops.append(TensorOp(arch.shared.format(layer=layer, proj=proj), "shared", "shared", src, shape))  # type: ignore[arg-type]
+            ops.append(TensorOp(arch.shared_gate.format(layer=layer), "shared_gate", None, None, (1, hidden)))
+        elif arch.shared and arch.shared_gate:
+            # Qwen2-MoE always has a shared expert; a zero-width one contributes exactly nothing
+            for proj in MLP_PROJS:
+                shape = (0, hidden) if proj != "down_proj" else (hidden, 0)
+                ops.append(TensorOp(arch.shared.format(layer=layer, proj=proj), "zeros", None, None, shape))
+            ops.append(TensorOp(arch.shared_gate.format(layer=layer), "zeros", None, None, (1, hidden)))
+    ops += [TensorOp(n, "copy", "base", n, base_t[n].shape) for n in sorted(tail)]
+    return ops

@@ -1,0 +1,130 @@
+"""Load a recipe file: YAML → the pydantic model of its ``method``, with file, field and line in every error."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from moetool.errors import RecipeError
+from moetool.recipe.mofe import MoFERecipe
+
+# method name -> recipe model; later methods register here.
+_RECIPES: dict[str, type[BaseModel]] = {"mofe": MoFERecipe}
+
+Loc = tuple[str | int, ...]
+
+
+def recipe_models() -> dict[str, type[BaseModel]]:
+    """The registered recipe models by method name."""
+    return dict(_RECIPES)
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """JSON schema of every recipe kind, one entry per method under ``oneOf``."""
+    defs: dict[str, Any] = {}
+    refs = []
+    for model in _RECIPES.values():
+        schema = model.model_json_schema(ref_template="#/$defs/{model}")
+        defs.update(schema.pop("$defs", {}))
+        defs[model.__name__] = schema
+        refs.append({"$ref": f"#/$defs/{model.__name__}"})
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "moetool recipe",
+        "oneOf": refs,
+        "$defs": defs,
+    }
+
+
+def _line_map(node: yaml.Node, loc: Loc = ()) -> dict[Loc, int]:
+    """Map every field path in a composed YAML tree to its 1-based line."""
+    lines: dict[Loc, int] = {loc: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            sub = (*loc, str(key.value))
+            lines[sub] = key.start_mark.line + 1
+            for k, v in _line_map(value, sub).items():
+                lines.setdefault(k, v)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines.update(_line_map(item, (*loc, i)))
+    return lines
+
+
+def _format_loc(loc: Loc) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+_LOC_IN_MESSAGE = re.compile(r"^([A-Za-z_][\w]*(?:\.[\w]+)*): ")
+
+
+def _errors(exc: ValidationError, path: Path, lines: dict[Loc, int]) -> list[str]:
+    out = []
+    for err in exc.errors():
+        loc: Loc = tuple(err["loc"])
+        msg = err["msg"]
+        if err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+            # cross-field validators put the precise field at the start of their message
+            m = _LOC_IN_MESSAGE.match(msg)
+            if m:
+                loc = tuple(int(p) if p.isdigit() else p for p in m.group(1).split("."))
+                msg = msg[m.end() :]
+        elif err["type"] == "extra_forbidden":
+            msg = "unknown key (not allowed here; check the spelling)"
+        probe = loc
+        while probe not in lines and probe:
+            probe = probe[:-1]
+        where = f"{path}:{lines[probe]}" if probe in lines else str(path)
+        out.append(f"{where}: {_format_loc(loc)}: {msg}")
+    return out
+
+
+def parse_recipe(text: str, path: Path) -> BaseModel:
+    """Validate recipe ``text`` read from ``path``.
+
+    Raises:
+        RecipeError: naming the file, field path and line of every problem.
+    """
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise RecipeError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict) or node is None:
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping with at least 'name' and 'method'")
+    lines = _line_map(node)
+    method = data.get("method")
+    if method not in _RECIPES:
+        where = f"{path}:{lines.get(('method',), 1)}"
+        known = ", ".join(sorted(_RECIPES))
+        raise RecipeError(f"{where}: method: {method!r} is not a known method (known: {known})")
+    try:
+        return _RECIPES[method].model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError("invalid recipe:\n  " + "\n  ".join(_errors(exc, path, lines))) from None
+
+
+def load_recipe(path: str | Path) -> BaseModel:
+    """Read and validate a recipe file.
+
+    Raises:
+        RecipeError: the file is missing, not YAML, or invalid (file, field path and line named).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RecipeError(f"{p}: cannot read recipe: {exc.strerror}") from None
+    return parse_recipe(text, p)
+
+
+def dump_schema() -> str:
+    return json.dumps(recipe_json_schema(), indent=2)

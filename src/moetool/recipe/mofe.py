@@ -1,0 +1,76 @@
+"""The ``method: mofe`` recipe: base model + dense experts → a standard MoE checkpoint."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from moetool.recipe.base import StrictModel
+
+ExpertName = str
+
+
+class ExpertSpec(StrictModel):
+    """One routed expert: the MLP of ``source`` becomes expert ``name`` in every layer."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Unique expert name.")
+    source: str = Field(description="Local directory, Hugging Face repo id in the local cache, or zoo:NAME.")
+    positive_prompts: list[str] = Field(default_factory=list, description="Text this expert should receive.")
+    negative_prompts: list[str] = Field(default_factory=list, description="Text this expert should not receive.")
+
+
+class SharedExpertSpec(StrictModel):
+    """An always-on expert (Qwen2-MoE only), e.g. the base FFN as a generalist."""
+
+    source: str
+    positive_prompts: list[str] = Field(
+        default_factory=list,
+        description="If given, the sigmoid shared-expert gate is initialised from these prompts; else it is zero "
+        "(a constant 0.5 weight).",
+    )
+    negative_prompts: list[str] = Field(default_factory=list)
+
+
+class MoFERecipe(StrictModel):
+    """Mixture of Frozen Experts (MoFE): attention, norms and embeddings from the base, one FFN per expert."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    method: Literal["mofe"]
+    base_model: str
+    architecture: Literal["auto", "mixtral", "qwen2_moe", "qwen3_moe"] = "auto"
+    experts_per_token: int = Field(default=2, ge=1)
+    gate_mode: Literal["hidden", "cheap_embed", "random"] = "hidden"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    chat_template: bool = Field(
+        default=False, description="Wrap prompts in the tokenizer's chat template (as a user turn) for gates."
+    )
+    seed: int = Field(default=0, description="Seed for random gates.")
+    max_shard_size: int = Field(default=2_000_000_000, ge=1_000_000, description="Output shard size in bytes.")
+    experts: list[ExpertSpec] = Field(min_length=1)
+    shared_expert: SharedExpertSpec | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> MoFERecipe:
+        seen: dict[str, int] = {}
+        for i, e in enumerate(self.experts):
+            if e.name in seen:
+                raise ValueError(f"experts.{i}.name: duplicate expert name {e.name!r} (also experts.{seen[e.name]})")
+            seen[e.name] = i
+        if self.experts_per_token > len(self.experts):
+            raise ValueError(
+                f"experts_per_token: {self.experts_per_token} is larger than the number of experts "
+                f"({len(self.experts)})"
+            )
+        if self.gate_mode != "random":
+            for i, e in enumerate(self.experts):
+                if not e.positive_prompts:
+                    raise ValueError(
+                        f"experts.{i}.positive_prompts: expert {e.name!r} has no positive prompts, which "
+                        f"gate_mode {self.gate_mode!r} needs (or use gate_mode: random)"
+                    )
+        if self.shared_expert is not None and self.architecture not in ("auto", "qwen2_moe"):
+            raise ValueError(
+                f"shared_expert: only the qwen2_moe architecture has a shared expert, not {self.architecture!r}"
+            )
+        return self

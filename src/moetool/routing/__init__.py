@@ -1,0 +1,1 @@
+"""Router initialisation and routing losses."""
