@@ -24,8 +24,10 @@ def make_tokenizer(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([TEXT], trainer)
     tok.post_processor = processors.TemplateProcessing(
@@ -44,19 +46,38 @@ def dense_config(family: str = "llama", **kw: object) -> object:
     import transformers
 
     common = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
         tie_word_embeddings=False,
     )
     if family == "qwen3":
         common["head_dim"] = 8
     common.update(kw)
-    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[family]
+    cls = {
+        "llama": "LlamaConfig",
+        "mistral": "MistralConfig",
+        "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config",
+    }[family]
     return getattr(transformers, cls)(**common)
 
 
-def save_dense(out: Path, family: str = "llama", seed: int = 0, base: Path | None = None,
-               mlp_noise: float = 0.0, **kw: object) -> Path:
+def save_dense(
+    out: Path,
+    family: str = "llama",
+    seed: int = 0,
+    base: Path | None = None,
+    mlp_noise: float = 0.0,
+    **kw: object,
+) -> Path:
     """Save a tiny dense model; with ``base``, copy its weights and perturb only the MLPs (an 'expert')."""
     from transformers import AutoModelForCausalLM
 

@@ -18,8 +18,14 @@ def plan_merge(recipe_path: str | Path, *, allow_pickle: bool = False) -> MergeP
     return METHODS[recipe.method].plan(recipe, recipe_dir=path.parent, allow_pickle=allow_pickle)
 
 
-def merge(recipe_path: str | Path, output: str | Path, *, force: bool = False, allow_pickle: bool = False,
-          console: Console | None = None) -> Path:
+def merge(
+    recipe_path: str | Path,
+    output: str | Path,
+    *,
+    force: bool = False,
+    allow_pickle: bool = False,
+    console: Console | None = None,
+) -> Path:
     """Plan and execute a merge; returns the output directory."""
     from moetool.merge import execute
 

@@ -57,8 +57,18 @@ def base_model_ids(sources: dict[str, Any]) -> list[str]:
     return seen
 
 
-def model_card(*, name: str, method: str, arch: str, experts: list[str], top_k: int, gate_mode: str,
-               sources: dict[str, Any], recipe_text: str, extra_sections: str = "") -> str:
+def model_card(
+    *,
+    name: str,
+    method: str,
+    arch: str,
+    experts: list[str],
+    top_k: int,
+    gate_mode: str,
+    sources: dict[str, Any],
+    recipe_text: str,
+    extra_sections: str = "",
+) -> str:
     """Render README.md: YAML front matter the Hub understands, then what was merged and how."""
     from huggingface_hub import ModelCardData
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moetool.errors import MoetoolError
@@ -36,7 +37,7 @@ def _friendly(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except MoetoolError as exc:
-            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
@@ -91,8 +92,10 @@ def print_plan(plan: Any) -> None:
     if plan.recipe.gate_mode == "hidden":
         base_bytes = sum(op.numel for op in plan.ops if op.kind in ("copy",)) * 4
         base_bytes += sum(op.numel for op in plan.ops if op.kind == "expert") * 4 // len(plan.recipe.experts)
-    out.print(f"peak memory estimate: {_human(plan.peak_memory_estimate(base_bytes))}"
-              + (" (includes the base model loaded once for hidden gates)" if base_bytes else ""))
+    out.print(
+        f"peak memory estimate: {_human(plan.peak_memory_estimate(base_bytes))}"
+        + (" (includes the base model loaded once for hidden gates)" if base_bytes else "")
+    )
     for w in plan.warnings:
         out.print(f"[yellow]warning:[/] {w}")
 

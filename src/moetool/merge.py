@@ -65,13 +65,16 @@ def compute_router_weights(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor 
 
     model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32).eval()
     gates = rinit.hidden_gates(model, tok, sets, chat_template=recipe.chat_template)
-    shared_gate = rinit.hidden_gates(model, tok, shared_sets, chat_template=recipe.chat_template) if shared_sets else None
+    shared_gate = (
+        rinit.hidden_gates(model, tok, shared_sets, chat_template=recipe.chat_template) if shared_sets else None
+    )
     del model
     return gates, shared_gate
 
 
-def execute(plan: MergePlan, out: Path, *, force: bool = False, recipe_text: str = "",
-            console: Console | None = None) -> Path:
+def execute(
+    plan: MergePlan, out: Path, *, force: bool = False, recipe_text: str = "", console: Console | None = None
+) -> Path:
     """Write the merged checkpoint to ``out`` atomically.
 
     Raises:
@@ -82,8 +85,8 @@ def execute(plan: MergePlan, out: Path, *, force: bool = False, recipe_text: str
     console = console or Console(stderr=True)
     out = Path(out)
     check_output(out, force=force)
-    for w in plan.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+    for note in plan.warnings:
+        console.print(f"[yellow]warning:[/] {note}")
     recipe: MoFERecipe = plan.recipe
     console.print(f"computing routers ({recipe.gate_mode}) …")
     with warnings.catch_warnings(record=True) as caught:
@@ -104,8 +107,12 @@ def execute(plan: MergePlan, out: Path, *, force: bool = False, recipe_text: str
 
     with atomic_dir(out, force=force) as tmp:
         progress = Progress(
-            TextColumn("writing tensors"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(), console=console, transient=True,
+            TextColumn("writing tensors"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
         )
         with progress, ShardedWriter(tmp, recipe.max_shard_size) as writer:
             task = progress.add_task("write", total=len(plan.ops))
@@ -146,8 +153,14 @@ def execute(plan: MergePlan, out: Path, *, force: bool = False, recipe_text: str
         }
         (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
         card = model_card(
-            name=recipe.name, method=recipe.method, arch=plan.arch.name, experts=meta["experts"],
-            top_k=recipe.experts_per_token, gate_mode=recipe.gate_mode, sources=plan.sources, recipe_text=recipe_text,
+            name=recipe.name,
+            method=recipe.method,
+            arch=plan.arch.name,
+            experts=meta["experts"],
+            top_k=recipe.experts_per_token,
+            gate_mode=recipe.gate_mode,
+            sources=plan.sources,
+            recipe_text=recipe_text,
         )
         (tmp / "README.md").write_text(card)
     return out

@@ -35,15 +35,15 @@ def test_identical_experts_equal_dense(tiny_models, tmp_path, family, arch, expe
         f"""
 name: parity
 method: mofe
-base_model: {m['base']}
+base_model: {m["base"]}
 architecture: {arch}
 experts_per_token: 2
 gate_mode: random
 seed: {seed}
 experts:
-  - {{name: a, source: {m['base']}}}
-  - {{name: b, source: {m['base']}}}
-  - {{name: c, source: {m['base']}}}
+  - {{name: a, source: {m["base"]}}}
+  - {{name: b, source: {m["base"]}}}
+  - {{name: c, source: {m["base"]}}}
 """,
     )
     out = merge(recipe, tmp_path / "moe")
@@ -62,11 +62,11 @@ def test_distinct_experts_change_the_output(tiny_models, tmp_path):
         f"""
 name: distinct
 method: mofe
-base_model: {m['base']}
+base_model: {m["base"]}
 gate_mode: random
 experts:
-  - {{name: a, source: {m['e1']}}}
-  - {{name: b, source: {m['e2']}}}
+  - {{name: a, source: {m["e1"]}}}
+  - {{name: b, source: {m["e2"]}}}
 """,
     )
     out = merge(recipe, tmp_path / "moe")

@@ -172,9 +172,11 @@ QWEN2_MOE = MoEArch(
     zero_attn_bias=("q_proj", "k_proj", "v_proj"),
     checks=(
         _no_attn_bias,
-        lambda b: "has no sliding-window mistral variant"
-        if b.model_type == "mistral" and getattr(b, "sliding_window", None)
-        else None,
+        lambda b: (
+            "has no sliding-window mistral variant"
+            if b.model_type == "mistral" and getattr(b, "sliding_window", None)
+            else None
+        ),
     ),
 )
 

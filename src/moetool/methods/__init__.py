@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 from moetool.methods.base import MergePlan
@@ -11,7 +12,7 @@ from moetool.methods.mofe import MoFEMethod
 class MergeMethod(Protocol):
     name: str
 
-    def plan(self, recipe: object, *, recipe_dir: object | None = None, allow_pickle: bool = False) -> MergePlan: ...
+    def plan(self, recipe: object, *, recipe_dir: Path | None = None, allow_pickle: bool = False) -> MergePlan: ...
 
 
 METHODS: dict[str, MergeMethod] = {"mofe": MoFEMethod()}

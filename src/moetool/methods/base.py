@@ -12,7 +12,11 @@ from moetool.io.sources import ResolvedSource
 
 OpKind = Literal["copy", "expert", "shared", "router", "shared_gate", "zeros"]
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,13 @@ def _tokenizer_signature(path: Path) -> tuple[Any, ...] | None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    return (tuple(sorted(tok.get_vocab().items())), tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token)
+    return (
+        tuple(sorted(tok.get_vocab().items())),
+        tok.bos_token,
+        tok.eos_token,
+        tok.pad_token,
+        tok.unk_token,
+    )
 
 
 class MoFEMethod:
@@ -51,7 +57,7 @@ class MoFEMethod:
 
     name = "mofe"
 
-    def plan(self, recipe: object, *, recipe_dir: object | None = None, allow_pickle: bool = False) -> MergePlan:
+    def plan(self, recipe: object, *, recipe_dir: Path | None = None, allow_pickle: bool = False) -> MergePlan:
         """Resolve sources, run every preflight check and list the output tensors.
 
         Raises:
@@ -59,7 +65,7 @@ class MoFEMethod:
             UnsupportedArchitecture: no output architecture accepts the base (with each one's reason).
         """
         assert isinstance(recipe, MoFERecipe)
-        rdir = Path(recipe_dir) if recipe_dir is not None else None
+        rdir = recipe_dir
         problems: list[str] = []
         warnings: list[str] = []
 
@@ -157,17 +163,32 @@ class MoFEMethod:
         shared_inter = None
         if recipe.shared_expert is not None:
             shared_inter = ckpts["shared"].tensors[dense_mlp_name(0, "gate_proj")].shape[0]
-        config = arch.make_config(base_cfg, n_experts=n_exp, top_k=recipe.experts_per_token,
-                                  shared_intermediate=shared_inter)
+        config = arch.make_config(
+            base_cfg, n_experts=n_exp, top_k=recipe.experts_per_token, shared_intermediate=shared_inter
+        )
         ops = _ops(arch, base_t, recipe, n_layers, shared_inter, base_cfg.hidden_size)
         for c in ckpts.values():
             c.close()
-        return MergePlan(recipe=recipe, arch=arch, config=config, ops=ops, sources=sources, dtype=recipe.dtype,
-                         warnings=warnings, allow_pickle=allow_pickle)
+        return MergePlan(
+            recipe=recipe,
+            arch=arch,
+            config=config,
+            ops=ops,
+            sources=sources,
+            dtype=recipe.dtype,
+            warnings=warnings,
+            allow_pickle=allow_pickle,
+        )
 
 
-def _ops(arch: MoEArch, base_t: dict[str, Any], recipe: MoFERecipe, n_layers: int, shared_inter: int | None,
-         hidden: int) -> list[TensorOp]:
+def _ops(
+    arch: MoEArch,
+    base_t: dict[str, Any],
+    recipe: MoFERecipe,
+    n_layers: int,
+    shared_inter: int | None,
+    hidden: int,
+) -> list[TensorOp]:
     """Output tensors in file order: embeddings, then each layer (attention, norms, router, experts), then head."""
     by_layer: dict[int, list[str]] = {i: [] for i in range(n_layers)}
     head: list[str] = []

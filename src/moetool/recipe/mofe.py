@@ -46,7 +46,7 @@ class MoFERecipe(StrictModel):
         default=False, description="Wrap prompts in the tokenizer's chat template (as a user turn) for gates."
     )
     seed: int = Field(default=0, description="Seed for random gates.")
-    max_shard_size: int = Field(default=2_000_000_000, ge=1_000_000, description="Output shard size in bytes.")
+    max_shard_size: int = Field(default=2_000_000_000, ge=1024, description="Output shard size in bytes.")
     experts: list[ExpertSpec] = Field(min_length=1)
     shared_expert: SharedExpertSpec | None = None
 

@@ -60,8 +60,9 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, chat_template: boo
 
 
 @torch.inference_mode()
-def mlp_input_means(model: Any, tokenizer: Any, prompts: Sequence[str], *, chat_template: bool = False,
-                    batch_size: int = 16) -> torch.Tensor:
+def mlp_input_means(
+    model: Any, tokenizer: Any, prompts: Sequence[str], *, chat_template: bool = False, batch_size: int = 16
+) -> torch.Tensor:
     """Mean router input per layer over prompts.
 
     The router input is what each decoder layer's MLP receives (the post-attention RMSNorm output), captured with
@@ -94,7 +95,9 @@ def mlp_input_means(model: Any, tokenizer: Any, prompts: Sequence[str], *, chat_
     return sums / len(prompts)
 
 
-def hidden_gates(model: Any, tokenizer: Any, prompt_sets: Sequence[PromptSet], *, chat_template: bool = False) -> torch.Tensor:
+def hidden_gates(
+    model: Any, tokenizer: Any, prompt_sets: Sequence[PromptSet], *, chat_template: bool = False
+) -> torch.Tensor:
     """MoFE router rows from the router's own inputs: mean(positive) − mean(negative), L2-normalised per layer.
 
     Returns:
@@ -111,8 +114,14 @@ def hidden_gates(model: Any, tokenizer: Any, prompt_sets: Sequence[PromptSet], *
     return gates
 
 
-def cheap_embed_gates(embed: torch.Tensor, tokenizer: Any, prompt_sets: Sequence[PromptSet], num_layers: int, *,
-                      chat_template: bool = False) -> torch.Tensor:
+def cheap_embed_gates(
+    embed: torch.Tensor,
+    tokenizer: Any,
+    prompt_sets: Sequence[PromptSet],
+    num_layers: int,
+    *,
+    chat_template: bool = False,
+) -> torch.Tensor:
     """Router rows from input token embeddings alone (no forward pass), the same row in every layer.
 
     Args:
