@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import warnings
@@ -68,7 +69,9 @@ def compute_router_weights(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor 
     shared_gate = (
         rinit.hidden_gates(model, tok, shared_sets, chat_template=recipe.chat_template) if shared_sets else None
     )
+    # freed before tensors stream, so peak memory is the base or one tensor, not both
     del model
+    gc.collect()
     return gates, shared_gate
 
 
@@ -114,7 +117,8 @@ def execute(
             console=console,
             transient=True,
         )
-        with progress, ShardedWriter(tmp, recipe.max_shard_size) as writer:
+        layout = [(op.out, dtype, op.shape) for op in plan.ops]
+        with progress, ShardedWriter(tmp, layout, recipe.max_shard_size) as writer:
             task = progress.add_task("write", total=len(plan.ops))
             for op in plan.ops:
                 if op.kind in ("copy", "expert", "shared"):

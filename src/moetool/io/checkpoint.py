@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from moetool.errors import SourceError
 
@@ -37,6 +36,7 @@ class TensorInfo:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0  # absolute byte offset of the data in ``file``
 
     @property
     def numel(self) -> int:
@@ -56,11 +56,16 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
-    return {k: TensorInfo(k, path, v["dtype"], tuple(v["shape"])) for k, v in header.items()}
+    return {
+        k: TensorInfo(k, path, v["dtype"], tuple(v["shape"]), 8 + n + v["data_offsets"][0]) for k, v in header.items()
+    }
 
 
 class Checkpoint:
     """A checkpoint directory read tensor by tensor; at most one shard is open at a time.
+
+    Tensors are read with plain seeks and reads rather than a memory map, so resident memory holds only the tensor
+    being converted: mapped pages of every input file would otherwise accumulate in RSS over a merge.
 
     Args:
         path: directory with config.json and ``*.safetensors`` (sharded with an index, or single).
@@ -133,11 +138,19 @@ class Checkpoint:
             return self._load_pickles()[name].clone()
         if self._open_file != info.file:
             self.close()
-            self._handle = safe_open(str(info.file), framework="pt")
+            self._handle = open(info.file, "rb")  # noqa: SIM115 - kept open across calls, closed by close()
             self._open_file = info.file
-        return self._handle.get_tensor(name)
+        self._handle.seek(info.offset)
+        buf = bytearray(info.nbytes)
+        if self._handle.readinto(buf) != info.nbytes:
+            raise SourceError(f"{info.file}: truncated data for tensor {name!r}")
+        if not buf:
+            return torch.empty(info.shape, dtype=SAFETENSORS_DTYPES[info.dtype][0])
+        return torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[info.dtype][0]).reshape(info.shape)
 
     def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
         self._handle = None
         self._open_file = None
 

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetool.errors import SourceError
+from moetool.errors import MoetoolError, SourceError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -39,7 +39,10 @@ def resolve_source(ref: str, *, relative_to: Path | None = None) -> ResolvedSour
     if ref.startswith("zoo:"):
         from moetool.zoo import resolve_zoo_model
 
-        return ResolvedSource(ref, resolve_zoo_model(ref.removeprefix("zoo:")), "zoo")
+        try:
+            return ResolvedSource(ref, resolve_zoo_model(ref.removeprefix("zoo:")), "zoo")
+        except MoetoolError as exc:
+            raise SourceError(str(exc)) from None
     candidates = [Path(ref).expanduser()]
     if relative_to is not None and not Path(ref).is_absolute():
         candidates.insert(0, relative_to / ref)

@@ -1,63 +1,112 @@
-"""Write tensors into size-bounded safetensors shards with a Hugging Face index."""
+"""Stream tensors into size-bounded safetensors shards whose layout is known before any data is written."""
 
 from __future__ import annotations
 
 import json
+import struct
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 import torch
-from safetensors.torch import save_file
+
+from moetool.io.checkpoint import SAFETENSORS_DTYPES
+
+_TAG = {dt: tag for tag, (dt, _) in SAFETENSORS_DTYPES.items()}
+
+Entry = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape)
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = SAFETENSORS_DTYPES[_TAG[dtype]][1]
+    for d in shape:
+        n *= d
+    return n
 
 
 class ShardedWriter:
-    """Context manager that streams tensors into shards of at most ``max_shard_bytes``.
+    """Write tensors, in a fixed order, straight to disk: memory holds one tensor, whatever the shard size.
 
-    Memory held: the tensors of the current shard only. Shards are named ``model-0000k-of-0000N.safetensors``
-    with ``model.safetensors.index.json``, or ``model.safetensors`` when one shard suffices.
+    Because every name, dtype and shape is known from the plan, each shard's header is written first and tensor bytes
+    follow as they arrive. Shards are ``model-0000k-of-0000N.safetensors`` plus ``model.safetensors.index.json``, or
+    ``model.safetensors`` when one shard suffices.
+
+    Args:
+        out_dir: an existing directory.
+        entries: every tensor to be written, in write order.
+        max_shard_bytes: a shard is closed before it would exceed this (a larger single tensor gets its own shard).
     """
 
-    def __init__(self, out_dir: Path, max_shard_bytes: int) -> None:
+    def __init__(self, out_dir: Path, entries: Sequence[Entry], max_shard_bytes: int) -> None:
         self.out_dir = Path(out_dir)
-        self.max_shard_bytes = max_shard_bytes
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffer_bytes = 0
-        self._shards: list[list[str]] = []
-        self._names: set[str] = set()
-        self.total_bytes = 0
+        self._entries = list(entries)
+        names = [e[0] for e in self._entries]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names in writer layout")
+        shards: list[list[Entry]] = [[]]
+        size = 0
+        for e in self._entries:
+            nb = _nbytes(e[1], e[2])
+            if shards[-1] and size + nb > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(e)
+            size += nb
+        self._shards = shards
+        n = len(shards)
+        self.files = (
+            ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        self.total_bytes = sum(_nbytes(e[1], e[2]) for e in self._entries)
+        self._pos = 0  # index into _entries of the next tensor
+        self._shard = -1
+        self._fh: IO[bytes] | None = None
+
+    def _open_next_shard(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        self._shard += 1
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, dtype, shape in self._shards[self._shard]:
+            nb = _nbytes(dtype, shape)
+            header[name] = {"dtype": _TAG[dtype], "shape": list(shape), "data_offsets": [offset, offset + nb]}
+            offset += nb
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        self._fh = open(self.out_dir / self.files[self._shard], "wb")  # noqa: SIM115 - closed in close()
+        self._fh.write(struct.pack("<Q", len(raw)) + raw)
+        self._left_in_shard = len(self._shards[self._shard])
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._names:
-            raise ValueError(f"tensor {name!r} written twice")
-        self._names.add(name)
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._buffer[name] = tensor.contiguous()
-        self._buffer_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def _flush(self) -> None:
-        idx = len(self._shards)
-        save_file(self._buffer, str(self.out_dir / f"shard-{idx:05d}.tmp"), metadata={"format": "pt"})
-        self._shards.append(list(self._buffer))
-        self._buffer = {}
-        self._buffer_bytes = 0
+        """Write the next tensor; it must be the next entry of the layout, with its dtype and shape."""
+        if self._pos >= len(self._entries):
+            raise ValueError(f"tensor {name!r} is not in the writer layout (all entries written)")
+        want = self._entries[self._pos]
+        if (name, tensor.dtype, tuple(tensor.shape)) != want:
+            raise ValueError(
+                f"expected {want[0]} {want[1]} {list(want[2])}, got {name} {tensor.dtype} {list(tensor.shape)}"
+            )
+        if self._fh is None or self._left_in_shard == 0:
+            self._open_next_shard()
+        assert self._fh is not None
+        if tensor.numel():
+            self._fh.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        self._left_in_shard -= 1
+        self._pos += 1
 
     def close(self) -> None:
-        if self._buffer or not self._shards:
-            self._flush()
-        n = len(self._shards)
-        if n == 1:
-            (self.out_dir / "shard-00000.tmp").rename(self.out_dir / "model.safetensors")
-            return
-        weight_map = {}
-        for i, names in enumerate(self._shards):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            (self.out_dir / f"shard-{i:05d}.tmp").rename(self.out_dir / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if self._pos != len(self._entries):
+            missing = self._entries[self._pos][0]
+            raise ValueError(f"writer closed with {len(self._entries) - self._pos} tensors unwritten (next: {missing})")
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if len(self.files) > 1:
+            weight_map = {e[0]: self.files[i] for i, shard in enumerate(self._shards) for e in shard}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     def __enter__(self) -> ShardedWriter:
         return self
@@ -67,3 +116,5 @@ class ShardedWriter:
     ) -> None:
         if exc_type is None:
             self.close()
+        elif self._fh is not None:
+            self._fh.close()
