@@ -91,3 +91,22 @@ def test_cheap_embed_is_mean_token_embedding(tiny_models):
 def test_random_gates_are_seeded():
     a, b, c = random_gates(2, 3, 16, seed=1), random_gates(2, 3, 16, seed=1), random_gates(2, 3, 16, seed=2)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_chat_template_prompts_exclude_template_tokens(tiny_models):
+    import pytest
+
+    from moetool.routing.init import encode_prompts
+
+    m = tiny_models("llama")
+    tok = AutoTokenizer.from_pretrained(str(m["base"]))
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompts(tok, ["hi"], chat_template=True)
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    enc = encode_prompts(tok, ["import os", "def main():"], chat_template=True)
+    ids, content = enc["input_ids"], enc["content_mask"]
+    assert ids[0, 0] == tok.bos_token_id and not content[0, 0]
+    for row in range(2):
+        kept = ids[row][content[row]]
+        assert tok.bos_token_id not in kept and tok.eos_token_id not in kept and tok.pad_token_id not in kept
+    assert tok.decode(ids[0][content[0]]) == "import os"
