@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moetool.recipe.base import StrictModel
+from moetool.recipe.train import FreezeSpec, TrainSpec
 
 ExpertName = str
 
@@ -49,6 +50,8 @@ class MoFERecipe(StrictModel):
     max_shard_size: int = Field(default=2_000_000_000, ge=1024, description="Output shard size in bytes.")
     experts: list[ExpertSpec] = Field(min_length=1)
     shared_expert: SharedExpertSpec | None = None
+    freeze: FreezeSpec = Field(default_factory=FreezeSpec, description="Used by `moetool train`.")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="Used by `moetool train`.")
 
     @model_validator(mode="after")
     def _check(self) -> MoFERecipe:

@@ -1,0 +1,1 @@
+"""Training stages on assembled checkpoints (router tuning). ``assemble`` never imports ``train``."""

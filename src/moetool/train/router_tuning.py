@@ -1,0 +1,316 @@
+"""``moetool train``: brief tuning of an assembled MoE with its experts frozen (MoFE), on accelerate.
+
+init → setup (model, freeze, data, optimizer) → train (resumable) → save (atomic, same format as merge).
+The same code runs on CPU, one GPU, or several under ``accelerate launch``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from safetensors.torch import load_file, save_file
+
+from moetool.errors import MoetoolError
+from moetool.io.atomic import atomic_dir, check_output
+from moetool.recipe.load import load_recipe
+from moetool.recipe.train import TrainSpec
+from moetool.routing.losses import expert_load, routing_entropy, routing_losses
+from moetool.train.data import load_source, sample_batch, tokenize_stream
+from moetool.train.freeze import FreezeReport, apply_freeze
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class TrainResult:
+    output: Path
+    steps: int
+    freeze: FreezeReport
+    history: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    resumed_from: int = 0
+
+
+class RouterTap:
+    """Forward hooks on every MoE layer's router: collect its logits ``[T, E]``; optionally jitter its input."""
+
+    def __init__(self, model: torch.nn.Module, jitter: float = 0.0) -> None:
+        self.routers = [
+            layer.mlp.gate
+            for layer in model.model.layers  # type: ignore[union-attr]
+            if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")
+        ]
+        if not self.routers:
+            raise MoetoolError("the model has no MoE layers with routers (is it a merged MoE checkpoint?)")
+        self.logits: list[torch.Tensor] = []
+        self.jitter = jitter
+        self.generator = torch.Generator()
+        self._handles = [r.register_forward_hook(self._capture) for r in self.routers]
+        if jitter > 0:
+            self._handles += [r.register_forward_pre_hook(self._jitter) for r in self.routers]
+
+    def _capture(self, _mod: Any, _args: Any, output: Any) -> None:
+        self.logits.append(output[0])
+
+    def _jitter(self, mod: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        if not mod.training:
+            return None
+        x = args[0]
+        noise = torch.empty(x.shape, dtype=x.dtype).uniform_(1 - self.jitter, 1 + self.jitter, generator=self.generator)
+        return (x * noise.to(x.device), *args[1:])
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _lr_lambda(spec: TrainSpec) -> Callable[[int], float]:
+    def fn(step: int) -> float:
+        if step < spec.warmup_steps:
+            return (step + 1) / (spec.warmup_steps + 1)
+        if spec.schedule == "constant":
+            return 1.0
+        progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
+        if spec.schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return fn
+
+
+def checkpoint_dir(output: Path) -> Path:
+    """Where a run writing ``output`` keeps its resumable state (removed after success)."""
+    return output.parent / f".{output.name}.moetool-train"
+
+
+def _save_checkpoint(ckpt: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                     sched: Any, history: list[dict[str, Any]], fingerprint: str) -> None:  # fmt: skip
+    """Trainable tensors and AdamW moments as safetensors, counters as JSON; no pickle. Written atomically."""
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    names = {p: n for n, p in model.named_parameters() if p.requires_grad}
+    save_file({n: p.detach().cpu().contiguous() for p, n in names.items()}, str(tmp / "trainable.safetensors"))
+    moments: dict[str, torch.Tensor] = {}
+    for p, n in names.items():
+        for k, v in opt.state.get(p, {}).items():
+            moments[f"{n}::{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu().contiguous()
+    save_file(moments, str(tmp / "optimizer.safetensors"))
+    state = {"format": CHECKPOINT_FORMAT, "step": step, "scheduler": sched.state_dict(), "history": history,
+             "fingerprint": fingerprint}  # fmt: skip
+    (tmp / "state.json").write_text(json.dumps(state))
+    shutil.rmtree(ckpt, ignore_errors=True)
+    tmp.rename(ckpt)
+
+
+def _load_checkpoint(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+                     fingerprint: str) -> tuple[int, list[dict[str, Any]]]:  # fmt: skip
+    state = json.loads((ckpt / "state.json").read_text())
+    if state.get("format") != CHECKPOINT_FORMAT or state.get("fingerprint") != fingerprint:
+        raise MoetoolError(
+            f"{ckpt} belongs to a different run (recipe, model or freeze changed); pass --no-resume to start over"
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, t in load_file(str(ckpt / "trainable.safetensors")).items():
+            params[n].copy_(t)
+    moments = load_file(str(ckpt / "optimizer.safetensors"))
+    for n, p in params.items():
+        st = {k.split("::", 1)[1]: v.to(p.device) for k, v in moments.items() if k.split("::", 1)[0] == n}
+        if st:
+            opt.state[p] = st
+    sched.load_state_dict(state["scheduler"])
+    # the scheduler writes the lr into the optimizer only when it steps; restore the lr it last set
+    for group, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
+        group["lr"] = lr
+    return int(state["step"]), list(state["history"])
+
+
+def _card_section(recipe: Any, report: FreezeReport, history: list[dict[str, Any]], steps: int) -> str:
+    spec: TrainSpec = recipe.train
+    last = history[-1] if history else {}
+    return (
+        "## Router tuning\n\n"
+        f"Tuned with `moetool train` for {steps} steps (lr {spec.learning_rate}, {spec.schedule} schedule, batch "
+        f"{spec.batch_size}×{spec.seq_len} tokens × {spec.grad_accum} accumulation) on domains "
+        f"{', '.join(spec.data)}; freeze preset `{recipe.freeze.preset}`: {report.trainable_params:,} trainable and "
+        f"{report.frozen_params:,} frozen parameters. Losses: LM + {spec.load_balancing_coef}·load-balancing + "
+        f"{spec.z_loss_coef}·z-loss (router jitter {spec.router_jitter}). "
+        f"Final training loss {last.get('loss', float('nan')):.4f}.\n\n"
+    )
+
+
+def train_router(
+    recipe_path: str | Path,
+    model_dir: str | Path,
+    output: str | Path,
+    *,
+    force: bool = False,
+    resume: bool = True,
+    console: Console | None = None,
+    callback: Callable[[int, dict[str, Any]], None] | None = None,
+) -> TrainResult:
+    """Tune an assembled MoE as the recipe's ``freeze:`` and ``train:`` sections say; write it to ``output``.
+
+    Args:
+        callback: called after every optimizer step with (step, metrics); raising from it interrupts the run
+            (the last checkpoint remains, and the next call resumes from it).
+
+    Raises:
+        MoetoolError: bad recipe, model, data or freeze patterns; an existing output without ``force``.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    console = console or Console(stderr=True)
+    recipe_path, model_dir, output = Path(recipe_path), Path(model_dir), Path(output)
+    recipe: Any = load_recipe(recipe_path)
+    spec: TrainSpec = recipe.train
+    check_output(output, force=force)
+    if not (model_dir / "config.json").is_file():
+        raise MoetoolError(f"--model: {model_dir} is not a checkpoint directory")
+
+    accelerator = Accelerator(gradient_accumulation_steps=spec.grad_accum)
+    set_seed(spec.seed)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    report = apply_freeze(model, recipe.freeze.preset, recipe.freeze.trainable, recipe.freeze.frozen)
+    if accelerator.is_main_process:
+        console.print(
+            f"parameters: [bold]{report.trainable_params:,}[/] trainable, {report.frozen_params:,} frozen "
+            f"({len(report.trainable)} trainable tensors; preset {recipe.freeze.preset})"
+        )
+
+    streams = []
+    for name, src in spec.data.items():
+        train_text, _ = load_source(name, src, base_dir=recipe_path.parent, fraction=spec.validation_fraction,
+                                    seed=spec.seed)  # fmt: skip
+        streams.append(tokenize_stream(tok, train_text))
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=spec.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(spec))
+    tap = RouterTap(model, spec.router_jitter)
+    top_k = model.config.num_experts_per_tok
+
+    fingerprint = json.dumps([recipe.train.model_dump(), recipe.freeze.model_dump(), str(model_dir.resolve())])
+    ckpt = checkpoint_dir(output)
+    start, history = 0, list[dict[str, Any]]()
+    if ckpt.exists() and resume:
+        start, history = _load_checkpoint(ckpt, model, opt, sched, fingerprint)
+        console.print(f"resuming from step {start} ({ckpt})")
+    elif ckpt.exists():
+        shutil.rmtree(ckpt)
+    prepared_model, prepared_opt = accelerator.prepare(model, opt)
+    prepared_model.train()
+
+    t0 = time.perf_counter()
+    tokens = 0
+    bos = tok.bos_token_id
+    progress = Progress(
+        TextColumn("router tuning"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+        disable=not accelerator.is_main_process,
+    )  # fmt: skip
+    with progress:
+        task = progress.add_task("train", total=spec.steps, completed=start, info="")
+        for step in range(start, spec.steps):
+            agg = {"ce": 0.0, "lb": 0.0, "z": 0.0}
+            for micro in range(spec.grad_accum):
+                seed = spec.seed + 7919 * accelerator.process_index
+                batch = sample_batch(streams, spec.batch_size, spec.seq_len, seed=seed,
+                                     step=step * spec.grad_accum + micro, bos_id=bos).to(accelerator.device)  # fmt: skip
+                tap.generator.manual_seed(seed * 31 + step * spec.grad_accum + micro)
+                tap.logits.clear()
+                with accelerator.accumulate(prepared_model):
+                    out = prepared_model(input_ids=batch, labels=batch, use_cache=False)
+                    lb, z = routing_losses(tap.logits, top_k)
+                    loss = out.loss + spec.load_balancing_coef * lb + spec.z_loss_coef * z
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(params, spec.max_grad_norm)
+                    prepared_opt.step()
+                    prepared_opt.zero_grad()
+                agg["ce"] += out.loss.item() / spec.grad_accum
+                agg["lb"] += lb.item() / spec.grad_accum
+                agg["z"] += z.item() / spec.grad_accum
+                tokens += batch.numel()
+            sched.step()
+            done = step + 1
+            metrics: dict[str, Any] = {"step": done, "loss": agg["ce"] + spec.load_balancing_coef * agg["lb"] +
+                       spec.z_loss_coef * agg["z"], **agg, "lr": sched.get_last_lr()[0]}  # fmt: skip
+            if done % spec.log_every == 0 or done == spec.steps:
+                with torch.no_grad():
+                    metrics["entropy"] = float(torch.stack([routing_entropy(x) for x in tap.logits]).mean())
+                    metrics["load"] = torch.stack([expert_load(x, top_k) for x in tap.logits]).mean(0).tolist()
+                metrics["tokens_per_s"] = tokens / max(1e-9, time.perf_counter() - t0)
+                history.append(metrics)
+            info = f"loss {metrics['loss']:.3f} ce {agg['ce']:.3f} lb {agg['lb']:.3f}"
+            if "tokens_per_s" in metrics:
+                load = " ".join(f"{x:.2f}" for x in metrics["load"])
+                info += f" | {metrics['tokens_per_s']:.0f} tok/s | H {metrics['entropy']:.2f} | load {load}"
+            progress.update(task, completed=done, info=info)
+            if accelerator.is_main_process and (done % spec.checkpoint_every == 0 and done < spec.steps):
+                _save_checkpoint(ckpt, done, accelerator.unwrap_model(prepared_model), opt, sched, history,
+                                 fingerprint)  # fmt: skip
+            if callback is not None:
+                callback(done, metrics)
+    tap.remove()
+    accelerator.wait_for_everyone()
+    seconds = time.perf_counter() - t0
+    result = TrainResult(output, spec.steps, report, history, seconds, start)
+    if accelerator.is_main_process:
+        _write_output(accelerator.unwrap_model(prepared_model), model_dir, output, recipe, recipe_path, report,
+                      history, seconds, force)  # fmt: skip
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return result
+
+
+def _write_output(model: Any, model_dir: Path, output: Path, recipe: Any, recipe_path: Path, report: FreezeReport,
+                  history: list[dict[str, Any]], seconds: float, force: bool) -> None:  # fmt: skip
+    from moetool.merge import TOKENIZER_FILES
+
+    model.eval()
+    with atomic_dir(output, force=force) as tmp:
+        # transformers re-saves a model loaded from per-expert tensors in that same per-expert layout
+        model.save_pretrained(str(tmp), max_shard_size="2GB")
+        for f in TOKENIZER_FILES:
+            if (model_dir / f).is_file() and not (tmp / f).exists():
+                shutil.copy2(model_dir / f, tmp / f)
+        shutil.copy2(recipe_path, tmp / "moetool-train-recipe.yaml")
+        for f in ("moetool-recipe.yaml",):
+            if (model_dir / f).is_file():
+                shutil.copy2(model_dir / f, tmp / f)
+        meta_path = model_dir / "moetool.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        meta["training"] = {
+            "source_model": str(model_dir.resolve()),
+            "steps": recipe.train.steps,
+            "seconds": round(seconds, 1),
+            "freeze": {
+                "preset": recipe.freeze.preset,
+                "trainable_params": report.trainable_params,
+                "frozen_params": report.frozen_params,
+            },  # fmt: skip
+            "train": recipe.train.model_dump(),
+            "history": history,
+        }
+        (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
+        card_path = model_dir / "README.md"
+        card = card_path.read_text() if card_path.is_file() else "# MoE model\n\n"
+        card = re.sub(r"## Router tuning\n\n.*?\n\n(?=## |\Z)", "", card, flags=re.S)
+        section = _card_section(recipe, report, history, recipe.train.steps)
+        card = card.replace("## Recipe\n", section + "## Recipe\n", 1) if "## Recipe\n" in card else card + section
+        (tmp / "README.md").write_text(card)

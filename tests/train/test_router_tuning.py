@@ -1,0 +1,98 @@
+"""Router tuning: frozen tensors stay bitwise equal, resume equals an uninterrupted run, output loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from conftest import TEXT, write_recipe
+from moetool.api import merge
+from moetool.train.router_tuning import checkpoint_dir, train_router
+
+
+def _all_tensors(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out |= {k: h.get_tensor(k) for k in h.keys()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_models, tmp_path_factory):
+    m = tiny_models("llama")
+    d = tmp_path_factory.mktemp("train")
+    code = d / "code.txt"
+    code.write_text("\n\n".join(f"def f{i}(x):\n    return x + {i}\nimport os" for i in range(200)))
+    legal = d / "legal.jsonl"
+    legal.write_text("\n".join(json.dumps({"text": TEXT.split("\n")[1] + f" clause {i}"}) for i in range(200)))
+    recipe = write_recipe(
+        d / "r.yaml",
+        f"""
+name: tune
+method: mofe
+base_model: {m['base']}
+gate_mode: random
+experts:
+  - {{name: a, source: {m['e1']}}}
+  - {{name: b, source: {m['e2']}}}
+  - {{name: c, source: {m['e3']}}}
+freeze:
+  preset: mofe
+train:
+  data:
+    code: {{text: code.txt}}
+    legal: {{jsonl: legal.jsonl}}
+  steps: 6
+  batch_size: 2
+  seq_len: 16
+  grad_accum: 2
+  learning_rate: 0.01
+  checkpoint_every: 2
+  log_every: 2
+  router_jitter: 0.1
+""",
+    )
+    return recipe, merge(recipe, d / "moe")
+
+
+def test_trains_routers_and_freezes_experts(moe, tmp_path):
+    recipe, src = moe
+    res = train_router(recipe, src, tmp_path / "tuned")
+    before, after = _all_tensors(src), _all_tensors(tmp_path / "tuned")
+    assert set(before) == set(after)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed, "nothing trained"
+    assert not any(".experts." in k for k in changed), "experts must be bitwise frozen under the mofe preset"
+    assert any(k.endswith("block_sparse_moe.gate.weight") for k in changed)
+    assert any("self_attn" in k for k in changed)
+    assert res.freeze.trainable_params + res.freeze.frozen_params == sum(v.numel() for v in before.values())
+    assert len(res.history) == 3 and all(len(h["load"]) == 3 for h in res.history)
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "tuned"))
+    meta = json.loads((tmp_path / "tuned" / "moetool.json").read_text())
+    assert meta["training"]["steps"] == 6 and meta["experts"] == ["a", "b", "c"]
+    assert "## Router tuning" in (tmp_path / "tuned" / "README.md").read_text()
+    assert not checkpoint_dir(tmp_path / "tuned").exists()
+
+
+def test_resume_equals_uninterrupted(moe, tmp_path):
+    recipe, src = moe
+    train_router(recipe, src, tmp_path / "straight")
+
+    def interrupt(step, _metrics):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_router(recipe, src, tmp_path / "resumed", callback=interrupt)
+    assert not (tmp_path / "resumed").exists()
+    assert checkpoint_dir(tmp_path / "resumed").exists()
+    res = train_router(recipe, src, tmp_path / "resumed")
+    assert res.resumed_from == 2
+    a, b = _all_tensors(tmp_path / "straight"), _all_tensors(tmp_path / "resumed")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
