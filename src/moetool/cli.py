@@ -159,26 +159,94 @@ def zoo_build(
     out.print(f"[green]zoo ready[/] at {res.root}")
 
 
+def _own_domain(ref: str, path: Path, domains: list[str]) -> str | None:
+    """An expert's own domain: ``zoo:DOMAIN`` or a directory named after a domain."""
+    name = ref.removeprefix("zoo:") if ref.startswith("zoo:") else path.name
+    return name if name in domains else None
+
+
 @app.command("eval")
 @_friendly
 def eval_cmd(
     models: Annotated[list[str], typer.Argument(help="Model directories or zoo:NAME references.")],
-    domains: Annotated[str, typer.Option(help="Comma-separated zoo domains to evaluate on.")] = "code,legal,medical",
+    domains: Annotated[str, typer.Option(help="Comma-separated zoo domains.")] = "code,legal,medical",
+    data: Annotated[
+        list[str] | None, typer.Option(help="DOMAIN=FILE: held-out text for a domain (overrides the zoo's).")
+    ] = None,
+    own: Annotated[list[str] | None, typer.Option(help="MODEL=DOMAIN: a model's own domain for GG/DSI.")] = None,
     seq_len: Annotated[int, typer.Option(help="Window length in tokens.")] = 256,
     max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain.")] = 32768,
-    json_file: Annotated[Path | None, typer.Option("--json", help="Write the matrix as JSON.")] = None,
-) -> None:
-    """Held-out perplexity of each model on each domain, as a matrix."""
-    from moetool.eval.perplexity import perplexity_matrix, render_matrix
+    json_file: Annotated[Path | None, typer.Option("--json", help="Write the full report as JSON.")] = None,
+    plots: Annotated[Path | None, typer.Option(help="Directory for PNG plots.")] = None,
+) -> dict[str, Any]:
+    """Per-domain held-out perplexity, routing statistics and GEM metrics for every model given."""
+    from moetool.eval.plots import write_plots
+    from moetool.eval.report import evaluate
     from moetool.io.sources import resolve_source
-    from moetool.zoo import zoo_domain_text
 
-    texts = {d: zoo_domain_text(d, "valid") for d in domains.split(",") if d}
+    names = [d for d in domains.split(",") if d]
+    files = dict(item.split("=", 1) for item in (data or []))
+    texts = {}
+    for d in names:
+        if d in files:
+            texts[d] = Path(files[d]).read_text(encoding="utf-8")
+        else:
+            from moetool.zoo import zoo_domain_text
+
+            texts[d] = zoo_domain_text(d, "valid")
     paths = {m: resolve_source(m).path for m in models}
-    matrix = perplexity_matrix(paths, texts, seq_len=seq_len, max_tokens=max_tokens)
-    out.print(render_matrix(matrix, "held-out perplexity (lower is better)"))
+    owners = {m: _own_domain(m, p, names) for m, p in paths.items()} | dict(x.split("=", 1) for x in (own or []))
+    report = evaluate(paths, texts, own_domains=owners, seq_len=seq_len, max_tokens=max_tokens)
+    print_report(report)
     if json_file:
-        json_file.write_text(json.dumps(matrix, indent=2))
+        json_file.parent.mkdir(parents=True, exist_ok=True)
+        json_file.write_text(json.dumps(report, indent=2))
+        out.print(f"wrote {json_file}")
+    if plots:
+        for p in write_plots(report, plots):
+            out.print(f"wrote {p}")
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from moetool.eval.perplexity import render_matrix
+
+    matrix = {m: dict(row) | {"mean": sum(row.values()) / len(row)} for m, row in report["perplexity"].items()}
+    out.print(render_matrix(matrix, "held-out perplexity (lower is better)"))
+    g = Table(title="GEM metrics (Perf = 1/perplexity)")
+    for col in ("model", "own domain", "GG", "DSI"):
+        g.add_column(col, justify="right" if col in ("GG", "DSI") else "left")
+    for m, v in report["gem"].items():
+        g.add_row(m, v["own_domain"] or "(general: mean over domains)", f"{v['gg']:.3f}", f"{v['dsi']:.3f}")
+    out.print(g)
+    for m, r in report["routing"].items():
+        experts = r["experts"] or [str(i) for i in range(len(next(iter(r["per_domain"].values()))["expert_share"][0]))]
+        t = Table(title=f"routing of {m}: share of top-k assignments (mean over layers) and entropy")
+        t.add_column("text")
+        for e in experts:
+            t.add_column(e, justify="right")
+        t.add_column("entropy", justify="right")
+        for d, st in r["per_domain"].items():
+            layers = st["expert_share"]
+            mean = [sum(layer[i] for layer in layers) / len(layers) for i in range(len(experts))]
+            t.add_row(d, *[f"{x:.2f}" for x in mean], f"{sum(st['entropy']) / len(st['entropy']):.2f}")
+        out.print(t)
+
+
+@app.command()
+@_friendly
+def train(
+    recipe: Annotated[Path, typer.Argument(help="Recipe with freeze: and train: sections.")],
+    model: Annotated[Path, typer.Option("--model", help="The merged MoE to tune.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    no_resume: Annotated[bool, typer.Option("--no-resume", help="Ignore a checkpoint of an interrupted run.")] = False,
+) -> None:
+    """Tune routers (and what else the freeze spec allows) with the experts frozen; resumable."""
+    from moetool.train.router_tuning import train_router
+
+    res = train_router(recipe, model, output, force=force, resume=not no_resume, console=console)
+    out.print(f"[green]wrote[/] {res.output} ({res.steps} steps in {res.seconds:.0f} s)")
 
 
 @app.command()

@@ -35,12 +35,12 @@ def moe(tiny_models, tmp_path_factory):
         f"""
 name: tune
 method: mofe
-base_model: {m['base']}
+base_model: {m["base"]}
 gate_mode: random
 experts:
-  - {{name: a, source: {m['e1']}}}
-  - {{name: b, source: {m['e2']}}}
-  - {{name: c, source: {m['e3']}}}
+  - {{name: a, source: {m["e1"]}}}
+  - {{name: b, source: {m["e2"]}}}
+  - {{name: c, source: {m["e3"]}}}
 freeze:
   preset: mofe
 train:

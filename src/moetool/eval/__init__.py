@@ -1,0 +1,1 @@
+"""Evaluation helpers (held-out perplexity, model x domain matrices)."""

@@ -1,0 +1,183 @@
+"""Held-out perplexity of causal language models, and model x domain perplexity matrices."""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.table import Table
+
+__all__ = ["load_causal_lm", "perplexity", "perplexity_matrix", "render_matrix", "token_nll"]
+
+ModelSpec = str | Path | tuple[Any, Any]
+
+
+def _model_device(model: Any) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device("cpu")
+
+
+def _windows(ids: list[int], seq_len: int, bos_id: int | None) -> list[list[int]]:
+    """Cut ``ids`` into non-overlapping windows of at most ``seq_len`` model inputs.
+
+    With a BOS token every window is ``[bos] + ids[i : i + seq_len - 1]`` and all of its content tokens are scored;
+    without one every window is ``ids[i : i + seq_len]`` and its first token is context only.
+    """
+    step = seq_len - 1 if bos_id is not None else seq_len
+    out: list[list[int]] = []
+    for start in range(0, len(ids), step):
+        chunk = ids[start : start + step]
+        window = [bos_id, *chunk] if bos_id is not None else chunk
+        if len(window) >= 2:
+            out.append(window)
+    return out
+
+
+@torch.inference_mode()
+def token_nll(
+    model: Any,
+    tokenizer: Any,
+    text: str,
+    *,
+    seq_len: int = 256,
+    max_tokens: int | None = 32768,
+    batch_size: int = 8,
+) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) of the tokens of ``text`` and how many tokens were scored.
+
+    ``text`` is tokenized once without special tokens, truncated to ``max_tokens`` tokens, and cut into
+    non-overlapping windows (see :func:`perplexity`). Windows are run ``batch_size`` at a time: input ids
+    ``[B, T]`` with ``T <= seq_len``, logits ``[B, T, V]``; position ``t`` predicts token ``t + 1``.
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+    ids: list[int] = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    windows = _windows(ids, seq_len, bos_id)
+    if not windows:
+        raise ValueError("text is too short to score: it needs at least two tokens (or one with a BOS token)")
+
+    device = _model_device(model)
+    was_training = bool(getattr(model, "training", False))
+    if hasattr(model, "eval"):
+        model.eval()
+    total_nll = 0.0
+    total_tokens = 0
+    try:
+        full = [w for w in windows if len(w) == len(windows[0])]
+        rest = windows[len(full) :]  # at most one, shorter window at the end
+        batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)] + [[w] for w in rest]
+        for batch in batches:
+            input_ids = torch.tensor(batch, dtype=torch.long, device=device)  # [B, T]
+            out = model(input_ids=input_ids)
+            logits = out.logits if hasattr(out, "logits") else out  # [B, T, V]
+            shift_logits = logits[:, :-1, :].float()  # [B, T-1, V]
+            targets = input_ids[:, 1:]  # [B, T-1]
+            nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), targets.reshape(-1), reduction="sum")
+            total_nll += float(nll)
+            total_tokens += targets.numel()
+    finally:
+        if was_training and hasattr(model, "train"):
+            model.train()
+    return total_nll, total_tokens
+
+
+def perplexity(
+    model: Any,
+    tokenizer: Any,
+    text: str,
+    *,
+    seq_len: int = 256,
+    max_tokens: int | None = 32768,
+    batch_size: int = 8,
+) -> float:
+    """Perplexity ``exp(mean token NLL)`` of ``model`` on ``text``.
+
+    The text is tokenized once (no special tokens), truncated to its first ``max_tokens`` tokens (``None``: no
+    limit) and cut into non-overlapping windows: with a BOS token each window is ``<s>`` followed by
+    ``seq_len - 1`` text tokens (the BOS itself is never scored, every text token is), without one each window is
+    ``seq_len`` text tokens of which all but the first are scored. Runs under :func:`torch.inference_mode`.
+
+    Args:
+        model: a causal LM called as ``model(input_ids=[B, T]) -> .logits [B, T, V]`` (or returning the logits).
+        tokenizer: a ``transformers`` tokenizer (``bos_token_id`` is used when set).
+        text: the text to score.
+        seq_len: model inputs per window, BOS included.
+        max_tokens: score at most this many text tokens.
+        batch_size: windows per forward pass.
+    """
+    nll, n = token_nll(model, tokenizer, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
+    return math.exp(nll / n)
+
+
+def load_causal_lm(path: str | Path) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory, in float32 and eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return model, tokenizer
+
+
+def perplexity_matrix(
+    models: Mapping[str, ModelSpec],
+    texts: Mapping[str, str],
+    **kw: Any,
+) -> dict[str, dict[str, float]]:
+    """Perplexity of every model on every text: ``matrix[model_name][text_name]``.
+
+    Args:
+        models: name -> a ``save_pretrained`` directory (loaded once with ``AutoModelForCausalLM`` in float32
+            and ``AutoTokenizer``) or an already loaded ``(model, tokenizer)`` pair.
+        texts: name -> text (e.g. each domain's held-out split).
+        **kw: passed to :func:`perplexity` (``seq_len``, ``max_tokens``, ``batch_size``).
+    """
+    matrix: dict[str, dict[str, float]] = {}
+    for name, spec in models.items():
+        loaded = isinstance(spec, str | Path)
+        model, tokenizer = load_causal_lm(spec) if isinstance(spec, str | Path) else spec
+        try:
+            matrix[name] = {t: perplexity(model, tokenizer, text, **kw) for t, text in texts.items()}
+        finally:
+            if loaded:
+                del model, tokenizer
+                gc.collect()
+    return matrix
+
+
+def render_matrix(
+    matrix: Mapping[str, Mapping[str, float]],
+    title: str = "held-out perplexity (lower is better)",
+) -> Table:
+    """A rich table with one row per model and one column per text; the best (lowest) value per column is bold."""
+    columns: list[str] = []
+    for row in matrix.values():
+        for col in row:
+            if col not in columns:
+                columns.append(col)
+    best = {col: min((row[col] for row in matrix.values() if col in row), default=math.inf) for col in columns}
+    table = Table(title=title)
+    table.add_column("model", style="bold")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for name, row in matrix.items():
+        cells = []
+        for col in columns:
+            if col not in row:
+                cells.append("-")
+                continue
+            value = row[col]
+            text = f"{value:.2f}"
+            cells.append(f"[bold green]{text}[/]" if value == best[col] else text)
+        table.add_row(name, *cells)
+    return table

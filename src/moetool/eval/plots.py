@@ -1,0 +1,73 @@
+"""PNG plots of an evaluation report: the perplexity matrix and routing share per layer and domain."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def perplexity_heatmap(report: dict[str, Any], path: Path) -> Path:
+    """Models × domains heatmap of held-out perplexity, each cell annotated, best per domain outlined."""
+    plt = _plt()
+    models = list(report["perplexity"])
+    domains = report["domains"]
+    vals = [[report["perplexity"][m][d] for d in domains] for m in models]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(domains), 0.9 + 0.5 * len(models)))
+    im = ax.imshow(vals, cmap="viridis_r", aspect="auto")
+    ax.set_xticks(range(len(domains)), domains)
+    ax.set_yticks(range(len(models)), models)
+    for j in range(len(domains)):
+        best = min(range(len(models)), key=lambda i: vals[i][j])
+        for i in range(len(models)):
+            weight = "bold" if i == best else "normal"
+            ax.text(j, i, f"{vals[i][j]:.2f}", ha="center", va="center", color="white", fontweight=weight)
+    fig.colorbar(im, ax=ax, label="perplexity (lower is better)")
+    ax.set_title("held-out perplexity")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def routing_share_plot(report: dict[str, Any], model: str, path: Path) -> Path:
+    """One panel per domain: stacked bars of each expert's share of top-k assignments, per layer."""
+    plt = _plt()
+    routing = report["routing"][model]
+    domains = list(routing["per_domain"])
+    n_exp = len(routing["per_domain"][domains[0]]["expert_share"][0])
+    names = routing.get("experts") or [f"expert {i}" for i in range(n_exp)]
+    fig, axes = plt.subplots(1, len(domains), figsize=(3.2 * len(domains), 3.2), sharey=True, squeeze=False)
+    for ax, d in zip(axes[0], domains, strict=True):
+        share = routing["per_domain"][d]["expert_share"]  # [L][E]
+        bottom = [0.0] * len(share)
+        for e in range(n_exp):
+            heights = [layer[e] for layer in share]
+            ax.bar(range(len(share)), heights, bottom=bottom, label=names[e])
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        ax.set_title(f"{d} text")
+        ax.set_xlabel("layer")
+        ax.set_xticks(range(len(share)))
+    axes[0][0].set_ylabel("share of routing assignments")
+    axes[0][-1].legend(loc="upper right", fontsize="small")
+    fig.suptitle(f"routing of {model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [perplexity_heatmap(report, out_dir / "perplexity.png")]
+    for i, model in enumerate(report["routing"]):
+        paths.append(routing_share_plot(report, model, out_dir / f"routing-{i}-{Path(model).name or 'model'}.png"))
+    return paths

@@ -1,0 +1,82 @@
+"""``moetool eval``: perplexity matrix, routing statistics per layer and domain, GEM metrics; JSON and plots."""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetool.eval.gem import gem_metrics
+from moetool.eval.perplexity import load_causal_lm, token_nll
+
+
+def _routing_stats(logits_per_layer: list[list[torch.Tensor]], top_k: int) -> dict[str, list[Any]]:
+    """Per layer: share of top-k assignments per expert and mean router entropy (nats)."""
+    share, entropy = [], []
+    for chunks in logits_per_layer:
+        x = torch.cat(chunks).float()  # [T, E]
+        chosen = x.topk(top_k, dim=-1).indices.reshape(-1)
+        share.append((torch.bincount(chosen, minlength=x.shape[-1]).float() / chosen.numel()).tolist())
+        logp = x.log_softmax(-1)
+        entropy.append(float(-(logp.exp() * logp).sum(-1).mean()))
+    return {"expert_share": share, "entropy": entropy}
+
+
+def evaluate(
+    models: Mapping[str, Path],
+    texts: Mapping[str, str],
+    *,
+    own_domains: Mapping[str, str | None] | None = None,
+    seq_len: int = 256,
+    max_tokens: int | None = 32768,
+    batch_size: int = 8,
+) -> dict[str, Any]:
+    """Evaluate each model on each domain's held-out text.
+
+    Returns:
+        A JSON-ready dict: ``perplexity[model][domain]``, ``nll``/``tokens`` likewise, ``routing[model][domain]``
+        (MoE models only: ``expert_share[layer][expert]``, ``entropy[layer]``, ``experts``), ``gem[model]``, and the
+        settings.
+    """
+    from moetool.routing.tap import RouterTap
+
+    own_domains = dict(own_domains or {})
+    out: dict[str, Any] = {"settings": {"seq_len": seq_len, "max_tokens": max_tokens}, "domains": list(texts),
+                           "models": {}, "perplexity": {}, "routing": {}, "gem": {}}  # fmt: skip
+    for name, path in models.items():
+        model, tok = load_causal_lm(path)
+        is_moe = any(hasattr(layer.mlp, "experts") for layer in getattr(model.model, "layers", []))
+        tap = RouterTap(model) if is_moe else None
+        out["models"][name] = {"path": str(path), "moe": is_moe, "own_domain": own_domains.get(name)}
+        ppl, routing = {}, {}
+        try:
+            for domain, text in texts.items():
+                layer_logits: list[list[torch.Tensor]] = []
+                if tap is not None:
+                    tap.logits.clear()
+                nll, n = token_nll(model, tok, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
+                ppl[domain] = math.exp(nll / n)
+                if tap is not None:
+                    n_layers = len(tap.routers)
+                    layer_logits = [tap.logits[i::n_layers] for i in range(n_layers)]
+                    routing[domain] = _routing_stats(layer_logits, model.config.num_experts_per_tok)
+        finally:
+            if tap is not None:
+                tap.remove()
+        out["perplexity"][name] = ppl
+        if routing:
+            meta = Path(path) / "moetool.json"
+            experts = None
+            if meta.is_file():
+                import json
+
+                experts = json.loads(meta.read_text()).get("experts")
+            out["routing"][name] = {"experts": experts, "per_domain": routing}
+        out["gem"][name] = gem_metrics({d: 1.0 / p for d, p in ppl.items()}, own_domains.get(name))
+        del model, tok
+        gc.collect()
+    return out

@@ -1,0 +1,42 @@
+"""Observe (and optionally perturb) router inputs and logits with forward hooks, for any moetool output arch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError
+
+
+class RouterTap:
+    """Forward hooks on every MoE layer's router: collect its logits ``[T, E]``; optionally jitter its input."""
+
+    def __init__(self, model: torch.nn.Module, jitter: float = 0.0) -> None:
+        self.routers = [
+            layer.mlp.gate
+            for layer in model.model.layers  # type: ignore[union-attr]
+            if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")
+        ]
+        if not self.routers:
+            raise MoetoolError("the model has no MoE layers with routers (is it a merged MoE checkpoint?)")
+        self.logits: list[torch.Tensor] = []
+        self.jitter = jitter
+        self.generator = torch.Generator()
+        self._handles = [r.register_forward_hook(self._capture) for r in self.routers]
+        if jitter > 0:
+            self._handles += [r.register_forward_pre_hook(self._jitter) for r in self.routers]
+
+    def _capture(self, _mod: Any, _args: Any, output: Any) -> None:
+        self.logits.append(output[0])
+
+    def _jitter(self, mod: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        if not mod.training:
+            return None
+        x = args[0]
+        noise = torch.empty(x.shape, dtype=x.dtype).uniform_(1 - self.jitter, 1 + self.jitter, generator=self.generator)
+        return (x * noise.to(x.device), *args[1:])
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

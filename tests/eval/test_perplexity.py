@@ -1,0 +1,133 @@
+"""Held-out perplexity: agrees with the model's own loss, and is the vocab size for a uniform model."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from moetool.eval.perplexity import perplexity, perplexity_matrix, render_matrix, token_nll
+from moetool.zoo.tokenizer import train_tokenizer
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
+    "def add(a, b):\n    return a + b\n"
+    "Permission is hereby granted, free of charge, to any person obtaining a copy of this software.\n"
+) * 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer([TEXT, TEXT.upper()], vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    m = LlamaForCausalLM(cfg)
+    m.eval()
+    return m
+
+
+def _labels_loss(model, ids: list[int]) -> float:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        return float(model(input_ids=x, labels=x).loss)
+
+
+def test_one_window_matches_labels_loss(model, tokenizer):
+    text = TEXT[:300]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert 10 < len(ids) < 255
+    window = [tokenizer.bos_token_id, *ids]  # BOS context, every text token scored
+    expected = math.exp(_labels_loss(model, window))
+    got = perplexity(model, tokenizer, text, seq_len=256)
+    assert got == pytest.approx(expected, rel=1e-5)
+    # a random model is close to uniform, not better than chance by much
+    assert 0.5 * len(tokenizer) < got < 2 * len(tokenizer)
+
+
+def test_windows_and_max_tokens(model, tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    seq_len, bos = 16, tokenizer.bos_token_id
+    total, count = 0.0, 0
+    for start in range(0, len(ids), seq_len - 1):
+        window = [bos, *ids[start : start + seq_len - 1]]
+        total += _labels_loss(model, window) * (len(window) - 1)
+        count += len(window) - 1
+    nll, n = token_nll(model, tokenizer, TEXT, seq_len=seq_len, batch_size=3)
+    assert n == count == len(ids)
+    assert nll == pytest.approx(total, rel=1e-5)
+    assert perplexity(model, tokenizer, TEXT, seq_len=seq_len) == pytest.approx(math.exp(total / count), rel=1e-5)
+
+    # max_tokens scores only the first tokens
+    first = [bos, *ids[:10]]
+    assert perplexity(model, tokenizer, TEXT, seq_len=64, max_tokens=10) == pytest.approx(
+        math.exp(_labels_loss(model, first)), rel=1e-5
+    )
+
+
+class _Uniform(torch.nn.Module):
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.dummy = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        b, t = input_ids.shape
+        return SimpleNamespace(logits=torch.zeros(b, t, self.vocab))
+
+
+def test_uniform_logits_give_vocab_size(tokenizer):
+    vocab = len(tokenizer)
+    assert perplexity(_Uniform(vocab), tokenizer, TEXT, seq_len=32) == pytest.approx(vocab, rel=1e-5)
+
+
+class _CharTokenizer:
+    """No BOS token: the first token of each window is context only."""
+
+    bos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False, verbose=False):
+        return {"input_ids": [ord(c) % 50 for c in text]}
+
+
+def test_no_bos_windows():
+    text = "abcdefghij" * 5  # 50 tokens -> windows of 16, 16, 16, 2 -> 15 + 15 + 15 + 1 scored
+    nll, n = token_nll(_Uniform(50), _CharTokenizer(), text, seq_len=16)
+    assert n == 46
+    assert math.exp(nll / n) == pytest.approx(50, rel=1e-5)
+
+
+def test_matrix_from_paths_and_render(tmp_path, model, tokenizer):
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    assert AutoTokenizer.from_pretrained(tmp_path / "m")("x")["input_ids"][0] == tokenizer.bos_token_id
+    texts = {"a": TEXT, "b": TEXT.upper()}
+    matrix = perplexity_matrix(
+        {"path": tmp_path / "m", "obj": (model, tokenizer), "uniform": (_Uniform(len(tokenizer)), tokenizer)},
+        texts,
+        seq_len=64,
+    )
+    assert set(matrix) == {"path", "obj", "uniform"}
+    for t in texts:
+        assert matrix["path"][t] == pytest.approx(matrix["obj"][t], rel=1e-5)
+        assert matrix["uniform"][t] == pytest.approx(len(tokenizer), rel=1e-5)
+    table = render_matrix(matrix, "ppl")
+    assert [c.header for c in table.columns] == ["model", "a", "b"]
+    assert table.row_count == 3
