@@ -241,32 +241,65 @@ def train(
     output: Annotated[Path, typer.Option("--output", "-o", help="Output directory.")],
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Ignore a checkpoint of an interrupted run.")] = False,
+    preset: Annotated[str | None, typer.Option(help="Override freeze.preset: mofe, router_only or full.")] = None,
 ) -> None:
     """Tune routers (and what else the freeze spec allows) with the experts frozen; resumable."""
     from moetool.train.router_tuning import train_router
 
-    res = train_router(recipe, model, output, force=force, resume=not no_resume, console=console)
+    res = train_router(recipe, model, output, force=force, resume=not no_resume, console=console, preset=preset)
     out.print(f"[green]wrote[/] {res.output} ({res.steps} steps in {res.seconds:.0f} s)")
+
+
+def acceptance(report: dict[str, Any], candidates: list[str], tolerance: float = 0.05) -> bool:
+    """Print whether each MoE is within ``tolerance`` of the best expert on every domain and beats every expert's
+    mean; return True if the last candidate passes."""
+    ppl = report["perplexity"]
+    experts = [m for m, v in report["models"].items() if v["own_domain"]]
+    domains = report["domains"]
+    best = {d: min(ppl[e][d] for e in experts) for d in domains}
+    best_mean = min(sum(ppl[e].values()) / len(domains) for e in experts)
+    t = Table(title=f"acceptance: within {tolerance:.0%} of the best expert on every domain, mean below every expert's")
+    for col in ("model", *[f"{d} / best" for d in domains], "mean / best expert mean", "verdict"):
+        t.add_column(col, justify="right" if col != "model" else "left")
+    ok = False
+    for m in candidates:
+        ratios = [ppl[m][d] / best[d] for d in domains]
+        mean_ratio = sum(ppl[m].values()) / len(domains) / best_mean
+        ok = all(r <= 1 + tolerance for r in ratios) and mean_ratio < 1
+        verdict = "[green]PASS[/]" if ok else "[red]FAIL[/]"
+        t.add_row(m, *[f"{r:.3f}" for r in ratios], f"{mean_ratio:.3f}", verdict)
+    out.print(t)
+    return ok
 
 
 @app.command()
 @_friendly
 def demo(
-    output: Annotated[Path, typer.Option(help="Where to write the merged demo model.")] = Path("out/demo-mofe"),
-    recipe: Annotated[Path, typer.Option(help="Recipe to merge.")] = Path("recipes/demo-mofe.yaml"),
+    output: Annotated[Path, typer.Option(help="Directory for the demo's models and report.")] = Path("out/demo"),
+    recipe: Annotated[Path, typer.Option(help="Recipe to merge and tune.")] = Path("recipes/demo-mofe.yaml"),
+    max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain in the evaluation.")] = 16384,
 ) -> None:
-    """Build the zoo, merge its experts with the demo recipe, and compare perplexities per domain."""
+    """Zoo → merge → router tuning (router_only and mofe) → per-domain evaluation with an acceptance verdict."""
+    from moetool.recipe import load_recipe
+    from moetool.train.router_tuning import train_router
     from moetool.zoo import build_zoo
 
     build_zoo("default", console=console)
-    merge(recipe, output=output, dry_run=False, force=True, allow_pickle=False)
-    inspect(output, as_json=False)
-    from moetool.recipe import load_recipe
-
+    merged = output / "merged"
+    merge(recipe, output=merged, dry_run=False, force=True, allow_pickle=False)
+    inspect(merged, as_json=False)
+    tuned = []
+    for preset in ("router_only", "mofe"):
+        path = output / f"tuned-{preset}"
+        console.rule(f"router tuning, freeze preset {preset}")
+        res = train_router(recipe, merged, path, force=True, resume=False, console=console, preset=preset)
+        out.print(f"{preset}: {res.freeze.trainable_params:,} trainable parameters, {res.seconds:.0f} s")
+        tuned.append(str(path))
     r: Any = load_recipe(recipe)
-    names = ["zoo:base", *[e.source for e in r.experts], str(output)]
-    eval_cmd(names, domains="code,legal,medical", seq_len=256, max_tokens=32768, json_file=output / "eval.json")
-    out.print("(the merged MoE is shown before any router training)")
+    names = ["zoo:base", *[e.source for e in r.experts], str(merged), *tuned]
+    report = eval_cmd(names, domains=",".join(r.train.data), data=None, own=None, seq_len=256,
+                      max_tokens=max_tokens, json_file=output / "eval.json", plots=output / "plots")  # fmt: skip
+    acceptance(report, [str(merged), *tuned])
 
 
 def main() -> None:

@@ -128,12 +128,14 @@ def train_router(
     resume: bool = True,
     console: Console | None = None,
     callback: Callable[[int, dict[str, Any]], None] | None = None,
+    preset: str | None = None,
 ) -> TrainResult:
     """Tune an assembled MoE as the recipe's ``freeze:`` and ``train:`` sections say; write it to ``output``.
 
     Args:
         callback: called after every optimizer step with (step, metrics); raising from it interrupts the run
             (the last checkpoint remains, and the next call resumes from it).
+        preset: overrides the recipe's ``freeze.preset``.
 
     Raises:
         MoetoolError: bad recipe, model, data or freeze patterns; an existing output without ``force``.
@@ -145,6 +147,8 @@ def train_router(
     console = console or Console(stderr=True)
     recipe_path, model_dir, output = Path(recipe_path), Path(model_dir), Path(output)
     recipe: Any = load_recipe(recipe_path)
+    if preset is not None:
+        recipe = recipe.model_copy(update={"freeze": recipe.freeze.model_copy(update={"preset": preset})})
     spec: TrainSpec = recipe.train
     check_output(output, force=force)
     if not (model_dir / "config.json").is_file():
