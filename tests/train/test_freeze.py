@@ -61,3 +61,19 @@ def test_trainable_count_constant_in_expert_count():
         rep = apply_freeze(MixtralForCausalLM(cfg), "mofe")
         counts.append(rep.trainable_params - 2 * n * 16)  # minus the router rows, which grow with n
     assert counts[0] == counts[1] == counts[2]
+
+
+def test_router_learning_rate_group(moe):
+    from moetool.recipe.train import TrainSpec
+    from moetool.train.router_tuning import make_optimizer
+
+    apply_freeze(moe, "mofe")
+    opt = make_optimizer(moe, TrainSpec(learning_rate=1e-3, router_learning_rate=0.1))
+    lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    params = dict(moe.named_parameters())
+    assert lrs[id(params["model.layers.1.mlp.gate.weight"])] == 0.1
+    assert lrs[id(params["model.layers.1.self_attn.q_proj.weight"])] == 1e-3
+    assert id(params["model.layers.1.mlp.experts.down_proj"]) not in lrs
+    apply_freeze(moe, "router_only")
+    opt = make_optimizer(moe, TrainSpec(learning_rate=1e-3))
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["lr"] == 1e-3

@@ -172,11 +172,14 @@ def test_failed_expert_check_is_reported(tmp_path):
         ZooConfig.for_profile(PROFILE), base_steps=3, expert_steps=1, expert_lr=0.0, max_chars_per_domain=20_000
     )
     root = tmp_path / "zoo"
+    stale = tmp_path / ".zoo.building-999999999-deadbeef"  # left by a killed build
+    stale.mkdir()
     with pytest.raises(MoetoolError, match=r"expert 'code' does not beat the base on 'code'"):
         build_zoo(PROFILE, root=root, console=_quiet(), config=cfg)
     meta = json.loads((root / "zoo.json").read_text())
     assert meta["check"]["passed"] is False
     assert set(meta["perplexity"]) == set(MODELS)
+    assert not stale.exists()
 
 
 def test_corpora():

@@ -48,6 +48,12 @@ class TrainSpec(StrictModel):
     )
     steps: int = Field(default=150, ge=1)
     learning_rate: float = Field(default=1e-3, gt=0)
+    router_learning_rate: float | None = Field(
+        default=None,
+        gt=0,
+        description="Learning rate of router (gate) weights; None: learning_rate. Routers start from unit-norm "
+        "prompt vectors and must grow to route sharply, so they usually want a larger step than the rest.",
+    )
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
     warmup_steps: int = Field(default=10, ge=0)
     weight_decay: float = Field(default=0.0, ge=0)

@@ -13,19 +13,29 @@ class RouterTap:
     """Forward hooks on every MoE layer's router: collect its logits ``[T, E]``; optionally jitter its input."""
 
     def __init__(self, model: torch.nn.Module, jitter: float = 0.0) -> None:
-        self.routers = [
-            layer.mlp.gate
-            for layer in model.model.layers  # type: ignore[union-attr]
-            if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")
-        ]
-        if not self.routers:
-            raise MoetoolError("the model has no MoE layers with routers (is it a merged MoE checkpoint?)")
+        self.routers = self.find_routers(model)
         self.logits: list[torch.Tensor] = []
         self.jitter = jitter
         self.generator = torch.Generator()
         self._handles = [r.register_forward_hook(self._capture) for r in self.routers]
         if jitter > 0:
             self._handles += [r.register_forward_pre_hook(self._jitter) for r in self.routers]
+
+    @staticmethod
+    def find_routers(model: torch.nn.Module) -> list[Any]:
+        """Every MoE layer's router module, in layer order.
+
+        Raises:
+            MoetoolError: the model has no MoE layers.
+        """
+        routers = [
+            layer.mlp.gate
+            for layer in model.model.layers  # type: ignore[union-attr]
+            if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")
+        ]
+        if not routers:
+            raise MoetoolError("the model has no MoE layers with routers (is it a merged MoE checkpoint?)")
+        return routers
 
     def _capture(self, _mod: Any, _args: Any, output: Any) -> None:
         self.logits.append(output[0])

@@ -66,7 +66,7 @@ def load_source(name: str, src: DataSource, *, base_dir: Path | None, fraction: 
 
 def tokenize_stream(tokenizer: Any, text: str) -> torch.Tensor:
     """The whole text as one token stream ``[N]`` (no special tokens; windows get BOS at sampling time)."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 
 

@@ -57,6 +57,17 @@ def _lr_lambda(spec: TrainSpec) -> Callable[[int], float]:
     return fn
 
 
+def make_optimizer(model: torch.nn.Module, spec: TrainSpec) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters: routers in their own group at ``router_learning_rate``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    router_ids = {id(r.weight) for r in RouterTap.find_routers(model)}
+    groups = [
+        {"params": [p for p in params if id(p) not in router_ids], "lr": spec.learning_rate},
+        {"params": [p for p in params if id(p) in router_ids], "lr": spec.router_learning_rate or spec.learning_rate},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=spec.weight_decay)
+
+
 def checkpoint_dir(output: Path) -> Path:
     """Where a run writing ``output`` keeps its resumable state (removed after success)."""
     return output.parent / f".{output.name}.moetool-train"
@@ -172,7 +183,7 @@ def train_router(
         streams.append(tokenize_stream(tok, train_text))
 
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=spec.weight_decay)
+    opt = make_optimizer(model, spec)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(spec))
     tap = RouterTap(model, spec.router_jitter)
     top_k = model.config.num_experts_per_tok
