@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,10 +20,7 @@ Entry = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape)
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = SAFETENSORS_DTYPES[_TAG[dtype]][1]
-    for d in shape:
-        n *= d
-    return n
+    return SAFETENSORS_DTYPES[_TAG[dtype]][1] * math.prod(shape)
 
 
 class ShardedWriter:
