@@ -352,6 +352,24 @@ def _read_zoo_json(root: Path) -> dict[str, Any] | None:
     return data
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid < 2**22  # exists but belongs to someone else; absurd pids cannot exist
+    return True
+
+
+def _remove_stale_builds(root: Path) -> None:
+    """Delete temporary build directories of ``root`` left by builds whose process no longer runs (killed builds)."""
+    for d in root.parent.glob(f".{root.name}.building-*"):
+        pid = d.name.rsplit(".building-", 1)[1].split("-", 1)[0]
+        if d.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def build_zoo(
     profile: str = "default",
     *,
@@ -406,7 +424,8 @@ def build_zoo(
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".{root.name}.building-{uuid.uuid4().hex[:8]}"
+    _remove_stale_builds(root)
+    tmp = root.parent / f".{root.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         with _quiet_transformers():
