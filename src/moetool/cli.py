@@ -88,13 +88,10 @@ def print_plan(plan: Any) -> None:
         s.add_row(k, _human(v))
     s.add_row("[bold]total[/]", f"[bold]{_human(plan.total_bytes)}[/] in {len(plan.ops)} tensors")
     out.print(s)
-    base_bytes = 0
-    if plan.recipe.gate_mode == "hidden":
-        base_bytes = sum(op.numel for op in plan.ops if op.kind in ("copy",)) * 4
-        base_bytes += sum(op.numel for op in plan.ops if op.kind == "expert") * 4 // len(plan.recipe.experts)
+    hidden = plan.recipe.gate_mode == "hidden"
     out.print(
-        f"peak memory estimate: {_human(plan.peak_memory_estimate(base_bytes))}"
-        + (" (includes the base model loaded once for hidden gates)" if base_bytes else "")
+        f"peak memory estimate: {_human(plan.peak_memory_estimate())}"
+        + (" (the base model loaded once for hidden gates, freed before tensors stream)" if hidden else "")
     )
     for w in plan.warnings:
         out.print(f"[yellow]warning:[/] {w}")

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import write_recipe
 from moetool.api import merge, plan_merge
 from moetool.inspect import inspect_model
+from moetool.io.checkpoint import Checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +118,16 @@ experts:
     assert plan.total_bytes == sum(op.numel for op in plan.ops) * 4
     assert any("not a power of two" in w for w in plan.warnings)
     assert not (tmp_path / "moe").exists()
+
+
+def test_peak_memory_estimate(tiny_models, tmp_path):
+    m = tiny_models("llama")
+    text = f"name: mem\nmethod: mofe\nbase_model: {m['base']}\ngate_mode: {{mode}}\nexperts:\n" + "".join(
+        f"  - {{{{name: e{i}, source: {m[f'e{i}']}, positive_prompts: [x]}}}}\n" for i in (1, 2)
+    )
+    random_plan = plan_merge(write_recipe(tmp_path / "a.yaml", text.format(mode="random")))
+    largest = max(op.numel for op in random_plan.ops) * 4
+    assert random_plan.peak_memory_estimate() == 2 * largest  # streaming: one tensor at a time, not a shard
+    hidden_plan = plan_merge(write_recipe(tmp_path / "b.yaml", text.format(mode="hidden")))
+    dense_params = sum(t.numel for t in Checkpoint(m["base"]).tensors.values())
+    assert hidden_plan.peak_memory_estimate() == dense_params * 4  # the base model, freed before streaming

@@ -70,8 +70,15 @@ class MergePlan:
             c[op.kind] += op.numel * self.element_size
         return dict(c)
 
-    def peak_memory_estimate(self, base_model_bytes: int = 0) -> int:
-        """Bytes held at once: one output shard, the largest tensor being converted, and (hidden gates) the base."""
+    def peak_memory_estimate(self) -> int:
+        """Bytes held at once, beyond the Python runtime.
+
+        Tensors stream one at a time (read, cast, written), so streaming holds about two copies of the largest tensor
+        in float32. ``hidden`` gates load the base model in float32 first and free it before streaming starts.
+        """
         largest = max((op.numel for op in self.ops), default=0) * 4
-        shard = min(self.total_bytes, self.recipe.max_shard_size)
-        return shard + 2 * largest + base_model_bytes
+        if self.recipe.gate_mode != "hidden":
+            return 2 * largest
+        per_expert = sum(op.numel for op in self.ops if op.kind == "expert") // len(self.recipe.experts)
+        base = (sum(op.numel for op in self.ops if op.kind == "copy") + per_expert) * 4
+        return max(2 * largest, base)
