@@ -32,3 +32,70 @@ def merge(
     plan = plan_merge(recipe_path, allow_pickle=allow_pickle)
     text = Path(recipe_path).read_text(encoding="utf-8")
     return execute(plan, Path(output), force=force, recipe_text=text, console=console)
+
+
+def model_quant_spec(model_dir: Path) -> Any:
+    """The ``quantization:`` section of the recipe a model was merged from (kept as moetool-recipe.yaml), if any."""
+    import yaml
+
+    from moetool.quant.plan import QuantSpec
+
+    path = Path(model_dir) / "moetool-recipe.yaml"
+    if not path.is_file():
+        return None
+    section = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("quantization")
+    return None if section is None else QuantSpec.model_validate(section)
+
+
+def plan_export(
+    model: str | Path,
+    output: str | Path,
+    *,
+    target: str | None = "gguf",
+    quant: Any = None,
+    device: str | None = None,
+    force: bool = False,
+    verify: bool = True,
+    eval_text: str | None = None,
+    context: int | None = None,
+) -> tuple[Any, Any, Any]:
+    """Resolve target, quantization plan and memory estimate without writing: (exporter, request, plan).
+
+    ``quant`` is a :class:`~moetool.quant.plan.QuantSpec`, ``--quant`` text, or None for the model's recipe section
+    (else f16, or the device's best fitting plan when ``device`` is given).
+    """
+    from moetool.export import TARGETS, ExportError, ExportRequest, get_exporter
+    from moetool.io.sources import resolve_source
+    from moetool.quant.devices import get_device
+    from moetool.quant.plan import QuantSpec, parse_quant
+
+    model_dir = resolve_source(str(model)).path
+    try:
+        spec = parse_quant(quant) if isinstance(quant, str) else quant
+        dev = get_device(device) if device is not None else None
+    except ValueError as exc:  # pydantic's ValidationError included
+        raise ExportError(str(exc)) from None
+    if dev is not None:
+        if target is None:
+            target = next((f for f in dev.formats if f in TARGETS), None)
+            if target is None:
+                raise ExportError(f"{dev.name} prefers {', '.join(dev.formats)}; none is available yet")
+        elif target not in dev.formats:
+            raise ExportError(f"{dev.name} runs {', '.join(dev.formats)}, not {target}")
+    if spec is None:
+        spec = model_quant_spec(model_dir)
+    if spec is None:
+        spec = QuantSpec() if device is not None else QuantSpec(preset="f16")
+    exporter = get_exporter(target or "gguf")
+    req = ExportRequest(
+        model_dir=model_dir, output=Path(output), quant=spec, device=device, verify=verify, force=force,
+        eval_text=eval_text, context=context,
+    )  # fmt: skip
+    return exporter, req, exporter.plan(req)
+
+
+def export(model: str | Path, output: str | Path, *, console: Console | None = None, **kw: Any) -> dict[str, Any]:
+    """Plan, write, verify and describe one artifact; returns its manifest (also written next to it)."""
+    exporter, req, plan = plan_export(model, output, **kw)
+    manifest: dict[str, Any] = exporter.export(req, plan, console=console)
+    return manifest

@@ -299,6 +299,115 @@ def demo(
     acceptance(report, [str(merged), *tuned])
 
 
+def print_quant_plan(plan: Any, title: str) -> None:
+    """Bytes per role and the total: printed before anything is written."""
+    q = plan.quant
+    t = Table(title=title)
+    for col in ("role", "parameters", "types", "bytes"):
+        t.add_column(col, justify="right" if col in ("parameters", "bytes") else "left")
+    for role, row in q.by_role().items():
+        types = ", ".join(f"{ty}×{n}" for ty, n in row["types"].items())
+        t.add_row(role, f"{row['params']:,}", types, _human(row["bytes"]))
+    t.add_row("[bold]total[/]", f"{q.total_params:,}", f"{q.bpw():.2f} bits/weight", f"[bold]{_human(q.total_bytes)}[/]")
+    out.print(t)
+    for note in q.notes():
+        out.print(f"[yellow]note[/]: {escape(note)}")
+    if plan.memory is not None:
+        m = plan.memory
+        line = (f"memory at {plan.context} tokens: weights {_human(m.weights)} + KV cache {_human(m.kv_cache)} + "
+                f"runtime {_human(m.runtime)} = {_human(m.total)}")  # fmt: skip
+        if plan.device:
+            from moetool.quant.devices import get_device
+
+            line += f" (budget on {plan.device}: {_human(get_device(plan.device).budget)})"
+        out.print(line)
+    for label, total, fits in getattr(plan, "candidates", []):
+        mark = "[green]fits[/]" if fits else "[red]too big or unsupported[/]"
+        out.print(f"  plan {label}: {_human(total)} {mark}{'  ← chosen' if label == q.label else ''}")
+
+
+@app.command("export")
+@_friendly
+def export_cmd(
+    model: Annotated[str, typer.Argument(help="Model directory (merged or tuned), or zoo:NAME.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Artifact directory (artifact + manifest.json).")],
+    target: Annotated[str | None, typer.Option(help="gguf (default without --device; onnx, tflite, coreml, executorch planned).")] = None,
+    quant: Annotated[str | None, typer.Option(help="Preset (gem, moe-q4, …), type (q8_0, …) or rules 'experts=q4_k,attention=q8_0,*=q8_0'. Default: the recipe's quantization section, else f16.")] = None,
+    device: Annotated[str | None, typer.Option(help="Device profile (`moetool devices`): picks format and the best plan that fits.")] = None,
+    context: Annotated[int | None, typer.Option(help="Context length for the memory estimate.")] = None,
+    eval_text: Annotated[Path | None, typer.Option(help="Held-out text file for the parity check.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and memory estimate; write nothing.")] = False,
+    verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+) -> None:
+    """Export a model for a device, with a per-tensor precision plan, verified in the target runtime."""
+    from moetool.api import plan_export
+
+    text = eval_text.read_text(encoding="utf-8") if eval_text else None
+    exporter, req, plan = plan_export(
+        model, output, target=target if target or device else "gguf", quant=quant, device=device, force=force,
+        verify=verify, eval_text=text, context=context,
+    )  # fmt: skip
+    print_quant_plan(plan, f"{exporter.name} plan '{plan.quant.label}' for {plan.name}")
+    if dry_run:
+        return
+    from moetool.io.atomic import check_output
+
+    check_output(output, force=force)
+    with console.status(f"writing and verifying {exporter.name} …"):
+        manifest = exporter.export(req, plan, console=console)
+    out.print(f"[green]wrote[/] {output / manifest['file']} ({_human(manifest['artifact']['bytes'])})")
+    p = manifest["parity"]
+    if isinstance(p, dict):
+        diffs = ", ".join(f"seq {k}: {v:.2e}" for k, v in p["max_abs_logit_diff"].items())
+        out.print(
+            f"parity ({p['runtime']} vs {p['reference']}, {p['text']} text): max |Δlogit| {diffs}; top-1 agreement "
+            f"{p['top1_agreement']:.4f}; perplexity {p['ppl_reference']:.3f} → {p['ppl_artifact']:.3f} "
+            f"({100 * p['ppl_change']:+.2f}%); tokenizer {'matches' if p['tokenizer_match'] else 'DIFFERS'} "
+            f"on {p['tokenizer_probes']} probes"
+        )
+    else:
+        out.print(f"[yellow]{p}[/]")
+
+
+@app.command()
+def devices(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Device profiles: memory budget, formats in order of preference, precisions, plans tried."""
+    from dataclasses import asdict
+
+    from moetool.quant.devices import DEVICES
+
+    if as_json:
+        sys.stdout.write(json.dumps({n: asdict(d) for n, d in DEVICES.items()}, indent=2) + "\n")
+        return
+    t = Table(title="device profiles")
+    for col in ("device", "memory", "budget", "formats", "plans tried (best first)", "note"):
+        t.add_column(col)
+    for d in DEVICES.values():
+        t.add_row(d.name, _human(d.memory), _human(d.budget), ", ".join(d.formats), ", ".join(d.ladder), d.note)
+    out.print(t)
+
+
+@app.command()
+def presets() -> None:
+    """Quantization presets and types (for --quant and the recipe's quantization section)."""
+    from moetool.quant.plan import PRESET_HELP
+    from moetool.quant.types import TYPES
+
+    t = Table(title="quantization presets")
+    t.add_column("preset")
+    t.add_column("what")
+    for name, text in PRESET_HELP.items():
+        t.add_row(name, text)
+    out.print(t)
+    t = Table(title="types (each is also a uniform preset; routers stay f32)")
+    for col in ("type", "bits", "bits/weight stored", "block", "written by"):
+        t.add_column(col)
+    for ty in TYPES.values():
+        t.add_row(ty.name, str(ty.bits), f"{ty.bpw:.4g}", str(ty.block), "gguf-py" if ty.python else "llama.cpp")
+    out.print(t)
+
+
 def main() -> None:
     app()
 

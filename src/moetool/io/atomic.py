@@ -32,6 +32,9 @@ def atomic_dir(out: Path, *, force: bool) -> Iterator[Path]:
     check_output(out, force=force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.moetool-tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result should look like any directory the user makes
     try:
         yield tmp
         if out.exists():

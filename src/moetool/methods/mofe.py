@@ -166,6 +166,10 @@ class MoFEMethod:
         config = arch.make_config(
             base_cfg, n_experts=n_exp, top_k=recipe.experts_per_token, shared_intermediate=shared_inter
         )
+        if recipe.norm_topk_prob is not None:
+            if "norm_topk_prob" not in config:
+                raise PreflightError(f"norm_topk_prob: the {arch.name} output has no such option")
+            config["norm_topk_prob"] = recipe.norm_topk_prob
         ops = _ops(arch, base_t, recipe, n_layers, shared_inter, base_cfg.hidden_size)
         for c in ckpts.values():
             c.close()

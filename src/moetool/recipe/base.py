@@ -1,11 +1,6 @@
-"""Shared pydantic base for every recipe section."""
+"""Re-export: recipe models share :class:`moetool.strict.StrictModel` (defined outside this package so that
+modules the recipes use, such as ``moetool.quant.plan``, can import it without importing the recipe loader)."""
 
-from __future__ import annotations
+from moetool.strict import StrictModel
 
-from pydantic import BaseModel, ConfigDict
-
-
-class StrictModel(BaseModel):
-    """A model that rejects unknown keys, so a typo is an error rather than a silently ignored setting."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+__all__ = ["StrictModel"]

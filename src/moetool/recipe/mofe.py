@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import StrictModel
 from moetool.recipe.train import FreezeSpec, TrainSpec
 
@@ -46,12 +47,21 @@ class MoFERecipe(StrictModel):
     chat_template: bool = Field(
         default=False, description="Wrap prompts in the tokenizer's chat template (as a user turn) for gates."
     )
+    norm_topk_prob: bool | None = Field(
+        default=None,
+        description="Qwen MoE outputs: renormalise the top-k routing weights (default true, as Mixtral; an MoE of "
+        "identical experts then equals the dense model). false gives Qwen2-MoE's un-normalised weights, which is "
+        "what llama.cpp's qwen2moe computes (needed for a GGUF of a Qwen2-MoE with a shared expert).",
+    )
     seed: int = Field(default=0, description="Seed for random gates.")
     max_shard_size: int = Field(default=2_000_000_000, ge=1024, description="Output shard size in bytes.")
     experts: list[ExpertSpec] = Field(min_length=1)
     shared_expert: SharedExpertSpec | None = None
     freeze: FreezeSpec = Field(default_factory=FreezeSpec, description="Used by `moetool train`.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="Used by `moetool train`.")
+    quantization: QuantSpec | None = Field(
+        default=None, description="Precision per tensor for `moetool export` (overridden by --quant)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> MoFERecipe:
@@ -72,6 +82,8 @@ class MoFERecipe(StrictModel):
                         f"experts.{i}.positive_prompts: expert {e.name!r} has no positive prompts, which "
                         f"gate_mode {self.gate_mode!r} needs (or use gate_mode: random)"
                     )
+        if self.norm_topk_prob is False and self.architecture == "mixtral":
+            raise ValueError("norm_topk_prob: mixtral always renormalises its top-k weights; use qwen2_moe")
         if self.shared_expert is not None and self.architecture not in ("auto", "qwen2_moe"):
             raise ValueError(
                 f"shared_expert: only the qwen2_moe architecture has a shared expert, not {self.architecture!r}"

@@ -1,0 +1,77 @@
+"""What every exporter shares: the request, the protocol, the manifest, the registry of targets."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from moetool.errors import MoetoolError
+from moetool.quant.plan import QuantSpec
+
+
+class ExportError(MoetoolError):
+    """The model cannot be exported to the target as asked, or the artifact failed its parity check."""
+
+
+@dataclass
+class ExportRequest:
+    model_dir: Path
+    output: Path
+    quant: QuantSpec
+    device: str | None = None
+    verify: bool = True
+    force: bool = False
+    eval_text: str | None = None  # held-out text for parity; default: the zoo's or a built-in sample
+    context: int | None = None  # context length for the memory estimate (default: the device's)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class Exporter(Protocol):
+    name: str
+    requires: str  # the pip extra that provides the runtime used for verification
+
+    def plan(self, req: ExportRequest) -> Any:
+        """Resolve the quantization plan (no writes); the result has ``.quant`` (a QuantPlan)."""
+        ...
+
+    def export(self, req: ExportRequest, plan: Any, console: Any = None) -> dict[str, Any]:
+        """Write the artifact and its manifest into ``req.output`` atomically; return the manifest."""
+        ...
+
+
+# target → "module:Class"; the module is imported only when the target is used
+TARGETS: dict[str, str] = {"gguf": "moetool.export.gguf.exporter:GGUFExporter"}
+PLANNED_TARGETS = ("onnx", "tflite", "coreml", "executorch")
+
+
+def get_exporter(target: str) -> Exporter:
+    if target not in TARGETS:
+        if target in PLANNED_TARGETS:
+            raise ExportError(
+                f"target {target!r} is not implemented yet; available: {', '.join(TARGETS)} "
+                f"(planned: {', '.join(PLANNED_TARGETS)})"
+            )
+        raise ExportError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
+    module, cls = TARGETS[target].split(":")
+    exporter: Exporter = getattr(importlib.import_module(module), cls)()
+    return exporter
+
+
+MANIFEST = "manifest.json"
+
+
+def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
+    path = out_dir / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    return path
+
+
+def read_manifest(artifact_dir: Path) -> dict[str, Any]:
+    path = Path(artifact_dir) / MANIFEST
+    if not path.is_file():
+        raise ExportError(f"{artifact_dir}: no {MANIFEST}; not a moetool export")
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return data

@@ -1,0 +1,208 @@
+"""``moetool export --target gguf``: plan → write (→ llama.cpp K-quant pass) → parity in llama.cpp → manifest."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moetool import __version__
+from moetool.card import sha256_file
+from moetool.export.base import ExportError, ExportRequest, write_manifest
+from moetool.export.gguf.layout import Layout, plan_layout
+from moetool.io.atomic import atomic_dir
+from moetool.io.checkpoint import Checkpoint
+from moetool.quant.devices import MemoryEstimate, estimate_memory, get_device
+from moetool.quant.plan import QuantPlan, QuantSpec, preset_spec, resolve
+from moetool.quant.types import TYPES
+
+# parity gates for float plans (issue: f32 ≤ 1e-3, f16 ≤ 1e-2); quantized plans are reported, not gated
+GATES = {"f32": 1e-3, "f16": 1e-2, "bf16": 5e-2}
+# the router cannot be a K type: llama.cpp's quantizer never touches ffn_gate_inp and gguf-py cannot write K types
+_ROUTER_K = {f"router:{t}": "q8_0" for t in TYPES if not TYPES[t].python}
+
+SAMPLE_TEXT = (
+    "The parser reads each line, strips comments and splits the remaining tokens on whitespace. "
+    "def tokenize(line):\n    return [t for t in line.split() if not t.startswith('#')]\n\n"
+    "Licensor hereby grants to You a worldwide, royalty-free, non-exclusive licence to reproduce the Work. "
+    "THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED.\n"
+    "Type 2 diabetes mellitus with diabetic chronic kidney disease; acute bronchitis due to rhinovirus; "
+    "fracture of the shaft of the right femur, initial encounter for closed fracture.\n"
+) * 8
+
+
+@dataclass
+class GGUFPlan:
+    model_dir: Path
+    config: dict[str, Any]
+    layout: Layout
+    quant: QuantPlan
+    name: str
+    device: str | None = None
+    memory: MemoryEstimate | None = None
+    context: int = 2048
+    candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits) when --device
+
+
+def model_name(model_dir: Path) -> str:
+    info = model_dir / "moetool.json"
+    if info.is_file():
+        with_name = json.loads(info.read_text()).get("name")
+        if with_name:
+            return str(with_name)
+    return model_dir.resolve().name
+
+
+def held_out_text(model_dir: Path) -> tuple[str, str]:
+    """Text for parity and the perplexity change, and where it came from.
+
+    Models built from the zoo are scored on the zoo's held-out splits (interleaved across domains); others on a
+    built-in multi-domain sample (pass ``--eval-text`` for your own).
+    """
+    info = model_dir / "moetool.json"
+    zoo = False
+    if info.is_file():
+        srcs = json.loads(info.read_text()).get("provenance", {}).get("sources", {})
+        zoo = bool(srcs) and all(s.get("kind") == "zoo" for s in srcs.values())
+    if not zoo and (model_dir / "zoo.json").is_file():
+        zoo = True
+    if zoo:
+        try:
+            from moetool.zoo.build import DOMAINS, zoo_domain_text
+
+            parts = [zoo_domain_text(d, "valid")[:6000] for d in DOMAINS]
+            return "\n".join(p for trio in zip(*(t.split("\n") for t in parts), strict=False) for p in trio), "zoo"
+        except Exception:  # the zoo cache may be gone; the sample still proves parity
+            pass
+    return SAMPLE_TEXT, "builtin-sample"
+
+
+class GGUFExporter:
+    name = "gguf"
+    requires = "llama"
+
+    def plan(self, req: ExportRequest) -> GGUFPlan:
+        ckpt = Checkpoint(req.model_dir)
+        cfg = ckpt.config
+        shapes = {n: t.shape for n, t in ckpt.tensors.items()}
+        layout = plan_layout(cfg, shapes)
+        entries = [t.entry() for t in layout.tensors]
+        name = model_name(req.model_dir)
+        if req.device is None:
+            quant = resolve(req.quant, entries, cannot=_ROUTER_K)
+            ctx = req.context or 2048
+            return GGUFPlan(req.model_dir, cfg, layout, quant, name, None, estimate_memory(quant.total_bytes, cfg, ctx), ctx)
+
+        device = get_device(req.device)
+        ctx = req.context or device.context
+        user_plan = req.quant.preset is not None or req.quant.rules or req.quant.default
+        ladder = [req.quant] if user_plan else [preset_spec(p).model_copy(update={"preset": p}) for p in device.ladder]
+        candidates = []
+        chosen = None
+        for spec in ladder:
+            q = resolve(spec if isinstance(spec, QuantSpec) else spec, entries, cannot=_ROUTER_K)
+            unsupported = sorted({a.type for a in q.assignments if not device.supports("gguf", a.type)})
+            mem = estimate_memory(q.total_bytes, cfg, ctx)
+            fits = mem.total <= device.budget and not unsupported
+            candidates.append((q.label, mem.total, fits))
+            if fits and chosen is None:
+                chosen = (q, mem)
+        if chosen is None:
+            rows = "; ".join(f"{lbl}: {tot / 1e9:.2f} GB" for lbl, tot, _ in candidates)
+            raise ExportError(
+                f"no plan fits {device.name} (budget {device.budget / 1e9:.2f} GB at {ctx} tokens of context): {rows}"
+            )
+        plan = GGUFPlan(req.model_dir, cfg, layout, chosen[0], name, device.name, chosen[1], ctx, candidates)
+        return plan
+
+    def export(self, req: ExportRequest, plan: GGUFPlan, console: Any = None) -> dict[str, Any]:
+        from moetool.export.gguf.tokenizer import read_vocab
+        from moetool.export.gguf.write import requantize_k, write_gguf
+
+        vocab = read_vocab(req.model_dir)
+        ckpt = Checkpoint(req.model_dir)
+        needs_k = any(not TYPES[a.type].python for a in plan.quant.assignments)
+        fname = f"{plan.name}.{plan.quant.label}.gguf"
+        t0 = time.perf_counter()
+        with atomic_dir(req.output, force=req.force) as tmp:
+            target = tmp / fname
+            first = tmp / (fname + ".f32-stage") if needs_k else target
+            write_gguf(first, ckpt=ckpt, cfg=plan.config, layout=plan.layout, plan=plan.quant, vocab=vocab, name=plan.name)
+            ckpt.close()
+            if needs_k:
+                requantize_k(first, target, plan.quant)
+                first.unlink()
+            check_types(target, plan.quant)
+            write_s = time.perf_counter() - t0
+            parity = None
+            if req.verify:
+                from moetool.export.gguf.verify import compare
+
+                text, text_src = (req.eval_text, "user") if req.eval_text else held_out_text(req.model_dir)
+                report = compare(target, req.model_dir, text)
+                parity = report.to_json() | {"text": text_src}
+                gate_problems(report, plan.quant)
+            manifest = {
+                "format": "moetool-artifact/1",
+                "target": "gguf",
+                "file": fname,
+                "llama_cpp_arch": plan.layout.arch,
+                "model": {
+                    "name": plan.name,
+                    "path": str(req.model_dir),
+                    "model_type": plan.config.get("model_type"),
+                    "weights_sha256": {f.name: sha256_file(f) for f in Checkpoint(req.model_dir).weight_files},
+                },
+                "artifact": {"bytes": target.stat().st_size, "sha256": sha256_file(target)},
+                "device": plan.device,
+                "memory_estimate": None
+                if plan.memory is None
+                else {
+                    "context": plan.context,
+                    "weights": plan.memory.weights,
+                    "kv_cache": plan.memory.kv_cache,
+                    "runtime": plan.memory.runtime,
+                    "total": plan.memory.total,
+                },
+                "plan": plan.quant.to_json(),
+                "notes": plan.layout.notes + plan.quant.notes(),
+                "parity": parity if parity is not None else "not verified (--no-verify)",
+                "timing_s": {"write": round(write_s, 3), "total": round(time.perf_counter() - t0, 3)},
+                "moetool": __version__,
+            }
+            write_manifest(tmp, manifest)
+        return manifest
+
+
+def check_types(path: Path, plan: QuantPlan) -> None:
+    """The written file must hold exactly the planned type for every tensor (catches quantizer overrides)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    got = {t.name: t.tensor_type.name.lower() for t in reader.tensors}
+    want = {(a.entry.out_name or a.entry.hf_name): a.type for a in plan.assignments}
+    wrong = {n: (want.get(n), got.get(n)) for n in set(got) | set(want) if got.get(n) != want.get(n)}
+    if wrong:
+        sample = ", ".join(f"{n}: planned {w}, file {g}" for n, (w, g) in sorted(wrong.items())[:4])
+        raise ExportError(f"{path.name}: tensor types differ from the plan ({len(wrong)}): {sample}")
+
+
+def gate_problems(report: Any, plan: QuantPlan) -> None:
+    """Raise when a float plan misses its parity gate, or the tokenizer disagrees (the artifact is then wrong)."""
+    if not report.tokenizer_match:
+        bad = report.tokenizer_mismatches[0]
+        raise ExportError(
+            f"llama.cpp tokenizes differently from the Hugging Face tokenizer on {len(report.tokenizer_mismatches)} "
+            f"probe(s), e.g. {bad['text']!r}: HF {bad['hf'][:12]} vs llama.cpp {bad['llama_cpp'][:12]}"
+        )
+    types = {a.type for a in plan.assignments if len(a.entry.shape) >= 2}
+    worst = max(report.max_abs_logit_diff.values())
+    if types <= {"f32"} or types <= {"f32", "f16"} or types <= {"f32", "bf16"}:
+        gate = GATES["bf16" if "bf16" in types else "f16" if "f16" in types else "f32"]
+        if worst > gate:
+            raise ExportError(
+                f"parity failed: max |Δlogit| {worst:.3g} > {gate:g} for a {'/'.join(sorted(types))} plan "
+                f"(llama.cpp vs transformers at seq {report.seq_lens})"
+            )

@@ -1,0 +1,152 @@
+"""Which GGUF tensors a checkpoint becomes, under which llama.cpp architecture (no weights are read)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetool.export.base import ExportError
+from moetool.export.gguf.names import ARCHS, gguf_name
+from moetool.quant.plan import TensorEntry
+
+# a zero-width Qwen2-MoE shared expert is written this wide (all zeros: it adds exactly nothing)
+SHEXP_PAD = 32
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    sources: list[str]  # HF tensors, in expert order when stacked
+    shape: tuple[int, ...]  # torch order, after stacking
+    permute_heads: int | None = None  # Q/K rows to reorder for NORM rope
+    squeeze: bool = False  # [1, H] → [H]
+    zeros: bool = False  # padding with no source
+
+    def entry(self) -> TensorEntry:
+        hf = self.sources[0] if self.sources else self.name
+        if len(self.sources) > 1:
+            hf = re.sub(r"\.experts\.\d+\.", ".experts.*.", hf)
+        role = "shared_expert" if self.zeros and "shexp" in self.name else None
+        return TensorEntry(hf_name=hf, shape=self.shape, out_name=self.name, role=role)  # type: ignore[arg-type]
+
+
+@dataclass
+class Layout:
+    arch: str
+    model_type: str
+    tensors: list[GGUFTensor]
+    n_experts: int = 0
+    top_k: int = 0
+    expert_ff: int | None = None
+    shared_ff: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _moe_facts(cfg: dict[str, Any]) -> tuple[int, int, bool]:
+    n = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    k = int(cfg.get("num_experts_per_tok") or 0)
+    norm = bool(cfg.get("norm_topk_prob", True)) if cfg["model_type"] != "mixtral" else True
+    return n, k, norm
+
+
+def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> Layout:
+    """Map every HF tensor to its GGUF tensor and pick the llama.cpp architecture.
+
+    Raises:
+        ExportError: unsupported model types, rope scaling, activations, or MoE routing llama.cpp computes
+            differently (naming the reason and what would work).
+    """
+    mt = cfg.get("model_type")
+    if mt not in ARCHS:
+        raise ExportError(f"model_type {mt!r} has no GGUF mapping; supported: {', '.join(ARCHS)}")
+    arch, permute = ARCHS[mt]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ExportError(f"hidden_act {cfg.get('hidden_act')!r}: llama.cpp's {arch} uses SiLU")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ExportError(f"rope_type {rope_type!r}: only unscaled rope is exported so far")
+    n, k, norm = _moe_facts(cfg)
+    notes: list[str] = []
+    shared_ff = cfg.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
+    if mt == "qwen2_moe":
+        if not shared_ff and (norm or k == n):
+            # llama.cpp's qwen2moe never renormalises top-k weights; its llama arch (Mixtral) does, and takes
+            # q/k/v biases: the same computation, exactly
+            arch, permute = "llama", True
+            notes.append("Qwen2-MoE without a shared expert and with norm_topk_prob is written as llama.cpp's "
+                         "'llama' MoE (the Mixtral form), which computes the same function")
+        elif norm and k < n:
+            raise ExportError(
+                "this Qwen2-MoE has a shared expert and norm_topk_prob: true, but llama.cpp's qwen2moe always uses "
+                "un-normalised top-k softmax weights, so a GGUF would compute a different function. Merge with "
+                "`norm_topk_prob: false` in the recipe for a llama.cpp-compatible Qwen2-MoE, or export to ONNX"
+            )
+    if mt == "qwen3_moe" and not norm and k < n:
+        raise ExportError("qwen3_moe with norm_topk_prob: false: llama.cpp's qwen3moe always renormalises top-k")
+    n_head = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+
+    out: dict[str, GGUFTensor] = {}
+    experts: dict[str, dict[int, str]] = {}
+    skipped: list[str] = []
+    for hf, shape in tensor_shapes.items():
+        mapped = gguf_name(hf)
+        if mapped is None:
+            if hf.endswith("rotary_emb.inv_freq"):
+                continue
+            skipped.append(hf)
+            continue
+        name, expert = mapped
+        if expert is not None:
+            experts.setdefault(name, {})[expert] = hf
+            continue
+        t = GGUFTensor(name, [hf], tuple(shape))
+        if permute and (".attn_q." in name or ".attn_k." in name):
+            t.permute_heads = n_head if ".attn_q." in name else n_kv
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            t.squeeze, t.shape = True, (shape[-1],)
+        out[name] = t
+    if skipped:
+        raise ExportError(f"tensors with no GGUF place: {', '.join(skipped[:5])}{' …' if len(skipped) > 5 else ''}")
+    for name, by_e in experts.items():
+        if sorted(by_e) != list(range(n)):
+            raise ExportError(f"{name}: experts {sorted(by_e)} present, config says {n}")
+        first = tensor_shapes[by_e[0]]
+        out[name] = GGUFTensor(name, [by_e[e] for e in range(n)], (n, *first))
+
+    if arch == "qwen2moe":
+        if not shared_ff:
+            # llama.cpp requires the shared expert; zeros add nothing (its sigmoid gate then multiplies 0)
+            shared_ff = SHEXP_PAD
+            hidden = int(cfg["hidden_size"])
+            for layer in range(int(cfg["num_hidden_layers"])):
+                for proj, shape in (("gate", (SHEXP_PAD, hidden)), ("up", (SHEXP_PAD, hidden)), ("down", (hidden, SHEXP_PAD))):
+                    nm = f"blk.{layer}.ffn_{proj}_shexp.weight"
+                    out[nm] = GGUFTensor(nm, [], shape, zeros=True)
+                nm = f"blk.{layer}.ffn_gate_inp_shexp.weight"
+                out[nm] = GGUFTensor(nm, [], (hidden,), zeros=True)
+            notes.append(f"zero-width shared expert written as {SHEXP_PAD} zero columns (llama.cpp requires one)")
+    elif arch == "llama" and mt == "qwen2_moe":
+        for nm in [x for x in out if "shexp" in x]:
+            del out[nm]
+    if "output.weight" not in out and arch == "qwen2moe":  # the one arch whose loader requires output.weight
+        emb = out["token_embd.weight"]
+        out["output.weight"] = GGUFTensor("output.weight", list(emb.sources), emb.shape)
+    # llama.cpp reads tensors by name; keep a stable, readable order: globals, then per layer
+    def key(nm: str) -> tuple[int, str]:
+        m = re.match(r"blk\.(\d+)\.", nm)
+        return (int(m.group(1)) + 1 if m else (0 if nm.startswith("token") else 10**9), nm)
+
+    ordered = [out[nm] for nm in sorted(out, key=key)]
+    return Layout(
+        arch=arch,
+        model_type=str(mt),
+        tensors=ordered,
+        n_experts=n,
+        top_k=k,
+        expert_ff=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if n else None,
+        shared_ff=shared_ff,
+        notes=notes,
+    )

@@ -1,0 +1,202 @@
+"""Proof for a GGUF: llama.cpp (through llama-cpp-python) against transformers on the same token ids.
+
+- tokenizer: llama.cpp's token ids must equal the Hugging Face tokenizer's on strings that stress byte-level BPE;
+- logits at two sequence lengths: max |Δ|, top-1 agreement;
+- perplexity of both on held-out windows, and its relative change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetool.export.base import ExportError
+
+TOKENIZER_PROBES: tuple[str, ...] = (
+    "Hello world",
+    "naïve café — Überprüfung, 日本語のテキスト, emoji 🤖🚀, Ελληνικά, עברית",
+    "a  b   c\t\td\n\ne\r\n   f    \n\t \n",
+    "   leading and trailing spaces   ",
+    "def f(x):\n    return x ** 2  # square\n\nclass A:\n\tpass\n",
+    "if (a != b && c <= 0x1F) { y = arr[i++]; } // done",
+    "don't we'll they've I'm it's 'quoted'",
+    "3.14159 1,000,000 2026-11-21 123456789",
+    "ICD-10: E11.9 Type 2 diabetes mellitus without complications.",
+    "\n",
+)
+
+
+@dataclass
+class ParityReport:
+    tokenizer_match: bool
+    tokenizer_mismatches: list[dict[str, Any]]
+    seq_lens: list[int]
+    max_abs_logit_diff: dict[str, float]
+    top1_agreement: float
+    ppl_reference: float
+    ppl_artifact: float
+    tokens_scored: int
+
+    @property
+    def ppl_change(self) -> float:
+        return self.ppl_artifact / self.ppl_reference - 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "runtime": "llama-cpp-python",
+            "reference": "transformers float32",
+            "tokenizer_match": self.tokenizer_match,
+            "tokenizer_probes": len(TOKENIZER_PROBES),
+            "tokenizer_mismatches": self.tokenizer_mismatches,
+            "seq_lens": self.seq_lens,
+            "max_abs_logit_diff": self.max_abs_logit_diff,
+            "top1_agreement": round(self.top1_agreement, 6),
+            "ppl_reference": round(self.ppl_reference, 4),
+            "ppl_artifact": round(self.ppl_artifact, 4),
+            "ppl_change": round(self.ppl_change, 6),
+            "tokens_scored": self.tokens_scored,
+        }
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Any:
+    """llama.cpp logs to fd 2 from C; silence it unless MOETOOL_VERBOSE is set."""
+    if os.environ.get("MOETOOL_VERBOSE"):
+        yield
+        return
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
+
+
+def load_llama(path: Path, n_ctx: int, lora_path: Path | None = None) -> Any:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise ExportError(
+            "verifying a GGUF needs llama-cpp-python: pip install 'moetool[llama]' (it compiles llama.cpp, "
+            "about 12 minutes), or pass --no-verify to write an unverified artifact"
+        ) from None
+    with _quiet_stderr():
+        return Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            n_ubatch=n_ctx,
+            logits_all=True,
+            n_threads=max(1, min(4, os.cpu_count() or 1)),
+            verbose=False,
+            lora_path=str(lora_path) if lora_path else None,
+        )
+
+
+def llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
+    """[T, V] logits of llama.cpp for ``ids`` (a fresh sequence)."""
+    llm.reset()
+    with _quiet_stderr():
+        llm.eval(ids)
+    return np.array(llm.scores[: len(ids)], dtype=np.float32)
+
+
+def _nll(logits: np.ndarray, ids: list[int]) -> tuple[float, int]:
+    x = logits[:-1].astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    logz = np.log(np.exp(x).sum(axis=-1))
+    tgt = np.asarray(ids[1:])
+    nll = logz - x[np.arange(len(tgt)), tgt]
+    return float(nll.sum()), len(tgt)
+
+
+def check_tokenizer(llm: Any, tok: Any) -> list[dict[str, Any]]:
+    """Strings where llama.cpp's ids differ from the HF tokenizer's (empty when they all agree)."""
+    bad = []
+    for s in TOKENIZER_PROBES:
+        ref = tok(s).input_ids
+        add_bos = bool(ref) and tok.bos_token_id is not None and ref[0] == tok.bos_token_id
+        got = llm.tokenize(s.encode("utf-8"), add_bos=add_bos, special=False)
+        if list(got) != list(ref):
+            bad.append({"text": s, "hf": ref[:32], "llama_cpp": list(got)[:32]})
+    return bad
+
+
+def windows(tok: Any, text: str, seq_lens: list[int], n_windows: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Token windows: one per probe length (for logit diffs) and ``n_windows`` of the longest (for perplexity)."""
+    ids = tok(text, add_special_tokens=False).input_ids
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    longest = max(seq_lens)
+    need = longest - len(bos)
+    if len(ids) < need:
+        raise ExportError(f"held-out text has {len(ids)} tokens; parity needs at least {need}")
+    probes = [bos + ids[: n - len(bos)] for n in seq_lens]
+    step = max(need, (len(ids) - need) // max(n_windows - 1, 1))
+    ppl = [bos + ids[s : s + need] for s in range(0, len(ids) - need + 1, step)][:n_windows]
+    return probes, ppl
+
+
+def compare(
+    gguf_path: Path,
+    model_dir: Path,
+    text: str,
+    *,
+    seq_lens: tuple[int, ...] = (32, 128),
+    n_windows: int = 4,
+    lora_path: Path | None = None,
+    reference: Any = None,
+) -> ParityReport:
+    """Run both models on the same ids; ``reference`` may be a ready transformers model (e.g. LoRA merged in)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = reference or AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    max_pos = int(getattr(model.config, "max_position_embeddings", 2048))
+    lens = sorted({min(n, max_pos) for n in seq_lens})
+    probes, ppl_windows = windows(tok, text, lens, n_windows)
+    llm = load_llama(gguf_path, n_ctx=max(lens), lora_path=lora_path)
+    try:
+        mismatches = check_tokenizer(llm, tok)
+        diffs: dict[str, float] = {}
+        for ids in probes:
+            with torch.no_grad():
+                ref = model(torch.tensor([ids])).logits[0].float().numpy()
+            got = llama_logits(llm, ids)
+            diffs[str(len(ids))] = float(np.abs(ref - got).max())
+        agree = total = 0
+        nll_ref = nll_got = 0.0
+        for ids in ppl_windows:
+            with torch.no_grad():
+                ref = model(torch.tensor([ids])).logits[0].float().numpy()
+            got = llama_logits(llm, ids)
+            agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+            total += len(ids)
+            a, n = _nll(ref, ids)
+            b, _ = _nll(got, ids)
+            nll_ref += a
+            nll_got += b
+        scored = sum(len(w) - 1 for w in ppl_windows)
+    finally:
+        with _quiet_stderr():
+            llm.close()
+    return ParityReport(
+        tokenizer_match=not mismatches,
+        tokenizer_mismatches=mismatches,
+        seq_lens=lens,
+        max_abs_logit_diff=diffs,
+        top1_agreement=agree / max(total, 1),
+        ppl_reference=math.exp(nll_ref / scored),
+        ppl_artifact=math.exp(nll_got / scored),
+        tokens_scored=scored,
+    )
