@@ -3,6 +3,8 @@
 #   bash scripts/setup.sh          # runtime
 #   bash scripts/setup.sh --dev    # + test and lint tools
 #   bash scripts/setup.sh --bench  # + mergekit for bench/
+#   bash scripts/setup.sh --llama  # + llama-cpp-python (GGUF parity, K-quants); --dev includes it
+# llama-cpp-python compiles llama.cpp (~12 min on 2 cores) once; pip caches the wheel for later runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
@@ -10,12 +12,21 @@ for arg in "$@"; do
   case "$arg" in
     --dev) extras="${extras:+$extras,}dev" ;;
     --bench) extras="${extras:+$extras,}bench" ;;
+    --llama) extras="${extras:+$extras,}llama" ;;
     *) echo "unknown option: $arg" >&2; exit 2 ;;
   esac
 done
 py="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# a portable llama.cpp build (AVX2 baseline, not -march=native), so a cached wheel runs on any x86-64 CI machine
+export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}"
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}" 2>&1 | grep -v "is ignored: it is neither" || true
+log=.venv/pip-install.log
+if ! .venv/bin/python -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}" >"$log" 2>&1; then
+  grep -v "is ignored: it is neither" "$log" >&2 || true
+  echo "setup: pip install failed (full log: $log)" >&2
+  exit 1
+fi
+grep -v "is ignored: it is neither" "$log" || true
 .venv/bin/python -c "import torch, transformers, moetool; print('moetool', moetool.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -94,8 +94,35 @@ def plan_export(
     return exporter, req, exporter.plan(req)
 
 
-def export(model: str | Path, output: str | Path, *, console: Console | None = None, **kw: Any) -> dict[str, Any]:
-    """Plan, write, verify and describe one artifact; returns its manifest (also written next to it)."""
+def adapter_base(adapter: Path, base: str | Path | None) -> Path:
+    """The base model of a PEFT adapter: ``base`` if given, else its ``base_model_name_or_path`` (resolved locally)."""
+    import json
+
+    from moetool.io.sources import resolve_source
+
+    ref = base or json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not ref:
+        from moetool.export import ExportError
+
+        raise ExportError(f"{adapter}: the adapter names no base model; pass --base")
+    return resolve_source(str(ref), relative_to=Path(adapter)).path
+
+
+def export(
+    model: str | Path, output: str | Path, *, console: Console | None = None, base: str | Path | None = None, **kw: Any
+) -> dict[str, Any]:
+    """Plan, write, verify and describe one artifact; returns its manifest (also written next to it).
+
+    A PEFT adapter directory as ``model`` becomes a GGUF LoRA adapter for ``base``.
+    """
+    from moetool.export.gguf.lora import export_adapter, is_adapter
+
+    if is_adapter(Path(model)):
+        quant = kw.get("quant") or "f32"
+        return export_adapter(
+            Path(model), adapter_base(Path(model), base), Path(output), force=kw.get("force", False),
+            verify=kw.get("verify", True), eval_text=kw.get("eval_text"), out_type=str(quant),
+        )  # fmt: skip
     exporter, req, plan = plan_export(model, output, **kw)
     manifest: dict[str, Any] = exporter.export(req, plan, console=console)
     return manifest

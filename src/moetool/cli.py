@@ -339,11 +339,25 @@ def export_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and memory estimate; write nothing.")] = False,
     verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    base: Annotated[str | None, typer.Option(help="Base model of a PEFT adapter given as MODEL (default: the adapter's base_model_name_or_path).")] = None,
 ) -> None:
-    """Export a model for a device, with a per-tensor precision plan, verified in the target runtime."""
-    from moetool.api import plan_export
+    """Export a model for a device, with a per-tensor precision plan, verified in the target runtime.
+
+    Given a PEFT LoRA adapter directory, writes a GGUF adapter for llama.cpp's --lora, checked against the base
+    with the adapter merged in.
+    """
+    from moetool.api import export, plan_export
+    from moetool.export.gguf.lora import is_adapter
 
     text = eval_text.read_text(encoding="utf-8") if eval_text else None
+    if is_adapter(Path(model)):
+        if dry_run:
+            raise typer.BadParameter("--dry-run is for models, not adapters")
+        with console.status("writing and verifying the GGUF adapter …"):
+            manifest = export(model, output, base=base, quant=quant, force=force, verify=verify, eval_text=text)
+        out.print(f"[green]wrote[/] {output / manifest['file']} ({_human(manifest['artifact']['bytes'])})")
+        _print_parity(manifest["parity"])
+        return
     exporter, req, plan = plan_export(
         model, output, target=target if target or device else "gguf", quant=quant, device=device, force=force,
         verify=verify, eval_text=text, context=context,
@@ -357,14 +371,18 @@ def export_cmd(
     with console.status(f"writing and verifying {exporter.name} …"):
         manifest = exporter.export(req, plan, console=console)
     out.print(f"[green]wrote[/] {output / manifest['file']} ({_human(manifest['artifact']['bytes'])})")
-    p = manifest["parity"]
+    _print_parity(manifest["parity"])
+
+
+def _print_parity(p: Any) -> None:
     if isinstance(p, dict):
         diffs = ", ".join(f"seq {k}: {v:.2e}" for k, v in p["max_abs_logit_diff"].items())
         out.print(
             f"parity ({p['runtime']} vs {p['reference']}, {p['text']} text): max |Δlogit| {diffs}; top-1 agreement "
             f"{p['top1_agreement']:.4f}; perplexity {p['ppl_reference']:.3f} → {p['ppl_artifact']:.3f} "
             f"({100 * p['ppl_change']:+.2f}%); tokenizer {'matches' if p['tokenizer_match'] else 'DIFFERS'} "
-            f"on {p['tokenizer_probes']} probes"
+            f"on {p['tokenizer_probes']} probes",
+            highlight=False,
         )
     else:
         out.print(f"[yellow]{p}[/]")
@@ -406,6 +424,12 @@ def presets() -> None:
     for ty in TYPES.values():
         t.add_row(ty.name, str(ty.bits), f"{ty.bpw:.4g}", str(ty.block), "gguf-py" if ty.python else "llama.cpp")
     out.print(t)
+
+
+from moetool.package.cli import package_cmd, push_cmd  # noqa: E402
+
+app.command("package")(package_cmd)
+app.command("push")(push_cmd)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ class PrecisionType:
     block: int  # weights per quantization block (row length must be a multiple)
     block_bytes: int  # bytes per block, scales included
     python: bool  # gguf-py can quantize it; otherwise llama.cpp's quantizer is needed
-    float: bool = False
+    is_float: bool = False
 
     @property
     def bpw(self) -> float:
@@ -34,9 +34,9 @@ _QK = 256
 TYPES: dict[str, PrecisionType] = {
     t.name: t
     for t in (
-        PrecisionType("f32", 32, 1, 4, True, float=True),
-        PrecisionType("f16", 16, 1, 2, True, float=True),
-        PrecisionType("bf16", 16, 1, 2, True, float=True),
+        PrecisionType("f32", 32, 1, 4, True, is_float=True),
+        PrecisionType("f16", 16, 1, 2, True, is_float=True),
+        PrecisionType("bf16", 16, 1, 2, True, is_float=True),
         PrecisionType("q8_0", 8, 32, 34, True),
         PrecisionType("q6_k", 6, _QK, 2 + _QK // 2 + _QK // 4 + _QK // 16, False),
         PrecisionType("q5_1", 5, 32, 24, True),

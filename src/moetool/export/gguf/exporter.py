@@ -15,7 +15,7 @@ from moetool.export.gguf.layout import Layout, plan_layout
 from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import Checkpoint
 from moetool.quant.devices import MemoryEstimate, estimate_memory, get_device
-from moetool.quant.plan import QuantPlan, QuantSpec, preset_spec, resolve
+from moetool.quant.plan import QuantPlan, QuantSpec, resolve
 from moetool.quant.types import TYPES
 
 # parity gates for float plans (issue: f32 ≤ 1e-3, f16 ≤ 1e-2); quantized plans are reported, not gated
@@ -98,11 +98,11 @@ class GGUFExporter:
         device = get_device(req.device)
         ctx = req.context or device.context
         user_plan = req.quant.preset is not None or req.quant.rules or req.quant.default
-        ladder = [req.quant] if user_plan else [preset_spec(p).model_copy(update={"preset": p}) for p in device.ladder]
+        ladder = [req.quant] if user_plan else [QuantSpec(preset=p) for p in device.ladder]
         candidates = []
         chosen = None
         for spec in ladder:
-            q = resolve(spec if isinstance(spec, QuantSpec) else spec, entries, cannot=_ROUTER_K)
+            q = resolve(spec, entries, cannot=_ROUTER_K)
             unsupported = sorted({a.type for a in q.assignments if not device.supports("gguf", a.type)})
             mem = estimate_memory(q.total_bytes, cfg, ctx)
             fits = mem.total <= device.budget and not unsupported

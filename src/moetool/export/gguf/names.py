@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 # (HF regex, GGUF template). {i} is the layer; expert tensors carry their expert index in group 'e' and are
 # stacked into one 3-D tensor per layer.
@@ -58,7 +59,7 @@ def gguf_name(hf_name: str) -> tuple[str, int | None] | None:
     return None
 
 
-def permute_qk(w: "object", n_head: int) -> "object":
+def permute_qk(w: Any, n_head: int) -> Any:
     """HF's rotate-half Q/K rows → the interleaved order of llama.cpp's NORM rope (as llama.cpp's converter).
 
     ``w``: [n_head·head_dim, ...] (weight or bias), numpy.

@@ -88,10 +88,10 @@ def read_vocab(model_dir: Path) -> GGUFVocab:
     n = max(vocab.values()) + 1
     tokens = [f"[PAD{i}]" for i in range(n)]
     types = [TOKEN_USER_DEFINED] * n  # holes become unused placeholders
-    for tok, i in vocab.items():
-        tokens[i] = tok
+    for piece, i in vocab.items():
+        tokens[i] = piece
         types[i] = TOKEN_NORMAL
-    for content, t in added.items():
+    for t in added.values():
         types[t["id"]] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     if not merges:
@@ -100,12 +100,12 @@ def read_vocab(model_dir: Path) -> GGUFVocab:
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
     probe = tok("a").input_ids
     plain = tok("a", add_special_tokens=False).input_ids
     add_bos = tok.bos_token_id is not None and len(probe) > len(plain) and probe[0] == tok.bos_token_id
     add_eos = tok.eos_token_id is not None and len(probe) > len(plain) and probe[-1] == tok.eos_token_id
-    template = getattr(tok, "chat_template", None)
+    chat = getattr(tok, "chat_template", None)
     return GGUFVocab(
         pre=pre,
         tokens=tokens,
@@ -117,7 +117,7 @@ def read_vocab(model_dir: Path) -> GGUFVocab:
         unk=tok.unk_token_id,
         add_bos=add_bos,
         add_eos=add_eos,
-        chat_template=template if isinstance(template, str) else None,
+        chat_template=chat if isinstance(chat, str) else None,
     )
 
 

@@ -121,7 +121,7 @@ def write_gguf(
     for t in layout.tensors:
         ty = "f32" if t.name in k_types else types[t.name]
         spec = TYPES[ty]
-        if spec.float:
+        if spec.is_float:
             dt = np.float32 if ty == "f32" else np.float16
             w.add_tensor_info(t.name, t.shape, np.dtype(dt), spec.nbytes(t.shape))
         else:

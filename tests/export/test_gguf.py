@@ -1,0 +1,133 @@
+"""GGUF export proven in llama.cpp: tiny Mixtral (3 experts), Qwen2-MoE (shared expert), Qwen3-MoE and dense models."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import llama_cpp  # noqa: E402,F401  (the dev extra installs it; a missing runtime must fail, not skip)
+import numpy as np
+import pytest
+
+from conftest import save_dense, write_recipe
+from moetool.api import export, merge, plan_export
+from moetool.errors import OutputExistsError
+from moetool.export import ExportError
+
+EXPERTS3 = """
+experts:
+  - {{name: code, source: {e1}, positive_prompts: ["def main():"]}}
+  - {{name: legal, source: {e2}, positive_prompts: ["Permission is hereby granted"]}}
+  - {{name: medical, source: {e3}, positive_prompts: ["acute bronchitis"]}}
+"""
+
+
+def _merge(tmp, m, name, extra=""):
+    text = f"name: {name}\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\n{extra}\n" + EXPERTS3.format(
+        e1=m["e1"], e2=m["e2"], e3=m["e3"]
+    )
+    return merge(write_recipe(tmp / f"{name}.yaml", text), tmp / name)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tiny_models, tmp_path_factory):
+    return _merge(tmp_path_factory.mktemp("mx"), tiny_models("llama"), "mx3")
+
+
+def _parity(manifest):
+    p = manifest["parity"]
+    assert p["tokenizer_match"], p["tokenizer_mismatches"]
+    assert p["seq_lens"] == [32, 128]
+    return p
+
+
+def test_mixtral_three_experts_f32(mixtral, tmp_path):
+    m = export(mixtral, tmp_path / "f32", quant="f32")
+    p = _parity(m)
+    assert m["llama_cpp_arch"] == "llama"
+    assert max(p["max_abs_logit_diff"].values()) <= 1e-3
+    assert p["top1_agreement"] == 1.0 and abs(p["ppl_change"]) < 1e-4
+    reader = gguf.GGUFReader(str(tmp_path / "f32" / m["file"]))
+    assert int(reader.fields["llama.expert_count"].parts[-1][0]) == 3
+    exps = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight")
+    assert list(exps.shape) == [32, 48, 3]  # ne order: hidden, ff, experts
+    on_disk = json.loads((tmp_path / "f32" / "manifest.json").read_text())
+    assert on_disk["model"]["weights_sha256"] and on_disk["artifact"]["bytes"] == (tmp_path / "f32" / m["file"]).stat().st_size
+
+
+def test_mixtral_f16_and_quantized_plans(mixtral, tmp_path):
+    p = _parity(export(mixtral, tmp_path / "f16", quant="f16"))
+    assert max(p["max_abs_logit_diff"].values()) <= 1e-2
+    m = export(mixtral, tmp_path / "q", quant="experts=q4_0,router=f32,*=q8_0")
+    p = _parity(m)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q" / m["file"])).tensors}
+    assert types["blk.1.ffn_down_exps.weight"] == "F16"  # rows of 48: no 32-block fits, llama.cpp's fallback
+    assert types["blk.1.ffn_up_exps.weight"] == "Q4_0" and types["blk.0.attn_q.weight"] == "Q8_0"
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32" and types["blk.0.attn_norm.weight"] == "F32"
+    assert 0.5 < p["top1_agreement"] <= 1.0 and p["ppl_artifact"] > 0
+    assert any("q4_0 → f16" in n for n in m["notes"])
+
+
+def test_qwen2_moe_shared_expert(tiny_models, tmp_path):
+    m = tiny_models("qwen2")
+    shared = f"shared_expert: {{source: {m['base']}, positive_prompts: ['def']}}\n"
+    normed = _merge(tmp_path, m, "q2n", shared)
+    with pytest.raises(ExportError, match="norm_topk_prob: false"):
+        plan_export(normed, tmp_path / "x", quant="f32")
+    plain = _merge(tmp_path, m, "q2", shared + "norm_topk_prob: false\n")
+    man = export(plain, tmp_path / "q2-f32", quant="f32")
+    assert man["llama_cpp_arch"] == "qwen2moe"
+    assert max(_parity(man)["max_abs_logit_diff"].values()) <= 1e-3
+
+
+def test_qwen2_moe_without_shared_expert_uses_llama_moe(tiny_models, tmp_path):
+    m = tiny_models("qwen2")
+    man = export(_merge(tmp_path, m, "q2ns"), tmp_path / "o", quant="f32")
+    assert man["llama_cpp_arch"] == "llama" and any("Mixtral form" in n for n in man["notes"])
+    assert max(_parity(man)["max_abs_logit_diff"].values()) <= 1e-3
+    zero = _merge(tmp_path, m, "q2z", "norm_topk_prob: false\n")
+    man = export(zero, tmp_path / "z", quant="f32")
+    assert man["llama_cpp_arch"] == "qwen2moe" and any("zero" in n for n in man["notes"])
+    assert max(_parity(man)["max_abs_logit_diff"].values()) <= 1e-3
+
+
+def test_qwen3_moe(tiny_models, tmp_path):
+    man = export(_merge(tmp_path, tiny_models("qwen3"), "q3"), tmp_path / "o", quant="f32")
+    assert man["llama_cpp_arch"] == "qwen3moe"
+    assert max(_parity(man)["max_abs_logit_diff"].values()) <= 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_dense_models(tiny_models, tmp_path, family):
+    man = export(tiny_models(family)["base"], tmp_path / family, quant="f32")
+    assert max(_parity(man)["max_abs_logit_diff"].values()) <= 1e-3
+
+
+def test_k_quants_come_from_llama_cpp(tmp_path):
+    """Rows of 256 take K types; they are produced by llama.cpp's quantizer and the file holds what the plan says."""
+    d = save_dense(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2, num_hidden_layers=1, tie_word_embeddings=True)  # fmt: skip
+    man = export(d, tmp_path / "k", quant="ffn=q4_k,attention=q6_k,*=q8_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "k" / man["file"])).tensors}
+    assert types["blk.0.ffn_gate.weight"] == "Q4_K" and types["blk.0.ffn_down.weight"] == "Q4_K"
+    assert types["blk.0.attn_q.weight"] == "Q6_K" and types["token_embd.weight"] == "Q8_0"
+    assert "output.weight" not in types  # tied: llama.cpp reuses token_embd
+    p = _parity(man)
+    assert p["top1_agreement"] > 0.8 and np.isfinite(p["ppl_artifact"])
+
+
+def test_output_is_not_overwritten_without_force(mixtral, tmp_path):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="--force"):
+        export(mixtral, tmp_path / "o", quant="f32", verify=False)
+    assert (tmp_path / "o" / "keep.txt").read_text() == "mine"
+
+
+def test_failed_parity_leaves_nothing(mixtral, tmp_path, monkeypatch):
+    from moetool.export.gguf import exporter
+
+    monkeypatch.setitem(exporter.GATES, "f32", 1e-12)
+    with pytest.raises(ExportError, match="parity failed"):
+        export(mixtral, tmp_path / "bad", quant="f32")
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
