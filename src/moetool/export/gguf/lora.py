@@ -188,7 +188,7 @@ def export_adapter(adapter_dir: Path, base_dir: Path, output: Path, *, force: bo
                 plan = resolve(QuantSpec(preset="f32"), [t.entry() for t in layout.tensors])
                 base_gguf = Path(work) / "base.f32.gguf"
                 write_gguf(base_gguf, ckpt=base, cfg=base.config, layout=layout, plan=plan,
-                           vocab=read_vocab(base_dir), name=model_name(base_dir))  # fmt: skip
+                           vocab=read_vocab(base_dir, int(base.config["vocab_size"])), name=model_name(base_dir))  # fmt: skip
                 ref = merged_checkpoint(base_dir, adapter_dir, Path(work) / "merged")
                 text, source = (eval_text, "user") if eval_text else held_out_text(base_dir)
                 report = compare(base_gguf, ref, text, lora_path=tmp / fname)

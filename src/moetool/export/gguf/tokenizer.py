@@ -18,7 +18,7 @@ _SPLIT_PRE: dict[str, str] = {
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
 }
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 
 
 @dataclass
@@ -61,8 +61,11 @@ def _pre_tokenizer(pre: dict[str, Any] | None, where: Path) -> str:
     )
 
 
-def read_vocab(model_dir: Path) -> GGUFVocab:
+def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
     """Everything GGUF needs to tokenize as the Hugging Face tokenizer does.
+
+    ``vocab_size`` (the embedding rows) pads the token list with unused ``[PAD{i}]`` entries, as llama.cpp's
+    converter does: llama.cpp requires one token per embedding row.
 
     Raises:
         ExportError: for tokenizers llama.cpp would treat differently (non-BPE models, normalizers,
@@ -86,8 +89,11 @@ def read_vocab(model_dir: Path) -> GGUFVocab:
     for content, t in added.items():
         vocab[content] = t["id"]
     n = max(vocab.values()) + 1
+    if vocab_size is not None and vocab_size < n:
+        raise ExportError(f"{path}: {n} tokens but the model has only {vocab_size} embedding rows")
+    n = max(n, vocab_size or 0)
     tokens = [f"[PAD{i}]" for i in range(n)]
-    types = [TOKEN_USER_DEFINED] * n  # holes become unused placeholders
+    types = [TOKEN_UNUSED] * n  # holes and padding rows
     for piece, i in vocab.items():
         tokens[i] = piece
         types[i] = TOKEN_NORMAL

@@ -21,6 +21,7 @@ from moetool.io.checkpoint import Checkpoint
 from moetool.quant.plan import QuantPlan
 from moetool.quant.types import TYPES
 
+SHEXP_GATE_EPS = 1e-20
 # label for general.file_type: the type holding most of the weights
 _FILE_TYPE = {
     "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 11,
@@ -37,13 +38,17 @@ def _ggml(name: str) -> Any:
 def load_tensor(ckpt: Checkpoint, t: GGUFTensor) -> np.ndarray:
     """The tensor as float32 numpy in torch order, stacked, permuted and squeezed as the layout says."""
     if t.zeros:
-        return np.zeros(t.shape, dtype=np.float32)
+        arr = np.zeros(t.shape, dtype=np.float32)
+        return np.full(t.shape, SHEXP_GATE_EPS, dtype=np.float32) if t.name.endswith("gate_inp_shexp.weight") else arr
     parts = [ckpt.get(s).float().numpy() for s in t.sources]
     arr = np.stack(parts) if len(parts) > 1 else parts[0]
     if t.permute_heads:
         arr = permute_qk(arr, t.permute_heads)
     if t.squeeze:
         arr = arr.reshape(-1)
+    if t.name.endswith("ffn_gate_inp_shexp.weight") and not np.any(arr):
+        # llama.cpp computes the shared-expert sigmoid as silu(x)/x, NaN at x = 0; a 1e-20 gate still gives 0.5
+        arr = np.full(arr.shape, SHEXP_GATE_EPS, dtype=np.float32)
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
@@ -121,7 +126,7 @@ def write_gguf(
     for t in layout.tensors:
         ty = "f32" if t.name in k_types else types[t.name]
         spec = TYPES[ty]
-        if spec.is_float:
+        if ty in ("f32", "f16"):
             dt = np.float32 if ty == "f32" else np.float16
             w.add_tensor_info(t.name, t.shape, np.dtype(dt), spec.nbytes(t.shape))
         else:
@@ -161,14 +166,17 @@ def requantize_k(src: Path, dst: Path, plan: QuantPlan, threads: int = 0) -> Non
     for i, (n, ty) in enumerate(names):
         pat = ("^" + n.replace(".", r"\.") + "$").encode()
         keep.append(pat)
-        arr[i].pattern = ctypes.c_char_p(pat)
+        arr[i].pattern = pat
         arr[i].type = int(_ggml(ty))
     arr[len(names)].pattern = None
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
     params.ftype = 7  # MOSTLY_Q8_0: only a label here, every 2-D tensor has an override
     params.pure = True
-    params.tt_overrides = ctypes.cast(arr, ctypes.c_void_p)
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(Override))
+    from moetool.export.gguf.verify import _quiet_stderr
+
+    with _quiet_stderr():
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise ExportError(f"llama.cpp's quantizer failed on {src} (return code {rc})")
