@@ -131,3 +131,57 @@ def test_failed_parity_leaves_nothing(mixtral, tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="parity failed"):
         export(mixtral, tmp_path / "bad", quant="f32")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
+
+
+def test_zero_shared_expert_gate_is_not_nan(tiny_models, tmp_path):
+    """moetool writes a zero shared-expert gate when no prompts are given; llama.cpp's silu(x)/x would be NaN."""
+    m = tiny_models("qwen2")
+    moe = _merge(tmp_path, m, "q2g", f"shared_expert: {{source: {m['base']}}}\nnorm_topk_prob: false\n")
+    man = export(moe, tmp_path / "o", quant="f32")
+    assert max(_parity(man)["max_abs_logit_diff"].values()) <= 1e-3
+
+
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def test_qwen2_style_split_pretokenizer(tmp_path):
+    """A Split(regex) + ByteLevel tokenizer maps to llama.cpp's 'qwen2' pre-tokenizer and tokenizes identically."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import TEXT
+    from moetool.export.gguf.tokenizer import read_vocab
+
+    d = save_dense(tmp_path / "q", "qwen2")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    tok.train_from_iterator([TEXT], trainer)
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(d))
+    assert read_vocab(d).pre == "qwen2"
+    man = export(d, tmp_path / "o", quant="f32")
+    assert _parity(man)["tokenizer_match"]
+
+
+def test_unknown_pretokenizer_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    d = save_dense(tmp_path / "w", "llama")
+    tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(d))
+    with pytest.raises(ExportError, match="not one llama.cpp implements"):
+        export(d, tmp_path / "o", quant="f32")
+    assert not (tmp_path / "o").exists()
