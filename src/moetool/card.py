@@ -48,12 +48,12 @@ def provenance(sources: dict[str, Any], recipe_text: str, *, allow_pickle: bool 
 
 
 def base_model_ids(sources: dict[str, Any]) -> list[str]:
-    """``base_model`` entries: Hub ids as given; local and zoo models by their reference."""
+    """``base_model`` entries: only Hub repo ids (from the local HF cache). Zoo and local models have no Hub id and
+    the Hub rejects made-up ones, so they are listed in the card's Sources table instead."""
     seen: list[str] = []
     for src in sources.values():
-        ident = src.ref if src.kind in _REPO_ID_LIKE else src.ref.replace("zoo:", "moetool-zoo/")
-        if ident not in seen:
-            seen.append(ident)
+        if src.kind in _REPO_ID_LIKE and src.ref not in seen:
+            seen.append(src.ref)
     return seen
 
 
@@ -72,9 +72,10 @@ def model_card(
     """Render README.md: YAML front matter the Hub understands, then what was merged and how."""
     from huggingface_hub import ModelCardData
 
+    hub_ids = base_model_ids(sources)
     data = ModelCardData(
-        base_model=base_model_ids(sources),
-        base_model_relation="merge",
+        base_model=hub_ids or None,
+        base_model_relation="merge" if hub_ids else None,
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=["moe", "moetool", "merge", method, arch],

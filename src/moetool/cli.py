@@ -276,7 +276,7 @@ def demo(
     recipe: Annotated[Path, typer.Option(help="Recipe to merge and tune.")] = Path("recipes/demo-mofe.yaml"),
     max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain in the evaluation.")] = 16384,
 ) -> None:
-    """Zoo → merge → router tuning (router_only and mofe) → per-domain evaluation with an acceptance verdict."""
+    """Zoo → merge → router tuning → evaluation with a verdict → verified GGUF for a Raspberry Pi → HF repo folder."""
     from moetool.recipe import load_recipe
     from moetool.train.router_tuning import train_router
     from moetool.zoo import build_zoo
@@ -297,6 +297,28 @@ def demo(
     report = eval_cmd(names, domains=",".join(r.train.data), data=None, own=None, seq_len=256,
                       max_tokens=max_tokens, json_file=output / "eval.json", plots=output / "plots")  # fmt: skip
     acceptance(report, [str(merged), *tuned])
+
+    import importlib.util
+
+    from moetool.api import plan_export
+    from moetool.package import build_repo
+
+    verify = importlib.util.find_spec("llama_cpp") is not None
+    best = Path(tuned[-1])
+    for dev in ("raspberry-pi-4",):
+        console.rule(f"GGUF export for {dev} (plan from the recipe's quantization section)")
+        exporter, req, plan = plan_export(best, output / "exports" / dev, device=dev, force=True, verify=verify)
+        print_quant_plan(plan, f"{exporter.name} plan '{plan.quant.label}' for {plan.name} on {dev}")
+        if not verify:
+            console.print("[yellow]llama-cpp-python is not installed (bash scripts/setup.sh --llama): the GGUF is "
+                          "written but not checked in llama.cpp[/]")  # fmt: skip
+        with console.status("writing and verifying …"):
+            manifest = exporter.export(req, plan, console=console)
+        out.print(f"[green]wrote[/] {req.output / manifest['file']} ({_human(manifest['artifact']['bytes'])})")
+        _print_parity(manifest["parity"])
+    console.rule("Hugging Face repo folder")
+    repo = build_repo(output, output / "hf-repo", force=True)
+    out.print(f"[green]wrote[/] {repo} (push with: moetool push {repo} --repo-id YOU/NAME)")
 
 
 def print_quant_plan(plan: Any, title: str) -> None:
