@@ -399,13 +399,20 @@ def export_cmd(
 def _print_parity(p: Any) -> None:
     if isinstance(p, dict):
         diffs = ", ".join(f"seq {k}: {v:.2e}" for k, v in p["max_abs_logit_diff"].items())
-        out.print(
-            f"parity ({p['runtime']} vs {p['reference']}, {p['text']} text): max |Δlogit| {diffs}; top-1 agreement "
-            f"{p['top1_agreement']:.4f}; perplexity {p['ppl_reference']:.3f} → {p['ppl_artifact']:.3f} "
-            f"({100 * p['ppl_change']:+.2f}%); tokenizer {'matches' if p['tokenizer_match'] else 'DIFFERS'} "
-            f"on {p['tokenizer_probes']} probes",
-            highlight=False,
+        line = (
+            f"parity ({p['runtime']} vs {p['reference']}, {p.get('text', '?')} text): max |Δlogit| {diffs}; top-1 "
+            f"agreement {p['top1_agreement']:.4f}; perplexity {p['ppl_reference']:.3f} → {p['ppl_artifact']:.3f} "
+            f"({100 * p['ppl_change']:+.2f}%)"
         )
+        if "conversion" in p:
+            conv = p["conversion"]
+            worst = max(conv["max_abs_logit_diff"].values())
+            line += f"; conversion alone (artifact's own weights): max |Δlogit| {worst:.2e}, top-1 {conv['top1_agreement']:.4f}"
+        if "decode" in p:
+            line += f"; decode with KV cache: max |Δlogit| {p['decode']['max_abs_logit_diff']:.2e}"
+        if "tokenizer_match" in p:
+            line += f"; tokenizer {'matches' if p['tokenizer_match'] else 'DIFFERS'} on {p['tokenizer_probes']} probes"
+        out.print(line, highlight=False)
     else:
         out.print(f"[yellow]{p}[/]")
 

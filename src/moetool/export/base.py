@@ -43,8 +43,11 @@ class Exporter(Protocol):
 
 
 # target → "module:Class"; the module is imported only when the target is used
-TARGETS: dict[str, str] = {"gguf": "moetool.export.gguf.exporter:GGUFExporter"}
-PLANNED_TARGETS = ("onnx", "tflite", "coreml", "executorch")
+TARGETS: dict[str, str] = {
+    "gguf": "moetool.export.gguf.exporter:GGUFExporter",
+    "onnx": "moetool.export.onnx.exporter:ONNXExporter",
+}
+PLANNED_TARGETS = ("tflite", "coreml", "executorch")
 
 
 def get_exporter(target: str) -> Exporter:

@@ -22,7 +22,8 @@ class Device:
     memory: int  # bytes of RAM
     budget: int  # bytes an app may use for the model
     formats: tuple[str, ...]  # preferred first
-    precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # format → types its runtime runs
+    # format → what its runtime runs there: GGUF type names, or fp32/int8/int4 for graph formats
+    precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)
     context: int = 2048  # context length the estimate assumes
     ladder: tuple[str, ...] = ("f16", "q8_0", "moe-q5", "gem", "moe-q4", "q4_0")  # plans tried, best first
     note: str = ""
@@ -50,7 +51,7 @@ DEVICES: dict[str, Device] = {
             memory=8 * GB,
             budget=4 * GB,
             formats=("tflite", "gguf"),
-            precisions={"tflite": ("f32", "f16", "q8_0", "q4_0"), "gguf": ALL_GGUF},
+            precisions={"tflite": ("fp32", "int8", "int4"), "gguf": ALL_GGUF},
             note="Android's low-memory killer takes apps well before 8 GB; the NPU is native int8/fp16 only",
         ),
         Device(
@@ -59,7 +60,7 @@ DEVICES: dict[str, Device] = {
             memory=6 * GB,
             budget=int(4.2 * GB),
             formats=("coreml", "gguf"),
-            precisions={"coreml": ("f32", "f16", "q8_0", "q4_0"), "gguf": ALL_GGUF},
+            precisions={"coreml": ("fp32", "int8", "int4"), "gguf": ALL_GGUF},
             note="about 4.2 GB with the increased-memory-limit entitlement (GEM's figure); about 3 GB without",
         ),
         Device(
@@ -68,7 +69,7 @@ DEVICES: dict[str, Device] = {
             memory=16 * GB,
             budget=12 * GB,
             formats=("gguf", "onnx"),
-            precisions={"gguf": ALL_GGUF, "onnx": ("f32", "f16", "q8_0", "q4_0")},
+            precisions={"gguf": ALL_GGUF, "onnx": ("fp32", "int8", "int4")},
             context=4096,
             ladder=("f32", "f16", "q8_0", "moe-q5", "gem", "moe-q4", "q4_0"),
             note="leaves 4 GB to the OS and a browser",

@@ -14,10 +14,11 @@ from moetool.card import sha256_file
 from moetool.export.base import ExportError, ExportRequest, write_manifest
 from moetool.export.gguf.dequant import artifact_checkpoint
 from moetool.export.gguf.layout import Layout, plan_layout
+from moetool.export.planning import choose_plan
 from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import Checkpoint
-from moetool.quant.devices import MemoryEstimate, estimate_memory, get_device
-from moetool.quant.plan import QuantPlan, QuantSpec, resolve
+from moetool.quant.devices import MemoryEstimate
+from moetool.quant.plan import QuantPlan
 from moetool.quant.types import TYPES
 
 # Conversion gates: llama.cpp against transformers running the artifact's own weights. f32 ≤ 1e-3 and f16 ≤ 1e-2
@@ -96,32 +97,8 @@ class GGUFExporter:
         layout = plan_layout(cfg, shapes)
         entries = [t.entry() for t in layout.tensors]
         name = model_name(req.model_dir)
-        if req.device is None:
-            quant = resolve(req.quant, entries, cannot=_ROUTER_K)
-            ctx = req.context or 2048
-            return GGUFPlan(req.model_dir, cfg, layout, quant, name, None, estimate_memory(quant.total_bytes, cfg, ctx), ctx)
-
-        device = get_device(req.device)
-        ctx = req.context or device.context
-        user_plan = req.quant.preset is not None or req.quant.rules or req.quant.default
-        ladder = [req.quant] if user_plan else [QuantSpec(preset=p) for p in device.ladder]
-        candidates = []
-        chosen = None
-        for spec in ladder:
-            q = resolve(spec, entries, cannot=_ROUTER_K)
-            unsupported = sorted({a.type for a in q.assignments if not device.supports("gguf", a.type)})
-            mem = estimate_memory(q.total_bytes, cfg, ctx)
-            fits = mem.total <= device.budget and not unsupported
-            candidates.append((q.label, mem.total, fits))
-            if fits and chosen is None:
-                chosen = (q, mem)
-        if chosen is None:
-            rows = "; ".join(f"{lbl}: {tot / 1e9:.2f} GB" for lbl, tot, _ in candidates)
-            raise ExportError(
-                f"no plan fits {device.name} (budget {device.budget / 1e9:.2f} GB at {ctx} tokens of context): {rows}"
-            )
-        plan = GGUFPlan(req.model_dir, cfg, layout, chosen[0], name, device.name, chosen[1], ctx, candidates)
-        return plan
+        c = choose_plan(req, entries, cfg, "gguf", cannot=_ROUTER_K)
+        return GGUFPlan(req.model_dir, cfg, layout, c.quant, name, c.device, c.memory, c.context, c.candidates)
 
     def export(self, req: ExportRequest, plan: GGUFPlan, console: Any = None) -> dict[str, Any]:
         from moetool.export.gguf.tokenizer import read_vocab

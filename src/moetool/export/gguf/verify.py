@@ -162,6 +162,7 @@ def check_tokenizer(llm: Any, tok: Any) -> list[dict[str, Any]]:
 
 def windows(tok: Any, text: str, seq_lens: list[int], n_windows: int) -> tuple[list[list[int]], list[list[int]]]:
     """Token windows: one per probe length (for logit diffs) and ``n_windows`` of the longest (for perplexity)."""
+    tok.model_max_length = 10**9  # windows are cut below; silence the "longer than the maximum" warning
     ids = tok(text, add_special_tokens=False).input_ids
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     longest = max(seq_lens)

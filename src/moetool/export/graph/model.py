@@ -1,0 +1,229 @@
+"""An export-friendly causal LM owned by moetool: static shapes, explicit mask/positions/KV cache.
+
+Built from a loaded transformers model (Mixtral, Qwen2-MoE, Qwen3-MoE and the dense llama/mistral/qwen2/qwen3
+families), sharing its weights, but with a forward every graph converter can trace:
+
+- MoE blocks in a *dense-masked* form: every expert is an ``nn.Linear`` triple and runs on every token; the
+  router's top-k weights are scattered into an [T, E] matrix (zero for unchosen experts) that weights the sum. No
+  data-dependent shapes (the converters choke on transformers' ``nonzero``/grouped paths), and every expert weight is
+  a 2-D MatMul a weight quantizer can reach. It computes E/k times the FFN work of a sparse kernel.
+- attention written out (no SDPA), GQA by repeat, rope from explicit ``position_ids``, an additive mask given by
+  the caller, and the KV cache as explicit inputs and outputs: ``past[i] = (k, v)`` of shape [B, kv_heads, P, hd].
+
+Shapes: ``input_ids`` [B, T] int64; ``position_ids`` [B, T] int64; ``mask`` [B, 1, T, P+T] float (0 or -inf-ish);
+``past_k_i``/``past_v_i`` [B, kv_heads, P, head_dim]; logits [B, T, V].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+NEG = -1e9  # additive mask value: finite, so a fully masked row stays finite in every runtime
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+def _linear(w: torch.Tensor, b: torch.Tensor | None = None) -> nn.Linear:
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+    lin.weight = nn.Parameter(w.detach().clone(), requires_grad=False)
+    if b is not None:
+        lin.bias = nn.Parameter(b.detach().clone(), requires_grad=False)
+    return lin
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): one expert, a shared expert or a dense MLP."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = _linear(gate), _linear(up), _linear(down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DenseMaskedMoE(nn.Module):
+    """Top-k softmax routing over per-expert MLPs, every expert evaluated, unchosen ones weighted 0."""
+
+    def __init__(self, router: torch.Tensor, experts: list[GatedMLP], top_k: int, norm_topk: bool,
+                 shared: GatedMLP | None = None, shared_gate: torch.Tensor | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.router = _linear(router)
+        self.experts = nn.ModuleList(experts)
+        self.top_k, self.norm_topk = top_k, norm_topk
+        self.shared = shared
+        self.shared_gate = None if shared_gate is None else _linear(shared_gate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(x).float(), dim=-1)  # [B, T, E]
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        weights = torch.zeros_like(probs).scatter(-1, idx, top).to(x.dtype)  # [B, T, E]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + weights[..., e : e + 1] * expert(x)
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(self.shared_gate(x)) * s
+            out = out + s
+        return out
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, attn: Any, cfg: Any, eps: float) -> None:
+        super().__init__()
+        self.n_head = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_head)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_head)
+        get_b = lambda m: None if m.bias is None else m.bias  # noqa: E731
+        self.q = _linear(attn.q_proj.weight, get_b(attn.q_proj))
+        self.k = _linear(attn.k_proj.weight, get_b(attn.k_proj))
+        self.v = _linear(attn.v_proj.weight, get_b(attn.v_proj))
+        self.o = _linear(attn.o_proj.weight, get_b(attn.o_proj))
+        qn = getattr(attn, "q_norm", None)
+        self.q_norm = None if qn is None else RMSNorm(qn.weight, eps)
+        kn = getattr(attn, "k_norm", None)
+        self.k_norm = None if kn is None else RMSNorm(kn.weight, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                past_k: torch.Tensor | None, past_v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.n_head, self.head_dim)
+        k = self.k(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if past_k is not None and past_v is not None:
+            k = torch.cat([past_k, k], dim=2)
+            v = torch.cat([past_v, v], dim=2)
+        rep = self.n_head // self.n_kv
+        kk = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+        vv = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+        scores = torch.matmul(q, kk.transpose(2, 3)) * (self.head_dim**-0.5) + mask
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        y = torch.matmul(probs, vv).transpose(1, 2).reshape(b, t, self.n_head * self.head_dim)
+        return self.o(y), k, v
+
+
+class Block(nn.Module):
+    def __init__(self, layer: Any, cfg: Any, eps: float, mlp: nn.Module) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(layer.input_layernorm.weight, eps)
+        self.attn = Attention(layer.self_attn, cfg, eps)
+        self.ffn_norm = RMSNorm(layer.post_attention_layernorm.weight, eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                past_k: torch.Tensor | None, past_v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        a, k, v = self.attn(self.attn_norm(x), cos, sin, mask, past_k, past_v)
+        x = x + a
+        return x + self.mlp(self.ffn_norm(x)), k, v
+
+
+def _moe(mlp: Any, cfg: Any) -> nn.Module:
+    """Per-expert MLPs from transformers 5's fused expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    ex = mlp.experts
+    inter = ex.down_proj.shape[-1]
+    experts = [GatedMLP(ex.gate_up_proj[e, :inter], ex.gate_up_proj[e, inter:], ex.down_proj[e])
+               for e in range(ex.gate_up_proj.shape[0])]  # fmt: skip
+    shared = getattr(mlp, "shared_expert", None)
+    shared_mlp = None
+    if shared is not None and shared.gate_proj.weight.shape[0] > 0:
+        shared_mlp = GatedMLP(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+    gate = getattr(mlp, "shared_expert_gate", None)
+    norm = bool(getattr(cfg, "norm_topk_prob", True)) if cfg.model_type != "mixtral" else True
+    return DenseMaskedMoE(mlp.gate.weight, experts, int(cfg.num_experts_per_tok), norm, shared_mlp,
+                          None if shared_mlp is None or gate is None else gate.weight)  # fmt: skip
+
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+class ExportLM(nn.Module):
+    """The whole model: ``forward(input_ids, position_ids, mask, *past) -> (logits, *present)``.
+
+    ``past`` is ``k_0, v_0, k_1, v_1, …`` (or empty for the prefill graph); ``present`` the same with the new
+    positions appended.
+    """
+
+    def __init__(self, hf: Any) -> None:
+        super().__init__()
+        cfg = hf.config
+        if cfg.model_type not in SUPPORTED:
+            raise ValueError(f"model_type {cfg.model_type!r}: graph export supports {', '.join(SUPPORTED)}")
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported by the export model yet")
+        eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        inner = hf.model
+        self.embed = nn.Embedding.from_pretrained(inner.embed_tokens.weight.detach().clone(), freeze=True)
+        blocks = []
+        for layer in inner.layers:
+            m = layer.mlp
+            mlp = _moe(m, cfg) if hasattr(m, "experts") else GatedMLP(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+            blocks.append(Block(layer, cfg, eps, mlp))
+        self.layers = nn.ModuleList(blocks)
+        self.norm = RMSNorm(inner.norm.weight, eps)
+        self.lm_head = _linear(hf.lm_head.weight)
+        self.register_buffer("inv_freq", inner.rotary_emb.inv_freq.detach().clone().float(), persistent=False)
+        self.n_layers = len(blocks)
+        self.n_kv = blocks[0].attn.n_kv
+        self.head_dim = blocks[0].attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        x = self.embed(input_ids)
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        freqs = position_ids.float()[..., None] * inv_freq  # [B, T, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, hd]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        present: list[torch.Tensor] = []
+        for i, block in enumerate(self.layers):
+            pk = past[2 * i] if past else None
+            pv = past[2 * i + 1] if past else None
+            x, k, v = block(x, cos, sin, mask, pk, pv)
+            present += [k, v]
+        return (self.lm_head(self.norm(x)), *present)
+
+
+def causal_mask(t: int, past: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, 1, T, P+T] additive mask: position i of the new tokens sees the past and new tokens ≤ i."""
+    full = torch.full((t, past + t), NEG, dtype=dtype)
+    full = torch.triu(full, diagonal=past + 1)
+    return full[None, None].expand(batch, 1, t, past + t).contiguous()
+
+
+def prefill_inputs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, t = ids.shape
+    pos = torch.arange(t)[None].expand(b, t).contiguous()
+    return ids, pos, causal_mask(t, 0, b)
+
+
+def load_export_model(model_dir: Any) -> tuple[Any, ExportLM]:
+    """(transformers model in fp32, its ExportLM)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return hf, ExportLM(hf).eval()

@@ -1,0 +1,87 @@
+"""Parity of a graph artifact in its runtime against transformers (fp32): two prefill lengths, a decode run with
+the KV cache, and top-1 agreement and perplexity on held-out windows."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from moetool.export.gguf.verify import _nll, windows
+
+Prefill = Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]]  # ids [1, T] → (logits, present)
+Decode = Callable[[np.ndarray, int, list[np.ndarray]], tuple[np.ndarray, list[np.ndarray]]]  # (ids [1,1], pos, past)
+
+
+def graph_parity(
+    hf: Any,
+    export_model: Any,
+    tok: Any,
+    text: str,
+    prefill: Prefill,
+    decode: Decode | None,
+    *,
+    runtime: str,
+    seq_lens: tuple[int, ...] = (32, 128),
+    n_windows: int = 4,
+    decode_steps: int = 8,
+) -> dict[str, Any]:
+    """Figures for the manifest. ``export_model`` (the torch wrapper that was converted) is compared too, so a
+    mismatch can be told apart from the conversion's."""
+    from moetool.export.graph.model import prefill_inputs
+
+    max_pos = int(getattr(hf.config, "max_position_embeddings", 2048))
+    lens = sorted({min(n, max_pos) for n in seq_lens})
+    probes, ppl_windows = windows(tok, text, lens, n_windows)
+    diffs: dict[str, float] = {}
+    wrapper: dict[str, float] = {}
+    for ids in probes:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            ref = hf(x).logits[0].numpy()
+            ours = export_model(*prefill_inputs(x))[0][0].numpy()
+        got = prefill(x.numpy())[0][0]
+        diffs[str(len(ids))] = float(np.abs(ref - got).max())
+        wrapper[str(len(ids))] = float(np.abs(ref - ours).max())
+    out: dict[str, Any] = {
+        "runtime": runtime,
+        "reference": "transformers float32",
+        "seq_lens": lens,
+        "max_abs_logit_diff": diffs,
+        "export_model_vs_transformers": wrapper,
+    }
+    if decode is not None:
+        ids = probes[-1]
+        n0 = len(ids) - decode_steps
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].numpy()
+        logits, past = prefill(np.array([ids[:n0]], dtype=np.int64))
+        worst = float(np.abs(logits[0] - ref[:n0]).max())
+        for t in range(n0, len(ids)):
+            logits, past = decode(np.array([[ids[t]]], dtype=np.int64), t, past)
+            worst = max(worst, float(np.abs(logits[0, -1] - ref[t]).max()))
+        out["decode"] = {"prefill_tokens": n0, "steps": decode_steps, "max_abs_logit_diff": worst}
+    agree = total = 0
+    nll_ref = nll_got = 0.0
+    scored = 0
+    for ids in ppl_windows:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].numpy()
+        got = prefill(np.array([ids], dtype=np.int64))[0][0]
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        total += len(ids)
+        a, n = _nll(ref, ids)
+        b, _ = _nll(got, ids)
+        nll_ref, nll_got, scored = nll_ref + a, nll_got + b, scored + n
+    ppl_r, ppl_a = math.exp(nll_ref / scored), math.exp(nll_got / scored)
+    out |= {
+        "top1_agreement": round(agree / max(total, 1), 6),
+        "ppl_reference": round(ppl_r, 4),
+        "ppl_artifact": round(ppl_a, 4),
+        "ppl_change": round(ppl_a / ppl_r - 1, 6),
+        "tokens_scored": scored,
+    }
+    return out

@@ -1,0 +1,178 @@
+"""``moetool export --target onnx``: ExportLM → a prefill graph and a decode-step graph (dynamo exporter), weights
+quantized per the plan with onnxruntime's MatMulNBits (experts included: they are 2-D MatMuls in ExportLM), parity
+in onnxruntime.
+
+Files: ``model.onnx`` (prefill: input_ids, position_ids, mask [1,1,T,T] → logits, present.N.key/value) and
+``model-with-past.onnx`` (one token: input_ids [1,1], position_ids [1,1], mask [1,1,1,P+1], past.N.key/value
+[1, kv_heads, P, head_dim] → logits, present.N.key/value with P+1 positions).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moetool.export.base import ExportError, ExportRequest, write_manifest
+from moetool.export.graph.common import GraphPlan, manifest_base, plan_graph, require
+from moetool.io.atomic import atomic_dir
+
+FP32_GATE = 1e-4
+BLOCK = 32
+
+
+def _names(n_layers: int, kind: str) -> list[str]:
+    return [f"{kind}.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+
+def export_graphs(model: Any, prefill_path: Path, decode_path: Path) -> None:
+    """Trace both graphs with torch.onnx (dynamo); the sequence and past lengths stay dynamic."""
+    from moetool.export.graph.model import causal_mask, prefill_inputs
+
+    n = model.n_layers
+    seq = torch.export.Dim("seq", min=2, max=4096)
+    ids = torch.randint(0, 10, (1, 8))
+    torch.onnx.export(
+        model, prefill_inputs(ids), str(prefill_path), dynamo=True, optimize=True, verbose=False,
+        input_names=["input_ids", "position_ids", "mask"], output_names=["logits", *_names(n, "present")],
+        dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
+    )  # fmt: skip
+    past_len = torch.export.Dim("past", min=1, max=4095)
+    p = 5
+    past = [torch.zeros(1, model.n_kv, p, model.head_dim) for _ in range(2 * n)]
+    args = (ids[:, :1], torch.tensor([[p]]), causal_mask(1, p), *past)
+    shapes = (None, None, {3: past_len + 1}, tuple({2: past_len} for _ in past))  # *past is one input
+    torch.onnx.export(
+        model, args, str(decode_path), dynamo=True, optimize=True, verbose=False,
+        input_names=["input_ids", "position_ids", "mask", *_names(n, "past")],
+        output_names=["logits", *_names(n, "present")], dynamic_shapes=shapes,
+    )  # fmt: skip
+
+
+def _module_of(node: Any) -> str | None:
+    """The ExportLM module a node was traced from (the dynamo exporter records its name scopes)."""
+    import ast
+
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            scopes = ast.literal_eval(prop.value)
+            return str(scopes[-2]) if len(scopes) >= 2 else None
+    return None
+
+
+def quantize_graph(path: Path, precisions: dict[str, str]) -> dict[str, int]:
+    """Quantize MatMul/Gather weights in place per the plan; returns nodes per precision."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(path))
+    groups: dict[str, list[str]] = {"int8": [], "int4": []}
+    for node in model.graph.node:
+        if node.op_type not in ("MatMul", "Gather"):
+            continue
+        module = _module_of(node)
+        p = precisions.get(f"{module}.weight") if module else None
+        if p in groups:
+            groups[p].append(node.name)
+    for bits, key in ((4, "int4"), (8, "int8")):
+        if groups[key]:
+            # nodes_to_include only adds to op_types_to_quantize; exclusion is what restricts a pass
+            others = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gather") and n.name not in groups[key]]
+            q = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=True,
+                                     nodes_to_exclude=others, op_types_to_quantize=("MatMul", "Gather"))  # fmt: skip
+            q.process()
+            model = q.model.model
+    save_model(model, path)
+    return {k: len(v) for k, v in groups.items()}
+
+
+def save_model(model: Any, path: Path) -> None:
+    """One file when it fits protobuf's 2 GB limit, else one external-data file beside it (stale ones removed)."""
+    import onnx
+
+    for old in path.parent.glob(path.name + ".data"):
+        old.unlink()
+    if model.ByteSize() < 1_800_000_000:
+        onnx.save(model, str(path))
+    else:
+        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=path.name + ".data")  # fmt: skip
+
+
+def _count_ops(path: Path) -> dict[str, int]:
+    import onnx
+
+    out: dict[str, int] = {}
+    for n in onnx.load(str(path)).graph.node:
+        out[n.op_type] = out.get(n.op_type, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+class ONNXExporter:
+    name = "onnx"
+    requires = "onnx"
+
+    def plan(self, req: ExportRequest) -> GraphPlan:
+        return plan_graph(req, "onnx")
+
+    def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
+        require("onnx", "onnx")
+        ort = require("onnxruntime", "onnx")
+        from transformers import AutoTokenizer
+
+        from moetool.export.gguf.exporter import held_out_text
+        from moetool.export.graph.model import causal_mask, load_export_model
+        from moetool.export.graph.parity import graph_parity
+
+        hf, em = load_export_model(req.model_dir)
+        t0 = time.perf_counter()
+        with atomic_dir(req.output, force=req.force) as tmp:
+            pre, dec = tmp / "model.onnx", tmp / "model-with-past.onnx"
+            with tempfile.TemporaryDirectory():
+                export_graphs(em, pre, dec)
+            counts = quantize_graph(pre, plan.precisions())
+            quantize_graph(dec, plan.precisions())
+            parity: Any = "not verified (--no-verify)"
+            if req.verify:
+                so = ort.SessionOptions()
+                so.log_severity_level = 3
+                s_pre = ort.InferenceSession(str(pre), so, providers=["CPUExecutionProvider"])
+                s_dec = ort.InferenceSession(str(dec), so, providers=["CPUExecutionProvider"])
+                n = em.n_layers
+
+                def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+                    t = ids.shape[1]
+                    out = s_pre.run(None, {"input_ids": ids, "position_ids": np.arange(t, dtype=np.int64)[None],
+                                           "mask": causal_mask(t, 0).numpy()})  # fmt: skip
+                    return out[0], out[1:]
+
+                def decode(ids: np.ndarray, pos: int, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+                    feeds = {"input_ids": ids, "position_ids": np.array([[pos]], dtype=np.int64),
+                             "mask": causal_mask(1, pos).numpy()}  # fmt: skip
+                    feeds |= dict(zip(_names(n, "past"), past, strict=True))
+                    out = s_dec.run(None, feeds)
+                    return out[0], out[1:]
+
+                text, src = (req.eval_text, "user") if req.eval_text else held_out_text(req.model_dir)
+                tok = AutoTokenizer.from_pretrained(str(req.model_dir))
+                parity = graph_parity(hf, em, tok, text, prefill, decode, runtime=f"onnxruntime {ort.__version__}")
+                parity["text"] = src
+                lossless = all(p == "fp32" for p in plan.precisions().values())
+                worst = max([*parity["max_abs_logit_diff"].values(), parity["decode"]["max_abs_logit_diff"]])
+                if lossless and worst > FP32_GATE:
+                    raise ExportError(f"ONNX parity failed: max |Δlogit| {worst:.3g} > {FP32_GATE:g} (fp32)")
+            manifest = manifest_base("onnx", plan, {"model.onnx": pre, "model-with-past.onnx": dec}, "model.onnx")
+            manifest |= {
+                "runtime": f"onnxruntime {ort.__version__}",
+                "graphs": {"prefill": "model.onnx", "decode_step": "model-with-past.onnx"},
+                "quantized_nodes": counts,
+                "ops": _count_ops(pre),
+                "parity": parity,
+                "timing_s": {"total": round(time.perf_counter() - t0, 3)},
+            }
+            write_manifest(tmp, manifest)
+        return manifest

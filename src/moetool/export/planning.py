@@ -1,0 +1,79 @@
+"""Choosing a precision plan for a target and a device (shared by every exporter)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetool.export.base import ExportError, ExportRequest
+from moetool.quant.devices import MemoryEstimate, estimate_memory, get_device
+from moetool.quant.plan import QuantPlan, QuantSpec, TensorEntry, resolve
+
+
+@dataclass
+class PlanChoice:
+    quant: QuantPlan
+    memory: MemoryEstimate
+    context: int
+    device: str | None = None
+    candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits)
+
+
+def choose_plan(
+    req: ExportRequest,
+    entries: list[TensorEntry],
+    config: dict[str, Any],
+    fmt: str,
+    *,
+    precision_of: Callable[[str], str] = lambda t: t,
+    cannot: dict[str, str] | None = None,
+) -> PlanChoice:
+    """The request's plan, or with ``--device`` and no plan the first of the device's ladder that fits.
+
+    ``precision_of`` maps a plan type to the name the device profile lists for ``fmt`` (a GGUF type, or fp32/int8/
+    int4 for graph formats); types the target cannot store at all raise ``ValueError`` there.
+
+    Raises:
+        ExportError: a type the target cannot store, or no plan within the device's budget (with every estimate).
+    """
+
+    def resolve_checked(spec: QuantSpec) -> QuantPlan:
+        q = resolve(spec, entries, cannot=cannot)
+        try:
+            for a in q.assignments:
+                precision_of(a.type)
+        except ValueError as exc:
+            raise ExportError(f"plan {q.label!r} for {fmt}: {exc}") from None
+        return q
+
+    if req.device is None:
+        ctx = req.context or 2048
+        q = resolve_checked(req.quant)
+        return PlanChoice(q, estimate_memory(q.total_bytes, config, ctx), ctx)
+    device = get_device(req.device)
+    ctx = req.context or device.context
+    user_plan = req.quant.preset is not None or bool(req.quant.rules) or req.quant.default is not None
+    ladder = [req.quant] if user_plan else [QuantSpec(preset=p) for p in device.ladder]
+    candidates: list[tuple[str, int, bool]] = []
+    chosen: PlanChoice | None = None
+    for spec in ladder:
+        try:
+            q = resolve_checked(spec)
+        except ExportError:
+            if user_plan:
+                raise
+            continue
+        mem = estimate_memory(q.total_bytes, config, ctx)
+        fits = mem.total <= device.budget and all(device.supports(fmt, precision_of(a.type)) for a in q.assignments)
+        candidates.append((q.label, mem.total, fits))
+        if fits and chosen is None:
+            chosen = PlanChoice(q, mem, ctx, device.name)
+    if chosen is None:
+        rows = "; ".join(f"{lbl}: {tot / 1e9:.2f} GB" for lbl, tot, _ in candidates)
+        raise ExportError(
+            f"no plan fits {device.name} as {fmt} (budget {device.budget / 1e9:.2f} GB at {ctx} tokens of context, "
+            f"precisions {', '.join(device.precisions.get(fmt, ()))}): {rows}"
+        )
+    chosen.candidates = candidates
+    return chosen
