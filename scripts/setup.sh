@@ -4,6 +4,7 @@
 #   bash scripts/setup.sh --dev    # + test and lint tools
 #   bash scripts/setup.sh --bench  # + mergekit for bench/
 #   bash scripts/setup.sh --llama  # + llama-cpp-python (GGUF parity, K-quants); --dev includes it
+#   bash scripts/setup.sh --onnx   # + onnx, onnxruntime, onnxscript (ONNX export); --dev includes it
 # llama-cpp-python compiles llama.cpp (~12 min on 2 cores) once; pip caches the wheel for later runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,7 @@ for arg in "$@"; do
     --dev) extras="${extras:+$extras,}dev" ;;
     --bench) extras="${extras:+$extras,}bench" ;;
     --llama) extras="${extras:+$extras,}llama" ;;
+    --onnx) extras="${extras:+$extras,}onnx" ;;
     *) echo "unknown option: $arg" >&2; exit 2 ;;
   esac
 done

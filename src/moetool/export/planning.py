@@ -28,6 +28,7 @@ def choose_plan(
     *,
     precision_of: Callable[[str], str] = lambda t: t,
     cannot: dict[str, str] | None = None,
+    fit_rows: bool = True,
 ) -> PlanChoice:
     """The request's plan, or with ``--device`` and no plan the first of the device's ladder that fits.
 
@@ -39,7 +40,7 @@ def choose_plan(
     """
 
     def resolve_checked(spec: QuantSpec) -> QuantPlan:
-        q = resolve(spec, entries, cannot=cannot)
+        q = resolve(spec, entries, cannot=cannot, fit_rows=fit_rows)
         try:
             for a in q.assignments:
                 precision_of(a.type)

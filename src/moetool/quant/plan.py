@@ -239,6 +239,7 @@ def resolve(
     *,
     keep_f32: frozenset[Role] = frozenset(),
     cannot: dict[str, str] | None = None,
+    fit_rows: bool = True,
 ) -> QuantPlan:
     """Assign a type to every tensor.
 
@@ -247,6 +248,7 @@ def resolve(
         entries: every tensor to be written.
         keep_f32: roles the target always stores in f32 whatever the plan says.
         cannot: type → replacement for types this target cannot write for some role, keyed ``"role:type"``.
+        fit_rows: apply llama.cpp's block-size fallbacks (GGUF); graph runtimes pad partial blocks instead.
 
     1-D tensors (norms, biases) are always f32, silently: llama.cpp and the graph runtimes keep them so, and they
     are a negligible share of the bytes.
@@ -264,7 +266,7 @@ def resolve(
             t = "f32"
             note = None if requested == "f32" else f"{role} stays f32 in this format"
         else:
-            t, note = fit_type(requested, e.shape[-1])
+            t, note = fit_type(requested, e.shape[-1]) if fit_rows else (requested, None)
             swap = cannot.get(f"{role}:{t}")
             if swap:
                 t, note = swap, f"{role} cannot be {t} in this format; using {swap}"

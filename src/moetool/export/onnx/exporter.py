@@ -64,8 +64,12 @@ def _module_of(node: Any) -> str | None:
     return None
 
 
-def quantize_graph(path: Path, precisions: dict[str, str]) -> dict[str, int]:
-    """Quantize MatMul/Gather weights in place per the plan; returns nodes per precision."""
+def quantize_graph(path: Path, precisions: dict[str, str]) -> tuple[dict[str, int], list[str]]:
+    """Quantize MatMul/Gather weights in place per the plan.
+
+    Returns nodes quantized per precision, and notes on planned nodes onnxruntime left in fp32 (its quantizer
+    handles Gather, i.e. the embedding table, only at 4 bits).
+    """
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
@@ -86,8 +90,13 @@ def quantize_graph(path: Path, precisions: dict[str, str]) -> dict[str, int]:
                                      nodes_to_exclude=others, op_types_to_quantize=("MatMul", "Gather"))  # fmt: skip
             q.process()
             model = q.model.model
+    for node in model.graph.node:  # trace metadata (stack traces with local paths) is only needed up to here
+        del node.metadata_props[:]
     save_model(model, path)
-    return {k: len(v) for k, v in groups.items()}
+    left = {n.name for n in model.graph.node if n.op_type in ("MatMul", "Gather")}
+    done = {k: len([n for n in v if n not in left]) for k, v in groups.items()}
+    notes = [f"{n} planned {k} but left fp32 by onnxruntime's quantizer" for k, v in groups.items() for n in v if n in left]
+    return done, notes
 
 
 def save_model(model: Any, path: Path) -> None:
@@ -134,7 +143,7 @@ class ONNXExporter:
             pre, dec = tmp / "model.onnx", tmp / "model-with-past.onnx"
             with tempfile.TemporaryDirectory():
                 export_graphs(em, pre, dec)
-            counts = quantize_graph(pre, plan.precisions())
+            counts, qnotes = quantize_graph(pre, plan.precisions())
             quantize_graph(dec, plan.precisions())
             parity: Any = "not verified (--no-verify)"
             if req.verify:
@@ -170,6 +179,7 @@ class ONNXExporter:
                 "runtime": f"onnxruntime {ort.__version__}",
                 "graphs": {"prefill": "model.onnx", "decode_step": "model-with-past.onnx"},
                 "quantized_nodes": counts,
+                "notes": manifest["notes"] + qnotes,
                 "ops": _count_ops(pre),
                 "parity": parity,
                 "timing_s": {"total": round(time.perf_counter() - t0, 3)},
