@@ -73,7 +73,7 @@ def held_out_text(model_dir: Path) -> tuple[str, str]:
     if info.is_file():
         srcs = json.loads(info.read_text()).get("provenance", {}).get("sources", {})
         zoo = bool(srcs) and all(s.get("kind") == "zoo" for s in srcs.values())
-    if not zoo and (model_dir / "zoo.json").is_file():
+    if not zoo and (model_dir.resolve().parent / "zoo.json").is_file():  # a zoo model itself
         zoo = True
     if zoo:
         try:
