@@ -46,8 +46,9 @@ class Exporter(Protocol):
 TARGETS: dict[str, str] = {
     "gguf": "moetool.export.gguf.exporter:GGUFExporter",
     "onnx": "moetool.export.onnx.exporter:ONNXExporter",
+    "executorch": "moetool.export.executorch.exporter:ExecuTorchExporter",
 }
-PLANNED_TARGETS = ("tflite", "coreml", "executorch")
+PLANNED_TARGETS = ("tflite", "coreml")
 
 
 def get_exporter(target: str) -> Exporter:

@@ -118,12 +118,15 @@ class Attention(nn.Module):
         if past_k is not None and past_v is not None:
             k = torch.cat([past_k, k], dim=2)
             v = torch.cat([past_v, v], dim=2)
+        # GQA without repeating K/V: the query heads of one KV head are stacked along the query axis, so no
+        # reshape touches the (dynamic) cache length
         rep = self.n_head // self.n_kv
-        kk = k.repeat_interleave(rep, dim=1) if rep > 1 else k
-        vv = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-        scores = torch.matmul(q, kk.transpose(2, 3)) * (self.head_dim**-0.5) + mask
+        qg = q.contiguous().view(b, self.n_kv, rep * t, self.head_dim)
+        mask_g = mask.repeat(1, 1, rep, 1) if rep > 1 else mask  # [B, 1, rep·T, S]
+        scores = torch.matmul(qg, k.transpose(2, 3)) * (self.head_dim**-0.5) + mask_g
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        y = torch.matmul(probs, vv).transpose(1, 2).reshape(b, t, self.n_head * self.head_dim)
+        y = torch.matmul(probs, v).contiguous().view(b, self.n_head, t, self.head_dim)
+        y = y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim)
         return self.o(y), k, v
 
 

@@ -1,0 +1,116 @@
+"""``moetool export --target executorch``: ExportLM → one ``.pte`` with two methods, ``forward`` (prefill, dynamic
+length) and ``decode`` (one token against a KV cache of dynamic length), lowered to XNNPACK; parity through
+``executorch.runtime``. Weights are quantized per the plan with torchao before export (int8 or int4 groupwise,
+dynamic int8 activations: the forms XNNPACK runs), by module name, so the router and norms stay fp32."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from moetool.export.base import ExportError, ExportRequest, write_manifest
+from moetool.export.graph.common import GraphPlan, manifest_base, plan_graph, require
+from moetool.io.atomic import atomic_dir
+
+FP32_GATE = 1e-4
+GROUP = 32
+
+
+def export_programs(model: Any) -> Any:
+    """torch.export both methods (strict tracing: the non-strict path adds stride guards it then rejects)."""
+    from moetool.export.graph.model import causal_mask, prefill_inputs
+
+    seq = torch.export.Dim("seq", min=2, max=4096)
+    pre = torch.export.export(model, prefill_inputs(torch.randint(0, 10, (1, 8))),
+                              dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}), strict=True)  # fmt: skip
+    past_len = torch.export.Dim("past", min=1, max=4095)
+    p = 5
+    past = [torch.zeros(1, model.n_kv, p, model.head_dim) for _ in range(2 * model.n_layers)]
+    dec = torch.export.export(
+        model, (torch.tensor([[1]]), torch.tensor([[p]]), causal_mask(1, p), *past),
+        dynamic_shapes=(None, None, {3: past_len + 1}, tuple({2: past_len} for _ in past)), strict=True,
+    )  # fmt: skip
+    return pre, dec
+
+
+def quantize_modules(model: Any, precisions: dict[str, str]) -> dict[str, int]:
+    """torchao weight quantization of the Linear modules the plan puts at int8/int4; returns counts."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    counts = {"int8": 0, "int4": 0}
+    for key, dtype in (("int4", torch.int4), ("int8", torch.int8)):
+        names = {n.removesuffix(".weight") for n, p in precisions.items() if p == key}
+        names &= {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        if not names:
+            continue
+        # XNNPACK runs 4-bit weights groupwise and 8-bit weights per output channel
+        gran = PerGroup(GROUP) if key == "int4" else PerAxis(0)
+        cfg = Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=gran)
+        quantize_(model, cfg, filter_fn=lambda m, fqn, names=names: fqn in names)
+        counts[key] = len(names)
+    return counts
+
+
+class ExecuTorchExporter:
+    name = "executorch"
+    requires = "executorch"
+
+    def plan(self, req: ExportRequest) -> GraphPlan:
+        return plan_graph(req, "executorch")
+
+    def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
+        require("executorch", "executorch")
+        import numpy as np
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir import to_edge_transform_and_lower
+        from executorch.runtime import Runtime
+        from transformers import AutoTokenizer
+
+        from moetool.export.gguf.exporter import held_out_text
+        from moetool.export.graph.model import causal_mask, load_export_model, prefill_inputs
+        from moetool.export.graph.parity import graph_parity
+
+        hf, em = load_export_model(req.model_dir)
+        t0 = time.perf_counter()
+        counts = quantize_modules(em, plan.precisions())
+        pre, dec = export_programs(em)
+        prog = to_edge_transform_and_lower({"forward": pre, "decode": dec}, partitioner=[XnnpackPartitioner()])
+        buf = prog.to_executorch().buffer
+        with atomic_dir(req.output, force=req.force) as tmp:
+            path = tmp / "model.pte"
+            path.write_bytes(buf)
+            parity: Any = "not verified (--no-verify)"
+            if req.verify:
+                program = Runtime.get().load_program(str(path))
+                fwd, step = program.load_method("forward"), program.load_method("decode")
+
+                def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+                    out = fwd.execute(list(prefill_inputs(torch.from_numpy(ids))))
+                    return out[0].numpy(), list(out[1:])
+
+                def decode(ids: np.ndarray, pos: int, past: list[Any]) -> tuple[np.ndarray, list[Any]]:
+                    out = step.execute([torch.from_numpy(ids), torch.tensor([[pos]]), causal_mask(1, pos), *past])
+                    return out[0].numpy(), list(out[1:])
+
+                text, src = (req.eval_text, "user") if req.eval_text else held_out_text(req.model_dir)
+                tok = AutoTokenizer.from_pretrained(str(req.model_dir))
+                ref_model = load_export_model(req.model_dir)[1]  # the un-quantized wrapper, for the wrapper figure
+                parity = graph_parity(hf, ref_model, tok, text, prefill, decode, runtime="executorch (XNNPACK)")
+                parity["text"] = src
+                lossless = all(p == "fp32" for p in plan.precisions().values())
+                worst = max([*parity["max_abs_logit_diff"].values(), parity["decode"]["max_abs_logit_diff"]])
+                if lossless and worst > FP32_GATE:
+                    raise ExportError(f"ExecuTorch parity failed: max |Δlogit| {worst:.3g} > {FP32_GATE:g} (fp32)")
+            manifest = manifest_base("executorch", plan, {"model.pte": path}, "model.pte")
+            manifest |= {
+                "runtime": "executorch.runtime, XNNPACK delegate",
+                "methods": {"forward": "prefill", "decode": "one token with KV cache"},
+                "quantized_linears": counts,
+                "parity": parity,
+                "timing_s": {"total": round(time.perf_counter() - t0, 3)},
+            }
+            write_manifest(tmp, manifest)
+        return manifest
