@@ -47,8 +47,9 @@ TARGETS: dict[str, str] = {
     "gguf": "moetool.export.gguf.exporter:GGUFExporter",
     "onnx": "moetool.export.onnx.exporter:ONNXExporter",
     "executorch": "moetool.export.executorch.exporter:ExecuTorchExporter",
+    "coreml": "moetool.export.coreml.exporter:CoreMLExporter",
 }
-PLANNED_TARGETS = ("tflite", "coreml")
+PLANNED_TARGETS = ("tflite",)
 
 
 def get_exporter(target: str) -> Exporter:
