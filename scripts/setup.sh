@@ -5,16 +5,23 @@
 #   bash scripts/setup.sh --bench  # + mergekit for bench/
 #   bash scripts/setup.sh --llama  # + llama-cpp-python (GGUF parity, K-quants); --dev includes it
 #   bash scripts/setup.sh --onnx   # + onnx, onnxruntime, onnxscript (ONNX export); --dev includes it
+#   bash scripts/setup.sh --executorch / --coreml   # ExecuTorch (XNNPACK) / Core ML export; --dev includes both
+#   bash scripts/setup.sh --tflite # litert-torch in its own venv, .venv-litert (it pins typing-extensions and
+#                                  # pydantic below what the rest needs); --dev makes it too
 # llama-cpp-python compiles llama.cpp (~12 min on 2 cores) once; pip caches the wheel for later runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
+tflite=0
 for arg in "$@"; do
   case "$arg" in
-    --dev) extras="${extras:+$extras,}dev" ;;
+    --dev) extras="${extras:+$extras,}dev"; tflite=1 ;;
     --bench) extras="${extras:+$extras,}bench" ;;
     --llama) extras="${extras:+$extras,}llama" ;;
     --onnx) extras="${extras:+$extras,}onnx" ;;
+    --executorch) extras="${extras:+$extras,}executorch" ;;
+    --coreml) extras="${extras:+$extras,}coreml" ;;
+    --tflite) tflite=1 ;;
     *) echo "unknown option: $arg" >&2; exit 2 ;;
   esac
 done
@@ -32,3 +39,13 @@ if ! .venv/bin/python -m pip install -q -c constraints.txt -e ".${extras:+[$extr
 fi
 grep -v "is ignored: it is neither" "$log" || true
 .venv/bin/python -c "import torch, transformers, moetool; print('moetool', moetool.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+if [ "$tflite" = 1 ]; then
+  [ -x .venv-litert/bin/python ] || "$py" -m venv .venv-litert
+  .venv-litert/bin/python -m pip install -q torch==2.13.0
+  if ! .venv-litert/bin/python -m pip install -q -c constraints.txt -e ".[tflite]" >.venv-litert/pip-install.log 2>&1; then
+    grep -v "is ignored: it is neither" .venv-litert/pip-install.log >&2 || true
+    echo "setup: litert venv install failed (full log: .venv-litert/pip-install.log)" >&2
+    exit 1
+  fi
+  .venv-litert/bin/python -c "import litert_torch, ai_edge_litert, moetool; print('tflite venv: litert-torch ok')"
+fi

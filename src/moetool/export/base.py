@@ -48,8 +48,9 @@ TARGETS: dict[str, str] = {
     "onnx": "moetool.export.onnx.exporter:ONNXExporter",
     "executorch": "moetool.export.executorch.exporter:ExecuTorchExporter",
     "coreml": "moetool.export.coreml.exporter:CoreMLExporter",
+    "tflite": "moetool.export.tflite.exporter:TFLiteExporter",
 }
-PLANNED_TARGETS = ("tflite",)
+PLANNED_TARGETS: tuple[str, ...] = ()
 
 
 def get_exporter(target: str) -> Exporter:

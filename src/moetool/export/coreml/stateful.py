@@ -8,6 +8,8 @@ Buffers: ``k_cache``/``v_cache`` [layers, 1, kv_heads, capacity, head_dim].
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -20,6 +22,9 @@ def _rotate(x: torch.Tensor, half: int) -> torch.Tensor:
 
 
 class StatefulLM(nn.Module):
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
     def __init__(self, model: ExportLM, capacity: int) -> None:
         super().__init__()
         self.model = model
@@ -38,9 +43,10 @@ class StatefulLM(nn.Module):
         freqs = position_ids.float()[..., None] * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         cos, sin = emb.cos(), emb.sin()
-        for i, block in enumerate(m.layers):
-            a = block.attn  # type: ignore[union-attr]
-            h = block.attn_norm(x)  # type: ignore[operator]
+        blocks: list[Any] = list(m.layers)
+        for i, block in enumerate(blocks):
+            a = block.attn
+            h = block.attn_norm(x)
             q = a.q(h).view(1, t, a.n_head, a.head_dim)
             k = a.k(h).view(1, t, a.n_kv, a.head_dim)
             v = a.v(h).view(1, t, a.n_kv, a.head_dim).transpose(1, 2)
@@ -60,5 +66,6 @@ class StatefulLM(nn.Module):
             scores = torch.matmul(qg, kk.transpose(2, 3)) * (a.head_dim**-0.5) + mask_g
             y = torch.matmul(torch.softmax(scores, dim=-1), vv).contiguous().view(1, a.n_head, t, a.head_dim)
             x = x + a.o(y.transpose(1, 2).reshape(1, t, a.n_head * a.head_dim))
-            x = x + block.mlp(block.ffn_norm(x))  # type: ignore[operator]
-        return m.lm_head(m.norm(x))  # type: ignore[no-any-return]
+            x = x + block.mlp(block.ffn_norm(x))
+        logits: torch.Tensor = m.lm_head(m.norm(x))
+        return logits

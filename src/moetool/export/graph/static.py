@@ -1,0 +1,81 @@
+"""ExportLM with a fixed-capacity KV cache passed in and out, and only static shapes (TFLite needs them).
+
+``forward(input_ids [1, T], position_ids [1, T], mask [1, 1, T, C], k_0, v_0, …) -> (logits, k_0', v_0', …)`` with
+caches [1, kv_heads, C, head_dim]. The new keys/values are written at ``position_ids`` through a one-hot [T, C]
+matrix (a blend, not a scatter), and attention reads all C slots with ``mask`` hiding the unwritten ones. Prefill is
+T = the prefill length (shorter prompts are right-padded: causal attention keeps real positions unaffected, and the
+padded slots are overwritten by later decode steps); decode is T = 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moetool.export.graph.model import NEG, ExportLM
+
+
+def _rotate(x: torch.Tensor, half: int) -> torch.Tensor:
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class StaticCacheLM(nn.Module):
+    def __init__(self, model: ExportLM, capacity: int) -> None:
+        super().__init__()
+        self.model = model
+        self.capacity = capacity
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                *caches: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        m = self.model
+        t = input_ids.shape[1]
+        onehot = (position_ids[0][:, None] == torch.arange(self.capacity)[None]).float()  # [T, C]
+        keep = 1.0 - onehot.sum(0)[None, None, :, None]  # [1, 1, C, 1]
+        write = onehot.t()[None, None]  # [1, 1, C, T]
+        x = m.embed(input_ids)
+        inv_freq: torch.Tensor = m.inv_freq  # type: ignore[assignment]
+        freqs = position_ids.float()[..., None] * inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        cos, sin = emb.cos(), emb.sin()
+        out: list[torch.Tensor] = []
+        blocks: list[Any] = list(m.layers)
+        for i, block in enumerate(blocks):
+            a = block.attn
+            h = block.attn_norm(x)
+            q = a.q(h).view(1, t, a.n_head, a.head_dim)
+            k = a.k(h).view(1, t, a.n_kv, a.head_dim)
+            v = a.v(h).view(1, t, a.n_kv, a.head_dim).transpose(1, 2)
+            if a.q_norm is not None and a.k_norm is not None:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            half = a.head_dim // 2
+            q = q * cos + _rotate(q, half) * sin
+            k = k * cos + _rotate(k, half) * sin
+            kc = caches[2 * i] * keep + torch.matmul(write, k)  # [1, kv, C, hd]
+            vc = caches[2 * i + 1] * keep + torch.matmul(write, v)
+            out += [kc, vc]
+            rep = a.n_head // a.n_kv
+            qg = q.contiguous().view(1, a.n_kv, rep * t, a.head_dim)
+            mask_g = mask.repeat(1, 1, rep, 1) if rep > 1 else mask
+            scores = torch.matmul(qg, kc.transpose(2, 3)) * (a.head_dim**-0.5) + mask_g
+            y = torch.matmul(torch.softmax(scores, dim=-1), vc).contiguous().view(1, a.n_head, t, a.head_dim)
+            x = x + a.o(y.transpose(1, 2).reshape(1, t, a.n_head * a.head_dim))
+            x = x + block.mlp(block.ffn_norm(x))
+        logits: torch.Tensor = m.lm_head(m.norm(x))
+        return (logits, *out)
+
+    def empty_cache(self) -> list[torch.Tensor]:
+        shape = (1, self.model.n_kv, self.capacity, self.model.head_dim)
+        return [torch.zeros(shape) for _ in range(2 * self.model.n_layers)]
+
+
+def static_mask(position_ids: torch.Tensor, capacity: int, valid: int | None = None) -> torch.Tensor:
+    """[1, 1, T, C]: token at position p sees slots 0…p (and, with ``valid``, nothing at or beyond ``valid``)."""
+    pos = position_ids[0][:, None]
+    slots = torch.arange(capacity)[None]
+    seen = slots <= pos
+    if valid is not None:
+        seen = seen & (slots < valid)
+    return torch.where(seen, 0.0, NEG)[None, None].float()

@@ -1,0 +1,125 @@
+"""The TFLite conversion itself, run where litert-torch is installed (an isolated venv: litert-torch pins
+typing-extensions and pydantic below what the rest of moetool's stack needs).
+
+    python -m moetool.export.tflite.worker REQUEST.json
+
+REQUEST has model_dir, out_dir (an existing empty directory), precisions (export name → fp32|int8|int4),
+capacity, prefill_len, verify, eval_text. Writes model.tflite and prints the result JSON on the last line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# TFLite op-name scopes per role (the converter names ops after the module path; fused ops append more paths
+# after ';', so each pattern is anchored to the first segment)
+ROLE_SCOPES: dict[str, str] = {
+    "experts": r"^[^;]*DenseMaskedMoE_mlp/moetool\.export\.graph\.model\.GatedMLP_\d+/",
+    "shared_expert": r"^[^;]*GatedMLP_shared/",
+    "router": r"^[^;]*DenseMaskedMoE_mlp/torch\.nn\.modules\.linear\.Linear_(router|shared_gate)",
+    "attention": r"^[^;]*Attention_attn/",
+    "ffn": r"^[^;]*GatedMLP_mlp/",
+    "output": r"^[^;]*Linear_lm_head",
+}
+
+
+def role_precisions(precisions: dict[str, str]) -> dict[str, str]:
+    """Per role, the one precision the plan gives it (TFLite configs go by scope, i.e. by role)."""
+    from moetool.export.graph.names import hf_name
+    from moetool.quant.roles import role_of
+
+    out: dict[str, set[str]] = {}
+    for name, p in precisions.items():
+        out.setdefault(role_of(hf_name(name)), set()).add(p)
+    mixed = {r: sorted(ps) for r, ps in out.items() if len(ps) > 1}
+    if mixed:
+        raise ValueError(f"TFLite quantization is configured per role; the plan mixes precisions within {mixed}")
+    return {r: next(iter(ps)) for r, ps in out.items()}
+
+
+def quantize(path: Path, roles: dict[str, str]) -> dict[str, str]:
+    from ai_edge_quantizer import qtyping, quantizer
+
+    fc = qtyping.TFLOperationName.FULLY_CONNECTED
+    q = quantizer.Quantizer(str(path))
+    applied: dict[str, str] = {}
+    for role, p in roles.items():
+        if p == "fp32" or role not in ROLE_SCOPES:
+            continue
+        if p == "int4":
+            q.add_dynamic_config(ROLE_SCOPES[role], fc, 4, qtyping.QuantGranularity.BLOCKWISE_32)
+        else:
+            q.add_dynamic_config(ROLE_SCOPES[role], fc, 8, qtyping.QuantGranularity.CHANNELWISE)
+        applied[role] = p
+    if applied:
+        result = q.quantize()
+        path.write_bytes(result.quantized_model)
+    return applied
+
+
+def main(request_path: str) -> None:
+    import litert_torch
+    from ai_edge_litert.interpreter import Interpreter
+    from litert_torch import signature  # noqa: F401  (import check: the venv must have litert-torch)
+
+    req: dict[str, Any] = json.loads(Path(request_path).read_text())
+    from transformers import AutoTokenizer
+
+    from moetool.export.graph.model import load_export_model
+    from moetool.export.graph.parity import graph_parity
+    from moetool.export.graph.static import StaticCacheLM, static_mask
+
+    hf, em = load_export_model(req["model_dir"])
+    cap, plen = int(req["capacity"]), int(req["prefill_len"])
+    model = StaticCacheLM(em, cap).eval()
+    pos = torch.arange(plen)[None]
+    pre_args = (torch.zeros(1, plen, dtype=torch.long), pos, static_mask(pos, cap), *model.empty_cache())
+    one = torch.tensor([[plen]])
+    dec_args = (torch.zeros(1, 1, dtype=torch.long), one, static_mask(one, cap), *model.empty_cache())
+    edge = litert_torch.signature("prefill", model, pre_args).signature("decode", model, dec_args).convert()
+    path = Path(req["out_dir"]) / "model.tflite"
+    edge.export(str(path))
+    roles = role_precisions(req["precisions"])
+    applied = quantize(path, roles)
+    notes = [f"{r} planned {p} but kept fp32 (only FULLY_CONNECTED ops are quantized for TFLite)"
+             for r, p in roles.items() if p != "fp32" and r not in applied]  # fmt: skip
+    result: dict[str, Any] = {"quantized_roles": applied, "capacity": cap, "prefill_len": plen, "tflite_notes": notes}
+    if req["verify"]:
+        it = Interpreter(model_path=str(path))
+        pre, dec = it.get_signature_runner("prefill"), it.get_signature_runner("decode")
+        n_cache = 2 * em.n_layers
+
+        def run(runner: Any, ids: np.ndarray, p: np.ndarray, caches: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+            feeds = {"args_0": ids.astype(np.int32), "args_1": p.astype(np.int32),
+                     "args_2": static_mask(torch.from_numpy(p), cap).numpy()}  # fmt: skip
+            feeds |= {f"args_{3 + i}": c for i, c in enumerate(caches)}
+            out = runner(**feeds)
+            keys = sorted(out, key=lambda k: int(k.split("_")[-1]))
+            return out[keys[0]], [out[k] for k in keys[1 : 1 + n_cache]]
+
+        empty = [c.numpy() for c in model.empty_cache()]
+
+        def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+            n = ids.shape[1]
+            padded = np.zeros((1, plen), dtype=np.int64)
+            padded[0, :n] = ids[0]
+            logits, caches = run(pre, padded, np.arange(plen)[None], empty)
+            return logits[:, :n], caches
+
+        def decode(ids: np.ndarray, p: int, caches: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+            return run(dec, ids, np.array([[p]]), caches)
+
+        tok = AutoTokenizer.from_pretrained(req["model_dir"])
+        result["parity"] = graph_parity(hf, em, tok, req["eval_text"], prefill, decode, runtime="ai_edge_litert interpreter",
+                                        seq_lens=(32, plen))  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
