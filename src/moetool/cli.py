@@ -461,6 +461,62 @@ app.command("package")(package_cmd)
 app.command("push")(push_cmd)
 
 
+@app.command()
+@_friendly
+def build(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Run directory (merged/, tuned/, exports/, hf-repo/).")],
+    train: Annotated[bool | None, typer.Option("--train/--no-train", help="Tune routers (default: when the recipe has a train: section).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain in the evaluation.")] = 8192,
+    force: Annotated[bool, typer.Option("--force", help="Replace existing outputs.")] = False,
+) -> None:
+    """The recipe's whole pipeline: merge → tune (if asked) → evaluate → export every `targets:` entry → package."""
+    import yaml
+
+    from moetool.api import plan_export
+    from moetool.io.atomic import check_output
+    from moetool.package import build_repo
+    from moetool.recipe import load_recipe
+
+    r: Any = load_recipe(recipe)
+    do_train = ("train" in (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {})) if train is None else train
+    check_output(output, force=force)
+    merged = output / "merged"
+    console.rule("merge")
+    merge(recipe, output=merged, dry_run=False, force=force, allow_pickle=False)
+    model = merged
+    if do_train:
+        from moetool.train.router_tuning import train_router
+
+        console.rule("router tuning")
+        model = output / "tuned"
+        train_router(recipe, merged, model, force=force, resume=False, console=console)
+    domains = [d for d, src in r.train.data.items() if src.zoo]
+    report = None
+    if domains:
+        console.rule("evaluation")
+        names = [str(merged)] + ([str(model)] if model != merged else [])
+        report = eval_cmd(names, domains=",".join(domains), data=None, own=None, seq_len=256,
+                          max_tokens=max_tokens, json_file=output / "eval.json", plots=output / "plots")  # fmt: skip
+    else:
+        console.print("[yellow]no zoo domains in train.data: evaluation skipped (use moetool eval --data)[/]")
+    artifacts = []
+    for t in r.targets:
+        console.rule(f"export {t.dir_name}")
+        exporter, req, plan = plan_export(model, output / "exports" / t.dir_name, target=t.target, quant=t.quant,
+                                          device=t.device, context=t.context, force=force)  # fmt: skip
+        print_quant_plan(plan, f"{exporter.name} plan '{plan.quant.label}' for {plan.name}")
+        with console.status(f"writing and verifying {exporter.name} …"):
+            manifest = exporter.export(req, plan, console=console)
+        out.print(f"[green]wrote[/] {req.output / manifest['file']} ({_human(manifest['artifact']['bytes'])})")
+        _print_parity(manifest["parity"])
+        artifacts.append(req.output)
+    console.rule("Hugging Face repo folder")
+    repo = build_repo(model, output / "hf-repo", artifacts=artifacts, eval_json=output / "eval.json" if report else None,
+                      plots=output / "plots" if report else None, force=True)  # fmt: skip
+    out.print(f"[green]wrote[/] {repo}")
+
+
 def main() -> None:
     app()
 

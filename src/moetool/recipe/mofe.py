@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import StrictModel
+from moetool.recipe.export import TargetSpec
 from moetool.recipe.train import FreezeSpec, TrainSpec
 
 ExpertName = str
@@ -62,6 +63,7 @@ class MoFERecipe(StrictModel):
     quantization: QuantSpec | None = Field(
         default=None, description="Precision per tensor for `moetool export` (overridden by --quant)."
     )
+    targets: list[TargetSpec] = Field(default_factory=list, description="Artifacts `moetool build` exports.")
 
     @model_validator(mode="after")
     def _check(self) -> MoFERecipe:
@@ -82,6 +84,10 @@ class MoFERecipe(StrictModel):
                         f"experts.{i}.positive_prompts: expert {e.name!r} has no positive prompts, which "
                         f"gate_mode {self.gate_mode!r} needs (or use gate_mode: random)"
                     )
+        names = [t.dir_name for t in self.targets]
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                raise ValueError(f"targets.{i}: a second target named {n!r}; give it a distinct `name`")
         if self.norm_topk_prob is False and self.architecture == "mixtral":
             raise ValueError("norm_topk_prob: mixtral always renormalises its top-k weights; use qwen2_moe")
         if self.shared_expert is not None and self.architecture not in ("auto", "qwen2_moe"):

@@ -89,7 +89,8 @@ def main(request_path: str) -> None:
     applied = quantize(path, roles)
     notes = [f"{r} planned {p} but kept fp32 (only FULLY_CONNECTED ops are quantized for TFLite)"
              for r, p in roles.items() if p != "fp32" and r not in applied]  # fmt: skip
-    result: dict[str, Any] = {"quantized_roles": applied, "capacity": cap, "prefill_len": plen, "tflite_notes": notes}
+    result: dict[str, Any] = {"quantized_roles": applied, "capacity": cap, "prefill_len": plen, "tflite_notes": notes,
+                              "cache_shape": [1, em.n_kv, cap, em.head_dim], "cache_tensors": 2 * em.n_layers}  # fmt: skip
     if req["verify"]:
         it = Interpreter(model_path=str(path))
         pre, dec = it.get_signature_runner("prefill"), it.get_signature_runner("decode")

@@ -1,0 +1,182 @@
+"""Prefill throughput and per-token decode latency of one MoE in four runtimes on this CPU.
+
+    .venv/bin/python bench/export_latency.py [--model out/demo/tuned-mofe] [--quant f32,q8_0] [--prompt 128]
+
+Exports the model to ONNX, ExecuTorch (XNNPACK), TFLite (LiteRT, run in .venv-litert) and GGUF (llama.cpp), each
+without verification (the exporters' tests prove parity), then times in each runtime: a prefill of PROMPT tokens
+(tokens/s, median of 5) and 32 decode steps with the KV cache (ms/token, median). Threads: each runtime's default
+on this 2-core machine. The MoE is evaluated dense-masked in the graph runtimes (every expert runs) and sparsely in
+llama.cpp, which is part of what the table shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+STEPS = 32
+REPS = 5
+
+
+def _prefill_decode(prefill, decode, ids: np.ndarray) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    pre = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        _, past = prefill(ids)
+        pre.append(ids.shape[1] / (time.perf_counter() - t0))
+    step = []
+    tok = np.array([[ids[0, -1]]], dtype=np.int64)
+    for t in range(STEPS):
+        t0 = time.perf_counter()
+        _, past = decode(tok, ids.shape[1] + t, past)
+        step.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(pre), statistics.median(step)
+
+
+def bench_onnx(d: Path, ids: np.ndarray, n_layers: int) -> tuple[float, float]:
+    import onnxruntime as ort
+
+    from moetool.export.graph.model import causal_mask
+
+    pre = ort.InferenceSession(str(d / "model.onnx"), providers=["CPUExecutionProvider"])
+    dec = ort.InferenceSession(str(d / "model-with-past.onnx"), providers=["CPUExecutionProvider"])
+    names = [f"past.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+
+    def prefill(x):  # type: ignore[no-untyped-def]
+        t = x.shape[1]
+        out = pre.run(None, {"input_ids": x, "position_ids": np.arange(t)[None], "mask": causal_mask(t, 0).numpy()})
+        return out[0], out[1:]
+
+    def decode(x, pos, past):  # type: ignore[no-untyped-def]
+        feeds = {"input_ids": x, "position_ids": np.array([[pos]]), "mask": causal_mask(1, pos).numpy()}
+        out = dec.run(None, feeds | dict(zip(names, past, strict=True)))
+        return out[0], out[1:]
+
+    return _prefill_decode(prefill, decode, ids)
+
+
+def bench_executorch(d: Path, ids: np.ndarray) -> tuple[float, float]:
+    import torch
+    from executorch.runtime import Runtime
+
+    from moetool.export.graph.model import causal_mask, prefill_inputs
+
+    prog = Runtime.get().load_program(str(d / "model.pte"))
+    fwd, step = prog.load_method("forward"), prog.load_method("decode")
+
+    def prefill(x):  # type: ignore[no-untyped-def]
+        out = fwd.execute(list(prefill_inputs(torch.from_numpy(x))))
+        return out[0], list(out[1:])
+
+    def decode(x, pos, past):  # type: ignore[no-untyped-def]
+        out = step.execute([torch.from_numpy(x), torch.tensor([[pos]]), causal_mask(1, pos), *past])
+        return out[0], list(out[1:])
+
+    return _prefill_decode(prefill, decode, ids)
+
+
+def bench_tflite(d: Path, ids: np.ndarray) -> tuple[float, float]:
+    """Runs in the LiteRT venv (this script re-invoked with --litert)."""
+    import torch
+    from ai_edge_litert.interpreter import Interpreter
+
+    from moetool.export.graph.static import static_mask
+
+    man = json.loads((d / "manifest.json").read_text())
+    cap, plen = man["capacity"], man["prefill_len"]
+    it = Interpreter(model_path=str(d / "model.tflite"))
+    pre, dec = it.get_signature_runner("prefill"), it.get_signature_runner("decode")
+
+    def run(r, x, p, caches):  # type: ignore[no-untyped-def]
+        feeds = {"args_0": x.astype(np.int32), "args_1": p.astype(np.int32),
+                 "args_2": static_mask(torch.from_numpy(p), cap).numpy()}  # fmt: skip
+        feeds |= {f"args_{3 + i}": c for i, c in enumerate(caches)}
+        out = r(**feeds)
+        keys = sorted(out, key=lambda k: int(k.split("_")[-1]))
+        return out[keys[0]], [out[k] for k in keys[1:]]
+
+    empty = [np.zeros(man["cache_shape"], dtype=np.float32) for _ in range(man["cache_tensors"])]
+
+    def prefill(x):  # type: ignore[no-untyped-def]
+        return run(pre, x[:, :plen], np.arange(plen)[None], empty)
+
+    def decode(x, pos, past):  # type: ignore[no-untyped-def]
+        return run(dec, x, np.array([[pos]]), past)
+
+    return _prefill_decode(prefill, decode, ids[:, :plen])
+
+
+def bench_gguf(path: Path, ids: np.ndarray) -> tuple[float, float]:
+    from moetool.export.gguf.verify import load_llama
+
+    llm = load_llama(path, n_ctx=ids.shape[1] + STEPS + 8)
+    toks = [int(t) for t in ids[0]]
+
+    def prefill(x):  # type: ignore[no-untyped-def]
+        llm.reset()
+        llm.eval(toks)
+        return None, None
+
+    def decode(x, pos, past):  # type: ignore[no-untyped-def]
+        llm.eval([int(x[0, 0])])
+        return None, None
+
+    try:
+        return _prefill_decode(prefill, decode, ids)
+    finally:
+        llm.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--quant", default="f32,q8_0")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--litert", default=None, help=argparse.SUPPRESS)  # internal: DIR, run in the LiteRT venv
+    args = ap.parse_args()
+    ids = (np.arange(args.prompt, dtype=np.int64)[None] * 7 + 11) % 1000 + 4
+    if args.litert:
+        print(json.dumps(bench_tflite(Path(args.litert), ids)))
+        return
+    from moetool.api import export
+    from moetool.export.tflite.exporter import litert_python
+
+    model = Path(args.model or ("out/demo/tuned-mofe" if Path("out/demo/tuned-mofe").is_dir() else "out/demo/merged"))
+    cfg = json.loads((model / "config.json").read_text())
+    n_layers = cfg["num_hidden_layers"]
+    print(f"model {model} | prompt {args.prompt} tokens, {STEPS} decode steps | medians\n")
+    print(f"{'runtime':22} {'plan':6} {'prefill tok/s':>14} {'decode ms/token':>16} {'artifact MB':>12}")
+    with tempfile.TemporaryDirectory(prefix="moetool-lat-") as tmp:
+        for q in args.quant.split(","):
+            rows = []
+            for target in ("onnx", "executorch", "tflite", "gguf"):
+                out = Path(tmp) / f"{target}-{q}"
+                man = export(model, out, target=target, quant=q, verify=False)
+                if target == "onnx":
+                    res = bench_onnx(out, ids, n_layers)
+                elif target == "executorch":
+                    res = bench_executorch(out, ids)
+                elif target == "tflite":
+                    proc = subprocess.run([litert_python(), __file__, "--litert", str(out), "--prompt", str(args.prompt)],
+                                          capture_output=True, text=True, check=True)  # fmt: skip
+                    res = tuple(json.loads(proc.stdout.strip().splitlines()[-1]))
+                else:
+                    res = bench_gguf(out / man["file"], ids)
+                rows.append((target, res, man["artifact"]["bytes"]))
+                print(f"{target:22} {q:6} {res[0]:14.0f} {res[1]:16.2f} {man['artifact']['bytes'] / 1e6:12.2f}")
+            base = next(r for r in rows if r[0] == "gguf")
+            for target, res, _ in rows:
+                print(f"  {target}: prefill {res[0] / base[1][0]:.2f}× llama.cpp, decode latency {res[1] / base[1][1]:.2f}× llama.cpp")
+            print()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The ``targets:`` recipe section: what ``moetool build`` exports, by device or by target."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from moetool.strict import StrictModel
+
+Target = Literal["gguf", "onnx", "tflite", "coreml", "executorch"]
+
+
+class TargetSpec(StrictModel):
+    """One artifact: a device (its preferred available format and a plan that fits), a target, or both."""
+
+    device: str | None = Field(default=None, description="A device profile (`moetool devices`).")
+    target: Target | None = Field(default=None, description="Format; default: the device's first available one.")
+    quant: str | None = Field(default=None, description="--quant syntax; default: the recipe's quantization section.")
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                             description="Directory under exports/ (default: device or target).")  # fmt: skip
+    context: int | None = Field(default=None, ge=16, description="Context length for the memory estimate.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str | None) -> str | None:
+        if v is not None:
+            from moetool.quant.devices import get_device
+
+            get_device(v)
+        return v
+
+    @field_validator("quant")
+    @classmethod
+    def _quant(cls, v: str | None) -> str | None:
+        if v is not None:
+            from moetool.quant.plan import parse_quant
+
+            parse_quant(v)
+        return v
+
+    @model_validator(mode="after")
+    def _some(self) -> TargetSpec:
+        if self.device is None and self.target is None:
+            raise ValueError("a target entry needs a device, a target, or both")
+        return self
+
+    @property
+    def dir_name(self) -> str:
+        return self.name or "-".join(x for x in (self.device, self.target) if x)

@@ -1,0 +1,62 @@
+"""`moetool build`: one recipe → merge → exports for its targets → a repo folder."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from conftest import write_recipe
+from moetool.cli import app
+from moetool.recipe import load_recipe
+
+
+def test_build_runs_the_recipe_pipeline(tiny_models, tmp_path):
+    m = tiny_models("llama")
+    (tmp_path / "t.txt").write_text("def main(): pass\n" * 50)
+    recipe = write_recipe(tmp_path / "r.yaml", f"""
+name: built
+method: mofe
+base_model: {m["base"]}
+gate_mode: random
+experts: [{{name: a, source: {m["e1"]}}}, {{name: b, source: {m["e2"]}}}, {{name: c, source: {m["e3"]}}}]
+quantization: {{preset: moe-q4}}
+train: {{data: {{code: {{text: {tmp_path / "t.txt"}}}}}}}
+targets:
+  - device: raspberry-pi-4
+  - {{target: onnx, quant: q8_0}}
+""")
+    assert [t.dir_name for t in load_recipe(recipe).targets] == ["raspberry-pi-4", "onnx"]
+    r = CliRunner().invoke(app, ["build", str(recipe), "-o", str(tmp_path / "run"), "--no-train"])
+    assert r.exit_code == 0, r.output
+    run = tmp_path / "run"
+    gg = json.loads((run / "exports" / "raspberry-pi-4" / "manifest.json").read_text())
+    assert gg["target"] == "gguf" and gg["device"] == "raspberry-pi-4" and gg["plan"]["label"] == "moe-q4"
+    onnx = json.loads((run / "exports" / "onnx" / "manifest.json").read_text())
+    assert onnx["target"] == "onnx" and onnx["plan"]["label"] == "q8_0"
+    assert (run / "hf-repo" / "gguf" / "raspberry-pi-4" / gg["file"]).is_file()
+    assert (run / "hf-repo" / "onnx" / "onnx" / "model.onnx").is_file()
+    assert "evaluation skipped" in r.output
+
+
+def test_targets_section_errors(tiny_models, tmp_path):
+    from moetool.errors import RecipeError
+
+    m = tiny_models("llama")
+    body = f"""name: t
+method: mofe
+base_model: {m["base"]}
+gate_mode: random
+experts_per_token: 1
+experts: [{{name: a, source: {m["e1"]}}}]
+targets:
+  - {{device: toaster}}
+"""
+    r = CliRunner().invoke(app, ["validate", str(write_recipe(tmp_path / "r.yaml", body))])
+    assert r.exit_code == 2 and "targets.0.device" in r.output and "unknown device 'toaster'" in r.output
+    try:
+        load_recipe(write_recipe(tmp_path / "r2.yaml", body.replace("{device: toaster}", "{quant: q4_0}")))
+    except RecipeError as exc:
+        assert "needs a device, a target, or both" in str(exc)
+    else:
+        raise AssertionError("a target without device or target must be refused")

@@ -1,0 +1,80 @@
+"""ExecuTorch, Core ML and TFLite exports of tiny Mixtral (3 experts) and Qwen2-MoE (shared expert), each checked
+in its runtime (Core ML: structure on Linux, plus the converted torch wrapper against transformers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import write_recipe
+from moetool.api import export, plan_export
+from moetool.export import ExportError
+
+EXPERTS = """experts:
+  - {{name: a, source: {e1}, positive_prompts: ["def main():"]}}
+  - {{name: b, source: {e2}, positive_prompts: ["Permission is hereby granted"]}}
+  - {{name: c, source: {e3}, positive_prompts: ["acute bronchitis"]}}
+"""
+MIXED = "experts=q4_0,router=f32,*=q8_0"
+
+
+def _merge(tmp, m, name, extra=""):
+    from moetool.api import merge
+
+    text = f"name: {name}\nmethod: mofe\nbase_model: {m['base']}\n{extra}\n" + EXPERTS.format(**m)
+    return merge(write_recipe(tmp / f"{name}.yaml", text), tmp / name)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("graph-targets")
+    q = tiny_models("qwen2")
+    return {
+        "mixtral": _merge(tmp, tiny_models("llama"), "mx"),
+        "qwen2_moe": _merge(tmp, q, "q2", f"shared_expert: {{source: {q['base']}, positive_prompts: ['def']}}"),
+    }
+
+
+def _worst(p):
+    return max([*p["max_abs_logit_diff"].values(), p["decode"]["max_abs_logit_diff"]])
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_executorch_fp32(models, tmp_path, arch):
+    man = export(models[arch], tmp_path / "et", target="executorch", quant="f32")
+    assert man["files"].keys() == {"model.pte"} and _worst(man["parity"]) <= 1e-4
+
+
+def test_executorch_quantized_experts(models, tmp_path):
+    man = export(models["mixtral"], tmp_path / "et", target="executorch", quant=MIXED)
+    # 18 expert linears at 4 bits; attention (8) and the head at 8 bits; routers stay fp32
+    assert man["quantized_linears"] == {"int4": 18, "int8": 9}
+    assert 0.5 < man["parity"]["top1_agreement"] <= 1.0
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_coreml_structure_and_wrapper(models, tmp_path, arch):
+    man = export(models[arch], tmp_path / "cm", target="coreml", quant=MIXED)
+    s = man["structure"]
+    assert s["states"] == ["k_cache", "v_cache"] and s["ios18_or_later"] and s["reloads"]
+    assert s["inputs"] == ["input_ids", "position_ids", "mask"] and s["outputs"] == ["logits"]
+    comp = man["compressed_weights"]
+    assert {k for k, v in comp.items() if v == "int4"} == {
+        f"layers.{i}.mlp.experts.{e}.{p}.weight" for i in range(2) for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    assert not any("router" in k for k in comp)  # the router is left uncompressed
+    assert s["compressed_weight_ops"]["constexpr_blockwise_shift_scale"] == len(comp)
+    assert _worst(man["parity"]) <= 1e-4 and "macOS" in man["parity"]["core_ml_runtime"]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_tflite_fp32(models, tmp_path, arch):
+    man = export(models[arch], tmp_path / "tfl", target="tflite", quant="f32")
+    assert _worst(man["parity"]) <= 1e-4 and man["parity"]["decode"]["steps"] == 8
+
+
+def test_tflite_mixed_precision_by_role(models, tmp_path):
+    man = export(models["mixtral"], tmp_path / "tfl", target="tflite", quant=MIXED)
+    assert man["quantized_roles"] == {"experts": "int4", "attention": "int8", "output": "int8"}
+    assert any("embeddings planned int8 but kept fp32" in n for n in man["tflite_notes"])
+    with pytest.raises(ExportError, match="per role"):
+        plan_export(models["mixtral"], tmp_path / "x", target="tflite", quant="blk.0.*=q4_0,*=q8_0,layers.0.*=q4_0")
