@@ -51,7 +51,7 @@ def plan_export(
     model: str | Path,
     output: str | Path,
     *,
-    target: str | None = "gguf",
+    target: str | None = None,
     quant: Any = None,
     device: str | None = None,
     force: bool = False,
@@ -86,7 +86,7 @@ def plan_export(
         spec = model_quant_spec(model_dir)
     if spec is None:
         spec = QuantSpec() if device is not None else QuantSpec(preset="f16")
-    exporter = get_exporter(target or "gguf")
+    exporter = get_exporter(target or "gguf")  # no device and no target: GGUF
     req = ExportRequest(
         model_dir=model_dir, output=Path(output), quant=spec, device=device, verify=verify, force=force,
         eval_text=eval_text, context=context,

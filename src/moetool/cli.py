@@ -353,13 +353,14 @@ def print_quant_plan(plan: Any, title: str) -> None:
 def export_cmd(
     model: Annotated[str, typer.Argument(help="Model directory (merged or tuned), or zoo:NAME.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Artifact directory (artifact + manifest.json).")],
-    target: Annotated[str | None, typer.Option(help="gguf (default without --device; onnx, tflite, coreml, executorch planned).")] = None,
+    target: Annotated[str | None, typer.Option(help="gguf, onnx, tflite, coreml or executorch (default: gguf, or the device's first format).")] = None,
     quant: Annotated[str | None, typer.Option(help="Preset (gem, moe-q4, …), type (q8_0, …) or rules 'experts=q4_k,attention=q8_0,*=q8_0'. Default: the recipe's quantization section, else f16.")] = None,
     device: Annotated[str | None, typer.Option(help="Device profile (`moetool devices`): picks format and the best plan that fits.")] = None,
     context: Annotated[int | None, typer.Option(help="Context length for the memory estimate.")] = None,
     eval_text: Annotated[Path | None, typer.Option(help="Held-out text file for the parity check.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and memory estimate; write nothing.")] = False,
     verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
+    compute_units: Annotated[str, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE.")] = "CPU_AND_NE",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     base: Annotated[str | None, typer.Option(help="Base model of a PEFT adapter given as MODEL (default: the adapter's base_model_name_or_path).")] = None,
 ) -> None:
@@ -384,6 +385,7 @@ def export_cmd(
         model, output, target=target if target or device else "gguf", quant=quant, device=device, force=force,
         verify=verify, eval_text=text, context=context,
     )  # fmt: skip
+    req.options["compute_units"] = compute_units
     print_quant_plan(plan, f"{exporter.name} plan '{plan.quant.label}' for {plan.name}")
     if dry_run:
         return

@@ -42,9 +42,9 @@ def test_device_picks_best_fitting_plan_or_refuses(tiny_models, tmp_path, monkey
     monkeypatch.setitem(devices.DEVICES, "tiny-board", dataclasses.replace(dev, budget=sizes["q4_0"] - 1))
     with pytest.raises(ExportError, match=r"no plan fits tiny-board .*f16: .* GB; q8_0: .*q4_0"):
         plan_export(base, tmp_path / "x", device="tiny-board")
-    # a device's formats are honoured: pixel-6 prefers tflite, which is not available yet, so gguf is chosen
-    exporter, _, _ = plan_export(base, tmp_path / "x", device="pixel-6")
-    assert exporter.name == "gguf"
+    # a device's preferred format is chosen: pixel-6 → tflite, iphone-13 → coreml, raspberry-pi-4 → gguf
+    for dev, fmt in (("pixel-6", "tflite"), ("iphone-13", "coreml"), ("raspberry-pi-4", "gguf"), ("laptop", "gguf")):
+        assert plan_export(base, tmp_path / "x", device=dev)[0].name == fmt
     with pytest.raises(ExportError, match="runs gguf, not onnx"):
         plan_export(base, tmp_path / "x", device="raspberry-pi-4", target="onnx")
 
@@ -58,7 +58,7 @@ def test_cli_dry_run_prints_plan_and_writes_nothing(tiny_models, tmp_path):
     assert not (tmp_path / "o").exists()
     r = CliRunner().invoke(app, ["export", str(base), "-o", str(tmp_path / "o"), "--device", "toaster"])
     assert r.exit_code == 2 and "unknown device 'toaster'" in r.output
-    r = CliRunner().invoke(app, ["export", str(base), "-o", str(tmp_path / "o"), "--target", "coreml"])
-    assert r.exit_code == 2 and "not implemented yet" in r.output
+    r = CliRunner().invoke(app, ["export", str(base), "-o", str(tmp_path / "o"), "--target", "tensorrt"])
+    assert r.exit_code == 2 and "unknown target 'tensorrt'; available: gguf, onnx" in r.output
     r = CliRunner().invoke(app, ["devices"])
     assert r.exit_code == 0 and "iphone-13" in r.output

@@ -50,16 +50,10 @@ TARGETS: dict[str, str] = {
     "coreml": "moetool.export.coreml.exporter:CoreMLExporter",
     "tflite": "moetool.export.tflite.exporter:TFLiteExporter",
 }
-PLANNED_TARGETS: tuple[str, ...] = ()
 
 
 def get_exporter(target: str) -> Exporter:
     if target not in TARGETS:
-        if target in PLANNED_TARGETS:
-            raise ExportError(
-                f"target {target!r} is not implemented yet; available: {', '.join(TARGETS)} "
-                f"(planned: {', '.join(PLANNED_TARGETS)})"
-            )
         raise ExportError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
     module, cls = TARGETS[target].split(":")
     exporter: Exporter = getattr(importlib.import_module(module), cls)()

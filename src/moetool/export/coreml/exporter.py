@@ -66,20 +66,29 @@ def compress(ml: Any, precisions: dict[str, str], fp16: bool) -> tuple[Any, dict
     """int4 per-block (32) or int8 per-channel linear quantization by weight name; others untouched."""
     import coremltools.optimize.coreml as cto
 
-    present = set(cto.get_weights_metadata(ml, weight_threshold=64))  # lower thresholds trip on list consts
+    meta = cto.get_weights_metadata(ml, weight_threshold=64)  # lower thresholds trip on list consts
     configs: dict[str, Any] = {}
     applied: dict[str, str] = {}
     for name, p in precisions.items():
         op = weight_op_name(name, fp16)
-        if op not in present or p == "fp32":
+        if op not in meta or p == "fp32":
             continue
         if p == "int4":
+            # blocks run along the input axis; an input width 32 does not divide takes the largest block that does
+            k = int(meta[op].val.shape[-1])
+            block = next((b for b in (BLOCK, 16, 8, 4) if k % b == 0), None)
+            if block is None:
+                configs[op] = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4",
+                                                          granularity="per_channel", weight_threshold=1)  # fmt: skip
+                applied[name] = "int4 per channel"
+                continue
             configs[op] = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", granularity="per_block",
-                                                      block_size=BLOCK, weight_threshold=1)  # fmt: skip
-        else:
-            configs[op] = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8",
-                                                      granularity="per_channel", weight_threshold=1)  # fmt: skip
-        applied[name] = p
+                                                      block_size=block, weight_threshold=1)  # fmt: skip
+            applied[name] = f"int4 block {block}"
+            continue
+        configs[op] = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel",
+                                                  weight_threshold=1)  # fmt: skip
+        applied[name] = "int8 per channel"
     if not configs:
         return ml, applied
     return cto.linear_quantize_weights(ml, cto.OptimizationConfig(op_name_configs=configs)), applied

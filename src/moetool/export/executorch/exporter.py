@@ -15,7 +15,6 @@ from moetool.export.graph.common import GraphPlan, manifest_base, plan_graph, re
 from moetool.io.atomic import atomic_dir
 
 FP32_GATE = 1e-4
-GROUP = 32
 
 
 def export_programs(model: Any) -> Any:
@@ -35,23 +34,39 @@ def export_programs(model: Any) -> Any:
     return pre, dec
 
 
-def quantize_modules(model: Any, precisions: dict[str, str]) -> dict[str, int]:
-    """torchao weight quantization of the Linear modules the plan puts at int8/int4; returns counts."""
+def quantize_modules(model: Any, precisions: dict[str, str]) -> tuple[dict[str, int], list[str]]:
+    """torchao weight quantization of the Linear modules the plan puts at int8/int4; returns counts and notes.
+
+    int4 groups are 32 wide; a layer whose input width is not a multiple of 32 gets int8 instead (with a note).
+    """
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
 
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     counts = {"int8": 0, "int4": 0}
-    for key, dtype in (("int4", getattr(torch, "int4")), ("int8", torch.int8)):  # noqa: B009 (not in the stubs)
-        names = {n.removesuffix(".weight") for n, p in precisions.items() if p == key}
-        names &= {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        if not names:
+    notes: list[str] = []
+    by_cfg: dict[tuple[str, int], set[str]] = {}
+    for name, p in precisions.items():
+        mod = name.removesuffix(".weight")
+        if p == "fp32" or mod not in linears:
             continue
-        # XNNPACK runs 4-bit weights groupwise and 8-bit weights per output channel (torch.int4 exists at run time)
-        gran = PerGroup(GROUP) if key == "int4" else PerAxis(0)
+        if p == "int8":
+            by_cfg.setdefault(("int8", 0), set()).add(mod)
+            continue
+        k = linears[mod].in_features
+        if k % 32:  # XNNPACK's 4-bit kernels take groups of 32 only
+            notes.append(f"{mod}: input width {k} is not a multiple of 32 (XNNPACK's int4 group); int8 instead")
+            by_cfg.setdefault(("int8", 0), set()).add(mod)
+            continue
+        by_cfg.setdefault(("int4", 32), set()).add(mod)
+    for (key, group), names in by_cfg.items():
+        # XNNPACK runs 4-bit weights groupwise and 8-bit weights per output channel
+        dtype = getattr(torch, "int4") if key == "int4" else torch.int8  # noqa: B009 (int4 is not in the stubs)
+        gran = PerGroup(group) if key == "int4" else PerAxis(0)
         cfg = Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=gran)
         quantize_(model, cfg, filter_fn=lambda m, fqn, names=names: fqn in names)
-        counts[key] = len(names)
-    return counts
+        counts[key] += len(names)
+    return counts, notes
 
 
 class ExecuTorchExporter:
@@ -75,7 +90,7 @@ class ExecuTorchExporter:
 
         hf, em = load_export_model(req.model_dir)
         t0 = time.perf_counter()
-        counts = quantize_modules(em, plan.precisions())
+        counts, qnotes = quantize_modules(em, plan.precisions())
         pre, dec = export_programs(em)
         prog = to_edge_transform_and_lower({"forward": pre, "decode": dec}, partitioner=[XnnpackPartitioner()])
         buf = prog.to_executorch().buffer
@@ -109,6 +124,7 @@ class ExecuTorchExporter:
                 "runtime": "executorch.runtime, XNNPACK delegate",
                 "methods": {"forward": "prefill", "decode": "one token with KV cache"},
                 "quantized_linears": counts,
+                "notes": manifest["notes"] + qnotes,
                 "parity": parity,
                 "timing_s": {"total": round(time.perf_counter() - t0, 3)},
             }

@@ -43,7 +43,8 @@ def role_precisions(precisions: dict[str, str]) -> dict[str, str]:
     return {r: next(iter(ps)) for r, ps in out.items()}
 
 
-def quantize(path: Path, roles: dict[str, str]) -> dict[str, str]:
+def quantize(path: Path, roles: dict[str, str], blockwise: dict[str, bool]) -> dict[str, str]:
+    """``blockwise[role]``: every input width of the role is a multiple of 32 (else int4 is per channel)."""
     from ai_edge_quantizer import qtyping, quantizer
 
     fc = qtyping.TFLOperationName.FULLY_CONNECTED
@@ -53,9 +54,11 @@ def quantize(path: Path, roles: dict[str, str]) -> dict[str, str]:
         if p == "fp32" or role not in ROLE_SCOPES:
             continue
         if p == "int4":
-            q.add_dynamic_config(ROLE_SCOPES[role], fc, 4, qtyping.QuantGranularity.BLOCKWISE_32)
-        else:
-            q.add_dynamic_config(ROLE_SCOPES[role], fc, 8, qtyping.QuantGranularity.CHANNELWISE)
+            gran = qtyping.QuantGranularity.BLOCKWISE_32 if blockwise.get(role, True) else qtyping.QuantGranularity.CHANNELWISE
+            q.add_dynamic_config(ROLE_SCOPES[role], fc, 4, gran)
+            applied[role] = "int4" if blockwise.get(role, True) else "int4 (per channel)"
+            continue
+        q.add_dynamic_config(ROLE_SCOPES[role], fc, 8, qtyping.QuantGranularity.CHANNELWISE)
         applied[role] = p
     if applied:
         result = q.quantize()
@@ -86,9 +89,19 @@ def main(request_path: str) -> None:
     path = Path(req["out_dir"]) / "model.tflite"
     edge.export(str(path))
     roles = role_precisions(req["precisions"])
-    applied = quantize(path, roles)
+    from moetool.export.graph.names import hf_name
+    from moetool.quant.roles import role_of
+
+    blockwise: dict[str, bool] = {}
+    for n, prm in em.named_parameters():
+        if prm.dim() == 2 and n in req["precisions"]:
+            r = role_of(hf_name(n))
+            blockwise[r] = blockwise.get(r, True) and prm.shape[1] % 32 == 0
+    applied = quantize(path, roles, blockwise)
     notes = [f"{r} planned {p} but kept fp32 (only FULLY_CONNECTED ops are quantized for TFLite)"
              for r, p in roles.items() if p != "fp32" and r not in applied]  # fmt: skip
+    notes += [f"{r}: an input width is not a multiple of 32, so int4 is per channel, not blockwise"
+              for r, p in applied.items() if p.endswith("(per channel)")]  # fmt: skip
     result: dict[str, Any] = {"quantized_roles": applied, "capacity": cap, "prefill_len": plen, "tflite_notes": notes,
                               "cache_shape": [1, em.n_kv, cap, em.head_dim], "cache_tensors": 2 * em.n_layers}  # fmt: skip
     if req["verify"]:
