@@ -13,12 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetool.export.graph.model import ExportLM
-
-
-def _rotate(x: torch.Tensor, half: int) -> torch.Tensor:
-    """rotate_half with a Python-int split: a traced ``shape // 2`` becomes an op Core ML cannot fold."""
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from moetool.export.graph.model import ExportLM, attend, qkv_rope
 
 
 class StatefulLM(nn.Module):
@@ -46,26 +41,10 @@ class StatefulLM(nn.Module):
         blocks: list[Any] = list(m.layers)
         for i, block in enumerate(blocks):
             a = block.attn
-            h = block.attn_norm(x)
-            q = a.q(h).view(1, t, a.n_head, a.head_dim)
-            k = a.k(h).view(1, t, a.n_kv, a.head_dim)
-            v = a.v(h).view(1, t, a.n_kv, a.head_dim).transpose(1, 2)
-            if a.q_norm is not None and a.k_norm is not None:
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            half = a.head_dim // 2
-            q = q * cos + _rotate(q, half) * sin
-            k = k * cos + _rotate(k, half) * sin
+            q, k, v = qkv_rope(a, block.attn_norm(x), cos, sin, bt=(1, t))
             self.k_cache[i, :, :, begin:end] = k
             self.v_cache[i, :, :, begin:end] = v
-            kk = self.k_cache[i, :, :, :end]
-            vv = self.v_cache[i, :, :, :end]
-            rep = a.n_head // a.n_kv
-            qg = q.contiguous().view(1, a.n_kv, rep * t, a.head_dim)
-            mask_g = mask.repeat(1, 1, rep, 1) if rep > 1 else mask
-            scores = torch.matmul(qg, kk.transpose(2, 3)) * (a.head_dim**-0.5) + mask_g
-            y = torch.matmul(torch.softmax(scores, dim=-1), vv).contiguous().view(1, a.n_head, t, a.head_dim)
-            x = x + a.o(y.transpose(1, 2).reshape(1, t, a.n_head * a.head_dim))
+            x = x + attend(a, q, self.k_cache[i, :, :, :end], self.v_cache[i, :, :, :end], mask, bt=(1, t))
             x = x + block.mlp(block.ffn_norm(x))
         logits: torch.Tensor = m.lm_head(m.norm(x))
         return logits

@@ -83,9 +83,45 @@ class DenseMaskedMoE(nn.Module):
         return out
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+def rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:
+    """Rope's rotate-half with a Python-int split (a traced ``shape // 2`` is an op Core ML cannot fold)."""
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def qkv_rope(a: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             bt: tuple[Any, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Projections of ``h`` [B, T, D] by Attention ``a``, with q/k norms and rope: q [B, H, T, hd], k/v [B, kv, T, hd].
+
+    ``bt`` gives B and T when the caller knows them better than ``h.shape`` (Core ML's tracer needs batch 1 as a
+    constant, not a traced size).
+    """
+    b, t = bt if bt is not None else h.shape[:2]
+    q = a.q(h).view(b, t, a.n_head, a.head_dim)
+    k = a.k(h).view(b, t, a.n_kv, a.head_dim)
+    v = a.v(h).view(b, t, a.n_kv, a.head_dim).transpose(1, 2)
+    if a.q_norm is not None and a.k_norm is not None:
+        q, k = a.q_norm(q), a.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    half = a.head_dim // 2
+    return q * cos + rotate_half(q, half) * sin, k * cos + rotate_half(k, half) * sin, v
+
+
+def attend(a: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           bt: tuple[Any, Any] | None = None) -> torch.Tensor:  # fmt: skip
+    """Masked attention of q [B, H, T, hd] over k/v [B, kv, S, hd] → the output projection's result [B, T, D].
+
+    GQA without repeating K/V: the query heads of one KV head are stacked along the query axis, so no reshape touches
+    the (dynamic) cache length.
+    """
+    b, t = bt if bt is not None else (q.shape[0], q.shape[2])
+    rep = a.n_head // a.n_kv
+    qg = q.contiguous().view(b, a.n_kv, rep * t, a.head_dim)
+    mask_g = mask.repeat(1, 1, rep, 1) if rep > 1 else mask  # [B, 1, rep·T, S]
+    scores = torch.matmul(qg, k.transpose(2, 3)) * (a.head_dim**-0.5) + mask_g
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    y = torch.matmul(probs, v).contiguous().view(b, a.n_head, t, a.head_dim)
+    out: torch.Tensor = a.o(y.transpose(1, 2).reshape(b, t, a.n_head * a.head_dim))
+    return out
 
 
 class Attention(nn.Module):
@@ -106,28 +142,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 past_k: torch.Tensor | None, past_v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.n_head, self.head_dim)
-        k = self.k(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.v(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = qkv_rope(self, x, cos, sin)
         if past_k is not None and past_v is not None:
             k = torch.cat([past_k, k], dim=2)
             v = torch.cat([past_v, v], dim=2)
-        # GQA without repeating K/V: the query heads of one KV head are stacked along the query axis, so no
-        # reshape touches the (dynamic) cache length
-        rep = self.n_head // self.n_kv
-        qg = q.contiguous().view(b, self.n_kv, rep * t, self.head_dim)
-        mask_g = mask.repeat(1, 1, rep, 1) if rep > 1 else mask  # [B, 1, rep·T, S]
-        scores = torch.matmul(qg, k.transpose(2, 3)) * (self.head_dim**-0.5) + mask_g
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        y = torch.matmul(probs, v).contiguous().view(b, self.n_head, t, self.head_dim)
-        y = y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim)
-        return self.o(y), k, v
+        return attend(self, q, k, v, mask), k, v
 
 
 class Block(nn.Module):

@@ -14,11 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetool.export.graph.model import NEG, ExportLM
-
-
-def _rotate(x: torch.Tensor, half: int) -> torch.Tensor:
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from moetool.export.graph.model import NEG, ExportLM, attend, qkv_rope
 
 
 class StaticCacheLM(nn.Module):
@@ -30,7 +26,6 @@ class StaticCacheLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 *caches: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
         m = self.model
-        t = input_ids.shape[1]
         onehot = (position_ids[0][:, None] == torch.arange(self.capacity)[None]).float()  # [T, C]
         keep = 1.0 - onehot.sum(0)[None, None, :, None]  # [1, 1, C, 1]
         write = onehot.t()[None, None]  # [1, 1, C, T]
@@ -43,25 +38,11 @@ class StaticCacheLM(nn.Module):
         blocks: list[Any] = list(m.layers)
         for i, block in enumerate(blocks):
             a = block.attn
-            h = block.attn_norm(x)
-            q = a.q(h).view(1, t, a.n_head, a.head_dim)
-            k = a.k(h).view(1, t, a.n_kv, a.head_dim)
-            v = a.v(h).view(1, t, a.n_kv, a.head_dim).transpose(1, 2)
-            if a.q_norm is not None and a.k_norm is not None:
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            half = a.head_dim // 2
-            q = q * cos + _rotate(q, half) * sin
-            k = k * cos + _rotate(k, half) * sin
+            q, k, v = qkv_rope(a, block.attn_norm(x), cos, sin)
             kc = caches[2 * i] * keep + torch.matmul(write, k)  # [1, kv, C, hd]
             vc = caches[2 * i + 1] * keep + torch.matmul(write, v)
             out += [kc, vc]
-            rep = a.n_head // a.n_kv
-            qg = q.contiguous().view(1, a.n_kv, rep * t, a.head_dim)
-            mask_g = mask.repeat(1, 1, rep, 1) if rep > 1 else mask
-            scores = torch.matmul(qg, kc.transpose(2, 3)) * (a.head_dim**-0.5) + mask_g
-            y = torch.matmul(torch.softmax(scores, dim=-1), vc).contiguous().view(1, a.n_head, t, a.head_dim)
-            x = x + a.o(y.transpose(1, 2).reshape(1, t, a.n_head * a.head_dim))
+            x = x + attend(a, q, kc, vc, mask)
             x = x + block.mlp(block.ffn_norm(x))
         logits: torch.Tensor = m.lm_head(m.norm(x))
         return (logits, *out)
