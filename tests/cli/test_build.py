@@ -25,8 +25,9 @@ train: {{data: {{code: {{text: {tmp_path / "t.txt"}}}}}}}
 targets:
   - device: raspberry-pi-4
   - {{target: onnx, quant: q8_0}}
+  - device: iphone-13
 """)
-    assert [t.dir_name for t in load_recipe(recipe).targets] == ["raspberry-pi-4", "onnx"]
+    assert [t.dir_name for t in load_recipe(recipe).targets] == ["raspberry-pi-4", "onnx", "iphone-13"]
     r = CliRunner().invoke(app, ["build", str(recipe), "-o", str(tmp_path / "run"), "--no-train"])
     assert r.exit_code == 0, r.output
     run = tmp_path / "run"
@@ -35,7 +36,15 @@ targets:
     onnx = json.loads((run / "exports" / "onnx" / "manifest.json").read_text())
     assert onnx["target"] == "onnx" and onnx["plan"]["label"] == "q8_0"
     assert (run / "hf-repo" / "gguf" / "raspberry-pi-4" / gg["file"]).is_file()
+    # multi-file artifacts arrive whole: both ONNX graphs, the Core ML package directory
     assert (run / "hf-repo" / "onnx" / "onnx" / "model.onnx").is_file()
+    assert (run / "hf-repo" / "onnx" / "onnx" / "model-with-past.onnx").is_file()
+    cm = json.loads((run / "exports" / "iphone-13" / "manifest.json").read_text())
+    assert cm["target"] == "coreml" and (run / "hf-repo" / "coreml" / "iphone-13" / "model.mlpackage" / "Manifest.json").is_file()
+    packaged = [f for f in (run / "hf-repo" / "coreml" / "iphone-13" / "model.mlpackage").rglob("*") if f.is_file()]
+    assert len(packaged) == len(cm["files"])
+    card = (run / "hf-repo" / "README.md").read_text()
+    assert "Core ML runs on macOS only" in card
     assert "evaluation skipped" in r.output
 
 

@@ -59,6 +59,14 @@ class Artifact:
     def repo_dir(self) -> str:
         return f"{self.target}/{self.dir.name}"
 
+    def files(self) -> dict[str, str | None]:
+        """Every file of the artifact (relative path → sha256 from the manifest): graph targets list several
+        (ONNX's two graphs, a Core ML package's contents), GGUF has one."""
+        listed = self.manifest.get("files")
+        if listed:
+            return {str(rel): info.get("sha256") for rel, info in listed.items()}
+        return {self.file: self.manifest["artifact"].get("sha256")}
+
 
 @dataclass
 class Inputs:
@@ -80,9 +88,11 @@ def load_artifact(path: Path) -> Artifact:
     for key in ("target", "file", "model", "artifact"):
         if key not in manifest:
             raise PackageError(f"{path / 'manifest.json'}: no {key!r}; not a moetool export manifest")
-    if not (path / manifest["file"]).is_file():
-        raise PackageError(f"{path}: the manifest names {manifest['file']}, which is not there")
-    return Artifact(path, manifest)
+    art = Artifact(path, manifest)
+    for rel in art.files():
+        if not (path / rel).is_file():
+            raise PackageError(f"{path}: the manifest names {rel}, which is not there")
+    return art
 
 
 def _pointed_model(art: Artifact, run: Path) -> Path:
@@ -158,10 +168,11 @@ def _copy(src: Path, dst: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _check_artifact(art: Artifact, weights: dict[str, str], model: Path, sha: str) -> None:
+def _check_artifact(art: Artifact, weights: dict[str, str], model: Path, shas: dict[str, str]) -> None:
     """Refuse an artifact that changed since export, or that was exported from other weights than the packaged ones."""
-    if sha != art.manifest["artifact"].get("sha256"):
-        raise PackageError(f"{art.dir / art.file}: sha256 differs from its manifest; it changed since export")
+    for rel, want in art.files().items():
+        if shas.get(rel) != want:
+            raise PackageError(f"{art.dir / rel}: sha256 differs from its manifest; it changed since export")
     recorded = art.manifest["model"].get("weights_sha256") or {}
     if recorded != weights:
         differ = sorted(n for n in set(recorded) | set(weights) if recorded.get(n) != weights.get(n))
@@ -217,7 +228,8 @@ def build_repo(
             shutil.copy2(f, tmp / f.name)
         for a in inp.artifacts:
             dest = tmp / a.repo_dir
-            _check_artifact(a, weights, inp.model, _copy(a.dir / a.file, dest / a.file))
+            shas = {rel: _copy(a.dir / rel, dest / rel) for rel in a.files()}
+            _check_artifact(a, weights, inp.model, shas)
             shutil.copy2(a.dir / "manifest.json", dest / "manifest.json")
         if inp.eval_json:
             _copy(inp.eval_json, tmp / "eval" / "eval.json")
@@ -384,9 +396,17 @@ def _parity(p: Any) -> str:
         parts.append(f"top-1 agreement {100 * p['top1_agreement']:.2f}%")
     if "ppl_change" in p:
         parts.append(f"perplexity {100 * p['ppl_change']:+.2f}%")
+    if "decode" in p:
+        parts.append(f"cached decode {float(p['decode']['max_abs_logit_diff']):.1e}")
+    if "conversion" in p:
+        conv = max(float(v) for v in p["conversion"]["max_abs_logit_diff"].values())
+        parts.append(f"conversion alone (artifact's own weights) {conv:.1e}")
     if "tokenizer_match" in p:
         parts.append("tokenizer matches" if p["tokenizer_match"] else "tokenizer DIFFERS")
-    return "; ".join(parts)
+    text = "; ".join(parts)
+    if "core_ml_runtime" in p:  # the figures are the converted torch wrapper's, not Core ML's
+        text = f"torch wrapper that was converted (Core ML runs on macOS only; see scripts/coreml_parity_mac.py): {text}"
+    return text
 
 
 def _artifacts_section(artifacts: list[Artifact]) -> str:
@@ -402,7 +422,8 @@ def _artifacts_section(artifacts: list[Artifact]) -> str:
         notes += [f"- `{a.repo_dir}`: {n}" for n in m.get("notes", [])]
     return (
         "## On-device artifacts\n\nParity compares each artifact in its runtime with this checkpoint in transformers "
-        "(float32) on held-out text; quantized plans are reported, not gated.\n\n"
+        "(float32) on held-out text. Float plans must meet a gate; quantized plans are reported (a GGUF must also "
+        "agree with transformers on its own dequantized weights).\n\n"
         "| target | file | plan | size | bits/weight | device | parity |\n|---|---|---|---:|---:|---|---|\n"
         + "\n".join(rows)
         + "\n\n"
