@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from moetool.api import export
-from moetool.export.gguf.verify import _nll, llama_logits, load_llama
+from moetool.export.gguf.verify import llama_logits, load_llama
+from moetool.export.heldout import nll
 from moetool.zoo.build import DOMAINS, resolve_zoo_model, zoo_domain_text
 
 UNIFORM = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -69,7 +70,7 @@ def perplexity(gguf: Path, windows: list[list[int]]) -> float:
     try:
         total = n = 0.0
         for w in windows:
-            a, k = _nll(llama_logits(llm, w), w)
+            a, k = nll(llama_logits(llm, w), w)
             total += a
             n += k
     finally:

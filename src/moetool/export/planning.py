@@ -4,11 +4,61 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from moetool.export.base import ExportError, ExportRequest
 from moetool.quant.devices import MemoryEstimate, estimate_memory, get_device
 from moetool.quant.plan import QuantPlan, QuantSpec, TensorEntry, resolve
+
+
+@dataclass
+class ArtifactPlan:
+    """What an exporter decided before writing: the model, its precision plan and the memory estimate."""
+
+    model_dir: Path
+    config: dict[str, Any]
+    quant: QuantPlan
+    name: str
+    device: str | None = None
+    memory: MemoryEstimate | None = None
+    context: int = 2048
+    candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits) when --device
+
+
+def manifest_base(target: str, plan: ArtifactPlan, files: dict[str, Path], main: str) -> dict[str, Any]:
+    """The manifest fields every artifact has: files with sizes and hashes, the source weights' hashes, the device,
+    the memory estimate, the plan and its notes. Exporters add their runtime, parity and timing."""
+    from moetool import __version__
+    from moetool.card import sha256_file
+    from moetool.io.checkpoint import Checkpoint
+
+    return {
+        "format": "moetool-artifact/1",
+        "target": target,
+        "file": main,
+        "files": {n: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for n, p in files.items()},
+        "model": {
+            "name": plan.name,
+            "path": str(plan.model_dir),
+            "model_type": plan.config.get("model_type"),
+            "weights_sha256": {f.name: sha256_file(f) for f in Checkpoint(plan.model_dir).weight_files},
+        },
+        "artifact": {"bytes": sum(p.stat().st_size for p in files.values()), "sha256": sha256_file(files[main])},
+        "device": plan.device,
+        "memory_estimate": None
+        if plan.memory is None
+        else {
+            "context": plan.context,
+            "weights": plan.memory.weights,
+            "kv_cache": plan.memory.kv_cache,
+            "runtime": plan.memory.runtime,
+            "total": plan.memory.total,
+        },
+        "plan": plan.quant.to_json(),
+        "notes": plan.quant.notes(),
+        "moetool": __version__,
+    }
 
 
 @dataclass

@@ -8,6 +8,7 @@ the first rule that matches a tensor decides its type. Resolution against a mode
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,10 +170,7 @@ class Assignment:
 
     @property
     def params(self) -> int:
-        n = 1
-        for s in self.entry.shape:
-            n *= s
-        return n
+        return math.prod(self.entry.shape)
 
 
 @dataclass

@@ -18,10 +18,9 @@ import numpy as np
 import torch
 
 from moetool.export.base import ExportError, ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, manifest_base, plan_graph, require
+from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph, require
 from moetool.io.atomic import atomic_dir
 
-WRAPPER_GATE = 1e-4
 BLOCK = 32
 COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
 
@@ -124,9 +123,9 @@ class CoreMLExporter:
         from transformers import AutoTokenizer
 
         from moetool.export.coreml.stateful import StatefulLM
-        from moetool.export.gguf.exporter import held_out_text
         from moetool.export.graph.model import causal_mask, load_export_model
-        from moetool.export.graph.parity import graph_parity
+        from moetool.export.graph.parity import gate, graph_parity
+        from moetool.export.heldout import held_out_text
 
         units = str(req.options.get("compute_units", "CPU_AND_NE"))
         if units not in COMPUTE_UNITS:
@@ -162,7 +161,7 @@ class CoreMLExporter:
                         out = wrapper(torch.from_numpy(ids), torch.tensor([[pos]]), causal_mask(1, pos))
                     return out.numpy(), []
 
-                text, src = (req.eval_text, "user") if req.eval_text else held_out_text(req.model_dir)
+                text, src = held_out_text(req.model_dir, req.eval_text)
                 tok = AutoTokenizer.from_pretrained(str(req.model_dir))
                 parity = graph_parity(hf, em, tok, text, prefill, decode,
                                       runtime="torch: the StatefulLM wrapper that was converted", seq_lens=(32, min(128, capacity)))  # fmt: skip
@@ -170,11 +169,9 @@ class CoreMLExporter:
                     "text": src,
                     "core_ml_runtime": "not run: Core ML prediction needs macOS (scripts/coreml_parity_mac.py)",
                 }
-                worst = max([*parity["max_abs_logit_diff"].values(), parity["decode"]["max_abs_logit_diff"]])
-                if worst > WRAPPER_GATE:
-                    raise ExportError(f"Core ML wrapper parity failed: max |Δlogit| {worst:.3g} > {WRAPPER_GATE:g}")
+                gate(parity, "Core ML wrapper")
             files = {p.relative_to(tmp).as_posix(): p for p in path.rglob("*") if p.is_file()}
-            manifest = manifest_base("coreml", plan, files, "model.mlpackage/Manifest.json")
+            manifest = graph_manifest("coreml", plan, files, "model.mlpackage/Manifest.json")
             manifest["file"] = "model.mlpackage"
             manifest |= {
                 "runtime": "Core ML (iOS 18 / macOS 15), stateful KV cache",

@@ -10,11 +10,9 @@ from typing import Any
 
 import torch
 
-from moetool.export.base import ExportError, ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, manifest_base, plan_graph, require
+from moetool.export.base import ExportRequest, write_manifest
+from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph, require
 from moetool.io.atomic import atomic_dir
-
-FP32_GATE = 1e-4
 
 
 def export_programs(model: Any) -> Any:
@@ -84,9 +82,9 @@ class ExecuTorchExporter:
         from executorch.runtime import Runtime
         from transformers import AutoTokenizer
 
-        from moetool.export.gguf.exporter import held_out_text
-        from moetool.export.graph.model import causal_mask, load_export_model, prefill_inputs
-        from moetool.export.graph.parity import graph_parity
+        from moetool.export.graph.model import ExportLM, causal_mask, load_export_model, prefill_inputs
+        from moetool.export.graph.parity import gate, graph_parity
+        from moetool.export.heldout import held_out_text
 
         hf, em = load_export_model(req.model_dir)
         t0 = time.perf_counter()
@@ -110,16 +108,14 @@ class ExecuTorchExporter:
                     out = step.execute([torch.from_numpy(ids), torch.tensor([[pos]]), causal_mask(1, pos), *past])
                     return out[0].numpy(), list(out[1:])
 
-                text, src = (req.eval_text, "user") if req.eval_text else held_out_text(req.model_dir)
+                text, src = held_out_text(req.model_dir, req.eval_text)
                 tok = AutoTokenizer.from_pretrained(str(req.model_dir))
-                ref_model = load_export_model(req.model_dir)[1]  # the un-quantized wrapper, for the wrapper figure
+                ref_model = ExportLM(hf).eval()  # em was quantized in place; the wrapper figure is for the float one
                 parity = graph_parity(hf, ref_model, tok, text, prefill, decode, runtime="executorch (XNNPACK)")
                 parity["text"] = src
-                lossless = all(p == "fp32" for p in plan.precisions().values())
-                worst = max([*parity["max_abs_logit_diff"].values(), parity["decode"]["max_abs_logit_diff"]])
-                if lossless and worst > FP32_GATE:
-                    raise ExportError(f"ExecuTorch parity failed: max |Δlogit| {worst:.3g} > {FP32_GATE:g} (fp32)")
-            manifest = manifest_base("executorch", plan, {"model.pte": path}, "model.pte")
+                if all(p == "fp32" for p in plan.precisions().values()):
+                    gate(parity, "ExecuTorch (fp32)")
+            manifest = graph_manifest("executorch", plan, {"model.pte": path}, "model.pte")
             manifest |= {
                 "runtime": "executorch.runtime, XNNPACK delegate",
                 "methods": {"forward": "prefill", "decode": "one token with KV cache"},

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moetool import __version__
-from moetool.card import sha256_file
 from moetool.export.base import ExportError, ExportRequest, write_manifest
 from moetool.export.gguf.dequant import artifact_checkpoint
 from moetool.export.gguf.layout import Layout, plan_layout
-from moetool.export.planning import choose_plan
+from moetool.export.heldout import held_out_text, model_name
+from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
 from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import Checkpoint
-from moetool.quant.devices import MemoryEstimate
 from moetool.quant.plan import QuantPlan
 from moetool.quant.types import TYPES
 
@@ -30,60 +27,11 @@ MIN_TOP1_QUANTIZED = 0.95
 # the router cannot be a K type: llama.cpp's quantizer never touches ffn_gate_inp and gguf-py cannot write K types
 _ROUTER_K = {f"router:{t}": "q8_0" for t in TYPES if not TYPES[t].python}
 
-SAMPLE_TEXT = (
-    "The parser reads each line, strips comments and splits the remaining tokens on whitespace. "
-    "def tokenize(line):\n    return [t for t in line.split() if not t.startswith('#')]\n\n"
-    "Licensor hereby grants to You a worldwide, royalty-free, non-exclusive licence to reproduce the Work. "
-    "THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED.\n"
-    "Type 2 diabetes mellitus with diabetic chronic kidney disease; acute bronchitis due to rhinovirus; "
-    "fracture of the shaft of the right femur, initial encounter for closed fracture.\n"
-) * 8
 
 
 @dataclass
-class GGUFPlan:
-    model_dir: Path
-    config: dict[str, Any]
-    layout: Layout
-    quant: QuantPlan
-    name: str
-    device: str | None = None
-    memory: MemoryEstimate | None = None
-    context: int = 2048
-    candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits) when --device
-
-
-def model_name(model_dir: Path) -> str:
-    info = model_dir / "moetool.json"
-    if info.is_file():
-        with_name = json.loads(info.read_text()).get("name")
-        if with_name:
-            return str(with_name)
-    return model_dir.resolve().name
-
-
-def held_out_text(model_dir: Path) -> tuple[str, str]:
-    """Text for parity and the perplexity change, and where it came from.
-
-    Models built from the zoo are scored on the zoo's held-out splits (interleaved across domains); others on a
-    built-in multi-domain sample (pass ``--eval-text`` for your own).
-    """
-    info = model_dir / "moetool.json"
-    zoo = False
-    if info.is_file():
-        srcs = json.loads(info.read_text()).get("provenance", {}).get("sources", {})
-        zoo = bool(srcs) and all(s.get("kind") == "zoo" for s in srcs.values())
-    if not zoo and (model_dir.resolve().parent / "zoo.json").is_file():  # a zoo model itself
-        zoo = True
-    if zoo:
-        try:
-            from moetool.zoo.build import DOMAINS, zoo_domain_text
-
-            parts = [zoo_domain_text(d, "valid")[:6000] for d in DOMAINS]
-            return "\n".join(p for trio in zip(*(t.split("\n") for t in parts), strict=False) for p in trio), "zoo"
-        except Exception:  # the zoo cache may be gone; the sample still proves parity
-            pass
-    return SAMPLE_TEXT, "builtin-sample"
+class GGUFPlan(ArtifactPlan):
+    layout: Layout = field(kw_only=True)
 
 
 class GGUFExporter:
@@ -98,7 +46,7 @@ class GGUFExporter:
         entries = [t.entry() for t in layout.tensors]
         name = model_name(req.model_dir)
         c = choose_plan(req, entries, cfg, "gguf", cannot=_ROUTER_K)
-        return GGUFPlan(req.model_dir, cfg, layout, c.quant, name, c.device, c.memory, c.context, c.candidates)
+        return GGUFPlan(req.model_dir, cfg, c.quant, name, c.device, c.memory, c.context, c.candidates, layout=layout)
 
     def export(self, req: ExportRequest, plan: GGUFPlan, console: Any = None) -> dict[str, Any]:
         from moetool.export.gguf.tokenizer import read_vocab
@@ -123,40 +71,19 @@ class GGUFExporter:
             if req.verify:
                 from moetool.export.gguf.verify import compare
 
-                text, text_src = (req.eval_text, "user") if req.eval_text else held_out_text(req.model_dir)
+                text, text_src = held_out_text(req.model_dir, req.eval_text)
                 lossless = all(a.type == "f32" for a in plan.quant.assignments)
                 with tempfile.TemporaryDirectory(prefix="moetool-parity-") as work:
                     own = None if lossless else artifact_checkpoint(target, req.model_dir, plan.layout, Path(work))
                     report = compare(target, req.model_dir, text, artifact_weights=own)
                 parity = report.to_json() | {"text": text_src}
                 gate_problems(report, plan.quant)
-            manifest = {
-                "format": "moetool-artifact/1",
-                "target": "gguf",
-                "file": fname,
+            manifest = manifest_base("gguf", plan, {fname: target}, fname)
+            manifest |= {
                 "llama_cpp_arch": plan.layout.arch,
-                "model": {
-                    "name": plan.name,
-                    "path": str(req.model_dir),
-                    "model_type": plan.config.get("model_type"),
-                    "weights_sha256": {f.name: sha256_file(f) for f in Checkpoint(req.model_dir).weight_files},
-                },
-                "artifact": {"bytes": target.stat().st_size, "sha256": sha256_file(target)},
-                "device": plan.device,
-                "memory_estimate": None
-                if plan.memory is None
-                else {
-                    "context": plan.context,
-                    "weights": plan.memory.weights,
-                    "kv_cache": plan.memory.kv_cache,
-                    "runtime": plan.memory.runtime,
-                    "total": plan.memory.total,
-                },
-                "plan": plan.quant.to_json(),
-                "notes": plan.layout.notes + plan.quant.notes(),
+                "notes": plan.layout.notes + manifest["notes"],
                 "parity": parity if parity is not None else "not verified (--no-verify)",
                 "timing_s": {"write": round(write_s, 3), "total": round(time.perf_counter() - t0, 3)},
-                "moetool": __version__,
             }
             write_manifest(tmp, manifest)
         return manifest

@@ -166,9 +166,10 @@ def merged_checkpoint(base_dir: Path, adapter_dir: Path, out: Path) -> Path:
 def export_adapter(adapter_dir: Path, base_dir: Path, output: Path, *, force: bool = False, verify: bool = True,
                    eval_text: str | None = None, out_type: str = "f32") -> dict[str, Any]:  # fmt: skip
     """Write ``output``/{name}.lora.gguf and manifest.json; verify through llama.cpp's ``lora_path``."""
-    from moetool.export.gguf.exporter import GATES, held_out_text, model_name
+    from moetool.export.gguf.exporter import GATES
     from moetool.export.gguf.verify import compare
     from moetool.export.gguf.write import write_gguf
+    from moetool.export.heldout import held_out_text, model_name
     from moetool.quant.plan import QuantSpec, resolve
 
     if out_type not in ("f32", "f16"):
@@ -190,7 +191,7 @@ def export_adapter(adapter_dir: Path, base_dir: Path, output: Path, *, force: bo
                 write_gguf(base_gguf, ckpt=base, cfg=base.config, layout=layout, plan=plan,
                            vocab=read_vocab(base_dir, int(base.config["vocab_size"])), name=model_name(base_dir))  # fmt: skip
                 ref = merged_checkpoint(base_dir, adapter_dir, Path(work) / "merged")
-                text, source = (eval_text, "user") if eval_text else held_out_text(base_dir)
+                text, source = held_out_text(base_dir, eval_text)
                 report = compare(base_gguf, ref, text, lora_path=tmp / fname)
             parity = report.to_json() | {"reference": "transformers float32, LoRA merged into the weights",
                                          "text": source}  # fmt: skip

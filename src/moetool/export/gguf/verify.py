@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from moetool.export.base import ExportError
+from moetool.export.heldout import Agreement, agreement, windows
 
 TOKENIZER_PROBES: tuple[str, ...] = (
     "Hello world",
@@ -30,29 +30,6 @@ TOKENIZER_PROBES: tuple[str, ...] = (
     "ICD-10: E11.9 Type 2 diabetes mellitus without complications.",
     "\n",
 )
-
-
-@dataclass
-class Agreement:
-    """llama.cpp against one transformers reference on the same ids."""
-
-    max_abs_logit_diff: dict[str, float]  # per probe length
-    top1_agreement: float
-    ppl_reference: float
-    ppl_artifact: float
-
-    @property
-    def ppl_change(self) -> float:
-        return self.ppl_artifact / self.ppl_reference - 1.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "max_abs_logit_diff": self.max_abs_logit_diff,
-            "top1_agreement": round(self.top1_agreement, 6),
-            "ppl_reference": round(self.ppl_reference, 4),
-            "ppl_artifact": round(self.ppl_artifact, 4),
-            "ppl_change": round(self.ppl_change, 6),
-        }
 
 
 @dataclass
@@ -139,15 +116,6 @@ def llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
     return np.array(llm.scores[: len(ids)], dtype=np.float32)
 
 
-def _nll(logits: np.ndarray, ids: list[int]) -> tuple[float, int]:
-    x = logits[:-1].astype(np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    logz = np.log(np.exp(x).sum(axis=-1))
-    tgt = np.asarray(ids[1:])
-    nll = logz - x[np.arange(len(tgt)), tgt]
-    return float(nll.sum()), len(tgt)
-
-
 def check_tokenizer(llm: Any, tok: Any) -> list[dict[str, Any]]:
     """Strings where llama.cpp's ids differ from the HF tokenizer's (empty when they all agree)."""
     bad = []
@@ -158,41 +126,6 @@ def check_tokenizer(llm: Any, tok: Any) -> list[dict[str, Any]]:
         if list(got) != list(ref):
             bad.append({"text": s, "hf": ref[:32], "llama_cpp": list(got)[:32]})
     return bad
-
-
-def windows(tok: Any, text: str, seq_lens: list[int], n_windows: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Token windows: one per probe length (for logit diffs) and ``n_windows`` of the longest (for perplexity)."""
-    tok.model_max_length = 10**9  # windows are cut below; silence the "longer than the maximum" warning
-    ids = tok(text, add_special_tokens=False).input_ids
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    longest = max(seq_lens)
-    need = longest - len(bos)
-    if len(ids) < need:
-        raise ExportError(f"held-out text has {len(ids)} tokens; parity needs at least {need}")
-    probes = [bos + ids[: n - len(bos)] for n in seq_lens]
-    step = max(need, (len(ids) - need) // max(n_windows - 1, 1))
-    ppl = [bos + ids[s : s + need] for s in range(0, len(ids) - need + 1, step)][:n_windows]
-    return probes, ppl
-
-
-def _agreement(llm_out: list[np.ndarray], model: Any, probes: list[list[int]], ppl_windows: list[list[int]]) -> Agreement:
-    import torch
-
-    ref_out = []
-    for ids in probes + ppl_windows:
-        with torch.no_grad():
-            ref_out.append(model(torch.tensor([ids])).logits[0].float().numpy())
-    diffs = {str(len(ids)): float(np.abs(r - g).max()) for ids, r, g in zip(probes, ref_out, llm_out, strict=False)}
-    agree = total = 0
-    nll_ref = nll_got = 0.0
-    scored = 0
-    for ids, r, g in zip(ppl_windows, ref_out[len(probes) :], llm_out[len(probes) :], strict=True):
-        agree += int((r.argmax(-1) == g.argmax(-1)).sum())
-        total += len(ids)
-        a, n = _nll(r, ids)
-        b, _ = _nll(g, ids)
-        nll_ref, nll_got, scored = nll_ref + a, nll_got + b, scored + n
-    return Agreement(diffs, agree / max(total, 1), math.exp(nll_ref / scored), math.exp(nll_got / scored))
 
 
 def compare(
@@ -225,13 +158,13 @@ def compare(
     finally:
         with _quiet_stderr():
             llm.close()
-    vs_original = _agreement(llm_out, original, probes, ppl_windows)
+    vs_original = agreement(llm_out, original, probes, ppl_windows)
     if artifact_weights is None:
         conversion = vs_original
     else:
         del original
         own = AutoModelForCausalLM.from_pretrained(str(artifact_weights), dtype=torch.float32).eval()
-        conversion = _agreement(llm_out, own, probes, ppl_windows)
+        conversion = agreement(llm_out, own, probes, ppl_windows)
     return ParityReport(
         tokenizer_mismatches=mismatches,
         seq_lens=lens,

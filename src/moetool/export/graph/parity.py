@@ -3,14 +3,13 @@ the KV cache, and top-1 agreement and perplexity on held-out windows."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from moetool.export.gguf.verify import _nll, windows
+from moetool.export.heldout import agreement, windows
 
 Prefill = Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]]  # ids [1, T] → (logits, present)
 Decode = Callable[[np.ndarray, int, list[np.ndarray]], tuple[np.ndarray, list[np.ndarray]]]  # (ids [1,1], pos, past)
@@ -36,21 +35,20 @@ def graph_parity(
     max_pos = int(getattr(hf.config, "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
     probes, ppl_windows = windows(tok, text, lens, n_windows)
-    diffs: dict[str, float] = {}
+    got = [prefill(np.array([ids], dtype=np.int64))[0][0] for ids in probes + ppl_windows]
+    vs = agreement(got, hf, probes, ppl_windows)
     wrapper: dict[str, float] = {}
     for ids in probes:
         x = torch.tensor([ids])
         with torch.no_grad():
             ref = hf(x).logits[0].numpy()
             ours = export_model(*prefill_inputs(x))[0][0].numpy()
-        got = prefill(x.numpy())[0][0]
-        diffs[str(len(ids))] = float(np.abs(ref - got).max())
         wrapper[str(len(ids))] = float(np.abs(ref - ours).max())
     out: dict[str, Any] = {
         "runtime": runtime,
         "reference": "transformers float32",
         "seq_lens": lens,
-        "max_abs_logit_diff": diffs,
+        "max_abs_logit_diff": vs.max_abs_logit_diff,
         "export_model_vs_transformers": wrapper,
     }
     if decode is not None:
@@ -64,24 +62,17 @@ def graph_parity(
             logits, past = decode(np.array([[ids[t]]], dtype=np.int64), t, past)
             worst = max(worst, float(np.abs(logits[0, -1] - ref[t]).max()))
         out["decode"] = {"prefill_tokens": n0, "steps": decode_steps, "max_abs_logit_diff": worst}
-    agree = total = 0
-    nll_ref = nll_got = 0.0
-    scored = 0
-    for ids in ppl_windows:
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0].numpy()
-        got = prefill(np.array([ids], dtype=np.int64))[0][0]
-        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-        total += len(ids)
-        a, n = _nll(ref, ids)
-        b, _ = _nll(got, ids)
-        nll_ref, nll_got, scored = nll_ref + a, nll_got + b, scored + n
-    ppl_r, ppl_a = math.exp(nll_ref / scored), math.exp(nll_got / scored)
-    out |= {
-        "top1_agreement": round(agree / max(total, 1), 6),
-        "ppl_reference": round(ppl_r, 4),
-        "ppl_artifact": round(ppl_a, 4),
-        "ppl_change": round(ppl_a / ppl_r - 1, 6),
-        "tokens_scored": scored,
-    }
+    out |= vs.to_json() | {"tokens_scored": sum(len(w) - 1 for w in ppl_windows)}
     return out
+
+
+FP32_GATE = 1e-4
+
+
+def gate(parity: dict[str, Any], what: str, *, limit: float = FP32_GATE) -> None:
+    """Raise when the worst logit difference (both prefill lengths and the cached decode) exceeds ``limit``."""
+    from moetool.export.base import ExportError
+
+    worst = max([*parity["max_abs_logit_diff"].values(), parity["decode"]["max_abs_logit_diff"]])
+    if worst > limit:
+        raise ExportError(f"{what} parity failed: max |Δlogit| {worst:.3g} > {limit:g}")

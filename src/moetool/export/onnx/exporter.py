@@ -9,7 +9,6 @@ Files: ``model.onnx`` (prefill: input_ids, position_ids, mask [1,1,T,T] → logi
 
 from __future__ import annotations
 
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetool.export.base import ExportError, ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, manifest_base, plan_graph, require
+from moetool.export.base import ExportRequest, write_manifest
+from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph, require
 from moetool.io.atomic import atomic_dir
 
-FP32_GATE = 1e-4
 BLOCK = 32
 
 
@@ -133,16 +131,15 @@ class ONNXExporter:
         ort = require("onnxruntime", "onnx")
         from transformers import AutoTokenizer
 
-        from moetool.export.gguf.exporter import held_out_text
         from moetool.export.graph.model import causal_mask, load_export_model
-        from moetool.export.graph.parity import graph_parity
+        from moetool.export.graph.parity import gate, graph_parity
+        from moetool.export.heldout import held_out_text
 
         hf, em = load_export_model(req.model_dir)
         t0 = time.perf_counter()
         with atomic_dir(req.output, force=req.force) as tmp:
             pre, dec = tmp / "model.onnx", tmp / "model-with-past.onnx"
-            with tempfile.TemporaryDirectory():
-                export_graphs(em, pre, dec)
+            export_graphs(em, pre, dec)
             counts, qnotes = quantize_graph(pre, plan.precisions())
             quantize_graph(dec, plan.precisions())
             parity: Any = "not verified (--no-verify)"
@@ -166,15 +163,13 @@ class ONNXExporter:
                     out = s_dec.run(None, feeds)
                     return out[0], out[1:]
 
-                text, src = (req.eval_text, "user") if req.eval_text else held_out_text(req.model_dir)
+                text, src = held_out_text(req.model_dir, req.eval_text)
                 tok = AutoTokenizer.from_pretrained(str(req.model_dir))
                 parity = graph_parity(hf, em, tok, text, prefill, decode, runtime=f"onnxruntime {ort.__version__}")
                 parity["text"] = src
-                lossless = all(p == "fp32" for p in plan.precisions().values())
-                worst = max([*parity["max_abs_logit_diff"].values(), parity["decode"]["max_abs_logit_diff"]])
-                if lossless and worst > FP32_GATE:
-                    raise ExportError(f"ONNX parity failed: max |Δlogit| {worst:.3g} > {FP32_GATE:g} (fp32)")
-            manifest = manifest_base("onnx", plan, {"model.onnx": pre, "model-with-past.onnx": dec}, "model.onnx")
+                if all(p == "fp32" for p in plan.precisions().values()):
+                    gate(parity, "ONNX (fp32)")
+            manifest = graph_manifest("onnx", plan, {"model.onnx": pre, "model-with-past.onnx": dec}, "model.onnx")
             manifest |= {
                 "runtime": f"onnxruntime {ort.__version__}",
                 "graphs": {"prefill": "model.onnx", "decode_step": "model-with-past.onnx"},

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from moetool.export.base import ExportError, ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, manifest_base, plan_graph
+from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
+from moetool.export.graph.parity import gate
 from moetool.io.atomic import atomic_dir
 
-FP32_GATE = 1e-4
 REPO = Path(__file__).resolve().parents[4]
 
 
@@ -56,13 +56,13 @@ class TFLiteExporter:
         return plan
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
-        from moetool.export.gguf.exporter import held_out_text
+        from moetool.export.heldout import held_out_text
 
         py = litert_python()
         max_pos = int(plan.config.get("max_position_embeddings", 2048))
         capacity = min(max_pos, plan.context, 512)
         prefill_len = min(128, capacity - 8)
-        text, src = (req.eval_text, "user") if req.eval_text else held_out_text(req.model_dir)
+        text, src = held_out_text(req.model_dir, req.eval_text)
         t0 = time.perf_counter()
         with atomic_dir(req.output, force=req.force) as tmp, tempfile.TemporaryDirectory() as work:
             request = {
@@ -80,12 +80,10 @@ class TFLiteExporter:
             parity = result.pop("parity", "not verified (--no-verify)")
             if isinstance(parity, dict):
                 parity["text"] = src
-                lossless = all(p == "fp32" for p in plan.precisions().values())
-                worst = max([*parity["max_abs_logit_diff"].values(), parity["decode"]["max_abs_logit_diff"]])
-                if lossless and worst > FP32_GATE:
-                    raise ExportError(f"TFLite parity failed: max |Δlogit| {worst:.3g} > {FP32_GATE:g} (fp32)")
+                if all(p == "fp32" for p in plan.precisions().values()):
+                    gate(parity, "TFLite (fp32)")
             path = tmp / "model.tflite"
-            manifest = manifest_base("tflite", plan, {"model.tflite": path}, "model.tflite")
+            manifest = graph_manifest("tflite", plan, {"model.tflite": path}, "model.tflite")
             manifest |= {
                 "runtime": "LiteRT (ai_edge_litert interpreter, XNNPACK)",
                 "signatures": {"prefill": f"{prefill_len} tokens (right-padded)", "decode": "1 token"},

@@ -1,0 +1,128 @@
+"""Held-out text and the figures every exporter reports against transformers: token windows, negative
+log-likelihood, top-1 agreement and perplexity."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetool.export.base import ExportError
+
+SAMPLE_TEXT = (
+    "The parser reads each line, strips comments and splits the remaining tokens on whitespace. "
+    "def tokenize(line):\n    return [t for t in line.split() if not t.startswith('#')]\n\n"
+    "Licensor hereby grants to You a worldwide, royalty-free, non-exclusive licence to reproduce the Work. "
+    "THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED.\n"
+    "Type 2 diabetes mellitus with diabetic chronic kidney disease; acute bronchitis due to rhinovirus; "
+    "fracture of the shaft of the right femur, initial encounter for closed fracture.\n"
+) * 8
+
+
+def model_name(model_dir: Path) -> str:
+    info = model_dir / "moetool.json"
+    if info.is_file():
+        with_name = json.loads(info.read_text()).get("name")
+        if with_name:
+            return str(with_name)
+    return model_dir.resolve().name
+
+
+def held_out_text(model_dir: Path, override: str | None = None) -> tuple[str, str]:
+    """Text for parity and the perplexity change, and where it came from.
+
+    ``override`` (``--eval-text``) wins; models built from the zoo are scored on the zoo's held-out splits
+    (interleaved across domains); others on a built-in multi-domain sample.
+    """
+    if override:
+        return override, "user"
+    info = model_dir / "moetool.json"
+    zoo = False
+    if info.is_file():
+        srcs = json.loads(info.read_text()).get("provenance", {}).get("sources", {})
+        zoo = bool(srcs) and all(s.get("kind") == "zoo" for s in srcs.values())
+    if not zoo and (model_dir.resolve().parent / "zoo.json").is_file():  # a zoo model itself
+        zoo = True
+    if zoo:
+        try:
+            from moetool.zoo.build import DOMAINS, zoo_domain_text
+
+            parts = [zoo_domain_text(d, "valid")[:6000] for d in DOMAINS]
+            return "\n".join(p for trio in zip(*(t.split("\n") for t in parts), strict=False) for p in trio), "zoo"
+        except Exception:  # the zoo cache may be gone; the sample still proves parity
+            pass
+    return SAMPLE_TEXT, "builtin-sample"
+
+
+def windows(tok: Any, text: str, seq_lens: list[int], n_windows: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Token windows: one per probe length (for logit diffs) and ``n_windows`` of the longest (for perplexity)."""
+    tok.model_max_length = 10**9  # windows are cut below; silence the "longer than the maximum" warning
+    ids = tok(text, add_special_tokens=False).input_ids
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    longest = max(seq_lens)
+    need = longest - len(bos)
+    if len(ids) < need:
+        raise ExportError(f"held-out text has {len(ids)} tokens; parity needs at least {need}")
+    probes = [bos + ids[: n - len(bos)] for n in seq_lens]
+    step = max(need, (len(ids) - need) // max(n_windows - 1, 1))
+    ppl = [bos + ids[s : s + need] for s in range(0, len(ids) - need + 1, step)][:n_windows]
+    return probes, ppl
+
+
+def nll(logits: np.ndarray, ids: list[int]) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood of ``ids`` under ``logits`` [T, V], and the tokens scored."""
+    x = logits[:-1].astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    logz = np.log(np.exp(x).sum(axis=-1))
+    tgt = np.asarray(ids[1:])
+    per_token = logz - x[np.arange(len(tgt)), tgt]
+    return float(per_token.sum()), len(tgt)
+
+
+@dataclass
+class Agreement:
+    """llama.cpp against one transformers reference on the same ids."""
+
+    max_abs_logit_diff: dict[str, float]  # per probe length
+    top1_agreement: float
+    ppl_reference: float
+    ppl_artifact: float
+
+    @property
+    def ppl_change(self) -> float:
+        return self.ppl_artifact / self.ppl_reference - 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_abs_logit_diff": self.max_abs_logit_diff,
+            "top1_agreement": round(self.top1_agreement, 6),
+            "ppl_reference": round(self.ppl_reference, 4),
+            "ppl_artifact": round(self.ppl_artifact, 4),
+            "ppl_change": round(self.ppl_change, 6),
+        }
+
+
+def agreement(got: list[np.ndarray], model: Any, probes: list[list[int]], ppl_windows: list[list[int]]) -> Agreement:
+    """A runtime's logits (``got``, one array per probe then per window) against ``model`` (transformers) on the same
+    ids: max |Δ| per probe length; top-1 agreement and both perplexities over the windows."""
+    import torch
+
+    ref_out = []
+    for ids in probes + ppl_windows:
+        with torch.no_grad():
+            ref_out.append(model(torch.tensor([ids])).logits[0].float().numpy())
+    diffs = {str(len(ids)): float(np.abs(r - g).max()) for ids, r, g in zip(probes, ref_out, got, strict=False)}
+    agree = total = 0
+    nll_ref = nll_got = 0.0
+    scored = 0
+    for ids, r, g in zip(ppl_windows, ref_out[len(probes) :], got[len(probes) :], strict=True):
+        agree += int((r.argmax(-1) == g.argmax(-1)).sum())
+        total += len(ids)
+        a, n = nll(r, ids)
+        b, _ = nll(g, ids)
+        nll_ref, nll_got, scored = nll_ref + a, nll_got + b, scored + n
+    return Agreement(diffs, agree / max(total, 1), math.exp(nll_ref / scored), math.exp(nll_got / scored))
