@@ -18,6 +18,15 @@ def plan_merge(recipe_path: str | Path, *, allow_pickle: bool = False) -> MergeP
     return METHODS[recipe.method].plan(recipe, recipe_dir=path.parent, allow_pickle=allow_pickle)
 
 
+def assembler_for(recipe_path: str | Path) -> tuple[Any, Any]:
+    """The recipe's assembler (methods that build a model directly, see :class:`moetool.methods.Assembler`), or
+    ``(None, recipe)`` for tensor-plan methods."""
+    from moetool.methods import ASSEMBLERS
+
+    recipe: Any = load_recipe(Path(recipe_path))
+    return ASSEMBLERS.get(recipe.method), recipe
+
+
 def merge(
     recipe_path: str | Path,
     output: str | Path,

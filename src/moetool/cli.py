@@ -107,9 +107,19 @@ def merge(
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept pytorch_model*.bin inputs.")] = False,
 ) -> None:
     """Merge experts into one MoE checkpoint as the recipe says."""
-    from moetool.api import plan_merge
+    from moetool.api import assembler_for, plan_merge
     from moetool.merge import execute
 
+    assembler, r = assembler_for(recipe)
+    if assembler is not None:
+        if dry_run:
+            out.print(assembler.describe(r, recipe_dir=recipe.parent))
+            return
+        if output is None:
+            raise MoetoolError("--output is required (or use --dry-run)")
+        path = assembler.assemble(r, recipe_dir=recipe.parent, output=output, force=force, console=console)
+        out.print(f"[green]wrote[/] {path} ({assembler.name})")
+        return
     plan = plan_merge(recipe, allow_pickle=allow_pickle)
     if dry_run:
         print_plan(plan)
