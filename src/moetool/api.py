@@ -35,9 +35,15 @@ def merge(
     allow_pickle: bool = False,
     console: Console | None = None,
 ) -> Path:
-    """Plan and execute a merge; returns the output directory."""
+    """Plan and execute a merge (or run the method's assembler); returns the output directory."""
     from moetool.merge import execute
 
+    assembler, recipe = assembler_for(recipe_path)
+    if assembler is not None:
+        return Path(
+            assembler.assemble(recipe, recipe_dir=Path(recipe_path).parent, output=Path(output), force=force,
+                               console=console)  # fmt: skip
+        )
     plan = plan_merge(recipe_path, allow_pickle=allow_pickle)
     text = Path(recipe_path).read_text(encoding="utf-8")
     return execute(plan, Path(output), force=force, recipe_text=text, console=console)
