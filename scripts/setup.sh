@@ -8,20 +8,24 @@
 #   bash scripts/setup.sh --executorch / --coreml   # ExecuTorch (XNNPACK) / Core ML export; --dev includes both
 #   bash scripts/setup.sh --tflite # litert-torch in its own venv, .venv-litert (it pins typing-extensions and
 #                                  # pydantic below what the rest needs); --dev makes it too
+#   bash scripts/setup.sh --comigs # Flower (flwr) in its own venv, .venv-flwr (scripts/setup_comigs.sh: flwr pins
+#                                  # protobuf, typer, rich below the rest); --dev makes it too
 # llama-cpp-python compiles llama.cpp (~12 min on 2 cores) once; pip caches the wheel for later runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
 tflite=0
+comigs=0
 for arg in "$@"; do
   case "$arg" in
-    --dev) extras="${extras:+$extras,}dev"; tflite=1 ;;
+    --dev) extras="${extras:+$extras,}dev"; tflite=1; comigs=1 ;;
     --bench) extras="${extras:+$extras,}bench" ;;
     --llama) extras="${extras:+$extras,}llama" ;;
     --onnx) extras="${extras:+$extras,}onnx" ;;
     --executorch) extras="${extras:+$extras,}executorch" ;;
     --coreml) extras="${extras:+$extras,}coreml" ;;
     --tflite) tflite=1 ;;
+    --comigs) comigs=1 ;;
     *) echo "unknown option: $arg" >&2; exit 2 ;;
   esac
 done
@@ -48,4 +52,7 @@ if [ "$tflite" = 1 ]; then
     exit 1
   fi
   .venv-litert/bin/python -c "import litert_torch, ai_edge_litert, moetool; print('tflite venv: litert-torch ok')"
+fi
+if [ "$comigs" = 1 ]; then
+  bash scripts/setup_comigs.sh
 fi

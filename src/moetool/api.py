@@ -21,10 +21,10 @@ def plan_merge(recipe_path: str | Path, *, allow_pickle: bool = False) -> MergeP
 def assembler_for(recipe_path: str | Path) -> tuple[Any, Any]:
     """The recipe's assembler (methods that build a model directly, see :class:`moetool.methods.Assembler`), or
     ``(None, recipe)`` for tensor-plan methods."""
-    from moetool.methods import ASSEMBLERS
+    from moetool.methods import get_assembler
 
     recipe: Any = load_recipe(Path(recipe_path))
-    return ASSEMBLERS.get(recipe.method), recipe
+    return get_assembler(recipe.method), recipe
 
 
 def merge(

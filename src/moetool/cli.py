@@ -471,6 +471,19 @@ from moetool.package.cli import package_cmd, push_cmd  # noqa: E402
 
 app.command("package")(package_cmd)
 app.command("push")(push_cmd)
+from moetool.commands.embedding import embedding_app  # noqa: E402
+
+app.add_typer(embedding_app, name="embedding")
+from moetool.commands.comigs import comigs_app  # noqa: E402
+
+app.add_typer(comigs_app, name="comigs")
+from moetool.commands.gem import gem_app  # noqa: E402
+
+app.add_typer(gem_app, name="gem")
+from moetool.methods.hybrid.cli import hybrid_app, profile_cmd  # noqa: E402
+
+app.command("profile")(profile_cmd)
+app.add_typer(hybrid_app, name="hybrid")
 
 
 @app.command()
@@ -491,6 +504,12 @@ def build(
     from moetool.recipe import load_recipe
 
     r: Any = load_recipe(recipe)
+    if r.method != "mofe":
+        raise MoetoolError(
+            f"{recipe}: moetool build runs the mofe pipeline; for method: {r.method} run `moetool merge {recipe} -o DIR`"
+            f" and then `moetool {r.method} --help` for its training, evaluation and export commands "
+            f"(docs/{r.method}.md)"
+        )
     do_train = ("train" in (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {})) if train is None else train
     check_output(output, force=force)
     merged = output / "merged"

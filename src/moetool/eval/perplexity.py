@@ -123,6 +123,9 @@ def load_causal_lm(path: str | Path) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory, in float32 and eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moetool.methods import register_model_classes
+
+    register_model_classes()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))

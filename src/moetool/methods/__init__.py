@@ -8,6 +8,7 @@ Two kinds of plugin:
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,4 +44,38 @@ def register_assembler(assembler: Assembler) -> Assembler:
     return assembler
 
 
-__all__ = ["ASSEMBLERS", "METHODS", "Assembler", "MergeMethod", "MergePlan", "register_assembler"]
+# method -> the module whose import registers its assembler (and its model classes with transformers' Auto
+# classes). Imported on first use, so `moetool merge` of a mofe recipe never loads the other methods.
+PLUGINS: dict[str, str] = {
+    "comigs": "moetool.methods.comigs.pipeline",
+    "embedding": "moetool.methods.embedding",
+    "gem": "moetool.methods.gem",
+    "hybrid": "moetool.methods.hybrid",
+}
+
+
+def get_assembler(method: str) -> Assembler | None:
+    """The assembler of ``method`` (importing its plugin), or None for tensor-plan methods such as mofe."""
+    if method in PLUGINS and method not in ASSEMBLERS:
+        importlib.import_module(PLUGINS[method])
+    return ASSEMBLERS.get(method)
+
+
+def register_model_classes() -> None:
+    """Register every moetool model class (``moetool_comigs``, ``moetool_gem``, ``moetool_routed_embedding``, …)
+    with transformers' Auto classes, so ``AutoModelForCausalLM.from_pretrained`` loads moetool's own outputs."""
+    for module in PLUGINS.values():
+        importlib.import_module(module)
+
+
+__all__ = [
+    "ASSEMBLERS",
+    "METHODS",
+    "PLUGINS",
+    "Assembler",
+    "MergeMethod",
+    "MergePlan",
+    "get_assembler",
+    "register_assembler",
+    "register_model_classes",
+]

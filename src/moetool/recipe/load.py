@@ -11,10 +11,14 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from moetool.errors import RecipeError
+from moetool.recipe.comigs import ComigsRecipe
+from moetool.recipe.embedding import EmbeddingRecipe
+from moetool.recipe.gem import GemRecipe
+from moetool.recipe.hybrid import HybridRecipe
 from moetool.recipe.mofe import MoFERecipe
 
 # method name -> recipe model; later methods register here.
-_RECIPES: dict[str, type[BaseModel]] = {"mofe": MoFERecipe}
+_RECIPES: dict[str, type[BaseModel]] = {"mofe": MoFERecipe, "comigs": ComigsRecipe, "embedding": EmbeddingRecipe, "gem": GemRecipe, "hybrid": HybridRecipe}
 
 Loc = tuple[str | int, ...]
 

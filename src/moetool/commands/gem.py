@@ -1,0 +1,150 @@
+"""``moetool gem …``: evaluate, export and inspect the routing of a GEM model (``moetool merge`` builds it).
+
+moetool.cli registers ``gem_app`` at its end; anything taken from moetool.cli is imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+F = TypeVar("F", bound=Callable[..., Any])
+gem_app = typer.Typer(no_args_is_help=True, help="GEM models: evaluation (GG/CDTR/DSI), export, routing logs.")
+
+
+def _friendly(fn: F) -> F:
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from moetool.cli import _friendly as friendly
+
+        return friendly(fn)(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from moetool.cli import out
+    from moetool.eval.perplexity import render_matrix
+
+    out.print(render_matrix(report["perplexity"], "held-out perplexity (lower is better)"))
+    t = Table(title="GEM metrics (Perf = 1/perplexity; general models: mean over domains)")
+    for col in ("model", "GG", "DSI"):
+        t.add_column(col)
+    for m, v in report["gem"].items():
+        t.add_row(m, f"{v['gg']:.3f}", f"{v['dsi']:.3f}")
+    out.print(t)
+    t = Table(title="routing share per domain text (general / pathways)")
+    t.add_column("model")
+    t.add_column("text")
+    t.add_column("shares")
+    for m, per in report["routing"].items():
+        for d, sh in per.items():
+            t.add_row(m, d, "  ".join(f"{k} {v:.2f}" for k, v in sh.items()))
+    out.print(t)
+    t = Table(title="experiment: GEM (fallback) vs the plain domain expert")
+    for col in ("domain", "GG expert", "GG gem", "GG gem τ=0", "ppl in-domain expert", "gem", "gem τ=0",
+                "ppl out-of-domain expert", "gem"):  # fmt: skip
+        t.add_column(col)
+    for d, r in report["experiment"].items():
+        t.add_row(d, f"{r['gg_expert']:.3f}", f"{r['gg_gem']:.3f}", f"{r['gg_gem_no_fallback']:.3f}",
+                  f"{r['ppl_in_domain_expert']:.2f}", f"{r['ppl_in_domain_gem']:.2f}",
+                  f"{r['ppl_in_domain_no_fallback']:.2f}", f"{r['ppl_out_of_domain_expert']:.2f}",
+                  f"{r['ppl_out_of_domain_gem']:.2f}")  # fmt: skip
+    out.print(t)
+
+
+@gem_app.command("eval")
+@_friendly
+def eval_cmd(
+    model: Annotated[Path, typer.Argument(help="A GEM model or bundle written by `moetool merge`.")],
+    json_file: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
+    seq_len: Annotated[int, typer.Option(help="Window length in tokens.")] = 256,
+    max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain.")] = 8192,
+) -> None:
+    """GG, CDTR, DSI of the GEM model (at its tau, tau 0 and tau 1), its general model and every expert, on each
+    domain's held-out text from the recipe it was built from."""
+    import torch
+
+    from moetool.io.sources import resolve_source
+    from moetool.methods.gem.evaluate import gem_report
+    from moetool.recipe.load import parse_recipe
+    from moetool.train.data import load_source
+
+    torch.set_num_threads(1)
+    rpath = model / "moetool-recipe.yaml"
+    if not rpath.is_file():
+        from moetool.errors import MoetoolError
+
+        raise MoetoolError(f"{model}: no moetool-recipe.yaml (not written by `moetool merge` for method: gem)")
+    r: Any = parse_recipe(rpath.read_text(encoding="utf-8"), rpath)
+    texts = {d.name: load_source(d.name, d.data, base_dir=None, fraction=0.1, seed=0)[1] for d in r.domains}
+    experts = {d.name: resolve_source(d.source).path for d in r.domains}
+    report = gem_report(model, resolve_source(r.general).path, experts, texts, seq_len=seq_len, max_tokens=max_tokens)
+    _print_report(report)
+    if json_file:
+        json_file.parent.mkdir(parents=True, exist_ok=True)
+        json_file.write_text(json.dumps(report, indent=2))
+
+
+@gem_app.command("export")
+@_friendly
+def export_cmd(
+    model: Annotated[Path, typer.Argument(help="A GEM model (token level) or bundle (sequence level).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory.")],
+    target: Annotated[str | None, typer.Option(help="Token level: onnx (default) or tflite. Sequence level: the "
+                                              "pathways' format (default gguf; onnx, tflite, coreml, executorch).")] = None,
+    quant: Annotated[str | None, typer.Option(help="--quant plan: token level e.g. gem (pathways int4, rest int8); "
+                                              "sequence level: for each pathway.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+) -> None:
+    """Token level: gem.onnx with the router and threshold inside the graph. Sequence level: router.onnx plus one
+    artifact per pathway and gem-manifest.json (see moetool.methods.gem.dispatch)."""
+    from moetool.cli import console, out
+    from moetool.errors import MoetoolError
+    from moetool.methods.gem.export import export_sequence_bundle, export_token_onnx, export_token_tflite
+
+    if (model / "gem.json").is_file():
+        target = target or "gguf"
+        m = export_sequence_bundle(model, output, target=target, quant=quant, force=force, console=console)
+        out.print(f"[green]wrote[/] {output} (router.onnx + {len(m['pathways'])} {target} pathways); router parity "
+                  f"{m['router']['parity']}")  # fmt: skip
+    elif target == "tflite":
+        if quant is not None:
+            raise MoetoolError("--quant: the token-level TFLite graph is exported in fp32 only")
+        m = export_token_tflite(model, output, force=force)
+        out.print(f"[green]wrote[/] {output / m['file']}; parity {m['parity']}")
+    elif target in (None, "onnx"):
+        m = export_token_onnx(model, output, quant=quant, force=force)
+        out.print(f"[green]wrote[/] {output / m['file']}; parity {m['parity']}")
+    else:
+        raise MoetoolError(f"--target {target!r}: the token-level graph exports to onnx or tflite")
+
+
+@gem_app.command("route")
+@_friendly
+def route_cmd(
+    model: Annotated[Path, typer.Argument(help="A token-level GEM model.")],
+    text: Annotated[str, typer.Option(help="Text to route.")],
+    tau: Annotated[float | None, typer.Option(help="Threshold (default: the model's).")] = None,
+    log: Annotated[Path | None, typer.Option(help="Write every decision as JSON lines.")] = None,
+) -> None:
+    """Per-token routing decisions: pathway, max P(d|x) and every P."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import moetool.methods.gem  # noqa: F401
+    from moetool.methods.gem.router import log_decisions
+
+    m = AutoModelForCausalLM.from_pretrained(str(model)).eval()
+    rows = log_decisions(m, AutoTokenizer.from_pretrained(str(model)), text, tau)
+    if log:
+        log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for r in rows:
+        sys.stdout.write(f"{r['pos']:4d} {r['token']!r:>16} → {r['route']:<10} max P {r['max_p']:.3f}\n")

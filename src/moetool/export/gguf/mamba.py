@@ -1,0 +1,179 @@
+"""Mamba (``MambaForCausalLM``) → GGUF for llama.cpp's ``mamba`` architecture, verified with llama-cpp-python.
+
+The name map and tensor transforms are data (below), following llama.cpp's own converter: ``A_log`` is stored as
+``A = −exp(A_log)``, the depthwise conv weight ``[D, 1, K]`` as ``[D, K]``, a tied ``lm_head`` is omitted, and the
+SSM's small tensors (conv, x/dt projections, A, D) stay f32 whatever the chosen type (llama.cpp requires it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetool.export.base import ExportError, write_manifest
+from moetool.io.atomic import atomic_dir
+
+ARCH = "mamba"
+# (HF regex, GGUF name, transform)
+TENSOR_MAP: tuple[tuple[str, str, str], ...] = (
+    (r"backbone\.embeddings\.weight", "token_embd.weight", "none"),
+    (r"backbone\.norm_f\.weight", "output_norm.weight", "none"),
+    (r"lm_head\.weight", "output.weight", "none"),
+    (r"backbone\.layers\.(?P<i>\d+)\.norm\.weight", "blk.{i}.attn_norm.weight", "none"),
+    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.in_proj\.weight", "blk.{i}.ssm_in.weight", "none"),
+    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.conv1d\.weight", "blk.{i}.ssm_conv1d.weight", "squeeze"),
+    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.conv1d\.bias", "blk.{i}.ssm_conv1d.bias", "none"),
+    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.x_proj\.weight", "blk.{i}.ssm_x.weight", "none"),
+    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.dt_proj\.weight", "blk.{i}.ssm_dt.weight", "none"),
+    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.dt_proj\.bias", "blk.{i}.ssm_dt.bias", "none"),
+    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.A_log", "blk.{i}.ssm_a", "neg_exp"),
+    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.D", "blk.{i}.ssm_d", "none"),
+    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.out_proj\.weight", "blk.{i}.ssm_out.weight", "none"),
+)
+# tensors that may be stored f16 (everything else stays f32)
+F16_OK = re.compile(r"^(token_embd|output|blk\.\d+\.ssm_in|blk\.\d+\.ssm_out)\.weight$")
+
+
+def gguf_tensors(state: dict[str, Any], tied: bool) -> list[tuple[str, np.ndarray]]:
+    """HF state dict → [(GGUF name, float32 array)] in file order.
+
+    Raises:
+        ExportError: a tensor the map does not know (so nothing is silently dropped).
+    """
+    out = []
+    for hf_name, t in state.items():
+        if hf_name == "lm_head.weight" and tied:
+            continue
+        name, transform = _map(hf_name)
+        arr = t.float().numpy()
+        if transform == "neg_exp":
+            arr = -np.exp(arr)
+        elif transform == "squeeze":
+            arr = arr.reshape(arr.shape[0], arr.shape[-1])
+        out.append((name, np.ascontiguousarray(arr, dtype=np.float32)))
+    return out
+
+
+def _map(hf_name: str) -> tuple[str, str]:
+    for pattern, template, transform in TENSOR_MAP:
+        m = re.fullmatch(pattern, hf_name)
+        if m:
+            return template.format(**m.groupdict()), transform
+    raise ExportError(f"Mamba GGUF: no GGUF name for tensor {hf_name!r}")
+
+
+def write_mamba_gguf(model_dir: Path, path: Path, *, quant: str = "f32") -> dict[str, Any]:
+    """Write ``path`` from the ``MambaForCausalLM`` in ``model_dir``; returns the tensor count and types."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moetool.export.gguf.tokenizer import read_vocab, write_vocab
+
+    if quant not in ("f32", "f16"):
+        raise ExportError(f"Mamba GGUF: quant {quant!r} is not supported (f32 or f16)")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("model_type") != "mamba":
+        raise ExportError(f"{model_dir}: model_type {cfg.get('model_type')!r} is not mamba")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tied = bool(cfg.get("tie_word_embeddings", True))
+    tensors = gguf_tensors(model.state_dict(), tied)
+    hidden = int(cfg["hidden_size"])
+    w = gguf.GGUFWriter(str(path), ARCH)
+    w.add_name(model_dir.resolve().name)
+    w.add_context_length(1 << 20)  # recurrent: no positional limit (llama.cpp's converter writes the same)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(int(cfg["num_hidden_layers"]))
+    w.add_ssm_conv_kernel(int(cfg.get("conv_kernel", 4)))
+    w.add_ssm_inner_size(int(cfg.get("intermediate_size") or cfg.get("expand", 2) * hidden))
+    w.add_ssm_state_size(int(cfg.get("state_size", 16)))
+    w.add_ssm_time_step_rank(int(cfg.get("time_step_rank") or -(hidden // -16)))
+    w.add_layer_norm_rms_eps(float(cfg.get("layer_norm_epsilon", 1e-5)))
+    w.add_ssm_dt_b_c_rms(False)
+    w.add_file_type(1 if quant == "f16" else 0)
+    write_vocab(w, read_vocab(model_dir, int(cfg["vocab_size"])))
+    types = {}
+    for name, arr in tensors:
+        data = arr.astype(np.float16) if quant == "f16" and F16_OK.match(name) else arr
+        types[name] = "f16" if data.dtype == np.float16 else "f32"
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"tensors": len(tensors), "types": types}
+
+
+def verify_mamba_gguf(path: Path, model_dir: Path, text: str, seq_lens: tuple[int, ...] = (32, 128)) -> dict[str, Any]:
+    """llama.cpp (llama-cpp-python) against transformers on the same ids: tokenizer, logits, perplexity."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moetool.export.gguf.verify import _quiet_stderr, check_tokenizer, llama_logits, load_llama
+    from moetool.export.heldout import agreement, windows
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    probes, ppl_windows = windows(tok, text, list(seq_lens), 4)
+    llm = load_llama(path, n_ctx=max(seq_lens))
+    try:
+        mismatches = check_tokenizer(llm, tok)
+        got = [llama_logits(llm, ids) for ids in probes + ppl_windows]
+    finally:
+        with _quiet_stderr():
+            llm.close()
+    agree = agreement(got, ref, probes, ppl_windows)
+    return {
+        "runtime": "llama-cpp-python",
+        "reference": "transformers float32 (MambaForCausalLM)",
+        "tokenizer_match": not mismatches,
+        "tokenizer_mismatches": mismatches,
+        "seq_lens": list(seq_lens),
+        **agree.to_json(),
+    }
+
+
+def export_mamba_gguf(
+    model_dir: Path,
+    output: Path,
+    *,
+    quant: str = "f32",
+    verify: bool = True,
+    force: bool = True,
+    text: str | None = None,
+) -> dict[str, Any]:
+    """Write ``output/model.gguf`` + manifest.json; with ``verify``, parity in llama.cpp is recorded and gated.
+
+    Raises:
+        ExportError: an unknown tensor, or parity fails (tokenizer differs, top-1 agreement < 0.99 at f32).
+    """
+    from moetool.export.heldout import held_out_text
+
+    model_dir = Path(model_dir)
+    with atomic_dir(Path(output), force=force) as tmp:
+        info = write_mamba_gguf(model_dir, tmp / "model.gguf", quant=quant)
+        parity: Any = "not verified (--no-verify)"
+        if verify:
+            sample, source = held_out_text(model_dir, text)
+            parity = verify_mamba_gguf(tmp / "model.gguf", model_dir, sample) | {"text": source}
+            min_top1 = 0.99 if quant == "f32" else 0.95
+            if not parity["tokenizer_match"] or parity["top1_agreement"] < min_top1:
+                raise ExportError(f"Mamba GGUF parity failed: {parity}")
+        manifest = {
+            "format": "gguf",
+            "arch": ARCH,
+            "file": "model.gguf",
+            "source": str(model_dir),
+            "quant": quant,
+            "tensors": info["tensors"],
+            "artifact": {"bytes": (tmp / "model.gguf").stat().st_size},
+            "parity": parity,
+        }
+        write_manifest(tmp, manifest)
+    return manifest

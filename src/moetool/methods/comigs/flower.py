@@ -1,0 +1,257 @@
+"""CoMiGS on Flower: a ClientApp per user (device) and a ServerApp that averages generalists uniformly.
+
+The same apps run in Flower's simulation engine (:func:`simulate`, N virtual SuperNodes on one machine) and in its
+deployment mode (``flower-superlink`` / ``flower-supernode --node-config "partition-id=I"`` / ``flwr run``; see
+docs/comigs.md). Each user is the recipe's ``users[partition-id]``. A device keeps its specialists, routers, attention
+LoRA (unless shared) and both optimisers' state in its node ``context.state``; its reply carries only
+:meth:`ClientTrainer.shared_state` (generalist LoRA A/B and, when shared, attention LoRA) and scalar metrics.
+
+Flower needs its own environment (.venv-flwr, ``bash scripts/setup_comigs.sh``): flwr 1.41 pins protobuf < 7,
+typer < 0.21, rich < 15 and packaging < 26, below what moetool's main environment runs; flwr 1.42.0 needs a certifi
+release that is not published.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from moetool.methods.comigs.assemble import build_user_model, load_dense, shared_names
+from moetool.methods.comigs.bilevel import ClientTrainer, UserData
+from moetool.methods.comigs.federated import average, load_user_data, make_client, variant_recipe
+from moetool.recipe.comigs import ComigsRecipe
+
+PRIVATE = "comigs.private"
+COUNTERS = "comigs.counters"
+
+
+def _settings(context: Context, defaults: dict[str, Any]) -> dict[str, Any]:
+    """Run settings: the factory's defaults, overridden by ``flwr run --run-config`` / pyproject values."""
+    out = dict(defaults)
+    for key in ("recipe", "variant", "output", "rounds"):
+        if key in context.run_config and context.run_config[key] not in ("", None):
+            out[key] = context.run_config[key]
+    if not out.get("recipe"):
+        raise ValueError("run config 'recipe' (path to the comigs recipe) is not set")
+    return out
+
+
+@lru_cache(maxsize=4)
+def _recipe(path: str, variant: str) -> ComigsRecipe:
+    from moetool.recipe import load_recipe
+
+    r = load_recipe(path)
+    if not isinstance(r, ComigsRecipe):
+        raise ValueError(f"{path}: method is {getattr(r, 'method', None)!r}, not comigs")
+    return variant_recipe(r, variant)
+
+
+@lru_cache(maxsize=2)
+def _dense(path: str, variant: str) -> tuple[Any, Any, Path]:
+    return load_dense(_recipe(path, variant), Path(path).parent)
+
+
+@lru_cache(maxsize=16)
+def _data(path: str, variant: str, index: int) -> UserData:
+    recipe = _recipe(path, variant)
+    _, tok, _ = _dense(path, variant)
+    return load_user_data(recipe, recipe.users[index], tok, Path(path).parent)
+
+
+def _trainer(context: Context, s: dict[str, Any]) -> tuple[ClientTrainer, int]:
+    """This device's trainer, restored from its node state after the first round."""
+    path, variant = str(s["recipe"]), str(s["variant"])
+    index = int(context.node_config["partition-id"])
+    recipe = _recipe(path, variant)
+    if not 0 <= index < len(recipe.users):
+        raise ValueError(f"node partition-id {index} has no user (the recipe has {len(recipe.users)})")
+    dense, tok, _ = _dense(path, variant)
+    trainer = make_client(recipe, index, dense, tok, Path(path).parent, _data(path, variant, index))
+    if PRIVATE in context.state:
+        record = context.state[PRIVATE]
+        counters = context.state[COUNTERS]
+        assert isinstance(record, ArrayRecord) and isinstance(counters, ConfigRecord)
+        trainer.restore(dict(record.to_torch_state_dict()), {k: int(v) for k, v in counters.items()})  # type: ignore[call-overload]
+    return trainer, index
+
+
+def _persist(trainer: ClientTrainer, context: Context) -> None:
+    tensors, counters = trainer.private_state()
+    context.state[PRIVATE] = ArrayRecord({k: v.contiguous() for k, v in tensors.items()})
+    context.state[COUNTERS] = ConfigRecord(dict(counters))
+
+
+def client_train(msg: Message, context: Context, defaults: dict[str, Any]) -> Message:
+    """One round on a device: load the server's generalists, run the local bi-level loop, reply with the shared
+    tensors only."""
+    s = _settings(context, defaults)
+    trainer, index = _trainer(context, s)
+    if trainer.shared:
+        arrays = msg.content["arrays"]
+        assert isinstance(arrays, ArrayRecord)
+        trainer.load_shared(dict(arrays.to_torch_state_dict()))
+    stats = trainer.local_round()
+    _persist(trainer, context)
+    content = RecordDict({
+        "arrays": ArrayRecord(trainer.shared_state()),
+        "metrics": MetricRecord({"train_ce": stats["train_ce"], "partition-id": index,
+                                 "iteration": trainer.iteration}),
+    })  # fmt: skip
+    return Message(content, reply_to=msg)
+
+
+def client_evaluate(msg: Message, context: Context, defaults: dict[str, Any]) -> Message:
+    """Load the final generalists, report test perplexity, and (with ``save-dir``) save this user's model there."""
+    s = _settings(context, defaults)
+    trainer, index = _trainer(context, s)
+    if trainer.shared:
+        arrays = msg.content["arrays"]
+        assert isinstance(arrays, ArrayRecord)
+        trainer.load_shared(dict(arrays.to_torch_state_dict()))
+    ppl = trainer.perplexity()
+    cfg = msg.content["config"]
+    assert isinstance(cfg, ConfigRecord)
+    save_dir = str(cfg.get("save-dir", ""))
+    if save_dir:
+        from moetool.methods.comigs.pipeline import save_user
+
+        recipe = _recipe(str(s["recipe"]), str(s["variant"]))
+        _, _, base_path = _dense(str(s["recipe"]), str(s["variant"]))
+        save_user(trainer, Path(save_dir) / recipe.users[index].name, base_path)
+    content = RecordDict({"metrics": MetricRecord({"test_ppl": ppl, "partition-id": index,
+                                                   "train_tokens": len(trainer.data.train)})})  # fmt: skip
+    return Message(content, reply_to=msg)
+
+
+def make_client_app(**defaults: Any) -> ClientApp:
+    """A ClientApp; ``defaults`` (recipe, variant) are overridden by the run config in deployment mode."""
+    defaults = {"recipe": "", "variant": "comigs"} | defaults
+    app = ClientApp()
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        return client_train(msg, context, defaults)
+
+    @app.evaluate()
+    def _evaluate(msg: Message, context: Context) -> Message:
+        return client_evaluate(msg, context, defaults)
+
+    return app
+
+
+def _initial_shared(recipe: ComigsRecipe, recipe_dir: Path, dense: Any) -> dict[str, torch.Tensor]:
+    """The server's starting generalists: the seeded initialisation every device also starts from."""
+    model = build_user_model(recipe, recipe.users[0], dense, recipe_dir)
+    named = dict(model.named_parameters())
+    return {n: named[n].detach().clone() for n in shared_names(model, recipe)}
+
+
+def _replies(grid: Grid, messages: list[Message]) -> list[Message]:
+    replies = list(grid.send_and_receive(messages))
+    errors = [r.error.reason for r in replies if r.has_error()]
+    if errors or len(replies) != len(messages):
+        raise RuntimeError(f"{len(messages) - len(replies)} clients did not reply; errors: {errors[:3]}")
+    return replies
+
+
+def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[str, Any]:
+    """Rounds of: send the averaged generalists to every user, collect their uploads, average uniformly. Then an
+    evaluation round. Writes ``<output>/comigs-report.json`` when an output is set; returns the report."""
+    s = _settings(context, defaults)
+    path, variant = str(s["recipe"]), str(s["variant"])
+    recipe = _recipe(path, variant)
+    rounds = int(s.get("rounds") or recipe.training.rounds)
+    dense, _, _ = _dense(path, variant)
+    server = _initial_shared(recipe, Path(path).parent, dense)
+    n_users = len(recipe.users)
+    deadline = time.monotonic() + 600
+    nodes = list(grid.get_node_ids())
+    while len(nodes) < n_users:  # deployment: wait for every SuperNode to connect
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(nodes)} of {n_users} SuperNodes connected")
+        time.sleep(1)
+        nodes = list(grid.get_node_ids())
+    nodes = sorted(nodes)[:n_users]
+    history = []
+    upload_bytes = 0
+    for r in range(1, rounds + 1):
+        msgs = [
+            Message(RecordDict({"arrays": ArrayRecord(server), "config": ConfigRecord({"round": r})}),
+                    dst_node_id=n, message_type=MessageType.TRAIN, group_id=str(r))  # fmt: skip
+            for n in nodes
+        ]
+        replies = _replies(grid, msgs)
+        uploads = [dict(rep.content["arrays"].to_torch_state_dict()) for rep in replies]  # type: ignore[union-attr]
+        upload_bytes = sum(t.numel() * t.element_size() for u in uploads for t in u.values())
+        if server:
+            server = average(uploads)
+        history.append({"round": r, "train_ce": {int(rep.content["metrics"]["partition-id"]):  # type: ignore[index]
+                                                 float(rep.content["metrics"]["train_ce"])  # type: ignore[index,arg-type]
+                                                 for rep in replies}})  # fmt: skip
+    out = str(s.get("output") or "")
+    msgs = [
+        Message(RecordDict({"arrays": ArrayRecord(server), "config": ConfigRecord({"save-dir": out})}),
+                dst_node_id=n, message_type=MessageType.EVALUATE, group_id="final")  # fmt: skip
+        for n in nodes
+    ]
+    users = {}
+    for rep in _replies(grid, msgs):
+        m = rep.content["metrics"]
+        users[recipe.users[int(m["partition-id"])].name] = {  # type: ignore[index,call-overload]
+            "test_ppl": float(m["test_ppl"]),  # type: ignore[index,arg-type]
+            "train_tokens": int(m["train_tokens"]),  # type: ignore[index,call-overload]
+        }
+    report = {"recipe": recipe.name, "variant": variant, "engine": "flower", "rounds": rounds,
+              "upload_bytes_per_round": upload_bytes, "users": users, "history": history}  # fmt: skip
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "comigs-report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def make_server_app(**defaults: Any) -> ServerApp:
+    defaults = {"recipe": "", "variant": "comigs", "output": "", "rounds": 0} | defaults
+    app = ServerApp()
+
+    @app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        server_main(grid, context, defaults)
+
+    return app
+
+
+# deployment mode (`flwr run`): everything comes from the run config (see docs/comigs.md)
+client_app = make_client_app()
+server_app = make_server_app()
+
+
+def simulate(recipe_path: Path, output: Path, *, variant: str = "comigs", rounds: int | None = None,
+             verbose: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Run the federation in Flower's simulation engine (one virtual SuperNode per user, ray backend, one CPU
+    each); writes the user models and ``comigs-report.json`` into ``output`` (a fresh directory)."""
+    from flwr.simulation import run_simulation
+
+    recipe = _recipe(str(recipe_path), variant)
+    defaults = {"recipe": str(Path(recipe_path).resolve()), "variant": variant, "output": str(Path(output).resolve()),
+                "rounds": rounds or 0}  # fmt: skip
+    run_simulation(
+        server_app=make_server_app(**defaults),
+        client_app=make_client_app(**defaults),
+        num_supernodes=len(recipe.users),
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                        "init_args": {"num_cpus": 1, "include_dashboard": False}},  # fmt: skip
+        verbose_logging=verbose,
+    )
+    report_path = Path(output) / "comigs-report.json"
+    if not report_path.is_file():
+        raise RuntimeError(f"the Flower simulation ended without writing {report_path}")
+    report: dict[str, Any] = json.loads(report_path.read_text(encoding="utf-8"))
+    return report

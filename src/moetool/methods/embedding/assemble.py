@@ -1,0 +1,214 @@
+"""The ``method: embedding`` assembler: ``moetool merge recipe.yaml -o OUT`` retrofits, checks, trains, checks
+again and writes the model.
+
+Checks written to ``moetool.json`` (and failing the build when a hard one fails):
+
+- step 0: the retrofitted embedding against the rank-r SVD approximation of the old table (exact for generative,
+  dense and selection: max |Δ| ≤ 1e-4 · max |E| or the build fails; remix is reported, it starts near it);
+- cached decoding (router + body caches) against a whole-sequence forward (≤ 1e-4 or the build fails);
+- the written directory reloaded with ``AutoModelForCausalLM`` against the in-memory model (≤ 1e-5 or it fails);
+- held-out perplexity of the original model and of the result on each training domain.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError, PreflightError
+from moetool.io.atomic import atomic_dir, check_output
+from moetool.recipe.embedding import EmbeddingRecipe
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
+EVAL_TOKENS = 4096  # held-out tokens per domain for the build's own perplexity figures
+
+
+def load_source_model(ref: str, recipe_dir: Path | None) -> tuple[Any, Any, Any]:
+    """(resolved source, transformers model in fp32, tokenizer); errors name the ``model`` field."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moetool.io.sources import resolve_source
+
+    try:
+        src = resolve_source(ref, relative_to=recipe_dir)
+    except MoetoolError as exc:
+        raise PreflightError(f"model: {exc}") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32).eval()
+    except Exception as exc:
+        raise PreflightError(f"model: cannot load {src.path} as a causal LM: {exc}") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.path))
+    except Exception as exc:
+        raise PreflightError(f"model: {src.path} has no usable tokenizer: {exc}") from None
+    if model.get_input_embeddings() is None or model.get_output_embeddings() is None:
+        raise PreflightError(f"model: {src.path} has no input embedding table or output head to retrofit")
+    return src, model, tok
+
+
+def step0_check(model: Any, old: torch.Tensor, ids: torch.Tensor) -> dict[str, float]:
+    """Max |h - E_r[x]| of the retrofitted embedding against the rank-r SVD approximation, and against E itself."""
+    from moetool.methods.embedding.retrofit import svd_seed
+    from moetool.methods.embedding.router import causal_mask
+
+    cfg = model.embed.cfg
+    table, proj, r = svd_seed(old, cfg.seed_dim, on_layernorm_sphere=cfg.variant == "generative")
+    u, s, vh = torch.linalg.svd(old.double(), full_matrices=False)
+    approx = ((u[:, :r] * s[:r]) @ vh[:r]).float()
+    b, t = ids.shape
+    with torch.no_grad():
+        h, _, _ = model.embed(ids, torch.arange(t)[None].expand(b, t), causal_mask(t, 0, b))
+    return {"svd_rank": r, "max_abs_vs_svd": float((h - approx[ids]).abs().max()),
+            "max_abs_vs_original": float((h - old[ids]).abs().max()), "max_abs_table": float(old.abs().max())}  # fmt: skip
+
+
+def cache_check(model: Any, ids: torch.Tensor, prefill: int) -> float:
+    """Max |Δlogit| between cached decoding (prefill, then one token at a time) and one whole-sequence forward."""
+    with torch.no_grad():
+        full = model(ids).logits
+        logits, state = model.step(ids[:, :prefill])
+        worst = float((logits - full[:, :prefill]).abs().max())
+        for t in range(prefill, ids.shape[1]):
+            logits, state = model.step(ids[:, t : t + 1], state)
+            worst = max(worst, float((logits[:, 0] - full[:, t]).abs().max()))
+    return worst
+
+
+def batches_for(recipe: EmbeddingRecipe, tok: Any, recipe_dir: Path | None) -> tuple[Any, dict[str, str]]:
+    """(step → ids [B, T], held-out text per domain)."""
+    from moetool.train.data import load_source, sample_batch, tokenize_stream
+
+    spec = recipe.train
+    streams, held = [], {}
+    for name, src in spec.data.items():
+        train, valid = load_source(name, src, base_dir=recipe_dir, fraction=spec.validation_fraction, seed=spec.seed)
+        streams.append(tokenize_stream(tok, train))
+        held[name] = valid
+    bos = getattr(tok, "bos_token_id", None)
+
+    def batch(step: int) -> torch.Tensor:
+        return sample_batch(streams, spec.batch_size, spec.seq_len, seed=spec.seed, step=step, bos_id=bos)
+
+    return batch, held
+
+
+class EmbeddingAssembler:
+    """Plugin for ``method: embedding``."""
+
+    name = "embedding"
+
+    def describe(self, recipe: Any, *, recipe_dir: Path) -> str:
+        from transformers import AutoConfig
+
+        from moetool.io.sources import resolve_source
+        from moetool.methods.embedding.variants import EmbeddingConfig, param_counts
+
+        assert isinstance(recipe, EmbeddingRecipe)
+        try:
+            src = resolve_source(recipe.model, relative_to=recipe_dir)
+            cfg = AutoConfig.from_pretrained(str(src.path))
+        except Exception as exc:
+            raise PreflightError(f"model: {exc}") from None
+        v, d = int(cfg.vocab_size), int(cfg.hidden_size)
+        e = recipe.embedding
+        counts = param_counts(EmbeddingConfig(vocab_size=v, d_model=d, max_positions=int(getattr(cfg, "max_position_embeddings", 512)),
+                                              **e.module_kwargs()))  # type: ignore[arg-type]  # fmt: skip
+        head = v * d if recipe.head == "keep" else 0
+        lines = [
+            f"embedding retrofit: {recipe.name} ← {recipe.model} ({cfg.model_type}, vocab {v}, hidden {d})",
+            f"variant {e.variant}, seed_dim {e.seed_dim}, head {recipe.head}",
+            f"original input table {v * d:,} params; routed embedding {counts['total']:,} "
+            + ", ".join(f"{k} {n:,}" for k, n in counts.items() if k != "total" and n),
+            f"output head: {head:,} params ({'separate V×D' if head else 'tied to the seed table via the projection'})",
+            f"training: {recipe.train.steps} steps frozen body (lr {recipe.train.learning_rate}), "
+            f"{recipe.train.unfreeze_steps} unfrozen; data {', '.join(recipe.train.data)}",
+        ]
+        return "\n".join(lines)
+
+    def assemble(
+        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None
+    ) -> Path:
+        import yaml
+
+        from moetool.eval.perplexity import perplexity
+        from moetool.methods.embedding.retrofit import TrainSettings, retrofit, train_embedding
+        from moetool.methods.embedding.variants import measured_counts
+
+        assert isinstance(recipe, EmbeddingRecipe)
+        output = Path(output)
+        check_output(output, force=force)  # before any work, not only at the final move
+        torch.manual_seed(recipe.train.seed)
+        log = (lambda m: console.print(m)) if console is not None else None
+        src, source, tok = load_source_model(recipe.model, recipe_dir)
+        old = source.get_input_embeddings().weight.detach().float().clone()
+        try:
+            model = retrofit(source, recipe.embedding.module_kwargs(), head=recipe.head)
+        except ValueError as exc:
+            raise PreflightError(f"embedding: {exc}") from None
+        model.eval()
+        batch, held = batches_for(recipe, tok, recipe_dir)
+        probe = batch(10**6)[:2, :32]
+        step0 = step0_check(model, old, probe)
+        if recipe.embedding.variant != "remix" and step0["max_abs_vs_svd"] > 1e-4 * step0["max_abs_table"]:
+            raise MoetoolError(f"retrofit check failed: step-0 embedding is {step0['max_abs_vs_svd']:.3g} from the SVD "
+                               "approximation")  # fmt: skip
+        t = recipe.train
+        s = TrainSettings(steps=t.steps, learning_rate=t.learning_rate, batch_size=t.batch_size, seq_len=t.seq_len,
+                          warmup_steps=t.warmup_steps, lm_weight=t.lm_weight, distill_weight=t.distill_weight,
+                          unfreeze_steps=t.unfreeze_steps, unfreeze_learning_rate=t.unfreeze_learning_rate,
+                          max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, seed=t.seed)  # fmt: skip
+        seconds = train_embedding(model, old, batch, s, log)
+        cached = cache_check(model, probe, prefill=16)
+        if cached > 1e-4:
+            raise MoetoolError(f"cache check failed: cached decoding differs from a full forward by {cached:.3g}")
+        ppl = {
+            name: {"original": perplexity(source, tok, text, seq_len=t.seq_len, max_tokens=EVAL_TOKENS),
+                   "retrofitted": perplexity(model, tok, text, seq_len=t.seq_len, max_tokens=EVAL_TOKENS)}
+            for name, text in held.items()
+        }  # fmt: skip
+        counts = measured_counts(model.embed)
+        v, d = old.shape
+        meta = {
+            "name": recipe.name,
+            "method": "embedding",
+            "provenance": {"sources": {"model": {"ref": src.ref, "path": str(src.path), "kind": src.kind}}},
+            "embedding": {
+                "variant": recipe.embedding.variant,
+                "head": recipe.head,
+                "params": {
+                    "original_table": v * d,
+                    "routed_embedding": counts,
+                    "head": v * d if recipe.head == "keep" else 0,
+                },  # fmt: skip
+                "step0": step0,
+                "cached_vs_full_max_abs_logit_diff": cached,
+                "heldout_perplexity": ppl,
+                "eval_tokens_per_domain": EVAL_TOKENS,
+                "training": {"seconds": round(seconds, 1), "history": s.history},
+            },
+        }
+        with atomic_dir(output, force=force) as tmp:
+            model.save_pretrained(str(tmp))
+            for f in TOKENIZER_FILES:
+                if (src.path / f).is_file():
+                    shutil.copy2(src.path / f, tmp / f)
+            (tmp / "moetool-recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+            reload = reload_check(tmp, model, probe)
+            if reload > 1e-5:
+                raise MoetoolError(f"reload check failed: the saved model differs by {reload:.3g}")
+            meta["embedding"]["reload_max_abs_logit_diff"] = reload  # type: ignore[index]
+            (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
+        return output
+
+
+def reload_check(path: Path, model: Any, ids: torch.Tensor) -> float:
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return float((again(ids).logits - model(ids).logits).abs().max())

@@ -1,0 +1,216 @@
+"""Parameters saved against quality, measured against fair baselines.
+
+Every arm replaces the input embedding of the same frozen body (the original output head kept and frozen, so only
+the input side differs), starts from the same SVD retrofit, and trains with the same budget (steps, batch, loss) and
+the same learning-rate sweep. The learning rate of each arm is chosen on one half of the held-out tokens
+(``select``) and perplexity is reported on the other half (``test``), so the sweep cannot flatter any arm.
+
+Arms (``default_arms``): the routed variants, a dense factorised table with the *same parameter count* as the
+generative arm, a dense table of the same seed width with the router's *depth* (the same causal blocks, no queries,
+no routing), the plain same-width table, and the full-width table trained the same way (what training alone gives).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from moetool.methods.embedding.retrofit import TrainSettings, retrofit, train_embedding
+from moetool.methods.embedding.variants import EmbeddingConfig, dense_dim_for_budget, measured_counts, param_counts
+
+ROUTER = {"width": 64, "layers": 2, "heads": 8, "ff_mult": 2, "n_queries": 8}
+
+
+def default_arms(vocab: int, d_model: int, seed_dim: int = 32, max_positions: int = 512) -> dict[str, dict[str, Any]]:
+    """Arm name → embedding kwargs. The params-matched dense width is computed from the generative arm's count."""
+    gen: dict[str, Any] = {"variant": "generative", "seed_dim": seed_dim, "router": ROUTER}
+    budget = param_counts(EmbeddingConfig(vocab_size=vocab, d_model=d_model, max_positions=max_positions, **gen))
+    return {
+        "generative": gen,
+        "remix": {"variant": "remix", "seed_dim": seed_dim, "n_experts": 4, "top_k": 4, "router": ROUTER},
+        "dense-same-params": {"variant": "dense", "seed_dim": dense_dim_for_budget(budget["total"], vocab, d_model)},
+        "dense-same-depth": {"variant": "dense", "seed_dim": seed_dim, "depth": ROUTER["layers"], "router": ROUTER},
+        "dense-same-width": {"variant": "dense", "seed_dim": seed_dim},
+        "dense-full-width": {"variant": "dense", "seed_dim": d_model},
+    }
+
+
+def windows_of(ids: torch.Tensor, seq_len: int, bos: int | None, limit: int) -> torch.Tensor:
+    """Non-overlapping windows [N, seq_len] of the first ``limit`` tokens, BOS first when the tokenizer has one."""
+    body = seq_len - (1 if bos is not None else 0)
+    n = min(limit, len(ids)) // body
+    w = ids[: n * body].reshape(n, body)
+    if bos is not None:
+        w = torch.cat([torch.full((n, 1), bos, dtype=w.dtype), w], dim=1)
+    return w
+
+
+@torch.no_grad()
+def window_perplexity(model: Any, windows: torch.Tensor, batch: int = 16) -> float:
+    """exp(mean next-token NLL) over every content token of ``windows`` [N, T]."""
+    model.eval()
+    nll, n = 0.0, 0
+    for i in range(0, len(windows), batch):
+        x = windows[i : i + batch]
+        logits = model(x).logits[:, :-1].float()
+        nll += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                                       reduction="sum"))  # fmt: skip
+        n += x[:, 1:].numel()
+    return math.exp(nll / n)
+
+
+def run_report(
+    model_ref: str = "zoo:base",
+    *,
+    arms: dict[str, dict[str, Any]] | None = None,
+    learning_rates: tuple[float, ...] = (1e-3, 3e-3, 1e-2),
+    steps: int = 120,
+    batch_size: int = 8,
+    seq_len: int = 64,
+    eval_tokens: int = 2048,
+    lm_weight: float = 1.0,
+    distill_weight: float = 1.0,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train every arm at every learning rate on the zoo's three domains and measure held-out perplexity.
+
+    ``eval_tokens`` per domain for LR selection, the next ``eval_tokens`` per domain for the reported figure.
+    """
+    from moetool.methods.embedding.assemble import load_source_model
+    from moetool.train.data import sample_batch, tokenize_stream
+    from moetool.zoo import DOMAINS, zoo_domain_text
+
+    t_start = time.perf_counter()
+    src, source, tok = load_source_model(model_ref, None)
+    cfg = source.config
+    v, d = int(cfg.vocab_size), int(cfg.hidden_size)
+    old = source.get_input_embeddings().weight.detach().float().clone()
+    arms = arms or default_arms(v, d, max_positions=int(getattr(cfg, "max_position_embeddings", 512)))
+    bos = getattr(tok, "bos_token_id", None)
+    streams = [tokenize_stream(tok, zoo_domain_text(dm, "train")) for dm in DOMAINS]
+    select, test = {}, {}
+    for dm in DOMAINS:
+        ids = tokenize_stream(tok, zoo_domain_text(dm, "valid"))
+        half = len(ids) // 2
+        select[dm] = windows_of(ids[:half], seq_len, bos, eval_tokens)
+        test[dm] = windows_of(ids[half:], seq_len, bos, eval_tokens)
+
+    def batches(step: int) -> torch.Tensor:
+        return sample_batch(streams, batch_size, seq_len, seed=seed, step=step, bos_id=bos)
+
+    def ppl(model: Any, split: dict[str, torch.Tensor]) -> dict[str, float]:
+        per = {dm: window_perplexity(model, w) for dm, w in split.items()}
+        per["mean"] = math.exp(sum(math.log(p) for p in per.values()) / len(per))  # geometric mean over domains
+        return per
+
+    out: dict[str, Any] = {
+        "model": model_ref,
+        "vocab": v,
+        "hidden": d,
+        "body_params": sum(
+            p.numel() for n, p in source.named_parameters() if "embed_tokens" not in n and "lm_head" not in n
+        ),  # fmt: skip
+        "original_table": v * d,
+        "head": {
+            "choice": "keep (the original head, frozen)",
+            "params": v * d,
+            "tied_in_original": bool(getattr(cfg, "tie_word_embeddings", False)),
+        },  # fmt: skip
+        "settings": {
+            "steps": steps,
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "learning_rates": list(learning_rates),
+            "lm_weight": lm_weight,
+            "distill_weight": distill_weight,
+            "seed": seed,
+            "eval_tokens_per_domain": eval_tokens,
+            "threads": torch.get_num_threads(),
+        },  # fmt: skip
+        "original": {"test": ppl(source, test), "select": ppl(source, select)},
+        "arms": {},
+    }
+    for name, kw in arms.items():
+        torch.manual_seed(seed)
+        m0 = retrofit(source, kw, head="keep").eval()
+        init_state = {k: t.clone() for k, t in m0.embed.state_dict().items()}
+        arm: dict[str, Any] = {"embedding": kw, "params": measured_counts(m0.embed), "step0": ppl(m0, test), "runs": {}}
+        for lr in learning_rates:
+            m0.embed.load_state_dict(init_state)
+            s = TrainSettings(steps=steps, learning_rate=lr, batch_size=batch_size, seq_len=seq_len,
+                              lm_weight=lm_weight, distill_weight=distill_weight, seed=seed, log_every=max(1, steps // 4))  # fmt: skip
+            secs = train_embedding(m0, old, batches, s)
+            run: dict[str, Any] = {"select": ppl(m0, select)["mean"], "test": ppl(m0, test), "train_seconds": round(secs, 1),
+                   "history": s.history}  # fmt: skip
+            arm["runs"][str(lr)] = run
+            if log:
+                log(f"{name} lr {lr:g}: select {run['select']:.2f}, test {run['test']['mean']:.2f} ({secs:.0f}s)")
+        best = min(arm["runs"], key=lambda k: arm["runs"][k]["select"])
+        arm["best_lr"] = float(best)
+        arm["test"] = arm["runs"][best]["test"]
+        out["arms"][name] = arm
+    out["seconds"] = round(time.perf_counter() - t_start, 1)
+    out["verdict"] = verdict(out)
+    return out
+
+
+def verdict(rep: dict[str, Any]) -> str:
+    """One honest sentence: does the generative arm beat both fair baselines on the reported split?"""
+    arms = rep["arms"]
+    if "generative" not in arms:
+        return "no generative arm"
+    g = arms["generative"]["test"]["mean"]
+    parts = []
+    for base in ("dense-same-params", "dense-same-depth"):
+        if base in arms:
+            b = arms[base]["test"]["mean"]
+            parts.append(f"{'beats' if g < b else 'does not beat'} {base} ({g:.2f} vs {b:.2f})")
+    best = min(arms, key=lambda k: arms[k]["test"]["mean"])
+    return f"generative {' and '.join(parts)}; best arm: {best} ({arms[best]['test']['mean']:.2f})"
+
+
+def render_markdown(rep: dict[str, Any]) -> str:
+    """The report as Markdown tables (parameters, then perplexity)."""
+    lines = [
+        f"Model {rep['model']}: vocab {rep['vocab']}, hidden {rep['hidden']}, body {rep['body_params']:,} params; "
+        f"original input table {rep['original_table']:,}; head: {rep['head']['choice']}, {rep['head']['params']:,} "
+        f"params (tied to the input table in the original: {rep['head']['tied_in_original']}).",
+        "",
+        "| arm | table | router | experts | generator | projection | embedding total | vs original table |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, a in rep["arms"].items():
+        p = a["params"]
+        lines.append(f"| {name} | {p['table']:,} | {p['router']:,} | {p['experts']:,} | {p['generator']:,} | "
+                     f"{p['projection']:,} | {p['total']:,} | {p['total'] / rep['original_table']:.1%} |")  # fmt: skip
+    doms = [k for k in rep["original"]["test"] if k != "mean"]
+    lrs = rep["settings"]["learning_rates"]
+    lines += [
+        "",
+        f"Held-out perplexity (test half; {rep['settings']['steps']} steps × {rep['settings']['batch_size']}×"
+        f"{rep['settings']['seq_len']} tokens, LR chosen on the select half among {lrs}):",
+        "",
+        "| arm | step 0 | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best lr | " + " | ".join(doms) + " | mean |",
+        "|---|---|" + "---|" * len(lrs) + "---|" + "---|" * len(doms) + "---|",
+    ]
+    o = rep["original"]["test"]
+    lines.append("| original (untrained) | – | " + " | ".join("–" for _ in lrs) + " | – | "
+                 + " | ".join(f"{o[dm]:.2f}" for dm in doms) + f" | {o['mean']:.2f} |")  # fmt: skip
+    for name, a in rep["arms"].items():
+        t = a["test"]
+        lines.append(
+            f"| {name} | {a['step0']['mean']:.2f} | "
+            + " | ".join(f"{a['runs'][str(lr)]['test']['mean']:.2f}" for lr in lrs)
+            + f" | {a['best_lr']:g} | " + " | ".join(f"{t[dm]:.2f}" for dm in doms) + f" | {t['mean']:.2f} |"
+        )  # fmt: skip
+    lines += [
+        "",
+        f"Verdict: {rep['verdict']}.",
+        f"Wall time {rep['seconds']:.0f} s on {rep['settings']['threads']} thread(s).",
+    ]
+    return "\n".join(lines)

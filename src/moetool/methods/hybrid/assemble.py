@@ -1,0 +1,168 @@
+"""``moetool merge`` for ``method: hybrid``: train the router and write the hybrid model directory.
+
+Layout of the output::
+
+    hybrid.json            experts (name, source, resolved path, architecture), costly expert, router config and
+                           feature layout, loss, tokenizer check, held-out evaluation, training history
+    router.safetensors     the router (input standardisation + MLP), float32
+    latency_profile.json   each expert's latency over lengths and its fit (see profile.py)
+    recipe.yaml            the recipe as given
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from moetool.errors import MoetoolError
+from moetool.io.atomic import atomic_dir, check_output
+from moetool.methods.hybrid.pipeline import Prepared, prepare
+from moetool.methods.hybrid.profile import PROFILE_FILE
+from moetool.methods.hybrid.router import HybridRouter, router_param_count
+from moetool.methods.hybrid.training import evaluate_choice, oracle_choice, route, soft_nll, train_router
+from moetool.recipe.hybrid import HybridRecipe
+
+HYBRID_JSON = "hybrid.json"
+ROUTER_FILE = "router.safetensors"
+FORMAT = 1
+
+
+def held_out_report(p: Prepared, router: HybridRouter) -> dict[str, Any]:
+    """Router vs each expert alone vs the oracle on the held-out requests."""
+    r = p.recipe.router
+    valid = p.valid
+    shape = valid.features.shape[:-1]
+    rows: dict[str, Any] = {}
+    for k, name in enumerate(p.names):
+        rows[f"{name} alone"] = evaluate_choice(valid, _full(shape, k), p.costly)
+    rows["oracle"] = evaluate_choice(valid, oracle_choice(valid, p.costly), p.costly)
+    choice = route(router, valid, costly=p.costly, decision=r.decision, utility_threshold=r.utility_threshold)
+    rows["router"] = evaluate_choice(valid, choice, p.costly) | {"soft_nll": soft_nll(router, valid)}
+    return {"requests": int(valid.features.shape[0]), "rows": rows}
+
+
+def _full(shape: Any, k: int) -> Any:
+    import torch
+
+    return torch.full(tuple(shape), k, dtype=torch.long)
+
+
+def _router_config(p: Prepared) -> dict[str, Any]:
+    r = p.recipe.router
+    return {
+        "features": list(r.features),
+        "layout": {
+            "length": p.layout.length,
+            "n_domains": p.layout.n_domains,
+            "hidden_dim": p.layout.hidden_dim,
+            "max_length": p.layout.max_length,
+        },  # fmt: skip
+        "domains": p.domains,
+        "in_features": p.layout.width,
+        "hidden_size": r.hidden_size,
+        "utility_head": r.utility_head,
+        "decision": r.decision,
+        "utility_threshold": r.utility_threshold,
+        "granularity": r.granularity,
+        "encoder": p.encoder.name if p.encoder is not None else None,
+        "encoder_layers": r.encoder_layers,
+        "parameters": router_param_count(p.layout.width, r.hidden_size, len(p.names), r.utility_head),
+    }
+
+
+class HybridAssembler:
+    name = "hybrid"
+
+    def describe(self, recipe: Any, *, recipe_dir: Path) -> str:
+        r: HybridRecipe = recipe
+        width_note = "the encoder's hidden size" if "hidden" in r.router.features else "0"
+        lines = [
+            f"hybrid '{r.name}': experts {', '.join(f'{e.name} ({e.source})' for e in r.experts)}",
+            f"  costly expert: {r.costly} (auto: the slower at router.max_length per the latency profile)",
+            f"  router: features {', '.join(r.router.features)} → MLP hidden {r.router.hidden_size} → 2 scores, "
+            f"per {r.router.granularity}; hidden-state width: {width_note}",
+            f"  loss: CE + {r.loss.lambda_balance}·{r.loss.balance} + {r.loss.lambda_penalty}·max(0, S_costly − "
+            f"{r.loss.threshold}) + {r.loss.cost_weight}·Σ S_k c_k(L)",
+            f"  data: {', '.join(r.train.data)}; {r.train.samples_per_domain} train / "
+            f"{r.train.valid_samples_per_domain} held-out requests per domain, lengths "
+            f"{r.train.min_length}–{r.router.max_length}",
+            f"  profile: {r.profile.file or f'measured here as {r.profile.device!r} at lengths {r.profile.lengths}'}",
+        ]
+        return "\n".join(lines)
+
+    def assemble(
+        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None
+    ) -> Path:
+        r: HybridRecipe = recipe
+        console = console or Console(stderr=True)
+        check_output(Path(output), force=force)
+        p = prepare(r, recipe_dir, console)
+        console.print(f"training the router ({p.layout.width} features, {r.train.epochs} epochs)")
+        res = train_router(p.train, costly=p.costly, loss=r.loss, hidden=r.router.hidden_size,
+                           utility_head=r.router.utility_head, epochs=r.train.epochs, batch_size=r.train.batch_size,
+                           lr=r.train.learning_rate, seed=r.train.seed)  # fmt: skip
+        report = held_out_report(p, res.router)
+        for name, row in report["rows"].items():
+            console.print(f"  {name:>18}: perplexity {row['perplexity']:.2f}, costly share "
+                          f"{row['costly_share']:.3f}, expected latency {row['expected_latency_ms']:.2f} ms")  # fmt: skip
+        write_model(Path(output), p, res.router, report, res.history, force=force, recipe_dir=recipe_dir)
+        return Path(output)
+
+
+def write_model(
+    output: Path,
+    p: Prepared,
+    router: HybridRouter,
+    report: dict[str, Any],
+    history: list[dict[str, float]],
+    *,
+    force: bool,
+    recipe_dir: Path,
+) -> None:
+    from safetensors.torch import save_file
+
+    meta = {
+        "format": FORMAT,
+        "method": "hybrid",
+        "name": p.recipe.name,
+        "experts": [
+            {"name": e.name, "source": s.source, "path": str(e.path), "model_type": e.model_type, "kind": e.kind}
+            for e, s in zip(p.experts, p.recipe.experts, strict=True)
+        ],
+        "costly": p.names[p.costly],
+        "router": _router_config(p),
+        "loss": p.recipe.loss.model_dump(),
+        "tokenizer": p.tokenizer_check,
+        "held_out": report,
+        "training": {"history": history, **p.recipe.train.model_dump(exclude={"data"})},
+        "profile_device": p.profile["device"],
+    }
+    with atomic_dir(output, force=force) as tmp:
+        state = {k: v.detach().contiguous() for k, v in router.state_dict().items()}
+        save_file(state, str(tmp / ROUTER_FILE), metadata={"format": "pt"})
+        (tmp / HYBRID_JSON).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        (tmp / PROFILE_FILE).write_text(json.dumps(p.profile, indent=2) + "\n", encoding="utf-8")
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(p.recipe.model_dump(mode="json"), sort_keys=False))
+
+
+def read_model(path: Path) -> tuple[dict[str, Any], HybridRouter]:
+    """The metadata and router of a hybrid model directory.
+
+    Raises:
+        MoetoolError: not a hybrid model directory (naming the missing file).
+    """
+    from safetensors.torch import load_file
+
+    meta_path = Path(path) / HYBRID_JSON
+    if not meta_path.is_file():
+        raise MoetoolError(f"{path}: not a hybrid model ({HYBRID_JSON} missing; build one with `moetool merge`)")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    rc = meta["router"]
+    router = HybridRouter(rc["in_features"], rc["hidden_size"], len(meta["experts"]), rc["utility_head"])
+    router.load_state_dict(load_file(str(Path(path) / ROUTER_FILE)))
+    router.eval()
+    return meta, router

@@ -1,0 +1,185 @@
+"""``moetool profile`` and ``moetool hybrid pareto|export|zoo-mamba``: thin Typer commands over the hybrid package.
+
+moetool.cli registers these; anything taken from it is imported when a command runs, not at import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+F = TypeVar("F", bound=Callable[..., Any])
+hybrid_app = typer.Typer(
+    no_args_is_help=True, help="Heterogeneous experts behind a cost-aware router (method: hybrid)."
+)
+
+
+def _friendly(fn: F) -> F:
+    """moetool.cli's error handling (one red line, exit code 2), looked up at call time to avoid an import cycle."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from moetool.cli import _friendly as friendly
+
+        return friendly(fn)(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@_friendly
+def profile_cmd(
+    model: Annotated[Path, typer.Argument(help="Hybrid model directory (written by `moetool merge`).")],
+    device: Annotated[str, typer.Option(help="Name of the device the profile describes.")] = "this-machine",
+    from_file: Annotated[Path | None, typer.Option("--from", help="A profile JSON measured on the device.")] = None,
+    gguf: Annotated[
+        Path | None, typer.Option(help="A `moetool hybrid export` directory: time its GGUF experts in llama.cpp.")
+    ] = None,
+    lengths: Annotated[str, typer.Option(help="Comma-separated request lengths (tokens).")] = "16,32,64,128,256",
+    repeats: Annotated[int, typer.Option(help="Timed runs per length; the fastest counts.")] = 10,
+    threads: Annotated[int, typer.Option(help="torch / llama.cpp threads while measuring.")] = 1,
+    clock: Annotated[str, typer.Option(help="cpu (compute thread's CPU time) or wall.")] = "cpu",
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of MODEL.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing profile.")] = False,
+) -> None:
+    """Measure each expert's latency over request lengths (or read a device's), fit a·L + b·L² + c0, store it."""
+    from rich.table import Table
+
+    from moetool.cli import console, out
+    from moetool.errors import MoetoolError
+    from moetool.methods.hybrid.assemble import read_model
+    from moetool.methods.hybrid.profile import PROFILE_FILE, latency_at, measure_profile, read_profile
+
+    meta, _ = read_model(model)
+    names = [e["name"] for e in meta["experts"]]
+    target = output or model / PROFILE_FILE
+    if target.exists() and not force:
+        raise MoetoolError(f"{target} exists; pass --force to replace it")
+    try:
+        ls = [int(x) for x in lengths.split(",") if x]
+    except ValueError:
+        raise MoetoolError(f"--lengths: {lengths!r} is not a comma-separated list of integers") from None
+    vocab = int(meta["tokenizer"]["vocab_size"])
+    if from_file is not None:
+        prof = read_profile(from_file, names)
+        prof["device"] = device if device != "this-machine" else prof["device"]
+    elif gguf is not None:
+        from moetool.methods.hybrid.export import load_export
+        from moetool.methods.hybrid.profile import measure_gguf_profile
+
+        man = load_export(gguf)
+        files = {e["name"]: gguf / e["dir"] / e["file"] for e in man["experts"] if e.get("file")}
+        if set(files) != set(names):
+            raise MoetoolError(f"{gguf}: experts {sorted(set(names) - set(files))} have no exported file")
+        with console.status(f"timing {', '.join(names)} in llama.cpp at {ls}"):
+            prof = measure_gguf_profile(
+                files, device=device, lengths=ls, repeats=repeats, threads=threads, vocab=vocab, clock_name=clock
+            )
+    else:
+        from transformers import AutoModelForCausalLM
+
+        models = {e["name"]: AutoModelForCausalLM.from_pretrained(e["path"]).eval() for e in meta["experts"]}
+        with console.status(f"timing {', '.join(names)} at {ls}"):
+            prof = measure_profile(
+                models, device=device, lengths=ls, repeats=repeats, threads=threads, vocab=vocab, clock_name=clock
+            )
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(prof, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, target)
+    t = Table(title=f"latency on {prof['device']} (ms)")
+    t.add_column("expert")
+    some = next(iter(prof["experts"].values()))["lengths"]
+    for n in some:
+        t.add_column(f"L={n}", justify="right")
+    t.add_column("fit: a·L + b·L² + c0", justify="left")
+    for name, e in prof["experts"].items():
+        f = e["fit"]
+        t.add_row(name, *[f"{1000 * s:.2f}" for s in e["seconds"]],
+                  f"a={1000 * f['a']:.4f} b={1000 * f['b']:.2e} c0={1000 * f['c0']:.2f} ms, "
+                  f"max rel err {100 * f['max_rel_error']:.0f}%")  # fmt: skip
+    out.print(t)
+    slow = max(names, key=lambda n: latency_at(prof["experts"][n]["fit"], meta["router"]["layout"]["max_length"]))
+    out.print(f"[green]wrote[/] {target}; costly at max_length: {slow} (trained with: {meta['costly']}; "
+              "retrain with profile.file to use a new profile in the loss)")  # fmt: skip
+
+
+@hybrid_app.command("pareto")
+@_friendly
+def pareto_cmd(
+    recipe: Annotated[Path, typer.Argument(help="A method: hybrid recipe.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for pareto.json/.md/.png.")],
+    parameter: Annotated[str | None, typer.Option(help="lambda_penalty, threshold or cost_weight.")] = None,
+    values: Annotated[str | None, typer.Option(help="Comma-separated values (default: the recipe's sweep).")] = None,
+    timed_requests: Annotated[int, typer.Option(help="Held-out requests timed live per point (0: none).")] = 48,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+) -> None:
+    """Sweep λ2 (or T_u, or the cost weight): held-out quality vs expected and measured latency and costly share."""
+    import sys
+
+    if "torch" not in sys.modules:  # llama.cpp timing next to torch needs passive OpenMP threads (see pareto.py)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from moetool.cli import console, out
+    from moetool.errors import MoetoolError
+    from moetool.io.atomic import check_output
+    from moetool.methods.hybrid.pareto import sweep, table, write_sweep
+    from moetool.methods.hybrid.pipeline import prepare
+    from moetool.recipe import load_recipe
+
+    r: Any = load_recipe(recipe)
+    if r.method != "hybrid":
+        raise MoetoolError(f"{recipe}: method is {r.method!r}, not hybrid")
+    if parameter not in (None, "lambda_penalty", "threshold", "cost_weight"):
+        raise MoetoolError(f"--parameter: {parameter!r} is not lambda_penalty, threshold or cost_weight")
+    try:
+        vals = [float(v) for v in values.split(",")] if values else None
+    except ValueError:
+        raise MoetoolError(f"--values: {values!r} is not a comma-separated list of numbers") from None
+    check_output(output, force=force)
+    p = prepare(r, recipe.parent, console)
+    result = sweep(p, parameter=parameter, values=vals, timed_requests=timed_requests, console=console)
+    write_sweep(result, output, force=force)
+    out.print(table(result))
+    out.print(f"[green]wrote[/] {output}/pareto.json, pareto.md, pareto.png")
+
+
+@hybrid_app.command("export")
+@_friendly
+def export_cmd(
+    model: Annotated[Path, typer.Argument(help="Hybrid model directory.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Export directory.")],
+    expert_target: Annotated[str, typer.Option(help="Exporter for the experts (gguf, onnx, …).")] = "gguf",
+    quant: Annotated[str | None, typer.Option(help="Expert precision (e.g. f16, q8_0).")] = None,
+    experts: Annotated[bool, typer.Option("--experts/--router-only", help="Export the experts too.")] = True,
+    verify: Annotated[bool, typer.Option(help="Check each expert artifact in its runtime.")] = True,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+) -> None:
+    """Router as its own ONNX graph (onnxruntime parity), each expert via moetool's exporters, manifest, dispatcher."""
+    from moetool.cli import console, out
+    from moetool.methods.hybrid.export import export_hybrid
+
+    with console.status("exporting router and experts …"):
+        m = export_hybrid(model, output, expert_target=expert_target, quant=quant, force=force, verify=verify,
+                          experts=experts, console=console)  # fmt: skip
+    out.print(f"[green]wrote[/] {output} (router {m['router']['bytes']} bytes; {m['parity']})")
+    for e in m["experts"]:
+        par = e.get("parity")
+        if isinstance(par, dict):
+            out.print(f"  {e['name']}: {e['dir']}/{e['file']}, {par['runtime']} vs {par['reference']}: top-1 "
+                      f"{par['top1_agreement']:.4f}, ppl change {100 * par['ppl_change']:+.2f}%")  # fmt: skip
+        else:
+            out.print(f"  {e['name']}: {e.get('reason') or par or 'router only'}")
+
+
+@hybrid_app.command("zoo-mamba")
+@_friendly
+def zoo_mamba_cmd(force: Annotated[bool, typer.Option("--force", help="Retrain even if cached.")] = False) -> None:
+    """Train the zoo's Mamba expert (zoo:mamba) with the zoo's tokenizer and corpora (~5-10 min, one thread)."""
+    from moetool.cli import console, out
+    from moetool.methods.hybrid.zoo_mamba import build_zoo_mamba
+
+    out.print(f"[green]zoo mamba ready[/] at {build_zoo_mamba(force=force, console=console)}")

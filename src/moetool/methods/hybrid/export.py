@@ -1,0 +1,259 @@
+"""Export a hybrid model: the router as its own tiny ONNX graph (onnxruntime parity), each expert through the
+existing exporters, a manifest, and a small reference dispatcher.
+
+The router graph is self-contained when the router reads the cheap encoder's token embeddings (encoder_layers 0)
+and routes per sequence: ``input_ids [1, T]`` (+ ``domain [1, D]`` one-hot) → ``scores [1, K]``, ``choice [1]``;
+the embedding table, standardisation and MLP are inside. Otherwise it takes the feature vectors
+``features [N, F]`` → ``scores [N, K]``, ``choice [N]`` and the caller builds features (router.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from moetool.errors import MoetoolError
+from moetool.export.base import write_manifest
+from moetool.io.atomic import atomic_dir
+from moetool.methods.hybrid.router import HybridRouter
+
+ROUTER_ONNX = "router.onnx"
+DISPATCHER = "dispatch.py"
+
+
+class RouterGraph(nn.Module):
+    """Token ids (+ domain one-hot) → scores and hard choice, features computed inside (router.py's definitions)."""
+
+    def __init__(self, router: HybridRouter, layout: dict[str, Any], embedding: torch.Tensor | None) -> None:
+        super().__init__()
+        self.router = router
+        self.use_length = bool(layout["length"])
+        self.n_domains = int(layout["n_domains"])
+        self.max_length = float(layout["max_length"])
+        self.embedding: nn.Embedding | None = nn.Embedding.from_pretrained(embedding) if embedding is not None else None
+
+    def forward(self, input_ids: torch.Tensor, domain: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = []
+        if self.use_length:
+            # token count as data (ones summed), not as a shape, so the graph keeps T dynamic
+            n = torch.ones_like(input_ids, dtype=torch.float32).sum(dim=1, keepdim=True)
+            parts.append(torch.clamp(n, max=self.max_length) / self.max_length)
+        if self.n_domains and domain is not None:
+            parts.append(domain)
+        if self.embedding is not None:
+            parts.append(self.embedding(input_ids).mean(dim=1))
+        scores = self.router.scores(torch.cat(parts, dim=-1))
+        return scores, scores.argmax(dim=-1)
+
+
+class FeatureRouterGraph(nn.Module):
+    """``features [N, F]`` → scores ``[N, K]`` and choice ``[N]``."""
+
+    def __init__(self, router: HybridRouter) -> None:
+        super().__init__()
+        self.router = router
+
+    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.router.scores(features)
+        return scores, scores.argmax(dim=-1)
+
+
+def self_contained(meta: dict[str, Any]) -> bool:
+    rc = meta["router"]
+    return rc["granularity"] == "sequence" and rc["encoder_layers"] == 0 and rc["decision"] == "argmax"
+
+
+def encoder_embedding(meta: dict[str, Any]) -> torch.Tensor | None:
+    """The encoder expert's token embedding table ``[V, H]`` (read from its safetensors), or None."""
+    rc = meta["router"]
+    if not rc["layout"]["hidden_dim"]:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    path = next(e["path"] for e in meta["experts"] if e["name"] == rc["encoder"])
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    weight: torch.Tensor = model.get_input_embeddings().weight
+    return weight.detach().clone()
+
+
+def export_router_onnx(meta: dict[str, Any], router: HybridRouter, path: Path) -> dict[str, Any]:
+    """Trace the router graph with torch.onnx (dynamo) to ``path``; returns its input/output description."""
+    if self_contained(meta):
+        graph: nn.Module = RouterGraph(router, meta["router"]["layout"], encoder_embedding(meta)).eval()
+        nd = meta["router"]["layout"]["n_domains"]
+        ids = torch.randint(0, 10, (1, 8))
+        seq = torch.export.Dim("seq", min=1, max=1 << 16)
+        shapes: tuple[Any, ...]
+        if nd:
+            args: tuple[Any, ...] = (ids, torch.zeros(1, nd))
+            names, shapes = ["input_ids", "domain"], ({1: seq}, None)
+        else:
+            args, names, shapes = (ids,), ["input_ids"], ({1: seq},)
+    else:
+        graph = FeatureRouterGraph(router).eval()
+        n = torch.export.Dim("n", min=1, max=1 << 20)
+        args, names, shapes = (torch.zeros(2, router.in_features),), ["features"], ({0: n},)
+    torch.onnx.export(graph, args, str(path), dynamo=True, optimize=True, verbose=False, input_names=names,
+                      output_names=["scores", "choice"], dynamic_shapes=shapes)  # fmt: skip
+    return {"inputs": names, "outputs": ["scores", "choice"], "self_contained": self_contained(meta)}
+
+
+def router_parity(
+    meta: dict[str, Any], router: HybridRouter, path: Path, requests: list[tuple[list[int], int]]
+) -> dict[str, Any]:
+    """onnxruntime vs PyTorch on ``requests`` (token ids incl. BOS, domain id): features built the way training built
+    them (router.py / data.py), so this checks the whole graph, not just the MLP."""
+    import onnxruntime as ort
+
+    from moetool.methods.hybrid.data import pooled_hidden
+    from moetool.methods.hybrid.router import FeatureLayout, sequence_features
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    lay = meta["router"]["layout"]
+    layout = FeatureLayout(lay["length"], lay["n_domains"], lay["hidden_dim"], lay["max_length"])
+    emb = encoder_embedding(meta) if layout.hidden_dim else None
+    worst, agree = 0.0, 0
+    for ids, dom in requests:
+        t_ids = torch.tensor([ids])
+        pooled = pooled_hidden(emb[t_ids], torch.tensor([len(ids)])) if emb is not None else None
+        feats = sequence_features(layout, torch.tensor([len(ids)]), torch.tensor([dom]), pooled)
+        with torch.no_grad():
+            ref = router.scores(feats)
+        if self_contained(meta):
+            feed: dict[str, Any] = {"input_ids": np.array([ids], dtype=np.int64)}
+            if layout.n_domains:
+                onehot = np.zeros((1, layout.n_domains), dtype=np.float32)
+                if dom >= 0:
+                    onehot[0, dom] = 1.0
+                feed["domain"] = onehot
+        else:
+            feed = {"features": feats.numpy().astype(np.float32)}
+        scores, choice = sess.run(["scores", "choice"], feed)
+        worst = max(worst, float(np.abs(scores - ref.numpy()).max()))
+        agree += int(int(choice[0]) == int(ref.argmax(-1)[0]))
+    return {
+        "runtime": f"onnxruntime {ort.__version__}",
+        "reference": "PyTorch router on features built as in training",
+        "requests": len(requests),
+        "max_abs_score_diff": worst,
+        "choice_agreement": agree / max(1, len(requests)),
+    }
+
+
+def _parity_requests(meta: dict[str, Any], n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """Held-out-like requests for the parity check: zoo/recipe text is not needed, the expert's tokenizer on
+    varied lengths of random ids is enough to exercise every feature (lengths past max_length included)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = int(meta["tokenizer"]["vocab_size"])
+    bos = meta["tokenizer"]["special_ids"]["bos_token_id"] or 0
+    max_len = int(meta["router"]["layout"]["max_length"])
+    nd = int(meta["router"]["layout"]["n_domains"])
+    out = []
+    for i in range(n):
+        length = int(torch.randint(2, int(max_len * 1.25) + 1, (), generator=g))
+        ids = [bos, *torch.randint(0, vocab, (length - 1,), generator=g).tolist()]
+        out.append((ids, (i % (nd + 1)) - 1 if nd else -1))
+    return out
+
+
+def export_hybrid(
+    model_dir: Path,
+    output: Path,
+    *,
+    expert_target: str = "gguf",
+    quant: str | None = None,
+    force: bool = False,
+    verify: bool = True,
+    experts: bool = True,
+    parity_requests: int = 64,
+    console: Any = None,
+) -> dict[str, Any]:
+    """Write ``output``: router.onnx, experts/<name>/ (each via moetool's exporters), tokenizer, dispatch.py and
+    manifest.json. An expert the chosen exporter cannot handle is recorded with the reason, not silently skipped.
+
+    Raises:
+        MoetoolError: the router graph fails parity (max |Δscore| > 1e-4 or any choice differs).
+    """
+    from moetool.methods.hybrid.assemble import read_model
+
+    meta, router = read_model(model_dir)
+    with atomic_dir(Path(output), force=force) as tmp:
+        graph = export_router_onnx(meta, router, tmp / ROUTER_ONNX)
+        parity = router_parity(meta, router, tmp / ROUTER_ONNX, _parity_requests(meta, parity_requests))
+        if not (parity["max_abs_score_diff"] <= 1e-4 and parity["choice_agreement"] == 1.0):
+            raise MoetoolError(f"router ONNX parity failed: {parity}")
+        first = meta["experts"][0]["path"]
+        tok_dir = tmp / "tokenizer"
+        tok_dir.mkdir()
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(first) / f).is_file():
+                shutil.copy2(Path(first) / f, tok_dir / f)
+        expert_rows = []
+        for e in meta["experts"]:
+            row: dict[str, Any] = {"name": e["name"], "model_type": e["model_type"], "kind": e["kind"]}
+            if experts:
+                row |= _export_expert(e, tmp / "experts" / e["name"], expert_target, quant, verify, console)
+            expert_rows.append(row)
+        shutil.copy2(Path(__file__).with_name("dispatch_template.py"), tmp / DISPATCHER)
+        shutil.copy2(Path(model_dir) / "latency_profile.json", tmp / "latency_profile.json")
+        # the dynamo exporter keeps large initialisers (the embedding table) in router.onnx.data beside the graph
+        router_files = sorted(f.name for f in tmp.glob(f"{ROUTER_ONNX}*"))
+        manifest = {
+            "format": "moetool-hybrid-export",
+            "version": 1,
+            "name": meta["name"],
+            "file": ROUTER_ONNX,
+            "router": {
+                **graph,
+                "file": ROUTER_ONNX,
+                "files": router_files,
+                "config": meta["router"],
+                "parity": parity,
+                "bytes": sum((tmp / f).stat().st_size for f in router_files),
+            },
+            "experts": expert_rows,
+            "costly": meta["costly"],
+            "dispatcher": DISPATCHER,
+            "tokenizer": "tokenizer/",
+            "latency_profile": "latency_profile.json",
+            "artifact": {"bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())},
+            "parity": f"router: max |Δscore| {parity['max_abs_score_diff']:.2e}, choice agreement "
+            f"{parity['choice_agreement']:.3f} on {parity['requests']} requests",
+        }
+        write_manifest(tmp, manifest)
+    return manifest
+
+
+def _export_expert(
+    e: dict[str, Any], out: Path, target: str, quant: str | None, verify: bool, console: Any
+) -> dict[str, Any]:
+    """One expert through moetool's exporter for ``target``; the Mamba GGUF writer for Mamba experts."""
+    from moetool.api import plan_export
+    from moetool.export.base import ExportError
+
+    if e["model_type"] == "mamba" and target == "gguf":
+        from moetool.export.gguf.mamba import export_mamba_gguf
+
+        try:
+            m = export_mamba_gguf(Path(e["path"]), out, quant=quant or "f32", verify=verify)
+        except ExportError as exc:
+            return {"target": target, "exported": False, "reason": str(exc)}
+        return {"target": "gguf", "dir": f"experts/{e['name']}", "file": m["file"], "parity": m["parity"]}
+
+    try:
+        exporter, req, plan = plan_export(e["path"], out, target=target, quant=quant, force=True, verify=verify)
+        m = exporter.export(req, plan, console=console)
+    except (ExportError, MoetoolError, NotImplementedError, KeyError) as exc:
+        return {"target": target, "exported": False, "reason": str(exc)}
+    return {"target": target, "dir": f"experts/{e['name']}", "file": m["file"], "parity": m.get("parity")}
+
+
+def load_export(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
+    return data

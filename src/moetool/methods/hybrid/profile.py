@@ -1,0 +1,243 @@
+"""Latency profiles: each expert's latency over request lengths on a device, fitted as ``c(L) = a·L + b·L² + c0``.
+
+Measured here (``moetool profile MODEL --device NAME``), or read from a JSON measured on the device (same schema,
+``fit`` optional: it is refitted). The operation timed is one forward pass over a request of L tokens at batch 1
+(prefill / scoring), float32, after one warm-up; the fastest of ``repeats`` runs counts (moetool is developed on
+shared machines: the minimum is the estimate least disturbed by other load; on a quiet device it is within noise of
+the median). The profile is stored with
+the model as ``latency_profile.json``.
+
+The issue asks for ``a·L + b·L²``; a constant ``c0`` is fitted too, because fixed per-call overhead (framework
+dispatch, the LM head) dominates short requests: without it the fit is off by tens of percent below ~32 tokens.
+Coefficients are kept non-negative (a term that fits negative is dropped and the rest refitted).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError
+
+PROFILE_FILE = "latency_profile.json"
+PROFILE_FORMAT = 1
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+def clock(name: str) -> Any:
+    """``cpu``: CPU seconds of the calling thread. The profiled runs are single-threaded (torch with one thread,
+    llama.cpp with n_threads=1 both compute in the caller), so this equals wall time on an idle core, and other
+    processes preempting it do not count. Measured here at load ~7 on 2 cores, for llama.cpp on 64 tokens: thread
+    7.7 ms, process 25 ms (idle threads of a second context spin), wall 16 ms. ``wall``: ``perf_counter``, for a
+    dedicated device or threads > 1."""
+    try:
+        return CLOCKS[name]
+    except KeyError:
+        raise MoetoolError(f"clock must be cpu or wall, got {name!r}") from None
+
+
+def fit_latency(lengths: list[int], seconds: list[float]) -> dict[str, float]:
+    """Non-negative least-squares fit of ``seconds ≈ a·L + b·L² + c0``; returns a, b, c0 and the max relative error."""
+    if len(lengths) != len(seconds) or len(lengths) < 2:
+        raise ValueError("need at least two (length, seconds) points of equal count")
+    x = torch.tensor(lengths, dtype=torch.float64)
+    y = torch.tensor(seconds, dtype=torch.float64)
+    cols = {"a": x, "b": x * x, "c0": torch.ones_like(x)}
+    active = list(cols)
+    coef: dict[str, float] = {}
+    while active:
+        design = torch.stack([cols[k] for k in active], dim=1)
+        sol = torch.linalg.lstsq(design, y.unsqueeze(1)).solution.squeeze(1)
+        coef = {k: float(v) for k, v in zip(active, sol, strict=True)}
+        negative = [k for k, v in coef.items() if v < 0]
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda k: coef[k]))
+    fit = {k: coef.get(k, 0.0) for k in cols}
+    pred = [latency_at(fit, n) for n in lengths]
+    fit["max_rel_error"] = max(abs(p - s) / s for p, s in zip(pred, seconds, strict=True))
+    return fit
+
+
+def latency_at(fit: dict[str, float], length: float) -> float:
+    """Seconds for a request of ``length`` tokens under a fit."""
+    return fit["a"] * length + fit["b"] * length * length + fit.get("c0", 0.0)
+
+
+def time_forward(model: Any, input_ids: torch.Tensor, repeats: int, clock_name: str = "cpu") -> float:
+    """Fastest of ``repeats`` forward passes of ``input_ids`` ``[1, L]`` after one warm-up (seconds)."""
+    now = clock(clock_name)
+    with torch.inference_mode():
+        model(input_ids=input_ids)
+        times = []
+        for _ in range(repeats):
+            t0 = now()
+            model(input_ids=input_ids)
+            times.append(now() - t0)
+    return min(times)
+
+
+def measure_profile(
+    experts: dict[str, Any],
+    *,
+    device: str,
+    lengths: list[int],
+    repeats: int = 5,
+    threads: int = 1,
+    vocab: int,
+    clock_name: str = "cpu",
+) -> dict[str, Any]:
+    """Time each model in ``experts`` (name → transformers causal LM) at each length on this machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    try:
+        out: dict[str, Any] = {}
+        for name, model in experts.items():
+            inputs = [torch.randint(0, vocab, (1, n), generator=g) for n in lengths]
+            secs = [float("inf")] * len(lengths)
+            for _ in range(repeats):  # rounds over all lengths (see measure_gguf_profile)
+                for j, ids in enumerate(inputs):
+                    secs[j] = min(secs[j], time_forward(model, ids, 1, clock_name))
+            out[name] = {"lengths": list(lengths), "seconds": secs, "fit": fit_latency(list(lengths), secs)}
+    finally:
+        torch.set_num_threads(before)
+    return {
+        "format": PROFILE_FORMAT,
+        "device": device,
+        "runtime": f"transformers {_transformers_version()} / torch {torch.__version__}, float32, batch 1",
+        "operation": "one forward pass over a request of L tokens (prefill / scoring), fastest of repeats after a warm-up",
+        "threads": threads,
+        "clock": clock_name,
+        "repeats": repeats,
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "experts": out,
+    }
+
+
+def warm_llama(llm: Any, vocab: int, length: int, seconds: float = 4.0) -> None:
+    """Evaluate for ``seconds`` (3 runs at least) before timing: llama.cpp's first seconds after loading run up to
+    ~100x slower than steady state (measured here: 1.7 s vs 15 ms for 32 tokens)."""
+    from moetool.export.gguf.verify import _quiet_stderr
+
+    ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    t0, runs = time.perf_counter(), 0
+    while runs < 3 or time.perf_counter() - t0 < seconds:
+        llm.reset()
+        with _quiet_stderr():
+            llm.eval(ids)
+        runs += 1
+
+
+def measure_gguf_profile(
+    files: dict[str, Path],
+    *,
+    device: str,
+    lengths: list[int],
+    repeats: int = 5,
+    threads: int = 1,
+    vocab: int,
+    clock_name: str = "cpu",
+) -> dict[str, Any]:
+    """Time each expert's GGUF in llama.cpp (llama-cpp-python): prefill of L tokens, fresh state each run."""
+    import llama_cpp
+
+    from moetool.export.gguf.verify import _quiet_stderr
+
+    g = torch.Generator().manual_seed(0)
+    now = clock(clock_name)
+    out: dict[str, Any] = {}
+    for name, path in files.items():
+        with _quiet_stderr():
+            llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(lengths), n_batch=max(lengths),
+                                  n_ubatch=max(lengths), n_threads=threads, logits_all=False, verbose=False,
+                                  use_mmap=False)  # fmt: skip
+        best = [float("inf")] * len(lengths)
+        try:
+            warm_llama(llm, vocab, max(lengths))
+            inputs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+            # rounds over all lengths, not all repeats of one length in a row: a disturbance of a few hundred ms
+            # (another process, a page-in) then spoils one sample of several lengths instead of every sample of one
+            for _ in range(repeats):
+                for j, ids in enumerate(inputs):
+                    llm.reset()
+                    t0 = now()
+                    with _quiet_stderr():
+                        llm.eval(ids)
+                    best[j] = min(best[j], now() - t0)
+            secs = best
+        finally:
+            with _quiet_stderr():
+                llm.close()
+        out[name] = {"lengths": list(lengths), "seconds": secs, "fit": fit_latency(list(lengths), secs),
+                     "file": str(path)}  # fmt: skip
+    return {
+        "format": PROFILE_FORMAT,
+        "device": device,
+        "runtime": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), GGUF as exported, batch 1",
+        "operation": "prefill of a request of L tokens (fresh state), fastest of repeats after a warm-up",
+        "threads": threads,
+        "clock": clock_name,
+        "repeats": repeats,
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "experts": out,
+    }
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def read_profile(path: Path, expert_names: list[str]) -> dict[str, Any]:
+    """Read and check a profile JSON (e.g. measured on a device); refit every expert from its points.
+
+    Raises:
+        MoetoolError: naming the file and the field that is missing or wrong.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise MoetoolError(f"{path}: cannot read latency profile: {exc.strerror}") from None
+    except ValueError as exc:
+        raise MoetoolError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("experts"), dict):
+        raise MoetoolError(f"{path}: experts: missing (a mapping of expert name → lengths, seconds)")
+    if not isinstance(data.get("device"), str):
+        raise MoetoolError(f"{path}: device: missing (the name of the device it was measured on)")
+    for name in expert_names:
+        entry = data["experts"].get(name)
+        if not isinstance(entry, dict):
+            raise MoetoolError(f"{path}: experts.{name}: missing (profile has {', '.join(data['experts']) or 'none'})")
+        lengths, secs = entry.get("lengths"), entry.get("seconds")
+        if not (isinstance(lengths, list) and isinstance(secs, list) and len(lengths) == len(secs) >= 2):
+            raise MoetoolError(f"{path}: experts.{name}: needs 'lengths' and 'seconds' lists of equal length ≥ 2")
+        if not all(isinstance(v, (int, float)) and v > 0 for v in [*lengths, *secs]):
+            raise MoetoolError(f"{path}: experts.{name}: lengths and seconds must be positive numbers")
+        entry["fit"] = fit_latency([int(v) for v in lengths], [float(v) for v in secs])
+    data.setdefault("format", PROFILE_FORMAT)
+    return data
+
+
+def cost_ms(profile: dict[str, Any], names: list[str], lengths: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` fitted latency in milliseconds of each expert (``names`` order) at each request length ``[N]``."""
+    cols = []
+    for name in names:
+        fit = profile["experts"][name]["fit"]
+        cols.append(torch.tensor([1000.0 * latency_at(fit, float(n)) for n in lengths.tolist()]))
+    return torch.stack(cols, dim=1)
+
+
+def costly_expert(profile: dict[str, Any], names: list[str], max_length: int) -> int:
+    """Index of the slower expert at ``max_length`` under the profile's fits."""
+    at = [latency_at(profile["experts"][n]["fit"], max_length) for n in names]
+    return int(max(range(len(names)), key=lambda i: at[i]))

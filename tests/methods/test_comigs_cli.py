@@ -1,0 +1,86 @@
+"""CoMiGS from the command line: recipe errors, `moetool merge` (assembly), `moetool comigs train` and `bake`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from comigs_fixtures import tiny_base
+from typer.testing import CliRunner
+
+from conftest import TEXT
+from moetool.cli import app
+from moetool.errors import RecipeError
+from moetool.recipe import load_recipe
+
+torch.set_num_threads(1)
+
+RECIPE = """\
+name: cli
+method: comigs
+base_model: {base}
+lora: {{rank: 4, attention_rank: 2}}
+users:
+  - name: a
+    data: {{text: a.txt}}
+    specialists: [{{name: a1}}]
+  - name: b
+    data: {{text: b.txt}}
+    specialists: [{{name: b1}}, {{name: b2}}]
+training: {{rounds: 2, local_iterations: 2, router_every: 2, router_steps: 1, batch_size: 2, seq_len: 16}}
+"""
+
+
+@pytest.fixture(scope="module")
+def recipe_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("comigs-cli")
+    base = tiny_base(root)
+    lines = TEXT.strip().splitlines()
+    (root / "a.txt").write_text("\n\n".join(lines[0] + " " + lines[1] for _ in range(40)))
+    (root / "b.txt").write_text("\n\n".join(lines[2] + " " + lines[1] for _ in range(40)))
+    path = root / "r.yaml"
+    path.write_text(RECIPE.format(base=base))
+    return path
+
+
+def test_recipe_errors_name_field_and_line(tmp_path):
+    bad = RECIPE.format(base="zoo:base").replace("{name: b1}", "{name: a1}").replace("rank: 4", "rank: 0")
+    (tmp_path / "r.yaml").write_text(bad)
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(tmp_path / "r.yaml")
+    assert "r.yaml:4: lora.rank" in str(exc.value)
+    (tmp_path / "r.yaml").write_text(RECIPE.format(base="zoo:base").replace("{name: b1}", "{name: a1}"))
+    with pytest.raises(RecipeError, match=r"r.yaml:\d+: users.1.specialists.0.name: 'a1' is also users.0"):
+        load_recipe(tmp_path / "r.yaml")
+
+
+def test_merge_train_bake(recipe_file, tmp_path):
+    run = CliRunner().invoke
+    res = run(app, ["merge", str(recipe_file), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "user b: 3 experts (top-2)" in res.output and "upload" in res.output
+
+    res = run(app, ["merge", str(recipe_file), "-o", str(tmp_path / "init")])
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "init" / "comigs-assemble.json").read_text())
+    assert all(u["max_abs_logit_diff_vs_base"] <= 1e-5 for u in report.values())  # fresh LoRA: B = 0
+    res = run(app, ["merge", str(recipe_file), "-o", str(tmp_path / "init")])
+    assert res.exit_code == 2 and "--force" in res.output
+
+    res = run(app, ["comigs", "train", str(recipe_file), "-o", str(tmp_path / "tr"), "--variant", "nope"])
+    assert res.exit_code == 2 and "--variant" in res.output
+    res = run(app, ["comigs", "train", str(recipe_file), "-o", str(tmp_path / "tr")])
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "tr" / "comigs-report.json").read_text())
+    assert set(report["users"]) == {"a", "b"} and len(report["history"]) == 2
+    assert all(u["reload_max_abs_logit_diff"] <= 1e-5 for u in report["users"].values())
+    # the user's own text gets cheaper than before training
+    assert all(u["test_ppl"] < u["test_ppl_before"] for u in report["users"].values())
+
+    res = run(app, ["comigs", "bake", str(tmp_path / "tr" / "b"), "-o", str(tmp_path / "mix")])
+    assert res.exit_code == 0, res.output
+    bake = json.loads((tmp_path / "mix" / "comigs-bake.json").read_text())
+    assert bake["parity_max_abs_logit_diff"] <= 1e-5 and bake["experts"] == ["generalist", "b1", "b2"]
+    res = run(app, ["comigs", "bake", str(tmp_path / "init"), "-o", str(tmp_path / "mix2")])
+    assert res.exit_code == 2 and "no config.json" in res.output
