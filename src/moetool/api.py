@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,27 @@ def model_quant_spec(model_dir: Path) -> Any:
     return None if section is None else QuantSpec.model_validate(section)
 
 
+# moetool's own outputs that the standard exporters cannot read, and what exports them (model_type or marker file).
+METHOD_EXPORTS: dict[str, str] = {
+    "moetool_gem": "moetool gem export MODEL -o DIR (token-level GEM: router and threshold inside the graph)",
+    "gem.json": "moetool gem export MODEL -o DIR (sequence-level GEM: router artifact + one artifact per pathway)",
+    "moetool_routed_embedding": "moetool embedding export MODEL --target onnx|tflite|coreml -o DIR",
+    "moetool_comigs": "moetool comigs bake USER_DIR -o MIXTRAL_DIR (exact), then moetool export MIXTRAL_DIR",
+}
+
+
+def _refuse_method_output(model_dir: Path) -> None:
+    """Name the right command when ``model_dir`` is a method's own model class or bundle."""
+    from moetool.export import ExportError
+
+    cfg = model_dir / "config.json"
+    key = json.loads(cfg.read_text(encoding="utf-8")).get("model_type") if cfg.is_file() else None
+    if key not in METHOD_EXPORTS:
+        key = next((k for k in METHOD_EXPORTS if k.endswith(".json") and (model_dir / k).is_file()), None)
+    if key is not None:
+        raise ExportError(f"{model_dir} is a {key.removesuffix('.json')} model; export it with: {METHOD_EXPORTS[key]}")
+
+
 def plan_export(
     model: str | Path,
     output: str | Path,
@@ -85,6 +107,7 @@ def plan_export(
     from moetool.quant.plan import QuantSpec, parse_quant
 
     model_dir = resolve_source(str(model)).path
+    _refuse_method_output(model_dir)
     try:
         spec = parse_quant(quant) if isinstance(quant, str) else quant
         dev = get_device(device) if device is not None else None

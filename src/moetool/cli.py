@@ -480,7 +480,7 @@ app.add_typer(comigs_app, name="comigs")
 from moetool.commands.gem import gem_app  # noqa: E402
 
 app.add_typer(gem_app, name="gem")
-from moetool.methods.hybrid.cli import hybrid_app, profile_cmd  # noqa: E402
+from moetool.commands.hybrid import hybrid_app, profile_cmd  # noqa: E402
 
 app.command("profile")(profile_cmd)
 app.add_typer(hybrid_app, name="hybrid")

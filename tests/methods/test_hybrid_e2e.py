@@ -216,3 +216,36 @@ def test_cli_dry_run_and_pareto(built, tmp_path):
     bad = runner.invoke(app, ["hybrid", "pareto", str(built["recipe"]), "-o", str(tmp_path / "q"), "--parameter",
                               "lambda_typo"])  # fmt: skip
     assert bad.exit_code == 2 and "--parameter" in bad.output
+
+
+def test_per_token_routing_end_to_end(built, tmp_path):
+    """granularity: token on the real (tiny) experts: causal per-token features, a feature-input router graph."""
+    from moetool.api import assembler_for
+    from moetool.methods.hybrid.export import export_hybrid
+
+    text = built["recipe"].read_text().replace("  hidden_size: 8\n", "  hidden_size: 8\n  granularity: token\n")
+    recipe = built["root"] / "token.yaml"
+    recipe.write_text(text)
+    assembler, r = assembler_for(recipe)
+    out = assembler.assemble(r, recipe_dir=built["root"], output=tmp_path / "token-model")
+    meta = json.loads((out / "hybrid.json").read_text())
+    rows = meta["held_out"]["rows"]
+    assert meta["router"]["granularity"] == "token"
+    # per token both experts keep their state over the prefix: the router's latency is the sum of both experts'
+    both = rows["llama alone"]["expected_latency_ms"] + rows["mamba alone"]["expected_latency_ms"]
+    assert rows["router"]["expected_latency_ms"] == pytest.approx(both, rel=1e-5)
+    assert rows["oracle"]["nll"] <= min(rows["llama alone"]["nll"], rows["mamba alone"]["nll"])
+    m = export_hybrid(out, tmp_path / "token-export", experts=False)
+    assert m["router"]["inputs"] == ["features"] and not m["router"]["self_contained"]
+    assert m["router"]["parity"]["max_abs_score_diff"] < 1e-5 and m["router"]["parity"]["choice_agreement"] == 1.0
+
+
+def test_mamba_gguf_refuses_unknown_tensors():
+    from moetool.export.base import ExportError
+    from moetool.export.gguf.mamba import gguf_tensors
+
+    state = {"backbone.embeddings.weight": torch.zeros(4, 2), "backbone.layers.0.mixer.A_log": torch.zeros(3, 2)}
+    names = dict(gguf_tensors(state, tied=True))
+    assert np.allclose(names["blk.0.ssm_a"], -1.0)  # A = -exp(A_log)
+    with pytest.raises(ExportError, match="backbone.layers.0.mixer.new_thing"):
+        gguf_tensors({"backbone.layers.0.mixer.new_thing": torch.zeros(2)}, tied=True)

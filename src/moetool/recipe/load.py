@@ -18,7 +18,13 @@ from moetool.recipe.hybrid import HybridRecipe
 from moetool.recipe.mofe import MoFERecipe
 
 # method name -> recipe model; later methods register here.
-_RECIPES: dict[str, type[BaseModel]] = {"mofe": MoFERecipe, "comigs": ComigsRecipe, "embedding": EmbeddingRecipe, "gem": GemRecipe, "hybrid": HybridRecipe}
+_RECIPES: dict[str, type[BaseModel]] = {
+    "mofe": MoFERecipe,
+    "comigs": ComigsRecipe,
+    "embedding": EmbeddingRecipe,
+    "gem": GemRecipe,
+    "hybrid": HybridRecipe,
+}
 
 Loc = tuple[str | int, ...]
 
@@ -34,7 +40,12 @@ def recipe_json_schema() -> dict[str, Any]:
     refs = []
     for model in _RECIPES.values():
         schema = model.model_json_schema(ref_template="#/$defs/{model}")
-        defs.update(schema.pop("$defs", {}))
+        for name, sub in schema.pop("$defs", {}).items():
+            # one namespace for every method's section models: two different models of one class name would
+            # silently replace each other
+            if name in defs and defs[name] != sub:
+                raise RuntimeError(f"recipe schema: two different section models are named {name!r}; rename one")
+            defs[name] = sub
         defs[model.__name__] = schema
         refs.append({"$ref": f"#/$defs/{model.__name__}"})
     return {

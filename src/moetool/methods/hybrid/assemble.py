@@ -38,7 +38,7 @@ def held_out_report(p: Prepared, router: HybridRouter) -> dict[str, Any]:
     shape = valid.features.shape[:-1]
     rows: dict[str, Any] = {}
     for k, name in enumerate(p.names):
-        rows[f"{name} alone"] = evaluate_choice(valid, _full(shape, k), p.costly)
+        rows[f"{name} alone"] = evaluate_choice(valid, _full(shape, k), p.costly, alone=True)
     rows["oracle"] = evaluate_choice(valid, oracle_choice(valid, p.costly), p.costly)
     choice = route(router, valid, costly=p.costly, decision=r.decision, utility_threshold=r.utility_threshold)
     rows["router"] = evaluate_choice(valid, choice, p.costly) | {"soft_nll": soft_nll(router, valid)}

@@ -144,7 +144,7 @@ def sweep(
     values = values if values is not None else r.sweep.values
     valid = p.valid
     shape = tuple(valid.features.shape[:-1])
-    baselines = {f"{n} alone": evaluate_choice(valid, torch.full(shape, k, dtype=torch.long), p.costly)
+    baselines = {f"{n} alone": evaluate_choice(valid, torch.full(shape, k, dtype=torch.long), p.costly, alone=True)
                  for k, n in enumerate(p.names)}  # fmt: skip
     baselines["oracle"] = evaluate_choice(valid, oracle_choice(valid, p.costly), p.costly)
     measure = timed_requests > 0 and r.router.granularity == "sequence"

@@ -151,12 +151,13 @@ def oracle_choice(data: RoutingSet, costly: int) -> torch.Tensor:
     return torch.where(nll[:, costly] < nll[:, cheap], costly, cheap)
 
 
-def evaluate_choice(data: RoutingSet, choice: torch.Tensor, costly: int) -> dict[str, Any]:
+def evaluate_choice(data: RoutingSet, choice: torch.Tensor, costly: int, *, alone: bool = False) -> dict[str, Any]:
     """Quality and expected latency of hard routing ``choice`` (``[N]`` or ``[N, T-1]``).
 
     nll: mean NLL per real token of the chosen experts; costly_share: share of routing units (requests, or tokens)
     sent to the costly expert; expected_latency_ms: mean over requests of the fitted latency of the experts that run
-    (per token: every expert, since each must keep its state over the whole prefix).
+    (per token: every expert, since each must keep its state over the whole prefix; ``alone``: a baseline that runs
+    only the expert it names, with no router).
     """
     k = data.logp.shape[1]
     m = data.mask
@@ -170,7 +171,7 @@ def evaluate_choice(data: RoutingSet, choice: torch.Tensor, costly: int) -> dict
     else:
         chosen = data.logp.gather(1, choice[:, None, :]).squeeze(1)
         share = float(((choice == costly).float() * m).sum() / m.sum())
-        latency = data.cost.sum(1)
+        latency = data.cost.gather(1, choice[:, :1]).squeeze(1) if alone else data.cost.sum(1)
         per_expert_len = {i: None for i in range(k)}
     nll = float(-(chosen * m).sum() / m.sum())
     by_domain = {}
