@@ -6,30 +6,18 @@ moetool.cli registers these near its end, so anything taken from it is imported 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 import typer
 
-F = TypeVar("F", bound=Callable[..., Any])
+from moetool.commands import friendly as _friendly
 
 embedding_app = typer.Typer(
     no_args_is_help=True, help="Routed input embeddings (method: embedding): export and the parameter/quality report."
 )
 
 
-def _friendly(fn: F) -> F:
-    """moetool.cli's error handling (one red line, exit code 2), looked up at call time to avoid an import cycle."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from moetool.cli import _friendly as friendly
-
-        return friendly(fn)(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 @embedding_app.command("export")

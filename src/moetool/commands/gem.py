@@ -7,25 +7,16 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 
-F = TypeVar("F", bound=Callable[..., Any])
+from moetool.commands import friendly as _friendly
+
 gem_app = typer.Typer(no_args_is_help=True, help="GEM models: evaluation (GG/CDTR/DSI), export, routing logs.")
 
 
-def _friendly(fn: F) -> F:
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from moetool.cli import _friendly as friendly
-
-        return friendly(fn)(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _print_report(report: dict[str, Any]) -> None:

@@ -5,26 +5,12 @@ moetool.cli registers these at its end, so anything taken from it is imported wh
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 import typer
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _friendly(fn: F) -> F:
-    """moetool.cli's error handling (one red line, exit code 2), looked up at call time to avoid an import cycle."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from moetool.cli import _friendly as friendly
-
-        return friendly(fn)(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+from moetool.commands import friendly as _friendly
 
 
 @_friendly
