@@ -195,3 +195,22 @@ def test_corpora():
     assert any(a[d].valid != c[d].valid for d in DOMAINS)
     with pytest.raises(MoetoolError, match="unknown zoo domain"):
         load_domain_documents("poetry")
+
+
+def test_zoo_lists_models_trained_into_it_later(tmp_path, monkeypatch):
+    """zoo.json names the build's models; a model added afterwards (zoo:mamba) is listed too, after them."""
+    import json
+
+    from moetool.errors import MoetoolError
+    from moetool.zoo import resolve_zoo_model, zoo_models
+
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path))
+    root = tmp_path / "zoo" / "default"
+    for name in ("base", "code", "mamba"):
+        (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text("{}")
+    (root / "zoo.json").write_text(json.dumps({"models": ["code", "base", "legal"]}))  # legal: listed, absent
+    assert zoo_models() == ["code", "base", "mamba"]
+    assert resolve_zoo_model("mamba") == root / "mamba"
+    with pytest.raises(MoetoolError, match="available: code, base, mamba"):
+        resolve_zoo_model("medical")

@@ -585,9 +585,12 @@ def zoo_models(profile: str = "default") -> list[str]:
     if not root.is_dir():
         return []
     meta = _read_zoo_json(root)
+    on_disk = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
     if meta is not None and meta.get("models"):
-        return [m for m in meta["models"] if (root / m / "config.json").is_file()]
-    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
+        # zoo.json's models first, then models trained into the zoo later (e.g. `moetool hybrid zoo-mamba`)
+        listed = [m for m in meta["models"] if m in on_disk]
+        return listed + [m for m in on_disk if m not in listed]
+    return on_disk
 
 
 def _build_hint(profile: str) -> str:
