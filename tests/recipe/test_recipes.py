@@ -112,3 +112,33 @@ def test_schema_lists_mofe():
     props = schema["$defs"]["MoFERecipe"]["properties"]
     assert {"base_model", "experts", "gate_mode", "architecture", "shared_expert"} <= set(props)
     assert schema["$defs"]["MoFERecipe"]["additionalProperties"] is False
+
+
+def test_nested_validator_error_keeps_the_path_to_its_model(tmp_path):
+    """A cross-field check inside a nested section names its field relative to that section; the error must carry
+    the whole path (section.field), not the relative one."""
+    import yaml
+    from pydantic import ValidationError, model_validator
+
+    from moetool.recipe.load import _errors, _line_map
+    from moetool.strict import StrictModel
+
+    class Inner(StrictModel):
+        a: int = 1
+        b: int = 2
+
+        @model_validator(mode="after")
+        def _check(self) -> Inner:
+            if self.a > self.b:
+                raise ValueError(f"b: {self.b} is smaller than a ({self.a})")
+            return self
+
+    class Outer(StrictModel):
+        name: str
+        section: Inner
+
+    text = "name: x\nsection:\n  a: 3\n  b: 1\n"
+    with pytest.raises(ValidationError) as info:
+        Outer.model_validate(yaml.safe_load(text))
+    [msg] = _errors(info.value, tmp_path / "r.yaml", _line_map(yaml.compose(text)))
+    assert msg == f"{tmp_path / 'r.yaml'}:4: section.b: 1 is smaller than a (3)"

@@ -85,10 +85,11 @@ def _errors(exc: ValidationError, path: Path, lines: dict[Loc, int]) -> list[str
         msg = err["msg"]
         if err["type"] == "value_error":
             msg = msg.removeprefix("Value error, ")
-            # cross-field validators put the precise field at the start of their message
+            # cross-field validators put the precise field, relative to their own model, at the start of their
+            # message; a nested model's validator error already carries the path down to that model
             m = _LOC_IN_MESSAGE.match(msg)
             if m:
-                loc = tuple(int(p) if p.isdigit() else p for p in m.group(1).split("."))
+                loc = loc + tuple(int(p) if p.isdigit() else p for p in m.group(1).split("."))
                 msg = msg[m.end() :]
         elif err["type"] == "extra_forbidden":
             msg = "unknown key (not allowed here; check the spelling)"
