@@ -44,3 +44,20 @@ def user_data(n_users: int, seed: int = 0) -> list[UserData]:
         )
         for _ in range(n_users)
     ]
+
+
+# Two users (one and two specialists) over text files a.txt and b.txt next to the recipe; {base}: the base model dir.
+RECIPE_YAML = """\
+name: {name}
+method: comigs
+base_model: {base}
+lora: {{rank: 4, attention_rank: 2}}
+users:
+  - name: a
+    data: {{text: a.txt}}
+    specialists: [{{name: a1}}]
+  - name: b
+    data: {{text: b.txt}}
+    specialists: [{{name: b1}}, {{name: b2}}]
+training: {{rounds: 2, local_iterations: 2, router_every: 2, router_steps: 1, batch_size: 2, seq_len: 16}}
+"""

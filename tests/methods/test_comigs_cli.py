@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from comigs_fixtures import tiny_base
+from comigs_fixtures import RECIPE_YAML, tiny_base
 from typer.testing import CliRunner
 
 from conftest import TEXT
@@ -16,20 +16,7 @@ from moetool.recipe import load_recipe
 
 torch.set_num_threads(1)
 
-RECIPE = """\
-name: cli
-method: comigs
-base_model: {base}
-lora: {{rank: 4, attention_rank: 2}}
-users:
-  - name: a
-    data: {{text: a.txt}}
-    specialists: [{{name: a1}}]
-  - name: b
-    data: {{text: b.txt}}
-    specialists: [{{name: b1}}, {{name: b2}}]
-training: {{rounds: 2, local_iterations: 2, router_every: 2, router_steps: 1, batch_size: 2, seq_len: 16}}
-"""
+RECIPE = RECIPE_YAML.replace("{name}", "cli")
 
 
 @pytest.fixture(scope="module")

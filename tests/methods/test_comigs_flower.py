@@ -8,27 +8,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from comigs_fixtures import tiny_base
+from comigs_fixtures import RECIPE_YAML, tiny_base
 
 from conftest import TEXT
 
 ROOT = Path(__file__).resolve().parents[2]
 FLWR_PY = ROOT / ".venv-flwr" / "bin" / "python"
 
-RECIPE = """\
-name: fl
-method: comigs
-base_model: {base}
-lora: {{rank: 4, attention_rank: 2}}
-users:
-  - name: a
-    data: {{text: a.txt}}
-    specialists: [{{name: a1}}]
-  - name: b
-    data: {{text: b.txt}}
-    specialists: [{{name: b1}}, {{name: b2}}]
-training: {{rounds: 2, local_iterations: 2, router_every: 2, router_steps: 1, batch_size: 2, seq_len: 16}}
-"""
+RECIPE = RECIPE_YAML.replace("{name}", "fl")
 
 
 @pytest.mark.slow
