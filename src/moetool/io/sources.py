@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetool.errors import MoetoolError, SourceError
+from moetool.errors import MoetoolError, PreflightError, SourceError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -62,3 +62,21 @@ def resolve_source(ref: str, *, relative_to: Path | None = None) -> ResolvedSour
         return ResolvedSource(ref, snap, "hf-cache", revision=snap.name)
     tried = ", ".join(str(c) for c in candidates)
     raise SourceError(f"{ref!r}: no such model directory (tried {tried}); use a directory, a repo id or zoo:NAME")
+
+
+def resolve_sources(refs: dict[str, tuple[str, str]], *, relative_to: Path | None = None) -> dict[str, ResolvedSource]:
+    """Resolve every model a recipe names: ``label -> (recipe field, reference)``.
+
+    Raises:
+        PreflightError: every reference that does not resolve, one per line, each naming its recipe field.
+    """
+    problems: list[str] = []
+    sources: dict[str, ResolvedSource] = {}
+    for label, (fieldname, ref) in refs.items():
+        try:
+            sources[label] = resolve_source(ref, relative_to=relative_to)
+        except MoetoolError as exc:
+            problems.append(f"{fieldname}: {exc}")
+    if problems:
+        raise PreflightError("\n".join(problems))
+    return sources

@@ -15,7 +15,7 @@ from moetool.arch.families import DENSE_FAMILIES, FOUNDATION_KEYS, MLP_PROJS, de
 from moetool.arch.outputs import MoEArch, select_output_arch
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
-from moetool.io.sources import ResolvedSource, resolve_source
+from moetool.io.sources import resolve_sources
 from moetool.methods.base import MergePlan, TensorOp
 from moetool.recipe.mofe import MoFERecipe
 
@@ -74,14 +74,7 @@ class MoFEMethod:
             refs[e.name] = (f"experts.{i}.source", e.source)
         if recipe.shared_expert is not None:
             refs["shared"] = ("shared_expert.source", recipe.shared_expert.source)
-        sources: dict[str, ResolvedSource] = {}
-        for label, (fieldname, ref) in refs.items():
-            try:
-                sources[label] = resolve_source(ref, relative_to=rdir)
-            except MoetoolError as exc:
-                problems.append(f"{fieldname}: {exc}")
-        if problems:
-            raise PreflightError("\n".join(problems))
+        sources = resolve_sources(refs, relative_to=rdir)
 
         ckpts = {label: Checkpoint(src.path, allow_pickle=allow_pickle) for label, src in sources.items()}
         try:

@@ -17,7 +17,7 @@ import torch
 from moetool.arch.families import FOUNDATION_KEYS
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
-from moetool.io.sources import ResolvedSource, resolve_source
+from moetool.io.sources import ResolvedSource, resolve_sources
 from moetool.recipe.gem import GemRecipe
 
 TOKEN_FAMILIES = ("llama",)  # the token-level model class is llama-architecture
@@ -44,14 +44,7 @@ def resolve_pathways(recipe: GemRecipe, recipe_dir: Path | None) -> Pathways:
     refs = {"general": ("general", recipe.general)} | {
         d.name: (f"domains.{i}.source", d.source) for i, d in enumerate(recipe.domains)
     }
-    srcs: dict[str, ResolvedSource] = {}
-    for label, (fieldname, ref) in refs.items():
-        try:
-            srcs[label] = resolve_source(ref, relative_to=recipe_dir)
-        except MoetoolError as exc:
-            problems.append(f"{fieldname}: {exc}")
-    if problems:
-        raise PreflightError("\n".join(problems))
+    srcs = resolve_sources(refs, relative_to=recipe_dir)
     cfgs = {}
     for label, src in srcs.items():
         try:
