@@ -44,6 +44,14 @@ def register_assembler(assembler: Assembler) -> Assembler:
     return assembler
 
 
+def register_causal_lm(config_cls: Any, model_cls: Any) -> None:
+    """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load checkpoints of ``config_cls.model_type`` (idempotent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+    AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
 # method -> the module whose import registers its assembler (and its model classes with transformers' Auto
 # classes). Imported on first use, so `moetool merge` of a mofe recipe never loads the other methods.
 PLUGINS: dict[str, str] = {
@@ -77,5 +85,6 @@ __all__ = [
     "MergePlan",
     "get_assembler",
     "register_assembler",
+    "register_causal_lm",
     "register_model_classes",
 ]

@@ -277,14 +277,9 @@ def _is_lora_or_router(name: str) -> bool:
 
 def register() -> None:
     """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load ``model_type: moetool_comigs`` checkpoints."""
-    try:
-        AutoConfig.register(MODEL_TYPE, ComigsConfig)
-    except ValueError:  # already registered (re-import)
-        pass
-    try:
-        AutoModelForCausalLM.register(ComigsConfig, ComigsForCausalLM)
-    except ValueError:
-        pass
+    from moetool.methods import register_causal_lm
+
+    register_causal_lm(ComigsConfig, ComigsForCausalLM)
 
 
 __all__ = ["ComigsConfig", "ComigsForCausalLM", "ComigsMoE", "LoRALinear", "register", "route"]

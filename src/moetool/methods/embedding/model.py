@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from moetool.methods.embedding.router import causal_mask
@@ -162,14 +162,8 @@ class RoutedEmbeddingForCausalLM(PreTrainedModel):
         return torch.cat(out, dim=1)
 
 
-_REGISTERED = False
-
-
 def register() -> None:
     """Make ``AutoConfig``/``AutoModelForCausalLM`` load ``moetool_routed_embedding`` directories."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    AutoConfig.register(MODEL_TYPE, RoutedEmbeddingConfig, exist_ok=True)
-    AutoModelForCausalLM.register(RoutedEmbeddingConfig, RoutedEmbeddingForCausalLM, exist_ok=True)
-    _REGISTERED = True
+    from moetool.methods import register_causal_lm
+
+    register_causal_lm(RoutedEmbeddingConfig, RoutedEmbeddingForCausalLM)

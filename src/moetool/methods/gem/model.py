@@ -183,16 +183,8 @@ class GemForCausalLM(LlamaPreTrainedModel):
         return GemOutput(loss=loss, logits=logits, router_probs=probs, routes=routes)
 
 
-_registered = False
-
-
 def register() -> None:
     """Make ``AutoConfig`` / ``AutoModelForCausalLM`` load ``moetool_gem`` checkpoints (idempotent)."""
-    global _registered
-    if _registered:
-        return
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from moetool.methods import register_causal_lm
 
-    AutoConfig.register(MODEL_TYPE, GemConfig, exist_ok=True)
-    AutoModelForCausalLM.register(GemConfig, GemForCausalLM, exist_ok=True)
-    _registered = True
+    register_causal_lm(GemConfig, GemForCausalLM)
