@@ -44,14 +44,7 @@ fi
 grep -v "is ignored: it is neither" "$log" || true
 .venv/bin/python -c "import torch, transformers, moetool; print('moetool', moetool.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
 if [ "$tflite" = 1 ]; then
-  [ -x .venv-litert/bin/python ] || "$py" -m venv .venv-litert
-  .venv-litert/bin/python -m pip install -q torch==2.13.0
-  if ! .venv-litert/bin/python -m pip install -q -c constraints.txt -e ".[tflite]" >.venv-litert/pip-install.log 2>&1; then
-    grep -v "is ignored: it is neither" .venv-litert/pip-install.log >&2 || true
-    echo "setup: litert venv install failed (full log: .venv-litert/pip-install.log)" >&2
-    exit 1
-  fi
-  .venv-litert/bin/python -c "import litert_torch, ai_edge_litert, moetool; print('tflite venv: litert-torch ok')"
+  bash scripts/side_venv.sh .venv-litert tflite "import litert_torch, ai_edge_litert, moetool; print('tflite venv: litert-torch ok')"
 fi
 if [ "$comigs" = 1 ]; then
   bash scripts/setup_comigs.sh

@@ -6,13 +6,5 @@
 #   .venv-flwr/bin/moetool comigs train recipes/demo-comigs.yaml -o out/comigs-flower --engine flower
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py="${PYTHON:-$(command -v python3.11 || command -v python3)}"
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-[ -x .venv-flwr/bin/python ] || "$py" -m venv .venv-flwr
-.venv-flwr/bin/python -m pip install -q torch==2.13.0
-if ! .venv-flwr/bin/python -m pip install -q -c constraints.txt -e ".[comigs]" >.venv-flwr/pip-install.log 2>&1; then
-  grep -v "is ignored: it is neither" .venv-flwr/pip-install.log >&2 || true
-  echo "setup: flower venv install failed (full log: .venv-flwr/pip-install.log)" >&2
-  exit 1
-fi
-.venv-flwr/bin/python -c "import flwr, moetool.methods.comigs.flower; print('flower venv: flwr', flwr.__version__, 'ok')"
+bash scripts/side_venv.sh .venv-flwr comigs \
+  "import flwr, moetool.methods.comigs.flower; print('flower venv: flwr', flwr.__version__, 'ok')"
