@@ -42,10 +42,8 @@ def evaluate(
         (MoE models only: ``expert_share[layer][expert]``, ``entropy[layer]``, ``experts``), ``gem[model]``, and the
         settings.
     """
-    from moetool.methods import register_model_classes
     from moetool.routing.tap import RouterTap
 
-    register_model_classes()  # moetool's own model types (moetool_gem, …) load through AutoModelForCausalLM
     own_domains = dict(own_domains or {})
     out: dict[str, Any] = {"settings": {"seq_len": seq_len, "max_tokens": max_tokens}, "domains": list(texts),
                            "models": {}, "perplexity": {}, "routing": {}, "gem": {}}  # fmt: skip
