@@ -108,18 +108,11 @@ def measure_profile(
             out[name] = {"lengths": list(lengths), "seconds": secs, "fit": fit_latency(list(lengths), secs)}
     finally:
         torch.set_num_threads(before)
-    return {
-        "format": PROFILE_FORMAT,
-        "device": device,
-        "runtime": f"transformers {_transformers_version()} / torch {torch.__version__}, float32, batch 1",
-        "operation": "one forward pass over a request of L tokens (prefill / scoring), fastest of repeats after a warm-up",
-        "threads": threads,
-        "clock": clock_name,
-        "repeats": repeats,
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
-        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "experts": out,
-    }
+    return _profile(
+        device, f"transformers {_transformers_version()} / torch {torch.__version__}, float32, batch 1",
+        "one forward pass over a request of L tokens (prefill / scoring), fastest of repeats after a warm-up",
+        threads=threads, clock_name=clock_name, repeats=repeats, experts=out,
+    )  # fmt: skip
 
 
 def warm_llama(llm: Any, vocab: int, length: int, seconds: float = 4.0) -> None:
@@ -178,17 +171,29 @@ def measure_gguf_profile(
                 llm.close()
         out[name] = {"lengths": list(lengths), "seconds": secs, "fit": fit_latency(list(lengths), secs),
                      "file": str(path)}  # fmt: skip
+    return _profile(
+        device, f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), GGUF as exported, batch 1",
+        "prefill of a request of L tokens (fresh state), fastest of repeats after a warm-up",
+        threads=threads, clock_name=clock_name, repeats=repeats, experts=out,
+    )  # fmt: skip
+
+
+def _profile(
+    device: str, runtime: str, operation: str, *, threads: int, clock_name: str, repeats: int,
+    experts: dict[str, Any],
+) -> dict[str, Any]:
+    """A measured profile: what was timed, how, on which machine, and each expert's times and fit."""
     return {
         "format": PROFILE_FORMAT,
         "device": device,
-        "runtime": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), GGUF as exported, batch 1",
-        "operation": "prefill of a request of L tokens (fresh state), fastest of repeats after a warm-up",
+        "runtime": runtime,
+        "operation": operation,
         "threads": threads,
         "clock": clock_name,
         "repeats": repeats,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "experts": out,
+        "experts": experts,
     }
 
 
