@@ -79,7 +79,9 @@ def main() -> None:
     data = [c.data for c in fed0.clients]  # tokenized once, shared by every method
     users = [u.name for u in recipe.users]
     results: dict[str, dict[str, dict[str, float]]] = {
-        "Pretrained": {u: {"test": c.perplexity("test", args.eval_tokens)} for u, c in zip(users, fed0.clients, strict=True)}
+        "Pretrained": {
+            u: {"test": c.perplexity("test", args.eval_tokens)} for u, c in zip(users, fed0.clients, strict=True)
+        }
     }
     seconds: dict[str, float] = {}
     cpu_seconds: dict[str, float] = {}
@@ -89,7 +91,10 @@ def main() -> None:
         seconds[name] = time.perf_counter() - t0
         cpu_seconds[name] = time.process_time() - c0  # one thread: CPU time is what an idle core would take
         results[name] = {
-            u: {"test": c.perplexity("test", args.eval_tokens), "train": c.perplexity("train", min(4096, args.eval_tokens))}
+            u: {
+                "test": c.perplexity("test", args.eval_tokens),
+                "train": c.perplexity("train", min(4096, args.eval_tokens)),
+            }
             | generalist_share(c)
             for u, c in zip(users, fed.clients, strict=True)
         }
@@ -107,20 +112,34 @@ def main() -> None:
         if name == "Pretrained":
             continue
         gap.append(f"| {name} | " + " | ".join(f"{res[u]['train']:.1f} / {res[u]['test']:.1f}" for u in users) + " |")
-    share = [f"{name}: " + ", ".join(f"{u} " + "/".join(f"{x:.2f}" for x in res[u]["generalist_weight_per_layer"])
-                                      for u in users if "generalist_weight_per_layer" in res[u])
-             for name, res in results.items() if any("generalist_weight_per_layer" in v for v in res.values())]  # fmt: skip
+    share = [
+        f"{name}: "
+        + ", ".join(
+            f"{u} " + "/".join(f"{x:.2f}" for x in res[u]["generalist_weight_per_layer"])
+            for u in users
+            if "generalist_weight_per_layer" in res[u]
+        )
+        for name, res in results.items()
+        if any("generalist_weight_per_layer" in v for v in res.values())
+    ]
     claims = []
     for u in users:
         s2, g2, one = (results[k][u]["test"] for k in ("CoMiGS-2S", "CoMiGS-2G", "CoMiGS-1G1S"))
         best, worst = min(s2, g2), max(s2, g2)
-        claims.append(f"{u}: 1G1S {one:.2f} vs 2S {s2:.2f} / 2G {g2:.2f} -> "
-                      f"{'at or below the better' if one <= best else 'between' if one <= worst else 'above both'}")  # fmt: skip
+        claims.append(
+            f"{u}: 1G1S {one:.2f} vs 2S {s2:.2f} / 2G {g2:.2f} -> "
+            f"{'at or below the better' if one <= best else 'between' if one <= worst else 'above both'}"
+        )
     t = recipe.training
     report = {
         "recipe": str(args.recipe.relative_to(ROOT)) if args.recipe.is_relative_to(ROOT) else str(args.recipe),
-        "schedule": {"rounds": t.rounds, "local_iterations": t.local_iterations, "router_every": t.router_every,
-                     "router_steps": t.router_steps, "batch": [t.batch_size, t.seq_len]},  # fmt: skip
+        "schedule": {
+            "rounds": t.rounds,
+            "local_iterations": t.local_iterations,
+            "router_every": t.router_every,
+            "router_steps": t.router_steps,
+            "batch": [t.batch_size, t.seq_len],
+        },
         "train_tokens": {u: len(d.train) for u, d in zip(users, data, strict=True)},
         "eval_tokens": args.eval_tokens,
         "threads": torch.get_num_threads(),
@@ -133,9 +152,21 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "comigs_experiment.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = "\n".join(["## test perplexity", *lines, "", "## train / test perplexity", *gap, "", *claims, "",
-                    "## mean generalist routing weight per layer (test tokens)", *share,
-                    f"\ntotal {total_cpu:.0f} s CPU on 1 thread ({total:.0f} s wall)"])  # fmt: skip
+    md = "\n".join(
+        [
+            "## test perplexity",
+            *lines,
+            "",
+            "## train / test perplexity",
+            *gap,
+            "",
+            *claims,
+            "",
+            "## mean generalist routing weight per layer (test tokens)",
+            *share,
+            f"\ntotal {total_cpu:.0f} s CPU on 1 thread ({total:.0f} s wall)",
+        ]
+    )
     (args.out / "comigs_experiment.md").write_text(md + "\n")
     print(md)
 

@@ -80,9 +80,15 @@ def main() -> int:
         cfg = load_source_model(args.model, None)[1].config
         every = default_arms(cfg.vocab_size, cfg.hidden_size)
         arms = {a: every[a] for a in args.arms.split(",")}
-    rep = run_report(args.model, arms=arms, steps=args.steps, seed=args.seed,
-                     learning_rates=tuple(float(x) for x in args.lrs.split(",")), eval_tokens=args.eval_tokens,
-                     log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+    rep = run_report(
+        args.model,
+        arms=arms,
+        steps=args.steps,
+        seed=args.seed,
+        learning_rates=tuple(float(x) for x in args.lrs.split(",")),
+        eval_tokens=args.eval_tokens,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
     md = render_markdown(rep)
     if not args.no_latency:
         rep["decode_ms_per_token_batch1"] = latency(args.model)

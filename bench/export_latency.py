@@ -96,8 +96,11 @@ def bench_tflite(d: Path, ids: np.ndarray) -> tuple[float, float]:
     pre, dec = it.get_signature_runner("prefill"), it.get_signature_runner("decode")
 
     def run(r, x, p, caches):  # type: ignore[no-untyped-def]
-        feeds = {"args_0": x.astype(np.int32), "args_1": p.astype(np.int32),
-                 "args_2": static_mask(torch.from_numpy(p), cap).numpy()}  # fmt: skip
+        feeds = {
+            "args_0": x.astype(np.int32),
+            "args_1": p.astype(np.int32),
+            "args_2": static_mask(torch.from_numpy(p), cap).numpy(),
+        }
         feeds |= {f"args_{3 + i}": c for i, c in enumerate(caches)}
         out = r(**feeds)
         keys = sorted(out, key=lambda k: int(k.split("_")[-1]))
@@ -165,8 +168,12 @@ def main() -> None:
                 elif target == "executorch":
                     res = bench_executorch(out, ids)
                 elif target == "tflite":
-                    proc = subprocess.run([litert_python(), __file__, "--litert", str(out), "--prompt", str(args.prompt)],
-                                          capture_output=True, text=True, check=True)  # fmt: skip
+                    proc = subprocess.run(
+                        [litert_python(), __file__, "--litert", str(out), "--prompt", str(args.prompt)],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
                     res = tuple(json.loads(proc.stdout.strip().splitlines()[-1]))
                 else:
                     res = bench_gguf(out / man["file"], ids)
@@ -174,7 +181,9 @@ def main() -> None:
                 print(f"{target:22} {q:6} {res[0]:14.0f} {res[1]:16.2f} {man['artifact']['bytes'] / 1e6:12.2f}")
             base = next(r for r in rows if r[0] == "gguf")
             for target, res, _ in rows:
-                print(f"  {target}: prefill {res[0] / base[1][0]:.2f}× llama.cpp, decode latency {res[1] / base[1][1]:.2f}× llama.cpp")
+                print(
+                    f"  {target}: prefill {res[0] / base[1][0]:.2f}× llama.cpp, decode latency {res[1] / base[1][1]:.2f}× llama.cpp"
+                )
             print()
 
 

@@ -57,16 +57,25 @@ def main() -> None:
             out = merge(path, Path(tmp) / "model", force=True)
             rep = json.loads((out / "gem-report.json").read_text())
             ev = gem_report(out, resolve_zoo_model("base"), experts, texts, max_tokens=args.max_tokens)
-            results["variants"][name] = {"router": rep["router"], "router_seconds": rep["router_training"]["seconds"],  # type: ignore[index]
-                                         "qat": rep.get("qat"), "eval": ev, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+            results["variants"][name] = {
+                "router": rep["router"],
+                "router_seconds": rep["router_training"]["seconds"],  # type: ignore[index]
+                "qat": rep.get("qat"),
+                "eval": ev,
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
             row = {t["tau"]: t for t in rep["router"]["by_tau"]}[0.7]
-            print(f"{name}: argmax acc {rep['router']['argmax_accuracy']:.3f}, at tau 0.7 fallback {row['fallback']:.3f}"
-                  f" routed acc {row['routed_accuracy']}")  # fmt: skip
+            print(
+                f"{name}: argmax acc {rep['router']['argmax_accuracy']:.3f}, at tau 0.7 fallback {row['fallback']:.3f}"
+                f" routed acc {row['routed_accuracy']}"
+            )
             for d, e in ev["experiment"].items():
-                print(f"  {d}: GG expert {e['gg_expert']:.3f} gem {e['gg_gem']:.3f} (tau 0: {e['gg_gem_no_fallback']:.3f})"
-                      f"; in-domain ppl expert {e['ppl_in_domain_expert']:.2f} gem {e['ppl_in_domain_gem']:.2f} "
-                      f"(tau 0: {e['ppl_in_domain_no_fallback']:.2f}); out-of-domain ppl expert "
-                      f"{e['ppl_out_of_domain_expert']:.2f} gem {e['ppl_out_of_domain_gem']:.2f}")  # fmt: skip
+                print(
+                    f"  {d}: GG expert {e['gg_expert']:.3f} gem {e['gg_gem']:.3f} (tau 0: {e['gg_gem_no_fallback']:.3f})"
+                    f"; in-domain ppl expert {e['ppl_in_domain_expert']:.2f} gem {e['ppl_in_domain_gem']:.2f} "
+                    f"(tau 0: {e['ppl_in_domain_no_fallback']:.2f}); out-of-domain ppl expert "
+                    f"{e['ppl_out_of_domain_expert']:.2f} gem {e['ppl_out_of_domain_gem']:.2f}"
+                )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.json}")

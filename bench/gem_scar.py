@@ -53,8 +53,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     d_model = args.heads * args.head_dim
     rows = []
-    print(f"{'T':>5} {'k':>3} {'full ms':>8} {'masked ms':>9} {'gathered ms':>11} {'assign ms':>9} "
-          f"{'entries full':>12} {'entries scar':>12} {'paper k·n+n':>11}")  # fmt: skip
+    print(
+        f"{'T':>5} {'k':>3} {'full ms':>8} {'masked ms':>9} {'gathered ms':>11} {'assign ms':>9} "
+        f"{'entries full':>12} {'entries scar':>12} {'paper k·n+n':>11}"
+    )
     for t in map(int, args.lengths.split(",")):
         q, k, v = (torch.randn(1, args.heads, t, args.head_dim, generator=g) for _ in range(3))
         h = torch.randn(1, t, d_model, generator=g)
@@ -68,13 +70,23 @@ def main() -> None:
             gathered = timed(lambda: clustered_attention(q, k, v, labels), args.repeats)  # noqa: B023
             assign = timed(lambda: assign_clusters(h, mu), args.repeats)  # noqa: B023
             err = float((masked_attention(q, k, v, mask) - clustered_attention(q, k, v, labels)).abs().max())
-            row = {"T": t, "k": n_clusters, "full_ms": round(full, 3), "scar_masked_ms": round(masked, 3),
-                   "scar_gathered_ms": round(gathered, 3), "assign_ms": round(assign, 3),
-                   "entries_full": t * (t + 1) // 2, "entries_scar": scar_score_entries(labels),
-                   "paper_count": n_clusters * t + t, "masked_vs_gathered_max_diff": err}  # fmt: skip
+            row = {
+                "T": t,
+                "k": n_clusters,
+                "full_ms": round(full, 3),
+                "scar_masked_ms": round(masked, 3),
+                "scar_gathered_ms": round(gathered, 3),
+                "assign_ms": round(assign, 3),
+                "entries_full": t * (t + 1) // 2,
+                "entries_scar": scar_score_entries(labels),
+                "paper_count": n_clusters * t + t,
+                "masked_vs_gathered_max_diff": err,
+            }
             rows.append(row)
-            print(f"{t:>5} {n_clusters:>3} {full:>8.3f} {masked:>9.3f} {gathered:>11.3f} {assign:>9.3f} "
-                  f"{row['entries_full']:>12} {row['entries_scar']:>12} {row['paper_count']:>11}")  # fmt: skip
+            print(
+                f"{t:>5} {n_clusters:>3} {full:>8.3f} {masked:>9.3f} {gathered:>11.3f} {assign:>9.3f} "
+                f"{row['entries_full']:>12} {row['entries_scar']:>12} {row['paper_count']:>11}"
+            )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"heads": args.heads, "head_dim": args.head_dim, "rows": rows}, indent=2))

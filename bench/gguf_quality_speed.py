@@ -96,6 +96,7 @@ def main() -> None:
     prompt = windows[0][:256]
 
     with tempfile.TemporaryDirectory(prefix="moetool-bench-") as tmp:
+
         def art(model: Path, quant: str, tag: str) -> tuple[Path, dict]:
             out = Path(tmp) / tag
             m = export(model, out, quant=quant, verify=False)
@@ -103,7 +104,9 @@ def main() -> None:
 
         print(f"MoE: {moe} | dense: zoo:code ({dense}) | llama.cpp via llama-cpp-python, 2 threads max\n")
         print("speed (tokens/s, median of 3)")
-        print(f"{'plan':8} {'MoE prefill':>12} {'dense prefill':>14} {'ratio':>6} {'MoE gen':>9} {'dense gen':>10} {'ratio':>6}")
+        print(
+            f"{'plan':8} {'MoE prefill':>12} {'dense prefill':>14} {'ratio':>6} {'MoE gen':>9} {'dense gen':>10} {'ratio':>6}"
+        )
         for q in ("f16", "q8_0", "q4_0"):
             mp, md = speed(art(moe, q, f"moe-{q}")[0], prompt, args.gen)
             dp, dd = speed(art(dense, q, f"dense-{q}")[0], prompt, args.gen)
@@ -118,7 +121,9 @@ def main() -> None:
             kind = "uniform" if q in UNIFORM else "hybrid"
             rows.append((q, kind, path.stat().st_size, m["plan"]["bits_per_weight"], ppl))
             print(f"{q:58} {kind:8} {rows[-1][2]:10,} {rows[-1][3]:6.2f} {ppl:8.3f}")
-        wins = [(h, u) for h in rows if h[1] == "hybrid" for u in rows if u[1] == "uniform" and h[2] <= u[2] and h[4] < u[4]]
+        wins = [
+            (h, u) for h in rows if h[1] == "hybrid" for u in rows if u[1] == "uniform" and h[2] <= u[2] and h[4] < u[4]
+        ]
         print("\nhybrid plans no larger than a uniform plan and with lower perplexity:")
         for h, u in wins:
             print(f"  {h[0]} ({h[2]:,} B, ppl {h[4]:.3f})  beats  {u[0]} ({u[2]:,} B, ppl {u[4]:.3f})")

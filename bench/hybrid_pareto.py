@@ -41,15 +41,27 @@ def gguf_profile(recipe, recipe_dir: Path, out: Path, console: Console) -> Path:
     experts, _ = load_experts(recipe, recipe_dir)
     files = {}
     for e in experts:
-        row = _export_expert({"name": e.name, "path": str(e.path), "model_type": e.model_type}, out / "gguf" / e.name,
-                             "gguf", "f32", True, console)  # fmt: skip
+        row = _export_expert(
+            {"name": e.name, "path": str(e.path), "model_type": e.model_type},
+            out / "gguf" / e.name,
+            "gguf",
+            "f32",
+            True,
+            console,
+        )
         if not row.get("file"):
             raise SystemExit(f"{e.name}: {row.get('reason')}")
         console.print(f"{e.name}: GGUF verified, top-1 {row['parity']['top1_agreement']:.4f}")
         files[e.name] = out / "gguf" / e.name / row["file"]
-    prof = measure_gguf_profile(files, device="this-machine (llama.cpp)", lengths=recipe.profile.lengths,
-                                repeats=recipe.profile.repeats, threads=recipe.profile.threads,
-                                vocab=len(experts[0].tokenizer), clock_name=recipe.profile.clock)  # fmt: skip
+    prof = measure_gguf_profile(
+        files,
+        device="this-machine (llama.cpp)",
+        lengths=recipe.profile.lengths,
+        repeats=recipe.profile.repeats,
+        threads=recipe.profile.threads,
+        vocab=len(experts[0].tokenizer),
+        clock_name=recipe.profile.clock,
+    )
     path = out / "profile-llama.cpp.json"
     path.write_text(json.dumps(prof, indent=2) + "\n")
     return path
@@ -79,16 +91,24 @@ def main() -> None:
     for runtime in runtimes:
         if runtime == "transformers" and p.profile.get("runtime", "").startswith("llama.cpp"):
             spec = recipe.profile
-            prof = measure_profile({e.name: e.model for e in p.experts}, device="this-machine (transformers)",
-                                   lengths=spec.lengths, repeats=spec.repeats, threads=spec.threads,
-                                   vocab=len(p.experts[0].tokenizer), clock_name=spec.clock)  # fmt: skip
+            prof = measure_profile(
+                {e.name: e.model for e in p.experts},
+                device="this-machine (transformers)",
+                lengths=spec.lengths,
+                repeats=spec.repeats,
+                threads=spec.threads,
+                vocab=len(p.experts[0].tokenizer),
+                clock_name=spec.clock,
+            )
             p = with_profile(p, prof)
         for name, e in p.profile["experts"].items():
             f = e["fit"]
             ms = ", ".join(f"L={n}: {1000 * s:.2f}" for n, s in zip(e["lengths"], e["seconds"], strict=True))
-            console.print(f"[{runtime}] profile {name}: {ms} ms; fit a={1e3 * f['a']:.4f} ms/tok, "
-                          f"b={1e3 * f['b']:.2e} ms/tok², c0={1e3 * f['c0']:.3f} ms, "
-                          f"max rel err {100 * f['max_rel_error']:.1f}%")  # fmt: skip
+            console.print(
+                f"[{runtime}] profile {name}: {ms} ms; fit a={1e3 * f['a']:.4f} ms/tok, "
+                f"b={1e3 * f['b']:.2e} ms/tok², c0={1e3 * f['c0']:.3f} ms, "
+                f"max rel err {100 * f['max_rel_error']:.1f}%"
+            )
         console.print(f"[{runtime}] costly expert: {p.names[p.costly]}")
         res = sweep(p, parameter=args.parameter, values=vals, timed_requests=args.timed, console=console)
         res["profile"] = p.profile

@@ -57,9 +57,17 @@ def make_models(root: Path, n_experts: int) -> dict[str, Path]:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     )
     cfg = LlamaConfig(
-        vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=4, bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     base = LlamaForCausalLM(cfg)
     paths = {}
@@ -87,8 +95,15 @@ def _yaml_list(xs: list[str]) -> str:
 def write_configs(root: Path, paths: dict[str, Path], mode: str, n: int) -> tuple[Path, Path]:
     prompts = mode != "random"
     mk = [f"base_model: {paths['base']}", f"gate_mode: {mode}", "dtype: float32", "experts_per_token: 2", "experts:"]
-    mt = ["name: bench", "method: mofe", f"base_model: {paths['base']}", f"gate_mode: {mode}", "dtype: float32",
-          "experts_per_token: 2", "experts:"]  # fmt: skip
+    mt = [
+        "name: bench",
+        "method: mofe",
+        f"base_model: {paths['base']}",
+        f"gate_mode: {mode}",
+        "dtype: float32",
+        "experts_per_token: 2",
+        "experts:",
+    ]
     for i in range(n):
         pos, neg = PROMPTS[i % len(PROMPTS)]
         mk.append(f"- source_model: {paths[f'expert{i}']}")
@@ -146,8 +161,12 @@ def compare(mk_out: Path, mt_out: Path) -> dict[str, float]:
         for k in router:
             sb[k].copy_(sa[k])
         same_router = (a(ids).logits - b(ids).logits).abs().max().item()
-    return {"non_router_max_abs": other, "logits_as_built": as_built, "logits_same_router": same_router,
-            "router_cosine": cos}  # fmt: skip
+    return {
+        "non_router_max_abs": other,
+        "logits_as_built": as_built,
+        "logits_same_router": same_router,
+        "router_cosine": cos,
+    }
 
 
 def main() -> None:
@@ -172,19 +191,24 @@ def main() -> None:
             res: dict[str, list[tuple[float, float]]] = {"mergekit": [], "moetool": []}
             for _ in range(args.reps):  # interleaved, so machine noise hits both alike
                 res["mergekit"].append(run([mergekit, str(mk_cfg), str(root / f"mk-out-{mode}"), "--random-seed", "0"]))
-                res["moetool"].append(run([moetool, "merge", str(mt_cfg), "--output", str(root / f"mt-out-{mode}"),
-                                           "--force"]))  # fmt: skip
+                res["moetool"].append(
+                    run([moetool, "merge", str(mt_cfg), "--output", str(root / f"mt-out-{mode}"), "--force"])
+                )
             med = {t: (statistics.median(w for w, _ in r), max(m for _, m in r)) for t, r in res.items()}
             for tool, (w, m) in med.items():
                 print(f"{mode:<12} {tool:<9} {w:>8.2f} {m:>12.0f}")
             cmp = compare(root / f"mk-out-{mode}", root / f"mt-out-{mode}")
             rows.append((mode, med["moetool"][0] / med["mergekit"][0], med["moetool"][1] / med["mergekit"][1], cmp))
         print("\nratios moetool / mergekit (lower is better) and output comparison")
-        print(f"{'mode':<12} {'wall':>6} {'RSS':>6} {'non-router Δ':>13} {'Δlogit same router':>19} "
-              f"{'Δlogit as built':>16} {'router cos':>11}")  # fmt: skip
+        print(
+            f"{'mode':<12} {'wall':>6} {'RSS':>6} {'non-router Δ':>13} {'Δlogit same router':>19} "
+            f"{'Δlogit as built':>16} {'router cos':>11}"
+        )
         for mode, w, m, c in rows:
-            print(f"{mode:<12} {w:>6.2f} {m:>6.2f} {c['non_router_max_abs']:>13.1e} {c['logits_same_router']:>19.1e} "
-                  f"{c['logits_as_built']:>16.2e} {c['router_cosine']:>11.3f}")  # fmt: skip
+            print(
+                f"{mode:<12} {w:>6.2f} {m:>6.2f} {c['non_router_max_abs']:>13.1e} {c['logits_same_router']:>19.1e} "
+                f"{c['logits_as_built']:>16.2e} {c['router_cosine']:>11.3f}"
+            )
         print(
             "\nWhy the routers differ:\n"
             "- random: mergekit draws N(0, 1) unscaled; moetool N(0, 1/H) (nn.Linear's scale). Top-k routing only\n"

@@ -45,25 +45,35 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     batch = torch.randint(0, 4096, (args.batch, args.seq))
-    print(f"Mixtral hidden {args.hidden}, {args.layers} layers, top-2; batch {args.batch}x{args.seq}; "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"Mixtral hidden {args.hidden}, {args.layers} layers, top-2; batch {args.batch}x{args.seq}; "
+        f"{torch.get_num_threads()} threads"
+    )
     header = f"{'experts':>7} {'total':>12} {'trainable':>12} {'of which routers':>17} {'frozen':>12}"
     print(header + f" {'mofe s/step':>12} {'full s/step':>12} {'mofe/full':>10}")
     base = None
     for n in (2, 4, 8):
         cfg = MixtralConfig(
-            vocab_size=4096, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.6875),
-            num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4, num_local_experts=n,
-            num_experts_per_tok=2, tie_word_embeddings=False,
-        )  # fmt: skip
+            vocab_size=4096,
+            hidden_size=args.hidden,
+            intermediate_size=int(args.hidden * 2.6875),
+            num_hidden_layers=args.layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_local_experts=n,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        )
         model = MixtralForCausalLM(cfg)
         rep = apply_freeze(model, "mofe")
         routers = args.layers * n * args.hidden
         t_mofe = step_time(model, "mofe", args.steps, batch)
         t_full = step_time(model, "full", args.steps, batch)
         total = rep.trainable_params + rep.frozen_params
-        print(f"{n:>7} {total:>12,} {rep.trainable_params:>12,} {routers:>17,} {rep.frozen_params:>12,}"
-              f" {t_mofe:>12.3f} {t_full:>12.3f} {t_mofe / t_full:>10.2f}")  # fmt: skip
+        print(
+            f"{n:>7} {total:>12,} {rep.trainable_params:>12,} {routers:>17,} {rep.frozen_params:>12,}"
+            f" {t_mofe:>12.3f} {t_full:>12.3f} {t_mofe / t_full:>10.2f}"
+        )
         non_router = rep.trainable_params - routers
         if base is None:
             base = non_router

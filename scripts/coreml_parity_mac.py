@@ -40,8 +40,14 @@ def main() -> int:
     agree = total = 0
     for n in (32, len(ids)):
         state = ml.make_state()
-        out = ml.predict({"input_ids": np.array([ids[:n]], np.int32), "position_ids": np.arange(n, dtype=np.int32)[None],
-                          "mask": causal_mask(n, 0)}, state)["logits"][0]  # fmt: skip
+        out = ml.predict(
+            {
+                "input_ids": np.array([ids[:n]], np.int32),
+                "position_ids": np.arange(n, dtype=np.int32)[None],
+                "mask": causal_mask(n, 0),
+            },
+            state,
+        )["logits"][0]
         with torch.no_grad():
             ref = hf(torch.tensor([ids[:n]])).logits[0].numpy()
         d = float(np.abs(out - ref).max())
@@ -51,13 +57,25 @@ def main() -> int:
         print(f"prefill {n}: max |Δlogit| {d:.3e}")
     state = ml.make_state()
     n0 = len(ids) - 8
-    ml.predict({"input_ids": np.array([ids[:n0]], np.int32), "position_ids": np.arange(n0, dtype=np.int32)[None],
-                "mask": causal_mask(n0, 0)}, state)  # fmt: skip
+    ml.predict(
+        {
+            "input_ids": np.array([ids[:n0]], np.int32),
+            "position_ids": np.arange(n0, dtype=np.int32)[None],
+            "mask": causal_mask(n0, 0),
+        },
+        state,
+    )
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     for t in range(n0, len(ids)):
-        out = ml.predict({"input_ids": np.array([[ids[t]]], np.int32), "position_ids": np.array([[t]], np.int32),
-                          "mask": causal_mask(1, t)}, state)["logits"][0, -1]  # fmt: skip
+        out = ml.predict(
+            {
+                "input_ids": np.array([[ids[t]]], np.int32),
+                "position_ids": np.array([[t]], np.int32),
+                "mask": causal_mask(1, t),
+            },
+            state,
+        )["logits"][0, -1]
         worst = max(worst, float(np.abs(out - ref[t]).max()))
     print(f"decode 8 steps with states: max |Δlogit| so far {worst:.3e}; top-1 agreement {agree / total:.4f}")
     return 0 if worst <= args.tol else 1

@@ -42,8 +42,9 @@ def merge(
     assembler, recipe = assembler_for(recipe_path)
     if assembler is not None:
         return Path(
-            assembler.assemble(recipe, recipe_dir=Path(recipe_path).parent, output=Path(output), force=force,
-                               console=console)  # fmt: skip
+            assembler.assemble(
+                recipe, recipe_dir=Path(recipe_path).parent, output=Path(output), force=force, console=console
+            )
         )
     plan = plan_merge(recipe_path, allow_pickle=allow_pickle)
     text = Path(recipe_path).read_text(encoding="utf-8")
@@ -126,9 +127,15 @@ def plan_export(
         spec = QuantSpec() if device is not None else QuantSpec(preset="f16")
     exporter = get_exporter(target or "gguf")  # no device and no target: GGUF
     req = ExportRequest(
-        model_dir=model_dir, output=Path(output), quant=spec, device=device, verify=verify, force=force,
-        eval_text=eval_text, context=context,
-    )  # fmt: skip
+        model_dir=model_dir,
+        output=Path(output),
+        quant=spec,
+        device=device,
+        verify=verify,
+        force=force,
+        eval_text=eval_text,
+        context=context,
+    )
     return exporter, req, exporter.plan(req)
 
 
@@ -158,9 +165,14 @@ def export(
     if is_adapter(Path(model)):
         quant = kw.get("quant") or "f32"
         return export_adapter(
-            Path(model), adapter_base(Path(model), base), Path(output), force=kw.get("force", False),
-            verify=kw.get("verify", True), eval_text=kw.get("eval_text"), out_type=str(quant),
-        )  # fmt: skip
+            Path(model),
+            adapter_base(Path(model), base),
+            Path(output),
+            force=kw.get("force", False),
+            verify=kw.get("verify", True),
+            eval_text=kw.get("eval_text"),
+            out_type=str(quant),
+        )
     exporter, req, plan = plan_export(model, output, **kw)
     manifest: dict[str, Any] = exporter.export(req, plan, console=console)
     return manifest

@@ -304,8 +304,16 @@ def demo(
         tuned.append(str(path))
     r: Any = load_recipe(recipe)
     names = ["zoo:base", *[e.source for e in r.experts], str(merged), *tuned]
-    report = eval_cmd(names, domains=",".join(r.train.data), data=None, own=None, seq_len=256,
-                      max_tokens=max_tokens, json_file=output / "eval.json", plots=output / "plots")  # fmt: skip
+    report = eval_cmd(
+        names,
+        domains=",".join(r.train.data),
+        data=None,
+        own=None,
+        seq_len=256,
+        max_tokens=max_tokens,
+        json_file=output / "eval.json",
+        plots=output / "plots",
+    )
     acceptance(report, [str(merged), *tuned])
 
     import importlib.util
@@ -320,8 +328,10 @@ def demo(
         exporter, req, plan = plan_export(best, output / "exports" / dev, device=dev, force=True, verify=verify)
         print_quant_plan(plan, f"{exporter.name} plan '{plan.quant.label}' for {plan.name} on {dev}")
         if not verify:
-            console.print("[yellow]llama-cpp-python is not installed (bash scripts/setup.sh --llama): the GGUF is "
-                          "written but not checked in llama.cpp[/]")  # fmt: skip
+            console.print(
+                "[yellow]llama-cpp-python is not installed (bash scripts/setup.sh --llama): the GGUF is "
+                "written but not checked in llama.cpp[/]"
+            )
         with console.status("writing and verifying …"):
             manifest = exporter.export(req, plan, console=console)
         out.print(f"[green]wrote[/] {req.output / manifest['file']} ({_human(manifest['artifact']['bytes'])})")
@@ -340,14 +350,18 @@ def print_quant_plan(plan: Any, title: str) -> None:
     for role, row in q.by_role().items():
         types = ", ".join(f"{ty}×{n}" for ty, n in row["types"].items())
         t.add_row(role, f"{row['params']:,}", types, _human(row["bytes"]))
-    t.add_row("[bold]total[/]", f"{q.total_params:,}", f"{q.bpw():.2f} bits/weight", f"[bold]{_human(q.total_bytes)}[/]")
+    t.add_row(
+        "[bold]total[/]", f"{q.total_params:,}", f"{q.bpw():.2f} bits/weight", f"[bold]{_human(q.total_bytes)}[/]"
+    )
     out.print(t)
     for note in q.notes():
         out.print(f"[yellow]note[/]: {escape(note)}")
     if plan.memory is not None:
         m = plan.memory
-        line = (f"memory at {plan.context} tokens: weights {_human(m.weights)} + KV cache {_human(m.kv_cache)} + "
-                f"runtime {_human(m.runtime)} = {_human(m.total)}")  # fmt: skip
+        line = (
+            f"memory at {plan.context} tokens: weights {_human(m.weights)} + KV cache {_human(m.kv_cache)} + "
+            f"runtime {_human(m.runtime)} = {_human(m.total)}"
+        )
         if plan.device:
             from moetool.quant.devices import get_device
 
@@ -363,16 +377,35 @@ def print_quant_plan(plan: Any, title: str) -> None:
 def export_cmd(
     model: Annotated[str, typer.Argument(help="Model directory (merged or tuned), or zoo:NAME.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Artifact directory (artifact + manifest.json).")],
-    target: Annotated[str | None, typer.Option(help="gguf, onnx, tflite, coreml or executorch (default: gguf, or the device's first format).")] = None,
-    quant: Annotated[str | None, typer.Option(help="Preset (gem, moe-q4, …), type (q8_0, …) or rules 'experts=q4_k,attention=q8_0,*=q8_0'. Default: the recipe's quantization section, else f16.")] = None,
-    device: Annotated[str | None, typer.Option(help="Device profile (`moetool devices`): picks format and the best plan that fits.")] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(help="gguf, onnx, tflite, coreml or executorch (default: gguf, or the device's first format)."),
+    ] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            help="Preset (gem, moe-q4, …), type (q8_0, …) or rules 'experts=q4_k,attention=q8_0,*=q8_0'. Default: the recipe's quantization section, else f16."
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="Device profile (`moetool devices`): picks format and the best plan that fits.")
+    ] = None,
     context: Annotated[int | None, typer.Option(help="Context length for the memory estimate.")] = None,
     eval_text: Annotated[Path | None, typer.Option(help="Held-out text file for the parity check.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and memory estimate; write nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan and memory estimate; write nothing.")
+    ] = False,
     verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
-    compute_units: Annotated[str, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE.")] = "CPU_AND_NE",
+    compute_units: Annotated[
+        str, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE.")
+    ] = "CPU_AND_NE",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
-    base: Annotated[str | None, typer.Option(help="Base model of a PEFT adapter given as MODEL (default: the adapter's base_model_name_or_path).")] = None,
+    base: Annotated[
+        str | None,
+        typer.Option(
+            help="Base model of a PEFT adapter given as MODEL (default: the adapter's base_model_name_or_path)."
+        ),
+    ] = None,
 ) -> None:
     """Export a model for a device, with a per-tensor precision plan, verified in the target runtime.
 
@@ -392,9 +425,16 @@ def export_cmd(
         _print_parity(manifest["parity"])
         return
     exporter, req, plan = plan_export(
-        model, output, target=target if target or device else "gguf", quant=quant, device=device, force=force,
-        verify=verify, eval_text=text, context=context,
-    )  # fmt: skip
+        model,
+        output,
+        target=target if target or device else "gguf",
+        quant=quant,
+        device=device,
+        force=force,
+        verify=verify,
+        eval_text=text,
+        context=context,
+    )
     req.options["compute_units"] = compute_units
     print_quant_plan(plan, f"{exporter.name} plan '{plan.quant.label}' for {plan.name}")
     if dry_run:
@@ -490,8 +530,13 @@ app.add_typer(hybrid_app, name="hybrid")
 @_friendly
 def build(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Run directory (merged/, tuned/, exports/, hf-repo/).")],
-    train: Annotated[bool | None, typer.Option("--train/--no-train", help="Tune routers (default: when the recipe has a train: section).")] = None,
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Run directory (merged/, tuned/, exports/, hf-repo/).")
+    ],
+    train: Annotated[
+        bool | None,
+        typer.Option("--train/--no-train", help="Tune routers (default: when the recipe has a train: section)."),
+    ] = None,
     max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain in the evaluation.")] = 8192,
     force: Annotated[bool, typer.Option("--force", help="Replace existing outputs.")] = False,
 ) -> None:
@@ -527,15 +572,30 @@ def build(
     if domains:
         console.rule("evaluation")
         names = [str(merged)] + ([str(model)] if model != merged else [])
-        report = eval_cmd(names, domains=",".join(domains), data=None, own=None, seq_len=256,
-                          max_tokens=max_tokens, json_file=output / "eval.json", plots=output / "plots")  # fmt: skip
+        report = eval_cmd(
+            names,
+            domains=",".join(domains),
+            data=None,
+            own=None,
+            seq_len=256,
+            max_tokens=max_tokens,
+            json_file=output / "eval.json",
+            plots=output / "plots",
+        )
     else:
         console.print("[yellow]no zoo domains in train.data: evaluation skipped (use moetool eval --data)[/]")
     artifacts = []
     for t in r.targets:
         console.rule(f"export {t.dir_name}")
-        exporter, req, plan = plan_export(model, output / "exports" / t.dir_name, target=t.target, quant=t.quant,
-                                          device=t.device, context=t.context, force=force)  # fmt: skip
+        exporter, req, plan = plan_export(
+            model,
+            output / "exports" / t.dir_name,
+            target=t.target,
+            quant=t.quant,
+            device=t.device,
+            context=t.context,
+            force=force,
+        )
         print_quant_plan(plan, f"{exporter.name} plan '{plan.quant.label}' for {plan.name}")
         with console.status(f"writing and verifying {exporter.name} …"):
             manifest = exporter.export(req, plan, console=console)
@@ -543,8 +603,14 @@ def build(
         _print_parity(manifest["parity"])
         artifacts.append(req.output)
     console.rule("Hugging Face repo folder")
-    repo = build_repo(model, output / "hf-repo", artifacts=artifacts, eval_json=output / "eval.json" if report else None,
-                      plots=output / "plots" if report else None, force=True)  # fmt: skip
+    repo = build_repo(
+        model,
+        output / "hf-repo",
+        artifacts=artifacts,
+        eval_json=output / "eval.json" if report else None,
+        plots=output / "plots" if report else None,
+        force=True,
+    )
     out.print(f"[green]wrote[/] {repo}")
 
 

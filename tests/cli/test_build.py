@@ -14,7 +14,9 @@ from moetool.recipe import load_recipe
 def test_build_runs_the_recipe_pipeline(tiny_models, tmp_path):
     m = tiny_models("llama")
     (tmp_path / "t.txt").write_text("def main(): pass\n" * 50)
-    recipe = write_recipe(tmp_path / "r.yaml", f"""
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        f"""
 name: built
 method: mofe
 base_model: {m["base"]}
@@ -26,7 +28,8 @@ targets:
   - device: raspberry-pi-4
   - {{target: onnx, quant: q8_0}}
   - device: iphone-13
-""")
+""",
+    )
     assert [t.dir_name for t in load_recipe(recipe).targets] == ["raspberry-pi-4", "onnx", "iphone-13"]
     r = CliRunner().invoke(app, ["build", str(recipe), "-o", str(tmp_path / "run"), "--no-train"])
     assert r.exit_code == 0, r.output
@@ -40,7 +43,10 @@ targets:
     assert (run / "hf-repo" / "onnx" / "onnx" / "model.onnx").is_file()
     assert (run / "hf-repo" / "onnx" / "onnx" / "model-with-past.onnx").is_file()
     cm = json.loads((run / "exports" / "iphone-13" / "manifest.json").read_text())
-    assert cm["target"] == "coreml" and (run / "hf-repo" / "coreml" / "iphone-13" / "model.mlpackage" / "Manifest.json").is_file()
+    assert (
+        cm["target"] == "coreml"
+        and (run / "hf-repo" / "coreml" / "iphone-13" / "model.mlpackage" / "Manifest.json").is_file()
+    )
     packaged = [f for f in (run / "hf-repo" / "coreml" / "iphone-13" / "model.mlpackage").rglob("*") if f.is_file()]
     assert len(packaged) == len(cm["files"])
     card = (run / "hf-repo" / "README.md").read_text()

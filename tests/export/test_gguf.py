@@ -52,7 +52,10 @@ def test_mixtral_three_experts_f32(mixtral, tmp_path):
     exps = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight")
     assert list(exps.shape) == [32, 48, 3]  # ne order: hidden, ff, experts
     on_disk = json.loads((tmp_path / "f32" / "manifest.json").read_text())
-    assert on_disk["model"]["weights_sha256"] and on_disk["artifact"]["bytes"] == (tmp_path / "f32" / m["file"]).stat().st_size
+    assert (
+        on_disk["model"]["weights_sha256"]
+        and on_disk["artifact"]["bytes"] == (tmp_path / "f32" / m["file"]).stat().st_size
+    )
 
 
 def test_mixtral_f16_and_quantized_plans(mixtral, tmp_path):
@@ -105,8 +108,16 @@ def test_dense_models(tiny_models, tmp_path, family):
 
 def test_k_quants_come_from_llama_cpp(tmp_path):
     """Rows of 256 take K types; they are produced by llama.cpp's quantizer and the file holds what the plan says."""
-    d = save_dense(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                   num_key_value_heads=2, num_hidden_layers=1, tie_word_embeddings=True)  # fmt: skip
+    d = save_dense(
+        tmp_path / "wide",
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        tie_word_embeddings=True,
+    )
     man = export(d, tmp_path / "k", quant="ffn=q4_k,attention=q6_k,*=q8_0")
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "k" / man["file"])).tensors}
     assert types["blk.0.ffn_gate.weight"] == "Q4_K" and types["blk.0.ffn_down.weight"] == "Q4_K"
@@ -157,12 +168,18 @@ def test_qwen2_style_split_pretokenizer(tmp_path):
     d = save_dense(tmp_path / "q", "qwen2")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"),
-         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )  # fmt: skip
+        [
+            pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([TEXT], trainer)
     for f in d.glob("tokenizer*"):
         f.unlink()

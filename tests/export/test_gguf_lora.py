@@ -14,7 +14,9 @@ from moetool.export import ExportError
 from moetool.export.gguf.lora import merged_checkpoint
 
 
-def _peft_adapter(base, out, *, rslora=False, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj")):
+def _peft_adapter(
+    base, out, *, rslora=False, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
+):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -56,13 +58,16 @@ def test_expert_adapter_is_stacked(tiny_models, tmp_path):
     from moetool.api import merge
 
     m = tiny_models("llama")
-    recipe = write_recipe(tmp_path / "r.yaml", f"""
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        f"""
 name: mx
 method: mofe
 base_model: {m["base"]}
 gate_mode: random
 experts: [{{name: a, source: {m["e1"]}}}, {{name: b, source: {m["e2"]}}}, {{name: c, source: {m["e3"]}}}]
-""")
+""",
+    )
     moe = merge(recipe, tmp_path / "moe")
     torch.manual_seed(1)
     tensors = {}
@@ -74,8 +79,9 @@ experts: [{{name: a, source: {m["e1"]}}}, {{name: b, source: {m["e2"]}}}, {{name
     ad = tmp_path / "ad"
     ad.mkdir()
     save_file(tensors, str(ad / "adapter_model.safetensors"))
-    (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
-                                                        "base_model_name_or_path": str(moe)}))  # fmt: skip
+    (ad / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "base_model_name_or_path": str(moe)})
+    )
     man = export(ad, tmp_path / "gg")
     assert max(man["parity"]["max_abs_logit_diff"].values()) <= 1e-3
     del tensors["base_model.model.model.layers.1.block_sparse_moe.experts.2.w1.lora_A.weight"]

@@ -11,8 +11,10 @@ from moetool.export.graph.model import ExportLM, causal_mask, prefill_inputs
 CASES = {
     "mixtral": ("MixtralConfig", {}),
     "qwen2_moe-shared": ("Qwen2MoeConfig", {"shared_expert_intermediate_size": 16, "moe_intermediate_size": 24}),
-    "qwen2_moe-unnormalised": ("Qwen2MoeConfig", {"shared_expert_intermediate_size": 16, "moe_intermediate_size": 24,
-                                                  "norm_topk_prob": False}),  # fmt: skip
+    "qwen2_moe-unnormalised": (
+        "Qwen2MoeConfig",
+        {"shared_expert_intermediate_size": 16, "moe_intermediate_size": 24, "norm_topk_prob": False},
+    ),
     "qwen3_moe": ("Qwen3MoeConfig", {"moe_intermediate_size": 24, "head_dim": 8}),
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
@@ -22,9 +24,17 @@ CASES = {
 
 def _model(cls: str, extra: dict) -> transformers.PreTrainedModel:
     cfg = getattr(transformers, cls)(
-        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=3, num_experts=3, num_experts_per_tok=2, **extra,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=3,
+        num_experts=3,
+        num_experts_per_tok=2,
+        **extra,
+    )
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():

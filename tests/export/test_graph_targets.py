@@ -61,7 +61,10 @@ def test_coreml_structure_and_wrapper(models, tmp_path, arch):
     assert s["inputs"] == ["input_ids", "position_ids", "mask"] and s["outputs"] == ["logits"]
     comp = man["compressed_weights"]
     assert {k for k, v in comp.items() if v.startswith("int4")} == {
-        f"layers.{i}.mlp.experts.{e}.{p}.weight" for i in range(2) for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")
+        f"layers.{i}.mlp.experts.{e}.{p}.weight"
+        for i in range(2)
+        for e in range(3)
+        for p in ("gate_proj", "up_proj", "down_proj")
     }
     assert comp["layers.0.mlp.experts.0.gate_proj.weight"] == "int4 block 32"
     assert comp["layers.0.mlp.experts.0.down_proj.weight"] == "int4 block 16"  # input width 48

@@ -26,10 +26,16 @@ def recipe(base: Path, specialists: tuple[int, ...] = (1, 3), **training: Any) -
         for i, n in enumerate(specialists)
     ]
     t = {"rounds": 2, "local_iterations": 3, "router_every": 3, "router_steps": 2, "batch_size": 2, "seq_len": 12}
-    return ComigsRecipe.model_validate({
-        "name": "t", "method": "comigs", "base_model": str(base),
-        "lora": {"rank": 4, "attention_rank": 2}, "users": users, "training": t | training,
-    })  # fmt: skip
+    return ComigsRecipe.model_validate(
+        {
+            "name": "t",
+            "method": "comigs",
+            "base_model": str(base),
+            "lora": {"rank": 4, "attention_rank": 2},
+            "users": users,
+            "training": t | training,
+        }
+    )
 
 
 def user_data(n_users: int, seed: int = 0) -> list[UserData]:

@@ -24,16 +24,20 @@ def main() -> None:
     dense, _, _ = _dense(str(recipe_path), "comigs")
     server = _initial_shared(recipe, recipe_path.parent, dense)
     app = make_client_app(recipe=str(recipe_path))
-    ctx = Context(run_id=1, node_id=7, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
-                  run_config={})  # fmt: skip
+    ctx = Context(
+        run_id=1, node_id=7, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(), run_config={}
+    )
     from flwr.supercore.task_identity import TaskIdentity
 
     # what a ServerApp process has set when it creates messages
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
     replies = []
     for rnd in (1, 2):
-        msg = Message(RecordDict({"arrays": ArrayRecord(server), "config": ConfigRecord({"round": rnd})}),
-                      dst_node_id=7, message_type=MessageType.TRAIN)  # fmt: skip
+        msg = Message(
+            RecordDict({"arrays": ArrayRecord(server), "config": ConfigRecord({"round": rnd})}),
+            dst_node_id=7,
+            message_type=MessageType.TRAIN,
+        )
         reply = app(msg, ctx)
         replies.append(reply)
     content = replies[-1].content
@@ -48,8 +52,11 @@ def main() -> None:
         "iteration": int(ctx.state[COUNTERS]["iteration"]),
     }
     sim = simulate(recipe_path, out / "flower", rounds=2)
-    ref = train(recipe.model_copy(update={"training": recipe.training.model_copy(update={"rounds": 2})}),
-                recipe_path.parent, out / "inprocess")  # fmt: skip
+    ref = train(
+        recipe.model_copy(update={"training": recipe.training.model_copy(update={"rounds": 2})}),
+        recipe_path.parent,
+        out / "inprocess",
+    )
     result["flower_ppl"] = {u: v["test_ppl"] for u, v in sim["users"].items()}
     result["inprocess_ppl"] = {u: v["test_ppl"] for u, v in ref["users"].items()}
     result["flower_upload_bytes"] = sim["upload_bytes_per_round"]

@@ -31,11 +31,17 @@ def make_gem_inputs(root: Path, domains: tuple[str, ...] = ("code", "legal", "me
     return out
 
 
-def recipe_text(paths: dict[str, Path], domains: tuple[str, ...] = ("code", "legal", "medical"), *,
-                level: str = "token", extra: str = "") -> str:  # fmt: skip
+def recipe_text(
+    paths: dict[str, Path],
+    domains: tuple[str, ...] = ("code", "legal", "medical"),
+    *,
+    level: str = "token",
+    extra: str = "",
+) -> str:
     doms = "".join(
         f"  - name: {d}\n    source: {paths[d]}\n    data: {{text: {paths[d + '_text']}}}\n" for d in domains
     )
-    return (f"name: tiny-gem\nmethod: gem\ngeneral: {paths['general']}\nlevel: {level}\ndomains:\n{doms}"
-            "router:\n  steps: 40\n  learning_rate: 0.05\n  batch_size: 6\n  seq_len: 32\n  eval_tokens: 512\n"
-            + extra)  # fmt: skip
+    return (
+        f"name: tiny-gem\nmethod: gem\ngeneral: {paths['general']}\nlevel: {level}\ndomains:\n{doms}"
+        "router:\n  steps: 40\n  learning_rate: 0.05\n  batch_size: 6\n  seq_len: 32\n  eval_tokens: 512\n" + extra
+    )

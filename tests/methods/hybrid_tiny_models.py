@@ -13,8 +13,18 @@ def save_mamba(out: Path, seed: int = 0, hidden: int = 16, layers: int = 2, voca
     from transformers import MambaConfig, MambaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = MambaConfig(vocab_size=vocab, hidden_size=hidden, state_size=4, num_hidden_layers=layers, expand=2,
-                      conv_kernel=4, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=3)  # fmt: skip
+    cfg = MambaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        state_size=4,
+        num_hidden_layers=layers,
+        expand=2,
+        conv_kernel=4,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
     model = MambaForCausalLM(cfg)
     with torch.no_grad():  # bigger weights than the default init so the experts differ visibly
         for name, p in model.named_parameters():

@@ -63,8 +63,9 @@ def test_router_steps_read_only_validation_data_every_tau_iterations(base):
     c = fed.clients[0]
     seen: list[tuple[str, torch.Tensor]] = []
     phase = {"now": ""}
-    c.model.register_forward_pre_hook(lambda m, args, kw: seen.append((phase["now"], kw["input_ids"])),
-                                      with_kwargs=True)  # fmt: skip
+    c.model.register_forward_pre_hook(
+        lambda m, args, kw: seen.append((phase["now"], kw["input_ids"])), with_kwargs=True
+    )
     step_e, step_r = c.expert_step, c.router_step
 
     def expert_step():

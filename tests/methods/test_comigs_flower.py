@@ -27,18 +27,27 @@ def test_flower_client_and_simulation(tmp_path):
     (tmp_path / "b.txt").write_text("\n\n".join(lines[2] + " " + lines[1] for _ in range(40)))
     (tmp_path / "r.yaml").write_text(RECIPE.format(base=base))
     proc = subprocess.run(
-        [str(FLWR_PY), str(Path(__file__).with_name("comigs_flower_check.py")), str(tmp_path / "r.yaml"),
-         str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )  # fmt: skip
+        [
+            str(FLWR_PY),
+            str(Path(__file__).with_name("comigs_flower_check.py")),
+            str(tmp_path / "r.yaml"),
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     r = json.loads(lines[-1].removeprefix("RESULT "))
     # the reply message: one ArrayRecord of exactly what the server sent (generalist + attention LoRA), updated
     assert r["reply_records"] == ["arrays", "metrics"]
     assert r["reply_array_keys"] == r["sent_keys"] and r["reply_changed"]
-    assert all(".mlp.experts.0." in k or (".self_attn." in k and k.endswith(("lora_A", "lora_B")))
-               for k in r["reply_array_keys"])  # fmt: skip
+    assert all(
+        ".mlp.experts.0." in k or (".self_attn." in k and k.endswith(("lora_A", "lora_B")))
+        for k in r["reply_array_keys"]
+    )
     assert not any(".router." in k or ".mlp.experts.1." in k or ".mlp.experts.2." in k for k in r["reply_array_keys"])
     # specialists, routers and optimiser moments stay in the node's state, and its counter survived two rounds
     private = r["private_keys"]

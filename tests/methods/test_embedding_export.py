@@ -48,8 +48,9 @@ def test_onnx_parity_two_lengths_and_decode(tmp_path):
     s = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
     for t in (9, 40):
         ids = torch.randint(0, 300, (1, t))
-        got = s.run(None, {"input_ids": ids.numpy(), "position_ids": np.arange(t)[None],
-                           "mask": causal_mask(t, 0).numpy()})[0]  # fmt: skip
+        got = s.run(
+            None, {"input_ids": ids.numpy(), "position_ids": np.arange(t)[None], "mask": causal_mask(t, 0).numpy()}
+        )[0]
         with torch.no_grad():
             ref = model(ids).logits.numpy()
         assert np.abs(got - ref).max() < 1e-4

@@ -22,8 +22,15 @@ ROUTER = {"width": 16, "layers": 2, "heads": 4, "n_queries": 2}
 
 
 def emb(variant: str, **kw: object) -> dict[str, object]:
-    return {"variant": variant, "seed_dim": 8, "pool_dim": 16, "mask_hidden": 8, "n_experts": 4, "top_k": 4,
-            "router": ROUTER} | kw  # fmt: skip
+    return {
+        "variant": variant,
+        "seed_dim": 8,
+        "pool_dim": 16,
+        "mask_hidden": 8,
+        "n_experts": 4,
+        "top_k": 4,
+        "router": ROUTER,
+    } | kw
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +118,22 @@ def test_mixtral_body(tmp_path):
     import transformers
 
     cfg = dense_config(num_local_experts=3, num_experts_per_tok=2)
-    mcfg = transformers.MixtralConfig(**{k: getattr(cfg, k) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "max_position_embeddings")}, num_local_experts=3, num_experts_per_tok=2)  # fmt: skip
+    mcfg = transformers.MixtralConfig(
+        **{
+            k: getattr(cfg, k)
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "max_position_embeddings",
+            )
+        },
+        num_local_experts=3,
+        num_experts_per_tok=2,
+    )
     torch.manual_seed(0)
     src = transformers.MixtralForCausalLM(mcfg).eval()
     m = retrofit(src, emb("remix")).eval()

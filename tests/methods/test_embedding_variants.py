@@ -25,8 +25,17 @@ def make(name: str, **kw: object) -> RoutedEmbedding:
     torch.manual_seed(0)
     variant = name.split("-")[0]
     args = {"n_experts": 4, "top_k": 4} | CASES[name] | kw
-    cfg = EmbeddingConfig(variant=variant, vocab_size=40, d_model=24, seed_dim=8, pool_dim=32, mask_hidden=8,
-                          router=ROUTER, max_positions=64, **args)  # type: ignore[arg-type]  # fmt: skip
+    cfg = EmbeddingConfig(
+        variant=variant,
+        vocab_size=40,
+        d_model=24,
+        seed_dim=8,
+        pool_dim=32,
+        mask_hidden=8,
+        router=ROUTER,
+        max_positions=64,
+        **args,
+    )  # type: ignore[arg-type]
     m = RoutedEmbedding(cfg).eval()
     with torch.no_grad():  # away from the init's special points (zero generator, 0.5 masks), so every path is live
         for p in m.parameters():
@@ -127,8 +136,9 @@ def test_param_counts_closed_form(name):
 
 
 def test_router_closed_form_and_errors():
-    cfg = RouterConfig(in_dim=8, width=16, layers=3, heads=2, ff_mult=3, n_queries=5, n_experts=6, top_k=2,
-                       max_positions=20)  # fmt: skip
+    cfg = RouterConfig(
+        in_dim=8, width=16, layers=3, heads=2, ff_mult=3, n_queries=5, n_experts=6, top_k=2, max_positions=20
+    )
     assert router_param_count(cfg) == sum(p.numel() for p in CausalRouter(cfg).parameters())
     with pytest.raises(ValueError, match="divisible"):
         CausalRouter(RouterConfig(in_dim=8, width=10, heads=4))

@@ -36,8 +36,14 @@ def test_tau_table_counts():
     t = tau_table(probs, labels, [0.0, 0.7], ["a", "b", "c"])
     assert t["argmax_accuracy"] == 0.75
     r0, r7 = t["by_tau"]
-    assert r0 == {"tau": 0.0, "fallback": 0.0, "routed_accuracy": 0.75, "correct": 0.75, "wrong": 0.25,
-                  "fallback_by_domain": {"a": 0.0, "b": 0.0, "c": 0.0}}  # fmt: skip
+    assert r0 == {
+        "tau": 0.0,
+        "fallback": 0.0,
+        "routed_accuracy": 0.75,
+        "correct": 0.75,
+        "wrong": 0.25,
+        "fallback_by_domain": {"a": 0.0, "b": 0.0, "c": 0.0},
+    }
     # 0.6 falls back; 0.9 and 0.8 are right, 0.75 (true c) is routed to a: wrong
     assert r7["fallback"] == 0.25 and r7["routed_accuracy"] == round(2 / 3, 4) and r7["wrong"] == 0.25
     assert r7["fallback_by_domain"] == {"a": 0.5, "b": 0.0, "c": 0.0}
@@ -126,8 +132,10 @@ def test_kd_loss_zero_for_identical_logits_positive_otherwise():
     ],
 )
 def test_recipe_errors_name_the_field_and_line(tmp_path, edit, expected):
-    good = ("name: g\nmethod: gem\ngeneral: zoo:base\nlevel: token\ndomains:\n  - name: code\n    source: zoo:code\n"
-            "    data: {zoo: code}\nrouter:\n  tau: 0.7\n  seq_len: 32\ndevices: [pixel-6]\n")  # fmt: skip
+    good = (
+        "name: g\nmethod: gem\ngeneral: zoo:base\nlevel: token\ndomains:\n  - name: code\n    source: zoo:code\n"
+        "    data: {zoo: code}\nrouter:\n  tau: 0.7\n  seq_len: 32\ndevices: [pixel-6]\n"
+    )
     assert parse_recipe(good, tmp_path / "g.yaml").router.tau == 0.7
     with pytest.raises(RecipeError, match="g.yaml:") as info:
         parse_recipe(edit(good), tmp_path / "g.yaml")

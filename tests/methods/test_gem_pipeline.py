@@ -22,8 +22,10 @@ def built(tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("gem")
     paths = make_gem_inputs(root)
-    extra = ("qat:\n  steps: 6\n  batch_size: 2\n  seq_len: 32\n  learning_rate: 0.001\n"
-             "scar:\n  clusters: 3\n  iterations: 5\n")  # fmt: skip
+    extra = (
+        "qat:\n  steps: 6\n  batch_size: 2\n  seq_len: 32\n  learning_rate: 0.001\n"
+        "scar:\n  clusters: 3\n  iterations: 5\n"
+    )
     recipe = root / "gem.yaml"
     recipe.write_text(recipe_text(paths, extra=extra))
     out = merge(recipe, root / "out")
@@ -102,8 +104,17 @@ def test_router_training_moves_only_the_router(fresh, built):
     for p in model.parameters():
         p.requires_grad_(False)
     model.model.router.requires_grad_(True)
-    hist = train_router(model.model.router, gem_encoder(model), streams, steps=15, lr=0.05, batch_size=3, seq_len=24,
-                        seed=0, bos_id=tok.bos_token_id)  # fmt: skip
+    hist = train_router(
+        model.model.router,
+        gem_encoder(model),
+        streams,
+        steps=15,
+        lr=0.05,
+        batch_size=3,
+        seq_len=24,
+        seed=0,
+        bos_id=tok.bos_token_id,
+    )
     assert hist["loss_curve"][-1][1] < hist["loss_curve"][0][1]
     for n, p in model.named_parameters():
         same = torch.equal(p, before[n])
@@ -128,8 +139,9 @@ def test_qat_trains_pathways_only_and_shrinks_the_penalty(fresh, built):
     # GGUF's row fit (rows of 32/48 here): q4_k → q5_0 and q6_k → q8_0, as llama.cpp would store them
     fitted = quant_bits(gem_plan(model, r.quantization))
     assert {fitted[n] for n in fitted if ".pathways." in n} == {5} and fitted["model.router.weight"] == 8
-    spec = r.qat.model_copy(update={"steps": 6, "batch_size": 2, "seq_len": 24, "lambda_q": 10.0,
-                                    "learning_rate": 1e-3})  # fmt: skip
+    spec = r.qat.model_copy(
+        update={"steps": 6, "batch_size": 2, "seq_len": 24, "lambda_q": 10.0, "learning_rate": 1e-3}
+    )
     before = {n: p.clone() for n, p in model.named_parameters()}
     path_params = {n: p for n, p in model.named_parameters() if ".pathways." in n}
     pen0 = float(quant_penalty(path_params, bits).detach())

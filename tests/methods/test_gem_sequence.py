@@ -80,8 +80,10 @@ def test_sequence_level_rejects_scar_and_qat(tmp_path):
     from moetool.errors import RecipeError
     from moetool.recipe.load import parse_recipe
 
-    text = ("name: s\nmethod: gem\ngeneral: zoo:base\nlevel: sequence\ndomains:\n  - name: code\n    source: zoo:code\n"
-            "    data: {zoo: code}\nqat:\n  steps: 5\n")  # fmt: skip
+    text = (
+        "name: s\nmethod: gem\ngeneral: zoo:base\nlevel: sequence\ndomains:\n  - name: code\n    source: zoo:code\n"
+        "    data: {zoo: code}\nqat:\n  steps: 5\n"
+    )
     with pytest.raises(RecipeError, match="qat.steps: QAT tunes the token-level"):
         parse_recipe(text, tmp_path / "s.yaml")
 

@@ -162,12 +162,16 @@ def test_pareto_sweep_and_latency_check(built, tmp_path):
 
 def test_recipe_errors_name_field_and_line(tmp_path):
     p = tmp_path / "r.yaml"
-    p.write_text("name: x\nmethod: hybrid\nexperts:\n  - {name: a, source: zoo:base}\n  - {name: b, source: zoo:mamba}\n"
-                 "costly: c\n")  # fmt: skip
+    p.write_text(
+        "name: x\nmethod: hybrid\nexperts:\n  - {name: a, source: zoo:base}\n  - {name: b, source: zoo:mamba}\n"
+        "costly: c\n"
+    )
     with pytest.raises(RecipeError, match=r"r.yaml:6: costly: 'c' is not an expert"):
         load_recipe(p)
-    p.write_text("name: x\nmethod: hybrid\nexperts:\n  - {name: a, source: zoo:base}\n  - {name: b, source: zoo:mamba}\n"
-                 "router:\n  decision: utility\n")  # fmt: skip
+    p.write_text(
+        "name: x\nmethod: hybrid\nexperts:\n  - {name: a, source: zoo:base}\n  - {name: b, source: zoo:mamba}\n"
+        "router:\n  decision: utility\n"
+    )
     with pytest.raises(RecipeError, match="router.decision: 'utility' needs router.utility_head"):
         load_recipe(p)
 
@@ -188,9 +192,17 @@ def test_profile_fit_and_device_file(built, tmp_path):
     with pytest.raises(MoetoolError, match=r"bad.json: experts.mamba: missing"):
         read_profile(bad, ["llama", "mamba"])
     dev = tmp_path / "pi.json"
-    dev.write_text(json.dumps({"device": "raspberry-pi-4", "experts": {
-        "llama": {"lengths": lengths, "seconds": [10 * s for s in secs]},
-        "mamba": {"lengths": lengths, "seconds": secs}}}))  # fmt: skip
+    dev.write_text(
+        json.dumps(
+            {
+                "device": "raspberry-pi-4",
+                "experts": {
+                    "llama": {"lengths": lengths, "seconds": [10 * s for s in secs]},
+                    "mamba": {"lengths": lengths, "seconds": secs},
+                },
+            }
+        )
+    )
     runner = CliRunner()
     res = runner.invoke(app, ["profile", str(built["model"]), "--from", str(dev), "-o", str(tmp_path / "p.json")])
     assert res.exit_code == 0, res.output
@@ -208,13 +220,26 @@ def test_cli_dry_run_and_pareto(built, tmp_path):
     runner = CliRunner()
     dry = runner.invoke(app, ["merge", str(built["recipe"]), "--dry-run"])
     assert dry.exit_code == 0 and "hybrid 'tiny-hybrid'" in dry.output and "llama" in dry.output
-    res = runner.invoke(app, ["hybrid", "pareto", str(built["recipe"]), "-o", str(tmp_path / "p"), "--values", "0,2",
-                              "--timed-requests", "0"])  # fmt: skip
+    res = runner.invoke(
+        app,
+        [
+            "hybrid",
+            "pareto",
+            str(built["recipe"]),
+            "-o",
+            str(tmp_path / "p"),
+            "--values",
+            "0,2",
+            "--timed-requests",
+            "0",
+        ],
+    )
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "p" / "pareto.json").read_text())
     assert [r["lambda_penalty"] for r in data["rows"]] == [0.0, 2.0] and (tmp_path / "p" / "pareto.png").is_file()
-    bad = runner.invoke(app, ["hybrid", "pareto", str(built["recipe"]), "-o", str(tmp_path / "q"), "--parameter",
-                              "lambda_typo"])  # fmt: skip
+    bad = runner.invoke(
+        app, ["hybrid", "pareto", str(built["recipe"]), "-o", str(tmp_path / "q"), "--parameter", "lambda_typo"]
+    )
     assert bad.exit_code == 2 and "--parameter" in bad.output
 
 

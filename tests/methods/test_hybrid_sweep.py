@@ -61,8 +61,16 @@ def test_per_token_routing_trains_and_evaluates():
 
 def test_utility_head_learns_the_costly_experts_gain():
     data = synthetic(n=256)
-    res = train_router(data, costly=COSTLY, loss=HybridLossSpec(lambda_penalty=0.0, lambda_balance=0.0),
-                       hidden=16, utility_head=True, epochs=25, lr=1e-2, seed=0)  # fmt: skip
+    res = train_router(
+        data,
+        costly=COSTLY,
+        loss=HybridLossSpec(lambda_penalty=0.0, lambda_balance=0.0),
+        hidden=16,
+        utility_head=True,
+        epochs=25,
+        lr=1e-2,
+        seed=0,
+    )
     with torch.no_grad():
         _, pred = res.router(data.features)
     target = data.utility_target(COSTLY)
@@ -71,7 +79,7 @@ def test_utility_head_learns_the_costly_experts_gain():
     shares = [
         evaluate_choice(
             data, route(res.router, data, costly=COSTLY, decision="utility", utility_threshold=tau), COSTLY
-        )["costly_share"]  # fmt: skip
+        )["costly_share"]
         for tau in (-0.5, 0.0, 0.5, 1.0)
     ]
     assert all(a >= b for a, b in zip(shares, shares[1:], strict=False)) and shares[0] > shares[-1], shares

@@ -75,11 +75,23 @@ def test_folder_layout(run, packaged):
     gguf = json.loads((run / "exports" / "q8" / "manifest.json").read_text())["file"]
     pngs = {f"eval/plots/{p.name}" for p in (run / "plots").glob("*.png")}
     assert pngs
-    assert names == {
-        "README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-        "tokenizer_config.json", "moetool.json", "moetool-recipe.yaml", f"gguf/q8/{gguf}", "gguf/q8/manifest.json",
-        "eval/eval.json",
-    } | pngs  # fmt: skip
+    assert (
+        names
+        == {
+            "README.md",
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "moetool.json",
+            "moetool-recipe.yaml",
+            f"gguf/q8/{gguf}",
+            "gguf/q8/manifest.json",
+            "eval/eval.json",
+        }
+        | pngs
+    )
     assert (packaged / f"gguf/q8/{gguf}").read_bytes() == (run / "exports/q8" / gguf).read_bytes()
 
 
@@ -106,9 +118,14 @@ def test_card_reports_parity(run, tmp_path):
     art = shutil.copytree(run / "exports" / "q8", tmp_path / "verified")
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["parity"] = {
-        "runtime": "llama-cpp-python", "max_abs_logit_diff": {"64": 0.0123, "256": 0.0456}, "top1_agreement": 0.9975,
-        "ppl_reference": 10.0, "ppl_artifact": 10.05, "ppl_change": 0.005, "tokenizer_match": True,
-    }  # fmt: skip
+        "runtime": "llama-cpp-python",
+        "max_abs_logit_diff": {"64": 0.0123, "256": 0.0456},
+        "top1_agreement": 0.9975,
+        "ppl_reference": 10.0,
+        "ppl_artifact": 10.05,
+        "ppl_change": 0.005,
+        "tokenizer_match": True,
+    }
     (art / "manifest.json").write_text(json.dumps(manifest))
     text = (build_repo(run / "merged", tmp_path / "repo", artifacts=[art]) / "README.md").read_text()
     assert "max abs Δlogit 1.2e-02 @64, 4.6e-02 @256 tokens; top-1 agreement 99.75%; perplexity +0.50%" in text

@@ -23,8 +23,13 @@ def test_required_profiles():
 
 
 def test_memory_estimate_parts():
-    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
-           "vocab_size": 100}  # fmt: skip
+    cfg = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 32,
+        "vocab_size": 100,
+    }
     m = estimate_memory(1000, cfg, context=64)
     assert m.kv_cache == 2 * 2 * 2 * 8 * 64 * 2  # K and V, layers, kv heads, head dim, tokens, f16
     assert m.total == m.weights + m.kv_cache + m.runtime
@@ -32,10 +37,17 @@ def test_memory_estimate_parts():
 
 def test_device_picks_best_fitting_plan_or_refuses(tiny_models, tmp_path, monkeypatch):
     base = tiny_models("llama")["base"]
-    sizes = {q: plan_export(base, tmp_path / "x", quant=q, context=256)[2].memory.total for q in ("f16", "q8_0", "q4_0")}
+    sizes = {
+        q: plan_export(base, tmp_path / "x", quant=q, context=256)[2].memory.total for q in ("f16", "q8_0", "q4_0")
+    }
     assert sizes["f16"] > sizes["q8_0"] > sizes["q4_0"]
-    dev = dataclasses.replace(DEVICES["raspberry-pi-4"], name="tiny-board", budget=sizes["q8_0"] - 1,
-                              ladder=("f16", "q8_0", "q4_0"), context=256)  # fmt: skip
+    dev = dataclasses.replace(
+        DEVICES["raspberry-pi-4"],
+        name="tiny-board",
+        budget=sizes["q8_0"] - 1,
+        ladder=("f16", "q8_0", "q4_0"),
+        context=256,
+    )
     monkeypatch.setitem(devices.DEVICES, "tiny-board", dev)
     _, _, plan = plan_export(base, tmp_path / "x", device="tiny-board")
     assert plan.quant.label == "q4_0" and [c[2] for c in plan.candidates] == [False, False, True]
@@ -51,8 +63,20 @@ def test_device_picks_best_fitting_plan_or_refuses(tiny_models, tmp_path, monkey
 
 def test_cli_dry_run_prints_plan_and_writes_nothing(tiny_models, tmp_path):
     base = tiny_models("llama")["base"]
-    r = CliRunner().invoke(app, ["export", str(base), "-o", str(tmp_path / "o"), "--quant", "moe-q4",
-                                 "--device", "raspberry-pi-4", "--dry-run"])  # fmt: skip
+    r = CliRunner().invoke(
+        app,
+        [
+            "export",
+            str(base),
+            "-o",
+            str(tmp_path / "o"),
+            "--quant",
+            "moe-q4",
+            "--device",
+            "raspberry-pi-4",
+            "--dry-run",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "total" in r.output and "budget on raspberry-pi-4" in r.output and "attention" in r.output
     assert not (tmp_path / "o").exists()

@@ -28,8 +28,18 @@ ENTRIES = [
 
 def test_roles():
     roles = [role_of(e.hf_name) for e in ENTRIES]
-    assert roles == ["embeddings", "norms", "attention", "attention", "router", "experts", "experts",
-                     "shared_expert", "router", "output"]  # fmt: skip
+    assert roles == [
+        "embeddings",
+        "norms",
+        "attention",
+        "attention",
+        "router",
+        "experts",
+        "experts",
+        "shared_expert",
+        "router",
+        "output",
+    ]
     assert role_of("model.layers.2.mlp.down_proj.weight") == "ffn"
     assert role_of("model.layers.2.self_attn.k_norm.weight") == "norms"
     with pytest.raises(ValueError, match="cannot tell the role"):
@@ -51,7 +61,9 @@ def test_gem_preset_roles_and_fallbacks():
     assert t["blk.0.attn_q.weight"] == "q8_0" and t["token_embd.weight"] == "q8_0"
     assert t["blk.0.attn_norm.weight"] == "f32" and t["blk.0.attn_q.bias"] == "f32"
     # rows of 128 cannot hold a 256-block: llama.cpp's fallback table decides
-    small = resolve(QuantSpec(preset="gem"), [TensorEntry("model.layers.0.block_sparse_moe.experts.*.w1.weight", (3, 384, 128))])
+    small = resolve(
+        QuantSpec(preset="gem"), [TensorEntry("model.layers.0.block_sparse_moe.experts.*.w1.weight", (3, 384, 128))]
+    )
     assert small.assignments[0].type == "q5_0" and small.assignments[0].requested == "q4_k"
     assert any("q4_k → q5_0" in n for n in small.notes())
 

@@ -10,8 +10,15 @@ from moetool.train.freeze import FreezeError, apply_freeze
 
 @pytest.fixture
 def moe():
-    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4)  # fmt: skip
+    cfg = MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+    )
     return MixtralForCausalLM(cfg)
 
 
@@ -56,8 +63,15 @@ def test_nothing_trainable_is_an_error(moe):
 def test_trainable_count_constant_in_expert_count():
     counts = []
     for n in (2, 4, 8):
-        cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=n)  # fmt: skip
+        cfg = MixtralConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=n,
+        )
         rep = apply_freeze(MixtralForCausalLM(cfg), "mofe")
         counts.append(rep.trainable_params - 2 * n * 16)  # minus the router rows, which grow with n
     assert counts[0] == counts[1] == counts[2]

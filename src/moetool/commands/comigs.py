@@ -19,8 +19,6 @@ from moetool.commands import friendly as _friendly
 comigs_app = typer.Typer(no_args_is_help=True, help="CoMiGS: federated generalist + specialist LoRA experts.")
 
 
-
-
 def _load(model: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
@@ -43,7 +41,9 @@ def train_cmd(
     recipe: Annotated[Path, typer.Argument(help="comigs recipe.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory: one model per user + comigs-report.json.")],
     variant: Annotated[str, typer.Option(help="comigs, or a baseline: 2S, 2G, local, fedavg, tr.")] = "comigs",
-    engine: Annotated[str, typer.Option(help="inprocess, or flower (simulation engine; needs .venv-flwr).")] = "inprocess",
+    engine: Annotated[
+        str, typer.Option(help="inprocess, or flower (simulation engine; needs .venv-flwr).")
+    ] = "inprocess",
     rounds: Annotated[int | None, typer.Option(help="Override training.rounds.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
@@ -104,9 +104,11 @@ def bake_cmd(
     text = "The quick brown fox jumps over the lazy dog. def main(): return 0. Permission is hereby granted."
     ids = torch.tensor([tok(text, add_special_tokens=True)["input_ids"][:64]])
     report = bake(m, output, ids=ids, tokenizer_dir=model, force=force)
-    typer.echo(f"wrote {output} (Mixtral, {len(report['experts'])} experts, top-{report['top_k']}); "
-               f"parity max |Δlogit| {report['parity_max_abs_logit_diff']:.2e} (float64), "
-               f"{report['parity_max_abs_logit_diff_float32']:.2e} (float32)")  # fmt: skip
+    typer.echo(
+        f"wrote {output} (Mixtral, {len(report['experts'])} experts, top-{report['top_k']}); "
+        f"parity max |Δlogit| {report['parity_max_abs_logit_diff']:.2e} (float64), "
+        f"{report['parity_max_abs_logit_diff_float32']:.2e} (float32)"
+    )
 
 
 @comigs_app.command("adapters")

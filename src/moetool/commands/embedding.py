@@ -18,8 +18,6 @@ embedding_app = typer.Typer(
 )
 
 
-
-
 @embedding_app.command("export")
 @_friendly
 def embedding_export_cmd(

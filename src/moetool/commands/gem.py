@@ -17,8 +17,6 @@ from moetool.commands import friendly as _friendly
 gem_app = typer.Typer(no_args_is_help=True, help="GEM models: evaluation (GG/CDTR/DSI), export, routing logs.")
 
 
-
-
 def _print_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -41,14 +39,30 @@ def _print_report(report: dict[str, Any]) -> None:
             t.add_row(m, d, "  ".join(f"{k} {v:.2f}" for k, v in sh.items()))
     out.print(t)
     t = Table(title="experiment: GEM (fallback) vs the plain domain expert")
-    for col in ("domain", "GG expert", "GG gem", "GG gem τ=0", "ppl in-domain expert", "gem", "gem τ=0",
-                "ppl out-of-domain expert", "gem"):  # fmt: skip
+    for col in (
+        "domain",
+        "GG expert",
+        "GG gem",
+        "GG gem τ=0",
+        "ppl in-domain expert",
+        "gem",
+        "gem τ=0",
+        "ppl out-of-domain expert",
+        "gem",
+    ):
         t.add_column(col)
     for d, r in report["experiment"].items():
-        t.add_row(d, f"{r['gg_expert']:.3f}", f"{r['gg_gem']:.3f}", f"{r['gg_gem_no_fallback']:.3f}",
-                  f"{r['ppl_in_domain_expert']:.2f}", f"{r['ppl_in_domain_gem']:.2f}",
-                  f"{r['ppl_in_domain_no_fallback']:.2f}", f"{r['ppl_out_of_domain_expert']:.2f}",
-                  f"{r['ppl_out_of_domain_gem']:.2f}")  # fmt: skip
+        t.add_row(
+            d,
+            f"{r['gg_expert']:.3f}",
+            f"{r['gg_gem']:.3f}",
+            f"{r['gg_gem_no_fallback']:.3f}",
+            f"{r['ppl_in_domain_expert']:.2f}",
+            f"{r['ppl_in_domain_gem']:.2f}",
+            f"{r['ppl_in_domain_no_fallback']:.2f}",
+            f"{r['ppl_out_of_domain_expert']:.2f}",
+            f"{r['ppl_out_of_domain_gem']:.2f}",
+        )
     out.print(t)
 
 
@@ -90,10 +104,19 @@ def eval_cmd(
 def export_cmd(
     model: Annotated[Path, typer.Argument(help="A GEM model (token level) or bundle (sequence level).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output directory.")],
-    target: Annotated[str | None, typer.Option(help="Token level: onnx (default) or tflite. Sequence level: the "
-                                              "pathways' format (default gguf; onnx, tflite, coreml, executorch).")] = None,
-    quant: Annotated[str | None, typer.Option(help="--quant plan: token level e.g. gem (pathways int4, rest int8); "
-                                              "sequence level: for each pathway.")] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help="Token level: onnx (default) or tflite. Sequence level: the "
+            "pathways' format (default gguf; onnx, tflite, coreml, executorch)."
+        ),
+    ] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            help="--quant plan: token level e.g. gem (pathways int4, rest int8); sequence level: for each pathway."
+        ),
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Token level: gem.onnx with the router and threshold inside the graph. Sequence level: router.onnx plus one
@@ -105,8 +128,10 @@ def export_cmd(
     if (model / "gem.json").is_file():
         target = target or "gguf"
         m = export_sequence_bundle(model, output, target=target, quant=quant, force=force, console=console)
-        out.print(f"[green]wrote[/] {output} (router.onnx + {len(m['pathways'])} {target} pathways); router parity "
-                  f"{m['router']['parity']}")  # fmt: skip
+        out.print(
+            f"[green]wrote[/] {output} (router.onnx + {len(m['pathways'])} {target} pathways); router parity "
+            f"{m['router']['parity']}"
+        )
     elif target == "tflite":
         if quant is not None:
             raise MoetoolError("--quant: the token-level TFLite graph is exported in fp32 only")

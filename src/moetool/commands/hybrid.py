@@ -19,8 +19,6 @@ hybrid_app = typer.Typer(
 )
 
 
-
-
 @_friendly
 def profile_cmd(
     model: Annotated[Path, typer.Argument(help="Hybrid model directory (written by `moetool merge`).")],
@@ -88,13 +86,18 @@ def profile_cmd(
     t.add_column("fit: a·L + b·L² + c0", justify="left")
     for name, e in prof["experts"].items():
         f = e["fit"]
-        t.add_row(name, *[f"{1000 * s:.2f}" for s in e["seconds"]],
-                  f"a={1000 * f['a']:.4f} b={1000 * f['b']:.2e} c0={1000 * f['c0']:.2f} ms, "
-                  f"max rel err {100 * f['max_rel_error']:.0f}%")  # fmt: skip
+        t.add_row(
+            name,
+            *[f"{1000 * s:.2f}" for s in e["seconds"]],
+            f"a={1000 * f['a']:.4f} b={1000 * f['b']:.2e} c0={1000 * f['c0']:.2f} ms, "
+            f"max rel err {100 * f['max_rel_error']:.0f}%",
+        )
     out.print(t)
     slow = max(names, key=lambda n: latency_at(prof["experts"][n]["fit"], meta["router"]["layout"]["max_length"]))
-    out.print(f"[green]wrote[/] {target}; costly at max_length: {slow} (trained with: {meta['costly']}; "
-              "retrain with profile.file to use a new profile in the loss)")  # fmt: skip
+    out.print(
+        f"[green]wrote[/] {target}; costly at max_length: {slow} (trained with: {meta['costly']}; "
+        "retrain with profile.file to use a new profile in the loss)"
+    )
 
 
 @hybrid_app.command("pareto")
@@ -152,14 +155,24 @@ def export_cmd(
     from moetool.methods.hybrid.export import export_hybrid
 
     with console.status("exporting router and experts …"):
-        m = export_hybrid(model, output, expert_target=expert_target, quant=quant, force=force, verify=verify,
-                          experts=experts, console=console)  # fmt: skip
+        m = export_hybrid(
+            model,
+            output,
+            expert_target=expert_target,
+            quant=quant,
+            force=force,
+            verify=verify,
+            experts=experts,
+            console=console,
+        )
     out.print(f"[green]wrote[/] {output} (router {m['router']['bytes']} bytes; {m['parity']})")
     for e in m["experts"]:
         par = e.get("parity")
         if isinstance(par, dict):
-            out.print(f"  {e['name']}: {e['dir']}/{e['file']}, {par['runtime']} vs {par['reference']}: top-1 "
-                      f"{par['top1_agreement']:.4f}, ppl change {100 * par['ppl_change']:+.2f}%")  # fmt: skip
+            out.print(
+                f"  {e['name']}: {e['dir']}/{e['file']}, {par['runtime']} vs {par['reference']}: top-1 "
+                f"{par['top1_agreement']:.4f}, ppl change {100 * par['ppl_change']:+.2f}%"
+            )
         else:
             out.print(f"  {e['name']}: {e.get('reason') or par or 'router only'}")
 

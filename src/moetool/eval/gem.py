@@ -54,5 +54,11 @@ def gem_metrics(perf: Mapping[str, float], own_domain: str | None) -> dict[str, 
     else:
         gg = sum(per_gg.values()) / max(1, len(per_gg))
         dsi = sum(per_dsi.values()) / max(1, len(per_dsi))
-    return {"own_domain": own_domain, "gg": gg, "dsi": dsi, "gg_per_domain": per_gg, "dsi_per_domain": per_dsi,
-            "cdtr": cdtr}  # fmt: skip
+    return {
+        "own_domain": own_domain,
+        "gg": gg,
+        "dsi": dsi,
+        "gg_per_domain": per_gg,
+        "dsi_per_domain": per_dsi,
+        "cdtr": cdtr,
+    }

@@ -45,8 +45,14 @@ def evaluate(
     from moetool.routing.tap import RouterTap
 
     own_domains = dict(own_domains or {})
-    out: dict[str, Any] = {"settings": {"seq_len": seq_len, "max_tokens": max_tokens}, "domains": list(texts),
-                           "models": {}, "perplexity": {}, "routing": {}, "gem": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "settings": {"seq_len": seq_len, "max_tokens": max_tokens},
+        "domains": list(texts),
+        "models": {},
+        "perplexity": {},
+        "routing": {},
+        "gem": {},
+    }
     for name, path in models.items():
         model, tok = load_causal_lm(path)
         is_moe = any(hasattr(layer.mlp, "experts") for layer in getattr(model.model, "layers", []))

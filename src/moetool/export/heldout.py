@@ -17,7 +17,7 @@ SAMPLE_TEXT = (
     "The parser reads each line, strips comments and splits the remaining tokens on whitespace. "
     "def tokenize(line):\n    return [t for t in line.split() if not t.startswith('#')]\n\n"
     "Licensor hereby grants to You a worldwide, royalty-free, non-exclusive licence to reproduce the Work. "
-    "THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED.\n"
+    'THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED.\n'
     "Type 2 diabetes mellitus with diabetic chronic kidney disease; acute bronchitis due to rhinovirus; "
     "fracture of the shaft of the right femur, initial encounter for closed fracture.\n"
 ) * 8

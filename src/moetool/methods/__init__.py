@@ -29,7 +29,9 @@ class Assembler(Protocol):
         """What ``assemble`` would build (printed by ``moetool merge --dry-run``); reads no weights."""
         ...
 
-    def assemble(self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None) -> Path:
+    def assemble(
+        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None
+    ) -> Path:
         """Build the model into ``output`` atomically (refusing an existing one without ``force``); returns it."""
         ...
 

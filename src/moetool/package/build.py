@@ -362,9 +362,10 @@ def _eval_section(report: dict[str, Any], model: Path, plots: list[str], same_ru
     this = _eval_key(report, model, same_run)
     settings = report.get("settings", {})
     how = ", ".join(
-        f"{k.replace('_', ' ')} {v}" for k, v in (("seq_len", settings.get("seq_len")),
-                                                  ("max_tokens", settings.get("max_tokens"))) if v
-    )  # fmt: skip
+        f"{k.replace('_', ' ')} {v}"
+        for k, v in (("seq_len", settings.get("seq_len")), ("max_tokens", settings.get("max_tokens")))
+        if v
+    )
     rows = []
     for name, row in report["perplexity"].items():
         cells = [f"{row[d]:.2f}" if d in row else "–" for d in domains]
@@ -405,7 +406,9 @@ def _parity(p: Any) -> str:
         parts.append("tokenizer matches" if p["tokenizer_match"] else "tokenizer DIFFERS")
     text = "; ".join(parts)
     if "core_ml_runtime" in p:  # the figures are the converted torch wrapper's, not Core ML's
-        text = f"torch wrapper that was converted (Core ML runs on macOS only; see scripts/coreml_parity_mac.py): {text}"
+        text = (
+            f"torch wrapper that was converted (Core ML runs on macOS only; see scripts/coreml_parity_mac.py): {text}"
+        )
     return text
 
 

@@ -56,8 +56,9 @@ def push_cmd(
     from moetool.package.hub import push, upload_files
 
     files = upload_files(folder)
-    sent = push(folder, repo_id, private=private, revision=revision, commit_message=message, endpoint=endpoint,
-                dry_run=dry_run)  # fmt: skip
+    sent = push(
+        folder, repo_id, private=private, revision=revision, commit_message=message, endpoint=endpoint, dry_run=dry_run
+    )
     if dry_run:
         t = Table(title=f"would upload to {repo_id} (dry run: nothing sent)")
         t.add_column("path in repo")

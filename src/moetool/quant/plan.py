@@ -211,7 +211,9 @@ class QuantPlan:
         seen: dict[tuple[str, str, str], int] = defaultdict(int)
         for a in self.assignments:
             if a.note:
-                why = "row length not a multiple of its block; llama.cpp's fallback" if "row length" in a.note else a.note
+                why = (
+                    "row length not a multiple of its block; llama.cpp's fallback" if "row length" in a.note else a.note
+                )
                 seen[(a.requested, a.type, why)] += 1
         return [f"{n} tensor(s): {req} → {used} ({why})" for (req, used, why), n in seen.items()]
 

@@ -76,8 +76,12 @@ class ComigsTraining(StrictModel):
 
     rounds: int = Field(default=20, ge=1, description="Communication rounds T.")
     local_iterations: int = Field(default=10, ge=1, description="Expert steps per user per round.")
-    router_every: int = Field(default=30, ge=1, description="τ: router update every τ expert iterations (counted "
-                              "in iterations, as the paper's B.1.2 and code, not in rounds).")  # fmt: skip
+    router_every: int = Field(
+        default=30,
+        ge=1,
+        description="τ: router update every τ expert iterations (counted "
+        "in iterations, as the paper's B.1.2 and code, not in rounds).",
+    )
     router_steps: int = Field(default=10, ge=0, description="s: router steps per router update.")
     router_split: Literal["valid", "train"] = Field(
         default="valid", description="valid: the bi-level objective; train: the paper's '-tr' ablation."

@@ -17,8 +17,11 @@ class TargetSpec(StrictModel):
     device: str | None = Field(default=None, description="A device profile (`moetool devices`).")
     target: Target | None = Field(default=None, description="Format; default: the device's first available one.")
     quant: str | None = Field(default=None, description="--quant syntax; default: the recipe's quantization section.")
-    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-                             description="Directory under exports/ (default: device or target).")  # fmt: skip
+    name: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Directory under exports/ (default: device or target).",
+    )
     context: int | None = Field(default=None, ge=16, description="Context length for the memory estimate.")
 
     @field_validator("device")

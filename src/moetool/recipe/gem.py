@@ -121,8 +121,10 @@ class GemRecipe(StrictModel):
             except ValueError as exc:
                 raise ValueError(f"devices.{i}: {exc}") from None
         if self.level == "sequence" and self.scar.clusters:
-            raise ValueError("scar.clusters: SCAR is part of the token-level model; sequence-level pathways are "
-                             "the experts unchanged")  # fmt: skip
+            raise ValueError(
+                "scar.clusters: SCAR is part of the token-level model; sequence-level pathways are "
+                "the experts unchanged"
+            )
         if self.level == "sequence" and self.qat.steps:
             raise ValueError("qat.steps: QAT tunes the token-level model's pathways; use level: token")
         return self

@@ -73,8 +73,15 @@ def checkpoint_dir(output: Path) -> Path:
     return output.parent / f".{output.name}.moetool-train"
 
 
-def _save_checkpoint(ckpt: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                     sched: Any, history: list[dict[str, Any]], fingerprint: str) -> None:  # fmt: skip
+def _save_checkpoint(
+    ckpt: Path,
+    step: int,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    history: list[dict[str, Any]],
+    fingerprint: str,
+) -> None:
     """Trainable tensors and AdamW moments as safetensors, counters as JSON; no pickle. Written atomically."""
     tmp = ckpt.with_name(ckpt.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -86,15 +93,21 @@ def _save_checkpoint(ckpt: Path, step: int, model: torch.nn.Module, opt: torch.o
         for k, v in opt.state.get(p, {}).items():
             moments[f"{n}::{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu().contiguous()
     save_file(moments, str(tmp / "optimizer.safetensors"))
-    state = {"format": CHECKPOINT_FORMAT, "step": step, "scheduler": sched.state_dict(), "history": history,
-             "fingerprint": fingerprint}  # fmt: skip
+    state = {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "scheduler": sched.state_dict(),
+        "history": history,
+        "fingerprint": fingerprint,
+    }
     (tmp / "state.json").write_text(json.dumps(state))
     shutil.rmtree(ckpt, ignore_errors=True)
     tmp.rename(ckpt)
 
 
-def _load_checkpoint(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
-                     fingerprint: str) -> tuple[int, list[dict[str, Any]]]:  # fmt: skip
+def _load_checkpoint(
+    ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, fingerprint: str
+) -> tuple[int, list[dict[str, Any]]]:
     state = json.loads((ckpt / "state.json").read_text())
     if state.get("format") != CHECKPOINT_FORMAT or state.get("fingerprint") != fingerprint:
         raise MoetoolError(
@@ -178,8 +191,9 @@ def train_router(
 
     streams = []
     for name, src in spec.data.items():
-        train_text, _ = load_source(name, src, base_dir=recipe_path.parent, fraction=spec.validation_fraction,
-                                    seed=spec.seed)  # fmt: skip
+        train_text, _ = load_source(
+            name, src, base_dir=recipe_path.parent, fraction=spec.validation_fraction, seed=spec.seed
+        )
         streams.append(tokenize_stream(tok, train_text))
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -203,18 +217,23 @@ def train_router(
     tokens = 0
     bos = tok.bos_token_id
     progress = Progress(
-        TextColumn("router tuning"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+        TextColumn("router tuning"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
         disable=not accelerator.is_main_process,
-    )  # fmt: skip
+    )
     with progress:
         task = progress.add_task("train", total=spec.steps, completed=start, info="")
         for step in range(start, spec.steps):
             agg = {"ce": 0.0, "lb": 0.0, "z": 0.0}
             for micro in range(spec.grad_accum):
                 seed = spec.seed + 7919 * accelerator.process_index
-                batch = sample_batch(streams, spec.batch_size, spec.seq_len, seed=seed,
-                                     step=step * spec.grad_accum + micro, bos_id=bos).to(accelerator.device)  # fmt: skip
+                batch = sample_batch(
+                    streams, spec.batch_size, spec.seq_len, seed=seed, step=step * spec.grad_accum + micro, bos_id=bos
+                ).to(accelerator.device)
                 tap.generator.manual_seed(seed * 31 + step * spec.grad_accum + micro)
                 tap.logits.clear()
                 with accelerator.accumulate(prepared_model):
@@ -232,8 +251,12 @@ def train_router(
                 tokens += batch.numel()
             sched.step()
             done = step + 1
-            metrics: dict[str, Any] = {"step": done, "loss": agg["ce"] + spec.load_balancing_coef * agg["lb"] +
-                       spec.z_loss_coef * agg["z"], **agg, "lr": sched.get_last_lr()[0]}  # fmt: skip
+            metrics: dict[str, Any] = {
+                "step": done,
+                "loss": agg["ce"] + spec.load_balancing_coef * agg["lb"] + spec.z_loss_coef * agg["z"],
+                **agg,
+                "lr": sched.get_last_lr()[0],
+            }
             if done % spec.log_every == 0 or done == spec.steps:
                 with torch.no_grad():
                     metrics["entropy"] = float(torch.stack([routing_entropy(x) for x in tap.logits]).mean())
@@ -246,8 +269,7 @@ def train_router(
                 info += f" | {metrics['tokens_per_s']:.0f} tok/s | H {metrics['entropy']:.2f} | load {load}"
             progress.update(task, completed=done, info=info)
             if accelerator.is_main_process and (done % spec.checkpoint_every == 0 and done < spec.steps):
-                _save_checkpoint(ckpt, done, accelerator.unwrap_model(prepared_model), opt, sched, history,
-                                 fingerprint)  # fmt: skip
+                _save_checkpoint(ckpt, done, accelerator.unwrap_model(prepared_model), opt, sched, history, fingerprint)
             if callback is not None:
                 callback(done, metrics)
     tap.remove()
@@ -255,14 +277,32 @@ def train_router(
     seconds = time.perf_counter() - t0
     result = TrainResult(output, spec.steps, report, history, seconds, start)
     if accelerator.is_main_process:
-        _write_output(accelerator.unwrap_model(prepared_model), model_dir, output, recipe, recipe_path, report,
-                      history, seconds, force)  # fmt: skip
+        _write_output(
+            accelerator.unwrap_model(prepared_model),
+            model_dir,
+            output,
+            recipe,
+            recipe_path,
+            report,
+            history,
+            seconds,
+            force,
+        )
         shutil.rmtree(ckpt, ignore_errors=True)
     return result
 
 
-def _write_output(model: Any, model_dir: Path, output: Path, recipe: Any, recipe_path: Path, report: FreezeReport,
-                  history: list[dict[str, Any]], seconds: float, force: bool) -> None:  # fmt: skip
+def _write_output(
+    model: Any,
+    model_dir: Path,
+    output: Path,
+    recipe: Any,
+    recipe_path: Path,
+    report: FreezeReport,
+    history: list[dict[str, Any]],
+    seconds: float,
+    force: bool,
+) -> None:
     from moetool.merge import TOKENIZER_FILES
 
     model.eval()
@@ -286,7 +326,7 @@ def _write_output(model: Any, model_dir: Path, output: Path, recipe: Any, recipe
                 "preset": recipe.freeze.preset,
                 "trainable_params": report.trainable_params,
                 "frozen_params": report.frozen_params,
-            },  # fmt: skip
+            },
             "train": recipe.train.model_dump(),
             "history": history,
         }

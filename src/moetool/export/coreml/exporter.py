@@ -45,8 +45,10 @@ def convert(model: Any, capacity: int, fp16: bool, compute_units: str) -> Any:
             ct.TensorType(name="mask", shape=(1, 1, seq, ct.RangeDim(1, capacity)), dtype=dt),
         ],
         outputs=[ct.TensorType(name="logits", dtype=dt)],
-        states=[ct.StateType(wrapped_type=ct.TensorType(shape=tuple(wrapper.k_cache.shape), dtype=dt), name=n)
-                for n in ("k_cache", "v_cache")],  # fmt: skip
+        states=[
+            ct.StateType(wrapped_type=ct.TensorType(shape=tuple(wrapper.k_cache.shape), dtype=dt), name=n)
+            for n in ("k_cache", "v_cache")
+        ],
         minimum_deployment_target=ct.target.iOS18,
         convert_to="mlprogram",
         compute_precision=ct.precision.FLOAT16 if fp16 else ct.precision.FLOAT32,
@@ -77,16 +79,19 @@ def compress(ml: Any, precisions: dict[str, str], fp16: bool) -> tuple[Any, dict
             k = int(meta[op].val.shape[-1])
             block = next((b for b in (BLOCK, 16, 8, 4) if k % b == 0), None)
             if block is None:
-                configs[op] = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4",
-                                                          granularity="per_channel", weight_threshold=1)  # fmt: skip
+                configs[op] = cto.OpLinearQuantizerConfig(
+                    mode="linear_symmetric", dtype="int4", granularity="per_channel", weight_threshold=1
+                )
                 applied[name] = "int4 per channel"
                 continue
-            configs[op] = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", granularity="per_block",
-                                                      block_size=block, weight_threshold=1)  # fmt: skip
+            configs[op] = cto.OpLinearQuantizerConfig(
+                mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=block, weight_threshold=1
+            )
             applied[name] = f"int4 block {block}"
             continue
-        configs[op] = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel",
-                                                  weight_threshold=1)  # fmt: skip
+        configs[op] = cto.OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=1
+        )
         applied[name] = "int8 per channel"
     if not configs:
         return ml, applied
@@ -163,8 +168,16 @@ class CoreMLExporter:
 
                 text, src = held_out_text(req.model_dir, req.eval_text)
                 tok = AutoTokenizer.from_pretrained(str(req.model_dir))
-                parity = graph_parity(hf, em, tok, text, prefill, decode,
-                                      runtime="torch: the StatefulLM wrapper that was converted", seq_lens=(32, min(128, capacity)))  # fmt: skip
+                parity = graph_parity(
+                    hf,
+                    em,
+                    tok,
+                    text,
+                    prefill,
+                    decode,
+                    runtime="torch: the StatefulLM wrapper that was converted",
+                    seq_lens=(32, min(128, capacity)),
+                )
                 parity |= {
                     "text": src,
                     "core_ml_runtime": "not run: Core ML prediction needs macOS (scripts/coreml_parity_mac.py)",

@@ -20,15 +20,21 @@ def export_programs(model: Any) -> Any:
     from moetool.export.graph.model import causal_mask, prefill_inputs
 
     seq = torch.export.Dim("seq", min=2, max=4096)
-    pre = torch.export.export(model, prefill_inputs(torch.randint(0, 10, (1, 8))),
-                              dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}), strict=True)  # fmt: skip
+    pre = torch.export.export(
+        model,
+        prefill_inputs(torch.randint(0, 10, (1, 8))),
+        dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
+        strict=True,
+    )
     past_len = torch.export.Dim("past", min=1, max=4095)
     p = 5
     past = [torch.zeros(1, model.n_kv, p, model.head_dim) for _ in range(2 * model.n_layers)]
     dec = torch.export.export(
-        model, (torch.tensor([[1]]), torch.tensor([[p]]), causal_mask(1, p), *past),
-        dynamic_shapes=(None, None, {3: past_len + 1}, tuple({2: past_len} for _ in past)), strict=True,
-    )  # fmt: skip
+        model,
+        (torch.tensor([[1]]), torch.tensor([[p]]), causal_mask(1, p), *past),
+        dynamic_shapes=(None, None, {3: past_len + 1}, tuple({2: past_len} for _ in past)),
+        strict=True,
+    )
     return pre, dec
 
 

@@ -32,7 +32,9 @@ def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: P
     for t in layout.tensors:
         if t.zeros or not t.sources:
             continue
-        if t.name == "output.weight" and t.sources == [s for x in layout.tensors if x.name == "token_embd.weight" for s in x.sources]:
+        if t.name == "output.weight" and t.sources == [
+            s for x in layout.tensors if x.name == "token_embd.weight" for s in x.sources
+        ]:
             continue  # the tied head duplicated for llama.cpp: transformers reads the embedding
         rt = by_name[t.name]
         arr = gguf.quants.dequantize(rt.data, rt.tensor_type).astype(np.float32).reshape(t.shape)

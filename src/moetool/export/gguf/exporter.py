@@ -28,7 +28,6 @@ MIN_TOP1_QUANTIZED = 0.95
 _ROUTER_K = {f"router:{t}": "q8_0" for t in TYPES if not TYPES[t].python}
 
 
-
 @dataclass
 class GGUFPlan(ArtifactPlan):
     layout: Layout = field(kw_only=True)
@@ -60,7 +59,9 @@ class GGUFExporter:
         with atomic_dir(req.output, force=req.force) as tmp:
             target = tmp / fname
             first = tmp / (fname + ".f32-stage") if needs_k else target
-            write_gguf(first, ckpt=ckpt, cfg=plan.config, layout=plan.layout, plan=plan.quant, vocab=vocab, name=plan.name)
+            write_gguf(
+                first, ckpt=ckpt, cfg=plan.config, layout=plan.layout, plan=plan.quant, vocab=vocab, name=plan.name
+            )
             ckpt.close()
             if needs_k:
                 requantize_k(first, target, plan.quant)
@@ -111,7 +112,15 @@ def gate_problems(report: Any, plan: QuantPlan) -> None:
             f"probe(s), e.g. {bad['text']!r}: HF {bad['hf'][:12]} vs llama.cpp {bad['llama_cpp'][:12]}"
         )
     types = {a.type for a in plan.assignments if len(a.entry.shape) >= 2}
-    kind = "f32" if types <= {"f32"} else "f16" if types <= {"f32", "f16"} else "bf16" if types <= {"f32", "bf16"} else "quantized"
+    kind = (
+        "f32"
+        if types <= {"f32"}
+        else "f16"
+        if types <= {"f32", "f16"}
+        else "bf16"
+        if types <= {"f32", "bf16"}
+        else "quantized"
+    )
     worst = max(report.conversion.max_abs_logit_diff.values())
     if kind == "quantized":
         if report.conversion.top1_agreement < MIN_TOP1_QUANTIZED:

@@ -75,8 +75,10 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
             # llama.cpp's qwen2moe never renormalises top-k weights; its llama arch (Mixtral) does, and takes
             # q/k/v biases: the same computation, exactly
             arch, permute = "llama", True
-            notes.append("Qwen2-MoE without a shared expert and with norm_topk_prob is written as llama.cpp's "
-                         "'llama' MoE (the Mixtral form), which computes the same function")
+            notes.append(
+                "Qwen2-MoE without a shared expert and with norm_topk_prob is written as llama.cpp's "
+                "'llama' MoE (the Mixtral form), which computes the same function"
+            )
         elif norm and k < n:
             raise ExportError(
                 "this Qwen2-MoE has a shared expert and norm_topk_prob: true, but llama.cpp's qwen2moe always uses "
@@ -122,7 +124,11 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
             shared_ff = SHEXP_PAD
             hidden = int(cfg["hidden_size"])
             for layer in range(int(cfg["num_hidden_layers"])):
-                for proj, shape in (("gate", (SHEXP_PAD, hidden)), ("up", (SHEXP_PAD, hidden)), ("down", (hidden, SHEXP_PAD))):
+                for proj, shape in (
+                    ("gate", (SHEXP_PAD, hidden)),
+                    ("up", (SHEXP_PAD, hidden)),
+                    ("down", (hidden, SHEXP_PAD)),
+                ):
                     nm = f"blk.{layer}.ffn_{proj}_shexp.weight"
                     out[nm] = GGUFTensor(nm, [], shape, zeros=True)
                 nm = f"blk.{layer}.ffn_gate_inp_shexp.weight"
@@ -134,6 +140,7 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     if "output.weight" not in out and arch == "qwen2moe":  # the one arch whose loader requires output.weight
         emb = out["token_embd.weight"]
         out["output.weight"] = GGUFTensor("output.weight", list(emb.sources), emb.shape)
+
     # llama.cpp reads tensors by name; keep a stable, readable order: globals, then per layer
     def key(nm: str) -> tuple[int, str]:
         m = re.match(r"blk\.(\d+)\.", nm)

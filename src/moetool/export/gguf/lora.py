@@ -63,7 +63,9 @@ def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, tuple[tor
     for k, v in raw.items():
         m = _KEY.match(k)
         if m is None:
-            raise ExportError(f"{adapter_dir}: tensor {k!r} is not a LoRA A/B factor (embedding LoRA or extra weights?)")
+            raise ExportError(
+                f"{adapter_dir}: tensor {k!r} is not a LoRA A/B factor (embedding LoRA or extra weights?)"
+            )
         pairs.setdefault(m["module"] + ".weight", {})[m["ab"]] = v.float()
     out = {}
     for name, ab in pairs.items():
@@ -87,8 +89,13 @@ def _simple(cfg: dict[str, Any]) -> bool:
     return not cfg.get("use_rslora") and not cfg.get("rank_pattern") and not cfg.get("alpha_pattern")
 
 
-def write_adapter(adapter_dir: Path, base_cfg: dict[str, Any], base_shapes: dict[str, tuple[int, ...]], path: Path,
-                  out_type: str = "f32") -> dict[str, Any]:  # fmt: skip
+def write_adapter(
+    adapter_dir: Path,
+    base_cfg: dict[str, Any],
+    base_shapes: dict[str, tuple[int, ...]],
+    path: Path,
+    out_type: str = "f32",
+) -> dict[str, Any]:
     """Write the GGUF adapter; returns facts for the manifest (arch, alpha, tensors)."""
     import gguf
 
@@ -136,8 +143,13 @@ def write_adapter(adapter_dir: Path, base_cfg: dict[str, Any], base_shapes: dict
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return {"llama_cpp_arch": layout.arch, "alpha": alpha, "scaling_folded_into_b": not simple,
-            "modules": sorted(pairs), "rank": int(next(iter(pairs.values()))[0].shape[0])}  # fmt: skip
+    return {
+        "llama_cpp_arch": layout.arch,
+        "alpha": alpha,
+        "scaling_folded_into_b": not simple,
+        "modules": sorted(pairs),
+        "rank": int(next(iter(pairs.values()))[0].shape[0]),
+    }
 
 
 def merged_checkpoint(base_dir: Path, adapter_dir: Path, out: Path) -> Path:
@@ -157,14 +169,24 @@ def merged_checkpoint(base_dir: Path, adapter_dir: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for f in base_dir.iterdir():
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("config.json", "special_tokens_map.json",
-                                                                         "generation_config.json", "moetool.json")):
+        if f.is_file() and (
+            f.name.startswith("tokenizer")
+            or f.name in ("config.json", "special_tokens_map.json", "generation_config.json", "moetool.json")
+        ):
             shutil.copy2(f, out / f.name)
     return out
 
 
-def export_adapter(adapter_dir: Path, base_dir: Path, output: Path, *, force: bool = False, verify: bool = True,
-                   eval_text: str | None = None, out_type: str = "f32") -> dict[str, Any]:  # fmt: skip
+def export_adapter(
+    adapter_dir: Path,
+    base_dir: Path,
+    output: Path,
+    *,
+    force: bool = False,
+    verify: bool = True,
+    eval_text: str | None = None,
+    out_type: str = "f32",
+) -> dict[str, Any]:
     """Write ``output``/{name}.lora.gguf and manifest.json; verify through llama.cpp's ``lora_path``."""
     from moetool.export.gguf.exporter import GATES
     from moetool.export.gguf.verify import compare
@@ -188,25 +210,42 @@ def export_adapter(adapter_dir: Path, base_dir: Path, output: Path, *, force: bo
                 layout = plan_layout(base.config, shapes)
                 plan = resolve(QuantSpec(preset="f32"), [t.entry() for t in layout.tensors])
                 base_gguf = Path(work) / "base.f32.gguf"
-                write_gguf(base_gguf, ckpt=base, cfg=base.config, layout=layout, plan=plan,
-                           vocab=read_vocab(base_dir, int(base.config["vocab_size"])), name=model_name(base_dir))  # fmt: skip
+                write_gguf(
+                    base_gguf,
+                    ckpt=base,
+                    cfg=base.config,
+                    layout=layout,
+                    plan=plan,
+                    vocab=read_vocab(base_dir, int(base.config["vocab_size"])),
+                    name=model_name(base_dir),
+                )
                 ref = merged_checkpoint(base_dir, adapter_dir, Path(work) / "merged")
                 text, source = held_out_text(base_dir, eval_text)
                 report = compare(base_gguf, ref, text, lora_path=tmp / fname)
-            parity = report.to_json() | {"reference": "transformers float32, LoRA merged into the weights",
-                                         "text": source}  # fmt: skip
+            parity = report.to_json() | {
+                "reference": "transformers float32, LoRA merged into the weights",
+                "text": source,
+            }
             worst = max(report.max_abs_logit_diff.values())
             gate = GATES[out_type]
             if worst > gate or not report.tokenizer_match:
-                raise ExportError(f"LoRA parity failed: max |Δlogit| {worst:.3g} > {gate:g} (llama.cpp lora_path vs merged)")
+                raise ExportError(
+                    f"LoRA parity failed: max |Δlogit| {worst:.3g} > {gate:g} (llama.cpp lora_path vs merged)"
+                )
         base.close()
         manifest = {
             "format": "moetool-artifact/1",
             "target": "gguf-lora",
             "file": fname,
             **facts,
-            "adapter": {"path": str(adapter_dir), "files": {f.name: sha256_file(f) for f in adapter_dir.glob("adapter_model*.safetensors")}},
-            "base_model": {"path": str(base_dir), "weights_sha256": {f.name: sha256_file(f) for f in base.weight_files}},
+            "adapter": {
+                "path": str(adapter_dir),
+                "files": {f.name: sha256_file(f) for f in adapter_dir.glob("adapter_model*.safetensors")},
+            },
+            "base_model": {
+                "path": str(base_dir),
+                "weights_sha256": {f.name: sha256_file(f) for f in base.weight_files},
+            },
             "artifact": {"bytes": (tmp / fname).stat().st_size, "sha256": sha256_file(tmp / fname)},
             "plan": {"label": out_type},
             "parity": parity,

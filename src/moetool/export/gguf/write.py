@@ -24,9 +24,20 @@ from moetool.quant.types import TYPES
 SHEXP_GATE_EPS = 1e-20
 # label for general.file_type: the type holding most of the weights
 _FILE_TYPE = {
-    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 11,
-    "q4_k": 15, "q5_k": 17, "q6_k": 18, "bf16": 32,
-}  # fmt: skip
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q8_0": 7,
+    "q5_0": 8,
+    "q5_1": 9,
+    "q2_k": 10,
+    "q3_k": 11,
+    "q4_k": 15,
+    "q5_k": 17,
+    "q6_k": 18,
+    "bf16": 32,
+}
 
 
 def _ggml(name: str) -> Any:

@@ -28,7 +28,9 @@ def require(module: str, extra: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ExportError(f"this target needs {module}: pip install 'moetool[{extra}]' (or setup.sh --{extra})") from None
+        raise ExportError(
+            f"this target needs {module}: pip install 'moetool[{extra}]' (or setup.sh --{extra})"
+        ) from None
 
 
 def meta_export_model(config: dict[str, Any]) -> Any:
@@ -50,7 +52,9 @@ def plan_graph(req: ExportRequest, fmt: str) -> GraphPlan:
     cfg = Checkpoint(req.model_dir).config
     entries = plan_entries(meta_export_model(cfg))
     c = choose_plan(req, entries, cfg, fmt, precision_of=graph_precision, fit_rows=False)
-    return GraphPlan(req.model_dir, cfg, c.quant, model_name(req.model_dir), c.device, c.memory, c.context, c.candidates)
+    return GraphPlan(
+        req.model_dir, cfg, c.quant, model_name(req.model_dir), c.device, c.memory, c.context, c.candidates
+    )
 
 
 def graph_manifest(target: str, plan: GraphPlan, files: dict[str, Path], main: str) -> dict[str, Any]:

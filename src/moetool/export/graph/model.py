@@ -57,8 +57,15 @@ class GatedMLP(nn.Module):
 class DenseMaskedMoE(nn.Module):
     """Top-k softmax routing over per-expert MLPs, every expert evaluated, unchosen ones weighted 0."""
 
-    def __init__(self, router: torch.Tensor, experts: list[GatedMLP], top_k: int, norm_topk: bool,
-                 shared: GatedMLP | None = None, shared_gate: torch.Tensor | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        router: torch.Tensor,
+        experts: list[GatedMLP],
+        top_k: int,
+        norm_topk: bool,
+        shared: GatedMLP | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.router = _linear(router)
         self.experts = nn.ModuleList(experts)
@@ -88,8 +95,9 @@ def rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def qkv_rope(a: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             bt: tuple[Any, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def qkv_rope(
+    a: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bt: tuple[Any, Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Projections of ``h`` [B, T, D] by Attention ``a``, with q/k norms and rope: q [B, H, T, hd], k/v [B, kv, T, hd].
 
     ``bt`` gives B and T when the caller knows them better than ``h.shape`` (Core ML's tracer needs batch 1 as a
@@ -106,8 +114,9 @@ def qkv_rope(a: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return q * cos + rotate_half(q, half) * sin, k * cos + rotate_half(k, half) * sin, v
 
 
-def attend(a: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           bt: tuple[Any, Any] | None = None) -> torch.Tensor:  # fmt: skip
+def attend(
+    a: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, bt: tuple[Any, Any] | None = None
+) -> torch.Tensor:
     """Masked attention of q [B, H, T, hd] over k/v [B, kv, S, hd] → the output projection's result [B, T, D].
 
     GQA without repeating K/V: the query heads of one KV head are stacked along the query axis, so no reshape touches
@@ -140,8 +149,15 @@ class Attention(nn.Module):
         kn = getattr(attn, "k_norm", None)
         self.k_norm = None if kn is None else RMSNorm(kn.weight, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                past_k: torch.Tensor | None, past_v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        past_k: torch.Tensor | None,
+        past_v: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv_rope(self, x, cos, sin)
         if past_k is not None and past_v is not None:
             k = torch.cat([past_k, k], dim=2)
@@ -157,8 +173,15 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(layer.post_attention_layernorm.weight, eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                past_k: torch.Tensor | None, past_v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        past_k: torch.Tensor | None,
+        past_v: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         a, k, v = self.attn(self.attn_norm(x), cos, sin, mask, past_k, past_v)
         x = x + a
         return x + self.mlp(self.ffn_norm(x)), k, v
@@ -168,16 +191,24 @@ def _moe(mlp: Any, cfg: Any) -> nn.Module:
     """Per-expert MLPs from transformers 5's fused expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
     ex = mlp.experts
     inter = ex.down_proj.shape[-1]
-    experts = [GatedMLP(ex.gate_up_proj[e, :inter], ex.gate_up_proj[e, inter:], ex.down_proj[e])
-               for e in range(ex.gate_up_proj.shape[0])]  # fmt: skip
+    experts = [
+        GatedMLP(ex.gate_up_proj[e, :inter], ex.gate_up_proj[e, inter:], ex.down_proj[e])
+        for e in range(ex.gate_up_proj.shape[0])
+    ]
     shared = getattr(mlp, "shared_expert", None)
     shared_mlp = None
     if shared is not None and shared.gate_proj.weight.shape[0] > 0:
         shared_mlp = GatedMLP(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
     gate = getattr(mlp, "shared_expert_gate", None)
     norm = bool(getattr(cfg, "norm_topk_prob", True)) if cfg.model_type != "mixtral" else True
-    return DenseMaskedMoE(mlp.gate.weight, experts, int(cfg.num_experts_per_tok), norm, shared_mlp,
-                          None if shared_mlp is None or gate is None else gate.weight)  # fmt: skip
+    return DenseMaskedMoE(
+        mlp.gate.weight,
+        experts,
+        int(cfg.num_experts_per_tok),
+        norm,
+        shared_mlp,
+        None if shared_mlp is None or gate is None else gate.weight,
+    )
 
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -204,7 +235,11 @@ class ExportLM(nn.Module):
         blocks = []
         for layer in inner.layers:
             m = layer.mlp
-            mlp = _moe(m, cfg) if hasattr(m, "experts") else GatedMLP(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+            mlp = (
+                _moe(m, cfg)
+                if hasattr(m, "experts")
+                else GatedMLP(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+            )
             blocks.append(Block(layer, cfg, eps, mlp))
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(inner.norm.weight, eps)
@@ -214,8 +249,9 @@ class ExportLM(nn.Module):
         self.n_kv = blocks[0].attn.n_kv
         self.head_dim = blocks[0].attn.head_dim
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         x = self.embed(input_ids)
         inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
         freqs = position_ids.float()[..., None] * inv_freq  # [B, T, hd/2]

@@ -23,8 +23,9 @@ class StaticCacheLM(nn.Module):
         self.model = model
         self.capacity = capacity
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                *caches: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, *caches: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         m = self.model
         onehot = (position_ids[0][:, None] == torch.arange(self.capacity)[None]).float()  # [T, C]
         keep = 1.0 - onehot.sum(0)[None, None, :, None]  # [1, 1, C, 1]

@@ -35,20 +35,32 @@ def export_graphs(model: Any, prefill_path: Path, decode_path: Path) -> None:
     seq = torch.export.Dim("seq", min=2, max=4096)
     ids = torch.randint(0, 10, (1, 8))
     torch.onnx.export(
-        model, prefill_inputs(ids), str(prefill_path), dynamo=True, optimize=True, verbose=False,
-        input_names=["input_ids", "position_ids", "mask"], output_names=["logits", *_names(n, "present")],
+        model,
+        prefill_inputs(ids),
+        str(prefill_path),
+        dynamo=True,
+        optimize=True,
+        verbose=False,
+        input_names=["input_ids", "position_ids", "mask"],
+        output_names=["logits", *_names(n, "present")],
         dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
-    )  # fmt: skip
+    )
     past_len = torch.export.Dim("past", min=1, max=4095)
     p = 5
     past = [torch.zeros(1, model.n_kv, p, model.head_dim) for _ in range(2 * n)]
     args = (ids[:, :1], torch.tensor([[p]]), causal_mask(1, p), *past)
     shapes = (None, None, {3: past_len + 1}, tuple({2: past_len} for _ in past))  # *past is one input
     torch.onnx.export(
-        model, args, str(decode_path), dynamo=True, optimize=True, verbose=False,
+        model,
+        args,
+        str(decode_path),
+        dynamo=True,
+        optimize=True,
+        verbose=False,
         input_names=["input_ids", "position_ids", "mask", *_names(n, "past")],
-        output_names=["logits", *_names(n, "present")], dynamic_shapes=shapes,
-    )  # fmt: skip
+        output_names=["logits", *_names(n, "present")],
+        dynamic_shapes=shapes,
+    )
 
 
 def _module_of(node: Any) -> str | None:
@@ -83,9 +95,17 @@ def quantize_graph(path: Path, precisions: dict[str, str]) -> tuple[dict[str, in
     for bits, key in ((4, "int4"), (8, "int8")):
         if groups[key]:
             # nodes_to_include only adds to op_types_to_quantize; exclusion is what restricts a pass
-            others = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gather") and n.name not in groups[key]]
-            q = MatMulNBitsQuantizer(model, bits=bits, block_size=BLOCK, is_symmetric=True,
-                                     nodes_to_exclude=others, op_types_to_quantize=("MatMul", "Gather"))  # fmt: skip
+            others = [
+                n.name for n in model.graph.node if n.op_type in ("MatMul", "Gather") and n.name not in groups[key]
+            ]
+            q = MatMulNBitsQuantizer(
+                model,
+                bits=bits,
+                block_size=BLOCK,
+                is_symmetric=True,
+                nodes_to_exclude=others,
+                op_types_to_quantize=("MatMul", "Gather"),
+            )
             q.process()
             model = q.model.model
     for node in model.graph.node:  # trace metadata (stack traces with local paths) is only needed up to here
@@ -93,7 +113,9 @@ def quantize_graph(path: Path, precisions: dict[str, str]) -> tuple[dict[str, in
     save_model(model, path)
     left = {n.name for n in model.graph.node if n.op_type in ("MatMul", "Gather")}
     done = {k: len([n for n in v if n not in left]) for k, v in groups.items()}
-    notes = [f"{n} planned {k} but left fp32 by onnxruntime's quantizer" for k, v in groups.items() for n in v if n in left]
+    notes = [
+        f"{n} planned {k} but left fp32 by onnxruntime's quantizer" for k, v in groups.items() for n in v if n in left
+    ]
     return done, notes
 
 
@@ -106,8 +128,9 @@ def save_model(model: Any, path: Path) -> None:
     if model.ByteSize() < 1_800_000_000:
         onnx.save(model, str(path))
     else:
-        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=path.name + ".data")  # fmt: skip
+        onnx.save(
+            model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data"
+        )
 
 
 def _count_ops(path: Path) -> dict[str, int]:
@@ -152,13 +175,22 @@ class ONNXExporter:
 
                 def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
                     t = ids.shape[1]
-                    out = s_pre.run(None, {"input_ids": ids, "position_ids": np.arange(t, dtype=np.int64)[None],
-                                           "mask": causal_mask(t, 0).numpy()})  # fmt: skip
+                    out = s_pre.run(
+                        None,
+                        {
+                            "input_ids": ids,
+                            "position_ids": np.arange(t, dtype=np.int64)[None],
+                            "mask": causal_mask(t, 0).numpy(),
+                        },
+                    )
                     return out[0], out[1:]
 
                 def decode(ids: np.ndarray, pos: int, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-                    feeds = {"input_ids": ids, "position_ids": np.array([[pos]], dtype=np.int64),
-                             "mask": causal_mask(1, pos).numpy()}  # fmt: skip
+                    feeds = {
+                        "input_ids": ids,
+                        "position_ids": np.array([[pos]], dtype=np.int64),
+                        "mask": causal_mask(1, pos).numpy(),
+                    }
                     feeds |= dict(zip(_names(n, "past"), past, strict=True))
                     out = s_dec.run(None, feeds)
                     return out[0], out[1:]

@@ -66,13 +66,22 @@ class TFLiteExporter:
         t0 = time.perf_counter()
         with atomic_dir(req.output, force=req.force) as tmp, tempfile.TemporaryDirectory() as work:
             request = {
-                "model_dir": str(req.model_dir), "out_dir": str(tmp), "precisions": plan.precisions(),
-                "capacity": capacity, "prefill_len": prefill_len, "verify": req.verify, "eval_text": text,
-            }  # fmt: skip
+                "model_dir": str(req.model_dir),
+                "out_dir": str(tmp),
+                "precisions": plan.precisions(),
+                "capacity": capacity,
+                "prefill_len": prefill_len,
+                "verify": req.verify,
+                "eval_text": text,
+            }
             rp = Path(work) / "request.json"
             rp.write_text(json.dumps(request))
-            proc = subprocess.run([py, "-m", "moetool.export.tflite.worker", str(rp)], capture_output=True, text=True,
-                                  env=os.environ | {"PYTHONPATH": str(REPO / "src")})  # fmt: skip
+            proc = subprocess.run(
+                [py, "-m", "moetool.export.tflite.worker", str(rp)],
+                capture_output=True,
+                text=True,
+                env=os.environ | {"PYTHONPATH": str(REPO / "src")},
+            )
             if proc.returncode != 0:
                 tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
                 raise ExportError(f"TFLite conversion failed in {py}:\n{tail}")

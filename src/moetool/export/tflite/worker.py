@@ -54,7 +54,11 @@ def quantize(path: Path, roles: dict[str, str], blockwise: dict[str, bool]) -> d
         if p == "fp32" or role not in ROLE_SCOPES:
             continue
         if p == "int4":
-            gran = qtyping.QuantGranularity.BLOCKWISE_32 if blockwise.get(role, True) else qtyping.QuantGranularity.CHANNELWISE
+            gran = (
+                qtyping.QuantGranularity.BLOCKWISE_32
+                if blockwise.get(role, True)
+                else qtyping.QuantGranularity.CHANNELWISE
+            )
             q.add_dynamic_config(ROLE_SCOPES[role], fc, 4, gran)
             applied[role] = "int4" if blockwise.get(role, True) else "int4 (per channel)"
             continue
@@ -98,20 +102,37 @@ def main(request_path: str) -> None:
             r = role_of(hf_name(n))
             blockwise[r] = blockwise.get(r, True) and prm.shape[1] % 32 == 0
     applied = quantize(path, roles, blockwise)
-    notes = [f"{r} planned {p} but kept fp32 (only FULLY_CONNECTED ops are quantized for TFLite)"
-             for r, p in roles.items() if p != "fp32" and r not in applied]  # fmt: skip
-    notes += [f"{r}: an input width is not a multiple of 32, so int4 is per channel, not blockwise"
-              for r, p in applied.items() if p.endswith("(per channel)")]  # fmt: skip
-    result: dict[str, Any] = {"quantized_roles": applied, "capacity": cap, "prefill_len": plen, "tflite_notes": notes,
-                              "cache_shape": [1, em.n_kv, cap, em.head_dim], "cache_tensors": 2 * em.n_layers}  # fmt: skip
+    notes = [
+        f"{r} planned {p} but kept fp32 (only FULLY_CONNECTED ops are quantized for TFLite)"
+        for r, p in roles.items()
+        if p != "fp32" and r not in applied
+    ]
+    notes += [
+        f"{r}: an input width is not a multiple of 32, so int4 is per channel, not blockwise"
+        for r, p in applied.items()
+        if p.endswith("(per channel)")
+    ]
+    result: dict[str, Any] = {
+        "quantized_roles": applied,
+        "capacity": cap,
+        "prefill_len": plen,
+        "tflite_notes": notes,
+        "cache_shape": [1, em.n_kv, cap, em.head_dim],
+        "cache_tensors": 2 * em.n_layers,
+    }
     if req["verify"]:
         it = Interpreter(model_path=str(path))
         pre, dec = it.get_signature_runner("prefill"), it.get_signature_runner("decode")
         n_cache = 2 * em.n_layers
 
-        def run(runner: Any, ids: np.ndarray, p: np.ndarray, caches: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-            feeds = {"args_0": ids.astype(np.int32), "args_1": p.astype(np.int32),
-                     "args_2": static_mask(torch.from_numpy(p), cap).numpy()}  # fmt: skip
+        def run(
+            runner: Any, ids: np.ndarray, p: np.ndarray, caches: list[np.ndarray]
+        ) -> tuple[np.ndarray, list[np.ndarray]]:
+            feeds = {
+                "args_0": ids.astype(np.int32),
+                "args_1": p.astype(np.int32),
+                "args_2": static_mask(torch.from_numpy(p), cap).numpy(),
+            }
             feeds |= {f"args_{3 + i}": c for i, c in enumerate(caches)}
             out = runner(**feeds)
             keys = sorted(out, key=lambda k: int(k.split("_")[-1]))
@@ -130,8 +151,9 @@ def main(request_path: str) -> None:
             return run(dec, ids, np.array([[p]]), caches)
 
         tok = AutoTokenizer.from_pretrained(req["model_dir"])
-        result["parity"] = graph_parity(hf, em, tok, req["eval_text"], prefill, decode, runtime="ai_edge_litert interpreter",
-                                        seq_lens=(32, plen))  # fmt: skip
+        result["parity"] = graph_parity(
+            hf, em, tok, req["eval_text"], prefill, decode, runtime="ai_edge_litert interpreter", seq_lens=(32, plen)
+        )
     print(json.dumps(result))
 
 

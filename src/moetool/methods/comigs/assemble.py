@@ -78,8 +78,16 @@ def _kaiming_(t: torch.Tensor, g: torch.Generator) -> None:
         t.copy_(torch.rand(t.shape, generator=g) * 2 * bound - bound)
 
 
-def _load_adapter(expert: LoRAExpert, layer: int, spec: LoRAExpertSpec, where: str, recipe_dir: Path | None,
-                  rank: int, scaling: float, targets: list[str]) -> None:  # fmt: skip
+def _load_adapter(
+    expert: LoRAExpert,
+    layer: int,
+    spec: LoRAExpertSpec,
+    where: str,
+    recipe_dir: Path | None,
+    rank: int,
+    scaling: float,
+    targets: list[str],
+) -> None:
     from moetool.export.gguf.lora import module_scaling, read_adapter
 
     path = Path(spec.adapter or "")
@@ -166,7 +174,12 @@ def count_params(recipe: ComigsRecipe, base_cfg: Any) -> dict[str, Any]:
     heads = base_cfg.num_attention_heads
     head_dim = getattr(base_cfg, "head_dim", None) or d // heads
     kv = getattr(base_cfg, "num_key_value_heads", heads) * head_dim
-    attn_shape = {"q_proj": (d, heads * head_dim), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (heads * head_dim, d)}
+    attn_shape = {
+        "q_proj": (d, heads * head_dim),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (heads * head_dim, d),
+    }
     ar = recipe.lora.attention_rank
     attn = layers * sum(ar * (i + o) for p, (i, o) in attn_shape.items() if p in recipe.lora.attention_targets)
     out: dict[str, Any] = {"expert_lora": expert, "attention_lora": attn, "users": {}}

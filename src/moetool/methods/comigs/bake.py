@@ -89,8 +89,15 @@ def max_logit_diff(a: Any, b: Any, ids: torch.Tensor) -> float:
     return float((a(input_ids=ids).logits.float() - b(input_ids=ids).logits.float()).abs().max())
 
 
-def bake(model: ComigsForCausalLM, output: Path, *, ids: torch.Tensor, tokenizer_dir: Path | None = None,
-         force: bool = False, tol: float = PARITY_TOL) -> dict[str, Any]:  # fmt: skip
+def bake(
+    model: ComigsForCausalLM,
+    output: Path,
+    *,
+    ids: torch.Tensor,
+    tokenizer_dir: Path | None = None,
+    force: bool = False,
+    tol: float = PARITY_TOL,
+) -> dict[str, Any]:
     """Write ``model`` as a Mixtral checkpoint to ``output`` (atomically) after checking parity on ``ids [B, T]``
     against the checkpoint reloaded from disk. Returns the parity report (also written as comigs-bake.json).
 

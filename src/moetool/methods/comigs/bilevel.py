@@ -102,8 +102,9 @@ class ClientTrainer:
         self.expert_params = [named[n] for n in self.expert_names]
         self.router_params = [named[n] for n in self.router_names]
         betas = (0.9, 0.95)
-        self.expert_opt = torch.optim.AdamW(self.expert_params, lr=training.expert_lr, betas=betas,
-                                            weight_decay=training.weight_decay)  # fmt: skip
+        self.expert_opt = torch.optim.AdamW(
+            self.expert_params, lr=training.expert_lr, betas=betas, weight_decay=training.weight_decay
+        )
         lo, hi, steps = training.expert_min_lr, training.expert_lr, max(1, total_iterations)
         self.expert_sched = torch.optim.lr_scheduler.LambdaLR(
             self.expert_opt, lambda t: (lo + (hi - lo) * 0.5 * (1 + math.cos(math.pi * min(t, steps) / steps))) / hi
@@ -119,8 +120,9 @@ class ClientTrainer:
         """A ``[B, seq_len]`` batch of random windows of ``split``; a pure function of (seed, split, step)."""
         stream = getattr(self.data, split)
         salt = {"train": 0, "valid": 1, "test": 2}[split]
-        return sample_batch([stream], self.cfg.batch_size, self.cfg.seq_len, seed=self.seed * 3 + salt, step=step,
-                            bos_id=self.bos_id)  # fmt: skip
+        return sample_batch(
+            [stream], self.cfg.batch_size, self.cfg.seq_len, seed=self.seed * 3 + salt, step=step, bos_id=self.bos_id
+        )
 
     # objectives -----------------------------------------------------------------------------------------------
     def objective(self, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -218,7 +220,9 @@ class ClientTrainer:
         with torch.no_grad():
             for n, t in state.items():
                 if named[n].shape != t.shape:
-                    raise ValueError(f"{n}: server shape {list(t.shape)} differs from this user's {list(named[n].shape)}")
+                    raise ValueError(
+                        f"{n}: server shape {list(t.shape)} differs from this user's {list(named[n].shape)}"
+                    )
                 named[n].copy_(t)
 
     # evaluation -----------------------------------------------------------------------------------------------
@@ -253,8 +257,11 @@ class ClientTrainer:
             for idx, st in opt.state_dict()["state"].items():
                 for k, v in st.items():
                     tensors[f"{tag}/{idx}/{k}"] = torch.as_tensor(v).detach().clone()
-        counters = {"iteration": self.iteration, "router_updates": self.router_updates,
-                    "expert_sched": int(self.expert_sched.last_epoch)}  # fmt: skip
+        counters = {
+            "iteration": self.iteration,
+            "router_updates": self.router_updates,
+            "expert_sched": int(self.expert_sched.last_epoch),
+        }
         return tensors, counters
 
     def restore(self, tensors: dict[str, torch.Tensor], counters: dict[str, int]) -> None:

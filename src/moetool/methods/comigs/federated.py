@@ -61,8 +61,8 @@ def variant_recipe(recipe: ComigsRecipe, variant: str) -> ComigsRecipe:
     gens = [spec("generalist-1"), spec("generalist-2")] if variant in ("2G", "fedavg") else []
     routing = "average" if variant in ("local", "fedavg") else "learned"
     return ComigsRecipe.model_validate(
-        recipe.model_dump() | {"generalists": [g.model_dump() for g in gens], "routing": routing,
-                               "users": [u.model_dump() for u in users]}  # fmt: skip
+        recipe.model_dump()
+        | {"generalists": [g.model_dump() for g in gens], "routing": routing, "users": [u.model_dump() for u in users]}
     )
 
 
@@ -99,8 +99,9 @@ class Federation:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def make_client(recipe: ComigsRecipe, index: int, dense: Any, tokenizer: Any, recipe_dir: Path | None,
-                data: UserData | None = None) -> ClientTrainer:  # fmt: skip
+def make_client(
+    recipe: ComigsRecipe, index: int, dense: Any, tokenizer: Any, recipe_dir: Path | None, data: UserData | None = None
+) -> ClientTrainer:
     user = recipe.users[index]
     model = build_user_model(recipe, user, dense, recipe_dir)
     t = recipe.training
@@ -115,8 +116,7 @@ def make_client(recipe: ComigsRecipe, index: int, dense: Any, tokenizer: Any, re
     )
 
 
-def prepare(recipe: ComigsRecipe, recipe_dir: Path | None = None,
-            data: list[UserData] | None = None) -> Federation:  # fmt: skip
+def prepare(recipe: ComigsRecipe, recipe_dir: Path | None = None, data: list[UserData] | None = None) -> Federation:
     dense, tok, path = load_dense(recipe, recipe_dir)
     clients = [
         make_client(recipe, i, dense, tok, recipe_dir, None if data is None else data[i])
@@ -125,8 +125,7 @@ def prepare(recipe: ComigsRecipe, recipe_dir: Path | None = None,
     return Federation(recipe, tok, path, clients)
 
 
-def run_inprocess(fed: Federation, rounds: int | None = None,
-                  log: Callable[[str], None] | None = None) -> Federation:  # fmt: skip
+def run_inprocess(fed: Federation, rounds: int | None = None, log: Callable[[str], None] | None = None) -> Federation:
     """Paper Alg. 1 in one process: broadcast → local rounds → uniform average, ``rounds`` times, then a final
     broadcast so every user ends with the averaged generalist."""
     clients = fed.clients

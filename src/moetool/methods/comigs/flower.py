@@ -100,11 +100,14 @@ def client_train(msg: Message, context: Context, defaults: dict[str, Any]) -> Me
         trainer.load_shared(dict(arrays.to_torch_state_dict()))
     stats = trainer.local_round()
     _persist(trainer, context)
-    content = RecordDict({
-        "arrays": ArrayRecord(trainer.shared_state()),
-        "metrics": MetricRecord({"train_ce": stats["train_ce"], "partition-id": index,
-                                 "iteration": trainer.iteration}),
-    })  # fmt: skip
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(trainer.shared_state()),
+            "metrics": MetricRecord(
+                {"train_ce": stats["train_ce"], "partition-id": index, "iteration": trainer.iteration}
+            ),
+        }
+    )
     return Message(content, reply_to=msg)
 
 
@@ -126,8 +129,9 @@ def client_evaluate(msg: Message, context: Context, defaults: dict[str, Any]) ->
         recipe = _recipe(str(s["recipe"]), str(s["variant"]))
         _, _, base_path = _dense(str(s["recipe"]), str(s["variant"]))
         save_user(trainer, Path(save_dir) / recipe.users[index].name, base_path)
-    content = RecordDict({"metrics": MetricRecord({"test_ppl": ppl, "partition-id": index,
-                                                   "train_tokens": len(trainer.data.train)})})  # fmt: skip
+    content = RecordDict(
+        {"metrics": MetricRecord({"test_ppl": ppl, "partition-id": index, "train_tokens": len(trainer.data.train)})}
+    )
     return Message(content, reply_to=msg)
 
 
@@ -184,8 +188,12 @@ def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[
     upload_bytes = 0
     for r in range(1, rounds + 1):
         msgs = [
-            Message(RecordDict({"arrays": ArrayRecord(server), "config": ConfigRecord({"round": r})}),
-                    dst_node_id=n, message_type=MessageType.TRAIN, group_id=str(r))  # fmt: skip
+            Message(
+                RecordDict({"arrays": ArrayRecord(server), "config": ConfigRecord({"round": r})}),
+                dst_node_id=n,
+                message_type=MessageType.TRAIN,
+                group_id=str(r),
+            )
             for n in nodes
         ]
         replies = _replies(grid, msgs)
@@ -193,13 +201,24 @@ def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[
         upload_bytes = sum(t.numel() * t.element_size() for u in uploads for t in u.values())
         if server:
             server = average(uploads)
-        history.append({"round": r, "train_ce": {int(rep.content["metrics"]["partition-id"]):  # type: ignore[index]
-                                                 float(rep.content["metrics"]["train_ce"])  # type: ignore[index,arg-type]
-                                                 for rep in replies}})  # fmt: skip
+        history.append(
+            {
+                "round": r,
+                "train_ce": {
+                    int(rep.content["metrics"]["partition-id"]):  # type: ignore[index]
+                    float(rep.content["metrics"]["train_ce"])  # type: ignore[index,arg-type]
+                    for rep in replies
+                },
+            }
+        )
     out = str(s.get("output") or "")
     msgs = [
-        Message(RecordDict({"arrays": ArrayRecord(server), "config": ConfigRecord({"save-dir": out})}),
-                dst_node_id=n, message_type=MessageType.EVALUATE, group_id="final")  # fmt: skip
+        Message(
+            RecordDict({"arrays": ArrayRecord(server), "config": ConfigRecord({"save-dir": out})}),
+            dst_node_id=n,
+            message_type=MessageType.EVALUATE,
+            group_id="final",
+        )
         for n in nodes
     ]
     users = {}
@@ -209,8 +228,15 @@ def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[
             "test_ppl": float(m["test_ppl"]),  # type: ignore[index,arg-type]
             "train_tokens": int(m["train_tokens"]),  # type: ignore[index,call-overload]
         }
-    report = {"recipe": recipe.name, "variant": variant, "engine": "flower", "rounds": rounds,
-              "upload_bytes_per_round": upload_bytes, "users": users, "history": history}  # fmt: skip
+    report = {
+        "recipe": recipe.name,
+        "variant": variant,
+        "engine": "flower",
+        "rounds": rounds,
+        "upload_bytes_per_round": upload_bytes,
+        "users": users,
+        "history": history,
+    }
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "comigs-report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -233,21 +259,28 @@ client_app = make_client_app()
 server_app = make_server_app()
 
 
-def simulate(recipe_path: Path, output: Path, *, variant: str = "comigs", rounds: int | None = None,
-             verbose: bool = False) -> dict[str, Any]:  # fmt: skip
+def simulate(
+    recipe_path: Path, output: Path, *, variant: str = "comigs", rounds: int | None = None, verbose: bool = False
+) -> dict[str, Any]:
     """Run the federation in Flower's simulation engine (one virtual SuperNode per user, ray backend, one CPU
     each); writes the user models and ``comigs-report.json`` into ``output`` (a fresh directory)."""
     from flwr.simulation import run_simulation
 
     recipe = _recipe(str(recipe_path), variant)
-    defaults = {"recipe": str(Path(recipe_path).resolve()), "variant": variant, "output": str(Path(output).resolve()),
-                "rounds": rounds or 0}  # fmt: skip
+    defaults = {
+        "recipe": str(Path(recipe_path).resolve()),
+        "variant": variant,
+        "output": str(Path(output).resolve()),
+        "rounds": rounds or 0,
+    }
     run_simulation(
         server_app=make_server_app(**defaults),
         client_app=make_client_app(**defaults),
         num_supernodes=len(recipe.users),
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                        "init_args": {"num_cpus": 1, "include_dashboard": False}},  # fmt: skip
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 1, "include_dashboard": False},
+        },
         verbose_logging=verbose,
     )
     report_path = Path(output) / "comigs-report.json"

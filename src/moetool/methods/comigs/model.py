@@ -153,7 +153,9 @@ class ComigsMoE(nn.Module):
         hidden = base_mlp.gate_proj.in_features
         self.router = nn.Linear(hidden, config.n_experts, bias=False) if config.has_router else None
         if self.router is not None:
-            with torch.no_grad():  # uniform start (1G1S begins as the plain mean of both experts); not nn.init, see above
+            with (
+                torch.no_grad()
+            ):  # uniform start (1G1S begins as the plain mean of both experts); not nn.init, see above
                 self.router.weight.zero_()
         self.last_logits: torch.Tensor | None = None  # [T, n] of the last forward, for the balance loss
 
@@ -219,8 +221,11 @@ class ComigsForCausalLM(PreTrainedModel, GenerationMixin):
             layer.mlp = ComigsMoE(layer.mlp, config)
             if config.attn_rank > 0:
                 for proj in config.attn_targets:
-                    setattr(layer.self_attn, proj, LoRALinear(getattr(layer.self_attn, proj), config.attn_rank,
-                                                              config.lora_alpha))  # fmt: skip
+                    setattr(
+                        layer.self_attn,
+                        proj,
+                        LoRALinear(getattr(layer.self_attn, proj), config.attn_rank, config.lora_alpha),
+                    )
         self.post_init()
         # post_init runs the inner model's own _init_weights over its submodules, routers included (llama: normal
         # 0.02); CoMiGS routers start at zero (uniform routing)
@@ -265,7 +270,9 @@ class ComigsForCausalLM(PreTrainedModel, GenerationMixin):
         missing, unexpected = model.lm.load_state_dict(state, strict=False)
         missing = [m for m in missing if not _is_lora_or_router(m)]
         if missing or unexpected:
-            raise ValueError(f"base weights do not fit the CoMiGS model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"base weights do not fit the CoMiGS model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         if getattr(dense.config, "tie_word_embeddings", False):
             model.lm.tie_weights()
         return model

@@ -79,8 +79,7 @@ def describe(recipe: ComigsRecipe, recipe_dir: Path | None) -> str:
     return "\n".join(lines)
 
 
-def assemble(recipe: ComigsRecipe, recipe_dir: Path, output: Path, *, force: bool = False,
-             console: Any = None) -> Path:  # fmt: skip
+def assemble(recipe: ComigsRecipe, recipe_dir: Path, output: Path, *, force: bool = False, console: Any = None) -> Path:
     """Untrained per-user models (``output/<user>``); with fresh LoRA each equals the base (checked ≤ 1e-5)."""
     from moetool.methods.comigs.assemble import build_user_model
 
@@ -111,8 +110,15 @@ def _comm_bytes(fed: Federation) -> int:
     return sum(sum(t.numel() * t.element_size() for t in c.shared_state().values()) for c in fed.clients)
 
 
-def train(recipe: ComigsRecipe, recipe_dir: Path | None, output: Path, *, variant: str = "comigs",
-          force: bool = False, log: Any = None) -> dict[str, Any]:  # fmt: skip
+def train(
+    recipe: ComigsRecipe,
+    recipe_dir: Path | None,
+    output: Path,
+    *,
+    variant: str = "comigs",
+    force: bool = False,
+    log: Any = None,
+) -> dict[str, Any]:
     """Federated training in one process; writes ``output/<user>`` models and ``output/comigs-report.json``."""
     from moetool.io.atomic import check_output
 
@@ -155,7 +161,9 @@ class ComigsAssembler:
     def describe(self, recipe: Any, *, recipe_dir: Path) -> str:
         return describe(recipe, recipe_dir)
 
-    def assemble(self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None) -> Path:
+    def assemble(
+        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None
+    ) -> Path:
         return assemble(recipe, recipe_dir, output, force=force, console=console)
 
 

@@ -23,8 +23,15 @@ from moetool.errors import MoetoolError, PreflightError
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.recipe.embedding import EmbeddingRecipe
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 EVAL_TOKENS = 4096  # held-out tokens per domain for the build's own perplexity figures
 
 
@@ -63,8 +70,12 @@ def step0_check(model: Any, old: torch.Tensor, ids: torch.Tensor) -> dict[str, f
     b, t = ids.shape
     with torch.no_grad():
         h, _, _ = model.embed(ids, torch.arange(t)[None].expand(b, t), causal_mask(t, 0, b))
-    return {"svd_rank": r, "max_abs_vs_svd": float((h - approx[ids]).abs().max()),
-            "max_abs_vs_original": float((h - old[ids]).abs().max()), "max_abs_table": float(old.abs().max())}  # fmt: skip
+    return {
+        "svd_rank": r,
+        "max_abs_vs_svd": float((h - approx[ids]).abs().max()),
+        "max_abs_vs_original": float((h - old[ids]).abs().max()),
+        "max_abs_table": float(old.abs().max()),
+    }
 
 
 def cache_check(model: Any, ids: torch.Tensor, prefill: int) -> float:
@@ -116,8 +127,14 @@ class EmbeddingAssembler:
             raise PreflightError(f"model: {exc}") from None
         v, d = int(cfg.vocab_size), int(cfg.hidden_size)
         e = recipe.embedding
-        counts = param_counts(EmbeddingConfig(vocab_size=v, d_model=d, max_positions=int(getattr(cfg, "max_position_embeddings", 512)),
-                                              **e.module_kwargs()))  # type: ignore[arg-type]  # fmt: skip
+        counts = param_counts(
+            EmbeddingConfig(
+                vocab_size=v,
+                d_model=d,
+                max_positions=int(getattr(cfg, "max_position_embeddings", 512)),
+                **e.module_kwargs(),
+            )
+        )  # type: ignore[arg-type]
         head = v * d if recipe.head == "keep" else 0
         lines = [
             f"embedding retrofit: {recipe.name} ← {recipe.model} ({cfg.model_type}, vocab {v}, hidden {d})",
@@ -155,22 +172,35 @@ class EmbeddingAssembler:
         probe = batch(10**6)[:2, :32]
         step0 = step0_check(model, old, probe)
         if recipe.embedding.variant != "remix" and step0["max_abs_vs_svd"] > 1e-4 * step0["max_abs_table"]:
-            raise MoetoolError(f"retrofit check failed: step-0 embedding is {step0['max_abs_vs_svd']:.3g} from the SVD "
-                               "approximation")  # fmt: skip
+            raise MoetoolError(
+                f"retrofit check failed: step-0 embedding is {step0['max_abs_vs_svd']:.3g} from the SVD approximation"
+            )
         t = recipe.train
-        s = TrainSettings(steps=t.steps, learning_rate=t.learning_rate, batch_size=t.batch_size, seq_len=t.seq_len,
-                          warmup_steps=t.warmup_steps, lm_weight=t.lm_weight, distill_weight=t.distill_weight,
-                          unfreeze_steps=t.unfreeze_steps, unfreeze_learning_rate=t.unfreeze_learning_rate,
-                          max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, seed=t.seed)  # fmt: skip
+        s = TrainSettings(
+            steps=t.steps,
+            learning_rate=t.learning_rate,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            warmup_steps=t.warmup_steps,
+            lm_weight=t.lm_weight,
+            distill_weight=t.distill_weight,
+            unfreeze_steps=t.unfreeze_steps,
+            unfreeze_learning_rate=t.unfreeze_learning_rate,
+            max_grad_norm=t.max_grad_norm,
+            weight_decay=t.weight_decay,
+            seed=t.seed,
+        )
         seconds = train_embedding(model, old, batch, s, log)
         cached = cache_check(model, probe, prefill=16)
         if cached > 1e-4:
             raise MoetoolError(f"cache check failed: cached decoding differs from a full forward by {cached:.3g}")
         ppl = {
-            name: {"original": perplexity(source, tok, text, seq_len=t.seq_len, max_tokens=EVAL_TOKENS),
-                   "retrofitted": perplexity(model, tok, text, seq_len=t.seq_len, max_tokens=EVAL_TOKENS)}
+            name: {
+                "original": perplexity(source, tok, text, seq_len=t.seq_len, max_tokens=EVAL_TOKENS),
+                "retrofitted": perplexity(model, tok, text, seq_len=t.seq_len, max_tokens=EVAL_TOKENS),
+            }
             for name, text in held.items()
-        }  # fmt: skip
+        }
         counts = measured_counts(model.embed)
         v, d = old.shape
         meta = {
@@ -184,7 +214,7 @@ class EmbeddingAssembler:
                     "original_table": v * d,
                     "routed_embedding": counts,
                     "head": v * d if recipe.head == "keep" else 0,
-                },  # fmt: skip
+                },
                 "step0": step0,
                 "cached_vs_full_max_abs_logit_diff": cached,
                 "heldout_perplexity": ppl,

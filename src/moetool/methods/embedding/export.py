@@ -53,10 +53,11 @@ class ExportRoutedLM(nn.Module):
         head = model.lm_head.weight if model.lm_head is not None else torch.zeros(1, d)
         shim = SimpleNamespace(  # what ExportLM reads from a transformers causal LM
             config=body.config,
-            model=SimpleNamespace(embed_tokens=nn.Embedding(1, d), layers=body.layers, norm=body.norm,
-                                  rotary_emb=body.rotary_emb),
+            model=SimpleNamespace(
+                embed_tokens=nn.Embedding(1, d), layers=body.layers, norm=body.norm, rotary_emb=body.rotary_emb
+            ),
             lm_head=SimpleNamespace(weight=head),
-        )  # fmt: skip
+        )
         core = ExportLM(shim)
         self.core = core  # its 1-row embed (and, when tied, 1-row head) placeholders are never called
         self.tied = model.lm_head is None
@@ -65,8 +66,9 @@ class ExportRoutedLM(nn.Module):
         self.n_router = self.embed.n_cache
         self.n_layers, self.n_kv, self.head_dim = core.n_layers, core.n_kv, core.head_dim
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         rpast, bpast = past[: self.n_router], past[self.n_router :]
         x, rpresent, _ = self.embed(input_ids, position_ids, mask, tuple(rpast))
         core = self.core
@@ -127,19 +129,30 @@ def export_onnx(model: Any, tok: Any, text: str, out_dir: Path, *, text_source: 
     names_in = ["input_ids", "position_ids", "mask"]
     with torch.no_grad():
         torch.onnx.export(
-            em, (ids, torch.arange(8)[None], causal_mask(8, 0)), str(pre), dynamo=True, optimize=True, verbose=False,
-            input_names=names_in, output_names=["logits", *em.past_names("present")],
+            em,
+            (ids, torch.arange(8)[None], causal_mask(8, 0)),
+            str(pre),
+            dynamo=True,
+            optimize=True,
+            verbose=False,
+            input_names=names_in,
+            output_names=["logits", *em.past_names("present")],
             dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
-        )  # fmt: skip
+        )
         p = 5
         past = em.empty_past(p)
         plen = torch.export.Dim("past", min=1, max=max_pos - 1)
         torch.onnx.export(
-            em, (ids[:, :1], torch.tensor([[p]]), causal_mask(1, p), *past), str(dec), dynamo=True, optimize=True,
-            verbose=False, input_names=[*names_in, *em.past_names("past")],
+            em,
+            (ids[:, :1], torch.tensor([[p]]), causal_mask(1, p), *past),
+            str(dec),
+            dynamo=True,
+            optimize=True,
+            verbose=False,
+            input_names=[*names_in, *em.past_names("past")],
             output_names=["logits", *em.past_names("present")],
             dynamic_shapes=(None, None, {3: plen + 1}, em.past_shapes(plen)),
-        )  # fmt: skip
+        )
     so = ort.SessionOptions()
     so.log_severity_level = 3
     s_pre = ort.InferenceSession(str(pre), so, providers=["CPUExecutionProvider"])
@@ -159,8 +172,9 @@ def export_onnx(model: Any, tok: Any, text: str, out_dir: Path, *, text_source: 
         return out[0], out[1:]
 
     lens = (32, min(128, max_pos))
-    parity = graph_parity(model, em, tok, text, prefill, decode, runtime=f"onnxruntime {ort.__version__}",
-                          seq_lens=lens)  # fmt: skip
+    parity = graph_parity(
+        model, em, tok, text, prefill, decode, runtime=f"onnxruntime {ort.__version__}", seq_lens=lens
+    )
     parity["text"] = text_source
     gate(parity, "ONNX (fp32)")
     ops: dict[str, int] = {}
@@ -168,8 +182,11 @@ def export_onnx(model: Any, tok: Any, text: str, out_dir: Path, *, text_source: 
 
     for n in onnx.load(str(pre)).graph.node:
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
-    return {"parity": parity, "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
-            "runtime": f"onnxruntime {ort.__version__}"}  # fmt: skip
+    return {
+        "parity": parity,
+        "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+        "runtime": f"onnxruntime {ort.__version__}",
+    }
 
 
 class PrefillLogits(nn.Module):
@@ -200,17 +217,26 @@ def export_coreml(model: Any, tok: Any, text: str, out_dir: Path, *, text_source
         traced = torch.jit.trace(wrapper, example)
     seq = ct.RangeDim(2, max_pos)
     ml = ct.convert(
-        traced, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS17,
-        inputs=[ct.TensorType(name="input_ids", shape=(1, seq), dtype=np.int32),
-                ct.TensorType(name="position_ids", shape=(1, seq), dtype=np.int32),
-                ct.TensorType(name="mask", shape=(1, 1, seq, seq), dtype=np.float32)],
+        traced,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.iOS17,
+        inputs=[
+            ct.TensorType(name="input_ids", shape=(1, seq), dtype=np.int32),
+            ct.TensorType(name="position_ids", shape=(1, seq), dtype=np.int32),
+            ct.TensorType(name="mask", shape=(1, 1, seq, seq), dtype=np.float32),
+        ],
         outputs=[ct.TensorType(name="logits", dtype=np.float32)],
-        compute_precision=ct.precision.FLOAT32, skip_model_load=True,
-    )  # fmt: skip
+        compute_precision=ct.precision.FLOAT32,
+        skip_model_load=True,
+    )
     ml.save(str(out_dir / "model.mlpackage"))
     spec = ml.get_spec()
-    ops = Counter(op.type for f in spec.mlProgram.functions.values() for b in f.block_specializations.values()
-                  for op in b.operations)  # fmt: skip
+    ops = Counter(
+        op.type
+        for f in spec.mlProgram.functions.values()
+        for b in f.block_specializations.values()
+        for op in b.operations
+    )
     inputs = [i.name for i in spec.description.input]
     outputs = [o.name for o in spec.description.output]
     if inputs != ["input_ids", "position_ids", "mask"] or outputs != ["logits"]:
@@ -221,14 +247,24 @@ def export_coreml(model: Any, tok: Any, text: str, out_dir: Path, *, text_source
     for ids in probes:
         x = torch.tensor([ids])
         with torch.no_grad():
-            diffs[str(len(ids))] = float((wrapper(x, torch.arange(len(ids))[None], causal_mask(len(ids), 0))
-                                          - model(x).logits).abs().max())  # fmt: skip
+            diffs[str(len(ids))] = float(
+                (wrapper(x, torch.arange(len(ids))[None], causal_mask(len(ids), 0)) - model(x).logits).abs().max()
+            )
     if max(diffs.values()) > 1e-4:
         raise ExportError(f"coreml: the converted wrapper differs from transformers by {max(diffs.values()):.3g}")
-    parity = {"runtime": "none on Linux (Core ML runs on Apple platforms only)",
-              "converted_wrapper_vs_transformers": diffs, "text": text_source}  # fmt: skip
-    return {"parity": parity, "ops": dict(ops.most_common()), "runtime": f"coremltools {ct.__version__}",
-            "spec_version": spec.specificationVersion, "inputs": inputs, "outputs": outputs}  # fmt: skip
+    parity = {
+        "runtime": "none on Linux (Core ML runs on Apple platforms only)",
+        "converted_wrapper_vs_transformers": diffs,
+        "text": text_source,
+    }
+    return {
+        "parity": parity,
+        "ops": dict(ops.most_common()),
+        "runtime": f"coremltools {ct.__version__}",
+        "spec_version": spec.specificationVersion,
+        "inputs": inputs,
+        "outputs": outputs,
+    }
 
 
 def export_tflite(model_dir: Path, text: str, out_dir: Path, *, text_source: str) -> dict[str, Any]:
@@ -243,10 +279,15 @@ def export_tflite(model_dir: Path, text: str, out_dir: Path, *, text_source: str
     py = litert_python()
     with tempfile.TemporaryDirectory() as work:
         rp = Path(work) / "request.json"
-        rp.write_text(json.dumps({"model_dir": str(model_dir), "out_dir": str(out_dir), "prefill_len": 128,
-                                  "eval_text": text}))  # fmt: skip
-        proc = subprocess.run([py, "-m", "moetool.methods.embedding.tflite_worker", str(rp)], capture_output=True,
-                              text=True, env=os.environ | {"PYTHONPATH": str(REPO / "src")})  # fmt: skip
+        rp.write_text(
+            json.dumps({"model_dir": str(model_dir), "out_dir": str(out_dir), "prefill_len": 128, "eval_text": text})
+        )
+        proc = subprocess.run(
+            [py, "-m", "moetool.methods.embedding.tflite_worker", str(rp)],
+            capture_output=True,
+            text=True,
+            env=os.environ | {"PYTHONPATH": str(REPO / "src")},
+        )
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
         raise ExportError(f"TFLite conversion failed in {py}:\n{tail}")
@@ -259,8 +300,9 @@ def export_tflite(model_dir: Path, text: str, out_dir: Path, *, text_source: str
     return result
 
 
-def export_routed(model_dir: Path, target: str, output: Path, *, force: bool = False,
-                  eval_text: str | None = None) -> dict[str, Any]:  # fmt: skip
+def export_routed(
+    model_dir: Path, target: str, output: Path, *, force: bool = False, eval_text: str | None = None
+) -> dict[str, Any]:
     """Export the routed-embedding model in ``model_dir`` to ``target``; writes ``output`` atomically with a
     manifest and returns it.
 

@@ -34,8 +34,13 @@ class RoutedEmbeddingConfig(PretrainedConfig):
 
     model_type = MODEL_TYPE
 
-    def __init__(self, body: dict[str, Any] | None = None, embedding: dict[str, Any] | None = None,
-                 head: str = "keep", **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        body: dict[str, Any] | None = None,
+        embedding: dict[str, Any] | None = None,
+        head: str = "keep",
+        **kwargs: Any,
+    ) -> None:
         self.body = dict(body or {})
         self.embedding = dict(embedding or {})
         self.head = head
@@ -120,8 +125,9 @@ class RoutedEmbeddingForCausalLM(PreTrainedModel):
         logits = self.logits(h)
         loss = None
         if labels is not None:
-            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                               labels[:, 1:].reshape(-1), ignore_index=-100)  # fmt: skip
+            loss = nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
         out = CausalLMOutputWithPast(loss=loss, logits=logits)
         out["aux_loss"] = aux["total"]
         out["embeds"] = x
@@ -144,8 +150,9 @@ class RoutedEmbeddingForCausalLM(PreTrainedModel):
         p = 0 if state is None else state.length
         self._check_length(p + t)
         pos = (torch.arange(t, device=input_ids.device) + p)[None].expand(b, t)
-        x, router_cache, _ = self.embed(input_ids, pos, causal_mask(t, p, b).to(input_ids.device),
-                                        () if state is None else state.router)  # fmt: skip
+        x, router_cache, _ = self.embed(
+            input_ids, pos, causal_mask(t, p, b).to(input_ids.device), () if state is None else state.router
+        )
         cache = DynamicCache(config=self.body.config) if state is None else state.body
         out = self.body(inputs_embeds=x, position_ids=pos, past_key_values=cache, use_cache=True)
         return self.logits(out.last_hidden_state), DecodeState(out.past_key_values, router_cache, p + t)

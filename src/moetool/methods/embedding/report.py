@@ -57,8 +57,11 @@ def window_perplexity(model: Any, windows: torch.Tensor, batch: int = 16) -> flo
     for i in range(0, len(windows), batch):
         x = windows[i : i + batch]
         logits = model(x).logits[:, :-1].float()
-        nll += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                                       reduction="sum"))  # fmt: skip
+        nll += float(
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
+            )
+        )
         n += x[:, 1:].numel()
     return math.exp(nll / n)
 
@@ -114,13 +117,13 @@ def run_report(
         "hidden": d,
         "body_params": sum(
             p.numel() for n, p in source.named_parameters() if "embed_tokens" not in n and "lm_head" not in n
-        ),  # fmt: skip
+        ),
         "original_table": v * d,
         "head": {
             "choice": "keep (the original head, frozen)",
             "params": v * d,
             "tied_in_original": bool(getattr(cfg, "tie_word_embeddings", False)),
-        },  # fmt: skip
+        },
         "settings": {
             "steps": steps,
             "batch_size": batch_size,
@@ -131,7 +134,7 @@ def run_report(
             "seed": seed,
             "eval_tokens_per_domain": eval_tokens,
             "threads": torch.get_num_threads(),
-        },  # fmt: skip
+        },
         "original": {"test": ppl(source, test), "select": ppl(source, select)},
         "arms": {},
     }
@@ -142,11 +145,23 @@ def run_report(
         arm: dict[str, Any] = {"embedding": kw, "params": measured_counts(m0.embed), "step0": ppl(m0, test), "runs": {}}
         for lr in learning_rates:
             m0.embed.load_state_dict(init_state)
-            s = TrainSettings(steps=steps, learning_rate=lr, batch_size=batch_size, seq_len=seq_len,
-                              lm_weight=lm_weight, distill_weight=distill_weight, seed=seed, log_every=max(1, steps // 4))  # fmt: skip
+            s = TrainSettings(
+                steps=steps,
+                learning_rate=lr,
+                batch_size=batch_size,
+                seq_len=seq_len,
+                lm_weight=lm_weight,
+                distill_weight=distill_weight,
+                seed=seed,
+                log_every=max(1, steps // 4),
+            )
             secs = train_embedding(m0, old, batches, s)
-            run: dict[str, Any] = {"select": ppl(m0, select)["mean"], "test": ppl(m0, test), "train_seconds": round(secs, 1),
-                   "history": s.history}  # fmt: skip
+            run: dict[str, Any] = {
+                "select": ppl(m0, select)["mean"],
+                "test": ppl(m0, test),
+                "train_seconds": round(secs, 1),
+                "history": s.history,
+            }
             arm["runs"][str(lr)] = run
             if log:
                 log(f"{name} lr {lr:g}: select {run['select']:.2f}, test {run['test']['mean']:.2f} ({secs:.0f}s)")
@@ -186,8 +201,10 @@ def render_markdown(rep: dict[str, Any]) -> str:
     ]
     for name, a in rep["arms"].items():
         p = a["params"]
-        lines.append(f"| {name} | {p['table']:,} | {p['router']:,} | {p['experts']:,} | {p['generator']:,} | "
-                     f"{p['projection']:,} | {p['total']:,} | {p['total'] / rep['original_table']:.1%} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {p['table']:,} | {p['router']:,} | {p['experts']:,} | {p['generator']:,} | "
+            f"{p['projection']:,} | {p['total']:,} | {p['total'] / rep['original_table']:.1%} |"
+        )
     doms = [k for k in rep["original"]["test"] if k != "mean"]
     lrs = rep["settings"]["learning_rates"]
     lines += [
@@ -199,15 +216,22 @@ def render_markdown(rep: dict[str, Any]) -> str:
         "|---|---|" + "---|" * len(lrs) + "---|" + "---|" * len(doms) + "---|",
     ]
     o = rep["original"]["test"]
-    lines.append("| original (untrained) | – | " + " | ".join("–" for _ in lrs) + " | – | "
-                 + " | ".join(f"{o[dm]:.2f}" for dm in doms) + f" | {o['mean']:.2f} |")  # fmt: skip
+    lines.append(
+        "| original (untrained) | – | "
+        + " | ".join("–" for _ in lrs)
+        + " | – | "
+        + " | ".join(f"{o[dm]:.2f}" for dm in doms)
+        + f" | {o['mean']:.2f} |"
+    )
     for name, a in rep["arms"].items():
         t = a["test"]
         lines.append(
             f"| {name} | {a['step0']['mean']:.2f} | "
             + " | ".join(f"{a['runs'][str(lr)]['test']['mean']:.2f}" for lr in lrs)
-            + f" | {a['best_lr']:g} | " + " | ".join(f"{t[dm]:.2f}" for dm in doms) + f" | {t['mean']:.2f} |"
-        )  # fmt: skip
+            + f" | {a['best_lr']:g} | "
+            + " | ".join(f"{t[dm]:.2f}" for dm in doms)
+            + f" | {t['mean']:.2f} |"
+        )
     lines += [
         "",
         f"Verdict: {rep['verdict']}.",

@@ -32,8 +32,13 @@ from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import EmbeddingConfig
 
 
-def svd_seed(weight: torch.Tensor, d: int, *, on_layernorm_sphere: bool, eps: float = 1e-5,
-             ) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
+def svd_seed(
+    weight: torch.Tensor,
+    d: int,
+    *,
+    on_layernorm_sphere: bool,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Seed table [V, d] and projection weight [D, d] with ``LN?(table) @ projᵀ`` = the rank-r SVD approximation.
 
     Returns (table, proj_weight, r): r = d, or d - 2 ``on_layernorm_sphere`` (see the module docstring).
@@ -65,8 +70,16 @@ def retrofit(source: Any, embedding: dict[str, Any], *, head: str = "keep") -> R
     embedding as the module docstring says. ``embedding``: :class:`EmbeddingConfig` fields except vocab/d_model."""
     cfg = source.config
     body = cfg.to_dict()
-    ecfg = EmbeddingConfig(**({"vocab_size": cfg.vocab_size, "d_model": cfg.hidden_size,
-                               "max_positions": int(getattr(cfg, "max_position_embeddings", 512))} | embedding))  # fmt: skip
+    ecfg = EmbeddingConfig(
+        **(
+            {
+                "vocab_size": cfg.vocab_size,
+                "d_model": cfg.hidden_size,
+                "max_positions": int(getattr(cfg, "max_position_embeddings", 512)),
+            }
+            | embedding
+        )
+    )
     model = RoutedEmbeddingForCausalLM(RoutedEmbeddingConfig(body=body, embedding=ecfg.to_dict(), head=head))
     state = {k.removeprefix(f"{source.base_model_prefix}."): v for k, v in source.state_dict().items()}
     body_state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}
@@ -121,9 +134,17 @@ def _schedule(steps: int, warmup: int) -> Callable[[int], float]:
     return fn
 
 
-def _phase(model: RoutedEmbeddingForCausalLM, params: list[torch.nn.Parameter], steps: int, lr: float,
-           batches: Callable[[int], torch.Tensor], teacher: torch.Tensor, s: TrainSettings, offset: int,
-           log: Callable[[str], None] | None) -> None:  # fmt: skip
+def _phase(
+    model: RoutedEmbeddingForCausalLM,
+    params: list[torch.nn.Parameter],
+    steps: int,
+    lr: float,
+    batches: Callable[[int], torch.Tensor],
+    teacher: torch.Tensor,
+    s: TrainSettings,
+    offset: int,
+    log: Callable[[str], None] | None,
+) -> None:
     if steps <= 0:
         return
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=s.weight_decay)
@@ -154,8 +175,13 @@ def _phase(model: RoutedEmbeddingForCausalLM, params: list[torch.nn.Parameter], 
     model.eval()
 
 
-def train_embedding(model: RoutedEmbeddingForCausalLM, teacher: torch.Tensor, batches: Callable[[int], torch.Tensor],
-                    s: TrainSettings, log: Callable[[str], None] | None = None) -> float:  # fmt: skip
+def train_embedding(
+    model: RoutedEmbeddingForCausalLM,
+    teacher: torch.Tensor,
+    batches: Callable[[int], torch.Tensor],
+    s: TrainSettings,
+    log: Callable[[str], None] | None = None,
+) -> float:
     """Train ``model.embed`` (and a ``seed`` head through it) with the body frozen, then optionally everything.
 
     Args:
@@ -176,8 +202,17 @@ def train_embedding(model: RoutedEmbeddingForCausalLM, teacher: torch.Tensor, ba
     if s.unfreeze_steps:
         for p in model.parameters():
             p.requires_grad_(True)
-        _phase(model, list(model.parameters()), s.unfreeze_steps, s.unfreeze_learning_rate, batches, teacher, s,
-               s.steps, log)  # fmt: skip
+        _phase(
+            model,
+            list(model.parameters()),
+            s.unfreeze_steps,
+            s.unfreeze_learning_rate,
+            batches,
+            teacher,
+            s,
+            s.steps,
+            log,
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     return time.perf_counter() - t0

@@ -64,8 +64,13 @@ class Block(nn.Module):
         self.up = nn.Linear(width, ff_mult * width)
         self.down = nn.Linear(ff_mult * width, width)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, past_k: torch.Tensor | None, past_v: torch.Tensor | None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        past_k: torch.Tensor | None,
+        past_v: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, W], mask [B, 1, T, P+T], past [B, H, P, hd] → (x, k, v) with k/v [B, H, P+T, hd]."""
         b, t, w = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(w, dim=-1)
@@ -110,8 +115,9 @@ class CausalRouter(nn.Module):
         """Cache tensors: k and v per trunk layer, then cross k and v."""
         return 2 * self.cfg.layers + (2 if self.cross else 0)
 
-    def forward(self, u: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                past: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:  # fmt: skip
+    def forward(
+        self, u: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, past: tuple[torch.Tensor, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """Router states and query context.
 
         Args:
@@ -140,8 +146,12 @@ class CausalRouter(nn.Module):
         c = (att @ cv[:, None]).flatten(2)  # [B, T, M·W]
         return h, c, (*present, ck, cv)
 
-    def route(self, h: torch.Tensor, c: torch.Tensor, position_ids: torch.Tensor,
-              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def route(
+        self,
+        h: torch.Tensor,
+        c: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Blended logits ``l`` [B, T, K] (before the temperature) and routing weights ``w`` [B, T, K] summing to 1."""
         alpha = torch.sigmoid(self.alpha(h))  # [B, T, 1]
         logits = alpha * self.self_logits(h) + (1 - alpha) * self.cross_logits(c)

@@ -53,8 +53,12 @@ def main(request_path: str) -> None:
     probes, ppl_windows = windows(tok, req["eval_text"], [32, plen], 4)
     got = [prefill(np.array([ids]))[0] for ids in probes + ppl_windows]
     vs = agreement(got, hf, probes, ppl_windows)
-    parity = {"runtime": "ai_edge_litert interpreter", "reference": "transformers float32", "seq_lens": [32, plen],
-              "max_abs_logit_diff": vs.max_abs_logit_diff} | vs.to_json()  # fmt: skip
+    parity = {
+        "runtime": "ai_edge_litert interpreter",
+        "reference": "transformers float32",
+        "seq_lens": [32, plen],
+        "max_abs_logit_diff": vs.max_abs_logit_diff,
+    } | vs.to_json()
     print(json.dumps({"parity": parity, "prefill_len": plen, "signatures": ["prefill"]}))
 
 

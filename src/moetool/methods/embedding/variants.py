@@ -144,8 +144,13 @@ class RoutedEmbedding(nn.Module):
         d, k = self.cfg.seed_dim, self.cfg.n_experts
         return torch.softmax(self.mix(u).reshape(*u.shape[:-1], k, d, d), dim=-1)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                past: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:  # fmt: skip
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        past: tuple[torch.Tensor, ...] = (),
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
         """ids [B, T] (new tokens), positions [B, T], mask [B, 1, T, P+T], past: ``n_cache`` tensors or empty.
 
         Returns hidden [B, T, D], the present cache and the auxiliary losses (``total`` is their weighted sum).
@@ -175,8 +180,11 @@ class RoutedEmbedding(nn.Module):
             if not self.compute_aux:
                 return self.proj(z), present, {}
             flat = logits.reshape(-1, logits.shape[-1])
-            aux = {"balance": load_balancing_loss(flat, cfg.top_k), "z": router_z_loss(flat),
-                   "diversity": diversity_loss(experts)}  # fmt: skip
+            aux = {
+                "balance": load_balancing_loss(flat, cfg.top_k),
+                "z": router_z_loss(flat),
+                "diversity": diversity_loss(experts),
+            }
         total = sum((cfg.aux.get(k, 0.0) * v for k, v in aux.items()), u.new_zeros(()))
         return self.proj(z), present, aux | {"total": total}
 

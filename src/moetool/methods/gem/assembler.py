@@ -30,8 +30,11 @@ BUNDLE = "gem.json"
 
 def _digest(model: torch.nn.Module, skip: str) -> dict[str, str]:
     """sha256 of every parameter whose name does not start with ``skip`` (to prove they did not move)."""
-    return {n: hashlib.sha256(p.detach().contiguous().numpy().tobytes()).hexdigest()
-            for n, p in model.named_parameters() if not n.startswith(skip)}  # fmt: skip
+    return {
+        n: hashlib.sha256(p.detach().contiguous().numpy().tobytes()).hexdigest()
+        for n, p in model.named_parameters()
+        if not n.startswith(skip)
+    }
 
 
 def _meta_model(pw: Pathways, recipe: GemRecipe) -> Any:
@@ -75,11 +78,21 @@ def memory_table(pw: Pathways, recipe: GemRecipe) -> dict[str, Any]:
     for name in recipe.devices:
         dev = get_device(name)
         mem = estimate_memory(weights, pw.config, dev.context)
-        devices[name] = {"context": dev.context, "weights": mem.weights, "kv_cache": mem.kv_cache,
-                         "runtime": mem.runtime, "total": mem.total, "budget": dev.budget,
-                         "fits": mem.total <= dev.budget}  # fmt: skip
-    return {"plan": recipe.quantization.model_dump(exclude_none=True), "weights": weights, "by_role": by_role,
-            "devices": devices}  # fmt: skip
+        devices[name] = {
+            "context": dev.context,
+            "weights": mem.weights,
+            "kv_cache": mem.kv_cache,
+            "runtime": mem.runtime,
+            "total": mem.total,
+            "budget": dev.budget,
+            "fits": mem.total <= dev.budget,
+        }
+    return {
+        "plan": recipe.quantization.model_dump(exclude_none=True),
+        "weights": weights,
+        "by_role": by_role,
+        "devices": devices,
+    }
 
 
 class GemAssembler:
@@ -101,9 +114,11 @@ class GemAssembler:
             f"weights under the plan: {mem['weights'] / 1e6:.2f} MB",
         ]
         for dev, m in mem["devices"].items():
-            lines.append(f"  {dev}: weights {m['weights'] / 1e6:.2f} MB + KV {m['kv_cache'] / 1e6:.2f} MB + runtime "
-                         f"{m['runtime'] / 1e6:.2f} MB = {m['total'] / 1e6:.2f} MB of {m['budget'] / 1e9:.2f} GB "
-                         f"({'fits' if m['fits'] else 'DOES NOT FIT'})")  # fmt: skip
+            lines.append(
+                f"  {dev}: weights {m['weights'] / 1e6:.2f} MB + KV {m['kv_cache'] / 1e6:.2f} MB + runtime "
+                f"{m['runtime'] / 1e6:.2f} MB = {m['total'] / 1e6:.2f} MB of {m['budget'] / 1e9:.2f} GB "
+                f"({'fits' if m['fits'] else 'DOES NOT FIT'})"
+            )
         lines += [f"warning: {w}" for w in pw.warnings]
         return "\n".join(lines)
 
@@ -149,12 +164,23 @@ def _meta(recipe: GemRecipe, pw: Pathways) -> dict[str, Any]:
 
     text = _recipe_yaml(recipe)
     srcs = {"general": pw.general} | dict(pw.domains)
-    return {"method": "gem", "name": recipe.name, "level": recipe.level, "domains": [d.name for d in recipe.domains],
-            "tau": recipe.router.tau, "provenance": provenance(srcs, text)}  # fmt: skip
+    return {
+        "method": "gem",
+        "name": recipe.name,
+        "level": recipe.level,
+        "domains": [d.name for d in recipe.domains],
+        "tau": recipe.router.tau,
+        "provenance": provenance(srcs, text),
+    }
 
 
-def _held_out_ppl(model: Any, valid: dict[str, torch.Tensor], bos: int | None, tokens: int, seq_len: int = 128,
-                  ) -> dict[str, float]:  # fmt: skip
+def _held_out_ppl(
+    model: Any,
+    valid: dict[str, torch.Tensor],
+    bos: int | None,
+    tokens: int,
+    seq_len: int = 128,
+) -> dict[str, float]:
     """Perplexity per domain on the first ``tokens`` held-out ids, non-overlapping windows (BOS + seq_len − 1)."""
     import math
 
@@ -174,8 +200,7 @@ def _held_out_ppl(model: Any, valid: dict[str, torch.Tensor], bos: int | None, t
     return out
 
 
-def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Path, force: bool,
-                   console: Any) -> Path:  # fmt: skip
+def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Path, force: bool, console: Any) -> Path:
     from transformers import AutoModelForCausalLM
 
     from moetool.methods.gem.pathways import build_token_model, fit_scar_centroids, token_parity
@@ -188,15 +213,23 @@ def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Pa
     bos = tok.bos_token_id
     streams = domain_streams(recipe, tok, recipe_dir)
     parity = token_parity(model, pw, recipe, _probe(streams, bos))
-    console.print("assembly parity (forced pathway vs its source, max |Δlogit|): "
-                  + ", ".join(f"{k} {v:.2e}" for k, v in parity.items()))  # fmt: skip
+    console.print(
+        "assembly parity (forced pathway vs its source, max |Δlogit|): "
+        + ", ".join(f"{k} {v:.2e}" for k, v in parity.items())
+    )
     if not notes and max(parity.values()) > PARITY_LIMIT:
         raise MoetoolError(f"gem assembly parity failed: {parity} (limit {PARITY_LIMIT})")
-    report: dict[str, Any] = {"level": "token", "notes": notes, "assembly_parity": parity,
-                              "memory": memory_table(pw, recipe)}  # fmt: skip
+    report: dict[str, Any] = {
+        "level": "token",
+        "notes": notes,
+        "assembly_parity": parity,
+        "memory": memory_table(pw, recipe),
+    }
     if recipe.scar.clusters:
-        calib = [sample_batch([s[0]], 4, 128, seed=recipe.router.seed, step=i, bos_id=bos) for i, s in
-                 enumerate(streams.values())]  # fmt: skip
+        calib = [
+            sample_batch([s[0]], 4, 128, seed=recipe.router.seed, step=i, bos_id=bos)
+            for i, s in enumerate(streams.values())
+        ]
         fit_scar_centroids(model, calib, recipe.scar.iterations, seed=recipe.router.seed)
         report["scar"] = {"clusters": recipe.scar.clusters, "fitted_on_tokens": sum(c.numel() for c in calib)}
     before = _digest(model, "model.router.")
@@ -206,22 +239,34 @@ def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Pa
     router.requires_grad_(True)
     spec = recipe.router
     report["router_training"] = train_router(
-        router, gem_encoder(model), [s[0] for s in streams.values()], steps=spec.steps, lr=spec.learning_rate,
-        batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed, bos_id=bos, log=console.print)  # fmt: skip
+        router,
+        gem_encoder(model),
+        [s[0] for s in streams.values()],
+        steps=spec.steps,
+        lr=spec.learning_rate,
+        batch_size=spec.batch_size,
+        seq_len=spec.seq_len,
+        seed=spec.seed,
+        bos_id=bos,
+        log=console.print,
+    )
     router.requires_grad_(False)
     moved = [n for n, h in _digest(model, "model.router.").items() if before[n] != h]
     if moved:
         raise MoetoolError(f"router training changed frozen weights: {moved[:3]}")
     report["router_training"]["frozen_unchanged"] = len(before)
     valid = {d: s[1] for d, s in streams.items()}
-    probs, labels = held_out_probs(router, gem_encoder(model), valid, seq_len=spec.seq_len,
-                                   max_tokens=spec.eval_tokens, bos_id=bos)  # fmt: skip
+    probs, labels = held_out_probs(
+        router, gem_encoder(model), valid, seq_len=spec.seq_len, max_tokens=spec.eval_tokens, bos_id=bos
+    )
     report["router"] = tau_table(probs, labels, spec.tau_grid, list(streams))
     _print_tau(console, report["router"])
     if recipe.qat.steps:
         bits = quant_bits(gem_plan(model, recipe.quantization, fit_rows=False))
-        teachers = {d: AutoModelForCausalLM.from_pretrained(str(s.path), dtype=torch.float32).eval()
-                    for d, s in pw.domains.items()}  # fmt: skip
+        teachers = {
+            d: AutoModelForCausalLM.from_pretrained(str(s.path), dtype=torch.float32).eval()
+            for d, s in pw.domains.items()
+        }
         ev_tokens = min(4096, spec.eval_tokens)
 
         def ppl_pair() -> dict[str, Any]:
@@ -236,8 +281,9 @@ def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Pa
 
         pre = ppl_pair()
         frozen = _digest(model, "\0")
-        report["qat"] = run_qat(model, teachers, {d: s[0] for d, s in streams.items()}, recipe.qat, bits, bos_id=bos,
-                                log=console.print)  # fmt: skip
+        report["qat"] = run_qat(
+            model, teachers, {d: s[0] for d, s in streams.items()}, recipe.qat, bits, bos_id=bos, log=console.print
+        )
         after = _digest(model, "\0")
         from moetool.methods.gem.qat import trainable_names
 
@@ -245,8 +291,12 @@ def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Pa
         moved = [n for n in after if after[n] != frozen[n] and n not in train_set]
         if moved:
             raise MoetoolError(f"QAT changed frozen weights: {moved[:3]}")
-        report["qat"] |= {"before": pre, "after": ppl_pair(), "frozen_unchanged": len(after) - len(train_set),
-                          "eval_tokens_per_domain": ev_tokens}  # fmt: skip
+        report["qat"] |= {
+            "before": pre,
+            "after": ppl_pair(),
+            "frozen_unchanged": len(after) - len(train_set),
+            "eval_tokens_per_domain": ev_tokens,
+        }
     with atomic_dir(output, force=force) as tmp:
         model.save_pretrained(str(tmp))
         _copy_tokenizer(pw.general.path, tmp)
@@ -260,12 +310,15 @@ def _print_tau(console: Any, table: dict[str, Any]) -> None:
     console.print(f"router held-out argmax accuracy {table['argmax_accuracy']:.3f} over {table['items']} items")
     for row in table["by_tau"]:
         acc = "-" if row["routed_accuracy"] is None else f"{row['routed_accuracy']:.3f}"
-        console.print(f"  tau {row['tau']:.2f}: fallback {row['fallback']:.3f}, routed accuracy {acc}, "
-                      f"correct {row['correct']:.3f}, wrong {row['wrong']:.3f}")  # fmt: skip
+        console.print(
+            f"  tau {row['tau']:.2f}: fallback {row['fallback']:.3f}, routed accuracy {acc}, "
+            f"correct {row['correct']:.3f}, wrong {row['wrong']:.3f}"
+        )
 
 
-def assemble_sequence(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Path, force: bool,
-                      console: Any) -> Path:  # fmt: skip
+def assemble_sequence(
+    recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Path, force: bool, console: Any
+) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -286,31 +339,52 @@ def assemble_sequence(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output:
     report: dict[str, Any] = {"level": "sequence", "memory": memory_table(pw, recipe)}
     before = _digest(general, "\0")
     report["router_training"] = train_router(
-        router, featurize, [s[0] for s in streams.values()], steps=spec.steps, lr=spec.learning_rate,
-        batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed, bos_id=bos, pool=True,
-        log=console.print)  # fmt: skip
+        router,
+        featurize,
+        [s[0] for s in streams.values()],
+        steps=spec.steps,
+        lr=spec.learning_rate,
+        batch_size=spec.batch_size,
+        seq_len=spec.seq_len,
+        seed=spec.seed,
+        bos_id=bos,
+        pool=True,
+        log=console.print,
+    )
     if _digest(general, "\0") != before:
         raise MoetoolError("router training changed the general model's weights")
     valid = {d: s[1] for d, s in streams.items()}
-    probs, labels = held_out_probs(router, featurize, valid, seq_len=spec.seq_len, max_tokens=spec.eval_tokens,
-                                   bos_id=bos, pool=True)  # fmt: skip
+    probs, labels = held_out_probs(
+        router, featurize, valid, seq_len=spec.seq_len, max_tokens=spec.eval_tokens, bos_id=bos, pool=True
+    )
     report["router"] = tau_table(probs, labels, spec.tau_grid, list(streams))
     _print_tau(console, report["router"])
     with atomic_dir(output, force=force) as tmp:
-        save_file({"weight": router.weight.detach().contiguous(), "bias": router.bias.detach().contiguous()},
-                  str(tmp / "router.safetensors"))  # fmt: skip
+        save_file(
+            {"weight": router.weight.detach().contiguous(), "bias": router.bias.detach().contiguous()},
+            str(tmp / "router.safetensors"),
+        )
         for name, src in [("general", pw.general), *pw.domains.items()]:
             dst = tmp / "pathways" / name
             dst.mkdir(parents=True)
             for f in src.path.iterdir():
                 if f.is_file() and (f.suffix in (".json", ".safetensors", ".txt", ".model", ".jinja")):
                     shutil.copy2(f, dst / f.name)
-        bundle = {"format": "moetool-gem-bundle/1", "level": "sequence", "domains": [d.name for d in recipe.domains],
-                  "tau": spec.tau, "rule": "argmax domain if max P > tau (strict) else general",
-                  "encoder": {"pathway": "general", "layers": spec.encoder_layers, "pool": "mean",
-                              "features": "h / rms(h) after the general model's first `layers` layers"},
-                  "router": "router.safetensors",
-                  "pathways": {n: f"pathways/{n}" for n in ["general", *pw.domains]}}  # fmt: skip
+        bundle = {
+            "format": "moetool-gem-bundle/1",
+            "level": "sequence",
+            "domains": [d.name for d in recipe.domains],
+            "tau": spec.tau,
+            "rule": "argmax domain if max P > tau (strict) else general",
+            "encoder": {
+                "pathway": "general",
+                "layers": spec.encoder_layers,
+                "pool": "mean",
+                "features": "h / rms(h) after the general model's first `layers` layers",
+            },
+            "router": "router.safetensors",
+            "pathways": {n: f"pathways/{n}" for n in ["general", *pw.domains]},
+        }
         (tmp / BUNDLE).write_text(json.dumps(bundle, indent=2))
         (tmp / "moetool-recipe.yaml").write_text(_recipe_yaml(recipe))
         (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw), indent=2))

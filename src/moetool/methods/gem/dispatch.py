@@ -37,8 +37,9 @@ class GemDispatcher:
             raise ValueError(f"{self.root}: not a sequence-level GEM export (the token-level graph routes itself)")
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        self.router = ort.InferenceSession(str(self.root / self.manifest["router"]["file"]), so,
-                                           providers=["CPUExecutionProvider"])  # fmt: skip
+        self.router = ort.InferenceSession(
+            str(self.root / self.manifest["router"]["file"]), so, providers=["CPUExecutionProvider"]
+        )
         self.tokenizer = Tokenizer.from_file(str(self.root / self.manifest["tokenizer"]))
 
     def ids(self, text: str) -> list[int]:
@@ -47,8 +48,14 @@ class GemDispatcher:
     def route_ids(self, ids: list[int]) -> tuple[str, dict[str, float]]:
         t = len(ids)
         mask = np.triu(np.full((t, t), -1e9, dtype=np.float32), k=1)[None, None]
-        probs, route = self.router.run(None, {"input_ids": np.array([ids], dtype=np.int64),
-                                              "position_ids": np.arange(t, dtype=np.int64)[None], "mask": mask})  # fmt: skip
+        probs, route = self.router.run(
+            None,
+            {
+                "input_ids": np.array([ids], dtype=np.int64),
+                "position_ids": np.arange(t, dtype=np.int64)[None],
+                "mask": mask,
+            },
+        )
         names = self.manifest["route_names"]
         return names[int(route[0])], {d: float(p) for d, p in zip(self.manifest["domains"], probs[0], strict=True)}
 

@@ -50,8 +50,12 @@ class SequenceGem(nn.Module):
         spec = json.loads((bundle / "gem.json").read_text())
         self.names = ["general", *spec["domains"]]
         self.tau = spec["tau"] if tau is None else tau
-        self.pathways = nn.ModuleList([AutoModelForCausalLM.from_pretrained(str(bundle / spec["pathways"][n]),
-                                       dtype=torch.float32).eval() for n in self.names])  # fmt: skip
+        self.pathways = nn.ModuleList(
+            [
+                AutoModelForCausalLM.from_pretrained(str(bundle / spec["pathways"][n]), dtype=torch.float32).eval()
+                for n in self.names
+            ]
+        )
         w = load_file(str(bundle / spec["router"]))
         self.router = nn.Linear(w["weight"].shape[1], w["weight"].shape[0])
         self.router.load_state_dict(w)
@@ -83,8 +87,15 @@ def _ppl_row(model: Any, tok: Any, texts: Mapping[str, str], seq_len: int, max_t
     return out
 
 
-def gem_report(gem_dir: Path, general: Path, experts: Mapping[str, Path], texts: Mapping[str, str], *,
-               seq_len: int = 256, max_tokens: int = 8192) -> dict[str, Any]:  # fmt: skip
+def gem_report(
+    gem_dir: Path,
+    general: Path,
+    experts: Mapping[str, Path],
+    texts: Mapping[str, str],
+    *,
+    seq_len: int = 256,
+    max_tokens: int = 8192,
+) -> dict[str, Any]:
     """Perplexity, routing shares and GEM metrics of: the GEM model at tau 0 / its tau / 1, the general model and
     every expert, on each domain's held-out text; plus the experiment summary (see :func:`fallback_experiment`)."""
     from transformers import AutoTokenizer
@@ -99,8 +110,17 @@ def gem_report(gem_dir: Path, general: Path, experts: Mapping[str, Path], texts:
     else:
         base, _ = load_causal_lm(gem_dir)
         tau0, names = float(base.config.tau), ["general", *base.config.domains]
-    out: dict[str, Any] = {"settings": {"seq_len": seq_len, "max_tokens": max_tokens, "tau": tau0,
-                           "level": "sequence" if bundle else "token"}, "perplexity": {}, "routing": {}, "gem": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "settings": {
+            "seq_len": seq_len,
+            "max_tokens": max_tokens,
+            "tau": tau0,
+            "level": "sequence" if bundle else "token",
+        },
+        "perplexity": {},
+        "routing": {},
+        "gem": {},
+    }
     variants = {f"gem (tau={tau0:g})": tau0, "gem, no fallback (tau=0)": 0.0, "gem, all general (tau=1)": 1.0}
     for label, tau in variants.items():
         row: dict[str, float] = {}
@@ -142,11 +162,18 @@ def fallback_experiment(report: Mapping[str, Any], gem_label: str, domains: list
         gg_e = report["gem"][e]["gg"]
         gg_g = report["gem"][gem_label]["gg_per_domain"][d]
         gg_n = report["gem"][nofb]["gg_per_domain"][d]
-        rows[d] = {"gg_expert": round(gg_e, 4), "gg_gem": round(gg_g, 4), "gg_gem_no_fallback": round(gg_n, 4),
-                   "gg_reduced": gg_g < gg_e, "ppl_in_domain_expert": round(ppl[e][d], 3),
-                   "ppl_in_domain_gem": round(ppl[gem_label][d], 3), "ppl_in_domain_no_fallback": round(ppl[nofb][d], 3),
-                   "in_domain_loss": round(ppl[gem_label][d] / ppl[e][d] - 1, 4),
-                   "ppl_out_of_domain_expert": round(sum(v for k, v in ppl[e].items() if k != d) / (len(ppl[e]) - 1), 3),
-                   "ppl_out_of_domain_gem": round(sum(v for k, v in ppl[gem_label].items() if k != d)
-                                                  / (len(ppl[gem_label]) - 1), 3)}  # fmt: skip
+        rows[d] = {
+            "gg_expert": round(gg_e, 4),
+            "gg_gem": round(gg_g, 4),
+            "gg_gem_no_fallback": round(gg_n, 4),
+            "gg_reduced": gg_g < gg_e,
+            "ppl_in_domain_expert": round(ppl[e][d], 3),
+            "ppl_in_domain_gem": round(ppl[gem_label][d], 3),
+            "ppl_in_domain_no_fallback": round(ppl[nofb][d], 3),
+            "in_domain_loss": round(ppl[gem_label][d] / ppl[e][d] - 1, 4),
+            "ppl_out_of_domain_expert": round(sum(v for k, v in ppl[e].items() if k != d) / (len(ppl[e]) - 1), 3),
+            "ppl_out_of_domain_gem": round(
+                sum(v for k, v in ppl[gem_label].items() if k != d) / (len(ppl[gem_label]) - 1), 3
+            ),
+        }
     return rows

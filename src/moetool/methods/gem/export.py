@@ -38,8 +38,11 @@ MANIFEST = "gem-manifest.json"
 class _FFN(nn.Module):
     def __init__(self, mlp: Any) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = (_linear(mlp.gate_proj.weight), _linear(mlp.up_proj.weight),
-                                                        _linear(mlp.down_proj.weight))  # fmt: skip
+        self.gate_proj, self.up_proj, self.down_proj = (
+            _linear(mlp.gate_proj.weight),
+            _linear(mlp.up_proj.weight),
+            _linear(mlp.down_proj.weight),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -101,8 +104,9 @@ class GemGraph(nn.Module):
         same = (lab[:, :, None] == lab[:, None, :])[:, None]
         return mask + torch.where(same, torch.zeros((), dtype=h.dtype), torch.full((), NEG, dtype=h.dtype))
 
-    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-               w: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def _layer(
+        self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, w: torch.Tensor | None
+    ) -> torch.Tensor:
         layer: Any = self.layers[i]
         h = layer.attn_norm(x)
         q, k, v = qkv_rope(layer.attn, h, cos, sin)
@@ -115,8 +119,9 @@ class GemGraph(nn.Module):
             out = out + w[..., p + 1 : p + 2] * ffn(h)
         return x + out
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self.embed(input_ids)
         inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
         freqs = position_ids.float()[..., None] * inv_freq
@@ -183,8 +188,14 @@ def graph_precisions(graph: GemGraph, quant: str | None) -> dict[str, str]:
         return {}
 
     def role(name: str) -> Role:
-        for key, r in ((".pathways.", "experts"), ("router.", "router"), (".mlp.", "ffn"), (".attn.", "attention"),
-                       ("embed.", "embeddings"), ("lm_head.", "output")):  # fmt: skip
+        for key, r in (
+            (".pathways.", "experts"),
+            ("router.", "router"),
+            (".mlp.", "ffn"),
+            (".attn.", "attention"),
+            ("embed.", "embeddings"),
+            ("lm_head.", "output"),
+        ):
             if key in name or name.startswith(key):
                 return r  # type: ignore[return-value]
         return "norms"
@@ -202,14 +213,22 @@ def trace_graph(graph: GemGraph, path: Path) -> None:
     seq = torch.export.Dim("seq", min=2, max=4096)
     ids = torch.randint(0, 10, (1, 8))
     args = (ids, torch.arange(8)[None], causal_mask(8, 0))
-    torch.onnx.export(graph, args, str(path), dynamo=True, optimize=True, verbose=False,
-                      input_names=["input_ids", "position_ids", "mask"],
-                      output_names=["logits", "router_probs", "routes"],
-                      dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}))  # fmt: skip
+    torch.onnx.export(
+        graph,
+        args,
+        str(path),
+        dynamo=True,
+        optimize=True,
+        verbose=False,
+        input_names=["input_ids", "position_ids", "mask"],
+        output_names=["logits", "router_probs", "routes"],
+        dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
+    )
 
 
-def export_token_onnx(model_dir: Path, output: Path, *, quant: str | None = None, force: bool = False,
-                      verify: bool = True) -> dict[str, Any]:  # fmt: skip
+def export_token_onnx(
+    model_dir: Path, output: Path, *, quant: str | None = None, force: bool = False, verify: bool = True
+) -> dict[str, Any]:
     """``gem.onnx`` + ``gem-manifest.json`` (+ tokenizer) into ``output`` atomically.
 
     ``quant`` (e.g. ``gem``: pathways int4, router and general layers int8) quantizes MatMul weights with
@@ -225,8 +244,10 @@ def export_token_onnx(model_dir: Path, output: Path, *, quant: str | None = None
     require("onnx", "onnx")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     if getattr(model.config, "model_type", None) != "moetool_gem":
-        raise MoetoolError(f"{model_dir}: not a token-level moetool_gem checkpoint (model_type "
-                           f"{model.config.model_type!r}); a sequence-level bundle exports with the same command")  # fmt: skip
+        raise MoetoolError(
+            f"{model_dir}: not a token-level moetool_gem checkpoint (model_type "
+            f"{model.config.model_type!r}); a sequence-level bundle exports with the same command"
+        )
     graph = GemGraph(model).eval()
     precisions = graph_precisions(graph, quant)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -247,22 +268,35 @@ def export_token_onnx(model_dir: Path, output: Path, *, quant: str | None = None
                 raise MoetoolError(f"gem ONNX parity failed: {parity}")
         tok.save_pretrained(str(tmp))
         manifest = {
-            "format": "moetool-gem-artifact/1", "level": "token", "target": "onnx", "file": "gem.onnx",
-            "domains": list(model.config.domains), "tau": float(model.config.tau),
+            "format": "moetool-gem-artifact/1",
+            "level": "token",
+            "target": "onnx",
+            "file": "gem.onnx",
+            "domains": list(model.config.domains),
+            "tau": float(model.config.tau),
             "rule": "routes = argmax+1 where max router_probs > tau (strict) else 0 (general); inside the graph",
-            "inputs": {"input_ids": "[1, T] int64", "position_ids": "[1, T] int64 (0..T-1)",
-                       "mask": "[1, 1, T, T] float32 additive causal mask (0 / -1e9)"},
+            "inputs": {
+                "input_ids": "[1, T] int64",
+                "position_ids": "[1, T] int64 (0..T-1)",
+                "mask": "[1, 1, T, T] float32 additive causal mask (0 / -1e9)",
+            },
             "outputs": {"logits": "[1, T, V]", "router_probs": "[1, T, n_domains]", "routes": "[1, T] int64"},
-            "scar_clusters": int(model.config.scar_clusters), "bytes": path.stat().st_size,
-            "sha256": sha256_file(path), "quant": quant or "f32", "quantized_nodes": counts, "notes": notes,
-            "parity": parity, "timing_s": round(time.perf_counter() - t0, 2),
-        }  # fmt: skip
+            "scar_clusters": int(model.config.scar_clusters),
+            "bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+            "quant": quant or "f32",
+            "quantized_nodes": counts,
+            "notes": notes,
+            "parity": parity,
+            "timing_s": round(time.perf_counter() - t0, 2),
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
 
-def export_token_tflite(model_dir: Path, output: Path, *, force: bool = False, verify: bool = True,
-                        capacity: int = 128) -> dict[str, Any]:  # fmt: skip
+def export_token_tflite(
+    model_dir: Path, output: Path, *, force: bool = False, verify: bool = True, capacity: int = 128
+) -> dict[str, Any]:
     """``gem.tflite`` (fp32, static length ``capacity``, router and rule inside) + manifest, converted by litert-torch
     in its own venv (moetool.methods.gem.tflite_worker); parity in the LiteRT interpreter gated like ONNX."""
     import os
@@ -283,30 +317,47 @@ def export_token_tflite(model_dir: Path, output: Path, *, force: bool = False, v
     t0 = time.perf_counter()
     with atomic_dir(output, force=force) as tmp, tempfile.TemporaryDirectory() as work:
         rp = Path(work) / "request.json"
-        rp.write_text(json.dumps({"model_dir": str(model_dir), "out_dir": str(tmp), "capacity": capacity,
-                                  "verify": verify}))  # fmt: skip
-        proc = subprocess.run([py, "-m", "moetool.methods.gem.tflite_worker", str(rp)], capture_output=True, text=True,
-                              env=os.environ | {"PYTHONPATH": str(REPO / "src")})  # fmt: skip
+        rp.write_text(
+            json.dumps({"model_dir": str(model_dir), "out_dir": str(tmp), "capacity": capacity, "verify": verify})
+        )
+        proc = subprocess.run(
+            [py, "-m", "moetool.methods.gem.tflite_worker", str(rp)],
+            capture_output=True,
+            text=True,
+            env=os.environ | {"PYTHONPATH": str(REPO / "src")},
+        )
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
             raise MoetoolError(f"gem TFLite conversion failed in {py}:\n{tail}")
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         parity = result.get("parity", "not verified")
-        if isinstance(parity, dict) and (parity["max_abs_logit_diff"] > PARITY_LIMIT
-                                         or parity["route_mismatches_off_boundary"]):  # fmt: skip
+        if isinstance(parity, dict) and (
+            parity["max_abs_logit_diff"] > PARITY_LIMIT or parity["route_mismatches_off_boundary"]
+        ):
             raise MoetoolError(f"gem TFLite parity failed: {parity}")
         path = tmp / "gem.tflite"
         AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(tmp))
         manifest = {
-            "format": "moetool-gem-artifact/1", "level": "token", "target": "tflite", "file": "gem.tflite",
-            "domains": list(cfg.domains), "tau": float(cfg.tau), "capacity": capacity,
+            "format": "moetool-gem-artifact/1",
+            "level": "token",
+            "target": "tflite",
+            "file": "gem.tflite",
+            "domains": list(cfg.domains),
+            "tau": float(cfg.tau),
+            "capacity": capacity,
             "rule": "routes = argmax+1 where max router_probs > tau (strict) else 0 (general); inside the graph",
-            "inputs": {"args_0": f"[1, {capacity}] int32 ids, right-padded", "args_1": f"[1, {capacity}] int32 positions",
-                       "args_2": f"[1, 1, {capacity}, {capacity}] float32 additive causal mask"},
+            "inputs": {
+                "args_0": f"[1, {capacity}] int32 ids, right-padded",
+                "args_1": f"[1, {capacity}] int32 positions",
+                "args_2": f"[1, 1, {capacity}, {capacity}] float32 additive causal mask",
+            },
             "outputs": {"output_0": "logits", "output_1": "router_probs", "output_2": "routes (int32, 0 = general)"},
-            "scar_clusters": int(cfg.scar_clusters), "bytes": path.stat().st_size, "sha256": sha256_file(path),
-            "parity": parity, "timing_s": round(time.perf_counter() - t0, 2),
-        }  # fmt: skip
+            "scar_clusters": int(cfg.scar_clusters),
+            "bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+            "parity": parity,
+            "timing_s": round(time.perf_counter() - t0, 2),
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
@@ -341,8 +392,14 @@ def token_parity(model: Any, path: Path, probes: list[list[int]]) -> dict[str, A
     for ids in probes:
         x = torch.tensor([ids])
         ref = model(x)
-        logits, probs, routes = sess.run(None, {"input_ids": x.numpy(), "position_ids": np.arange(len(ids))[None],
-                                                "mask": causal_mask(len(ids), 0).numpy()})  # fmt: skip
+        logits, probs, routes = sess.run(
+            None,
+            {
+                "input_ids": x.numpy(),
+                "position_ids": np.arange(len(ids))[None],
+                "mask": causal_mask(len(ids), 0).numpy(),
+            },
+        )
         worst_logit = max(worst_logit, float(np.abs(logits - ref.logits.numpy()).max()))
         worst_p = max(worst_p, float(np.abs(probs - ref.router_probs.numpy()).max()))
         diff = routes != ref.routes.numpy()
@@ -356,12 +413,21 @@ def token_parity(model: Any, path: Path, probes: list[list[int]]) -> dict[str, A
         share += torch.bincount(ref.routes.reshape(-1), minlength=len(share)).float()
     names = ["general", *model.config.domains]
     scored = tokens - len(probes)
-    return {"runtime": "onnxruntime", "reference": "PyTorch moetool_gem float32", "seq_lens": lens,
-            "windows": len(probes), "tokens": tokens, "max_abs_logit_diff": worst_logit, "max_abs_prob_diff": worst_p,
-            "route_mismatches": mism, "route_mismatches_off_boundary": mism_off,
-            "top1_agreement": round(agree / tokens, 6), "ppl_reference": round(math.exp(nll_ref / scored), 4),
-            "ppl_artifact": round(math.exp(nll_got / scored), 4),
-            "route_share": {n: round(float(s / tokens), 4) for n, s in zip(names, share, strict=True)}}  # fmt: skip
+    return {
+        "runtime": "onnxruntime",
+        "reference": "PyTorch moetool_gem float32",
+        "seq_lens": lens,
+        "windows": len(probes),
+        "tokens": tokens,
+        "max_abs_logit_diff": worst_logit,
+        "max_abs_prob_diff": worst_p,
+        "route_mismatches": mism,
+        "route_mismatches_off_boundary": mism_off,
+        "top1_agreement": round(agree / tokens, 6),
+        "ppl_reference": round(math.exp(nll_ref / scored), 4),
+        "ppl_artifact": round(math.exp(nll_got / scored), 4),
+        "route_share": {n: round(float(s / tokens), 4) for n, s in zip(names, share, strict=True)},
+    }
 
 
 class RouterGraph(nn.Module):
@@ -377,8 +443,9 @@ class RouterGraph(nn.Module):
         self.tau = tau
         self.register_buffer("inv_freq", general.model.rotary_emb.inv_freq.detach().clone().float(), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.embed(input_ids)
         inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
         freqs = position_ids.float()[..., None] * inv_freq
@@ -396,8 +463,16 @@ class RouterGraph(nn.Module):
         return probs, torch.where(maxp > self.tau, arg + 1, torch.zeros_like(arg))
 
 
-def export_sequence_bundle(bundle: Path, output: Path, *, target: str = "onnx", quant: str | None = None,
-                           force: bool = False, verify: bool = True, console: Any = None) -> dict[str, Any]:  # fmt: skip
+def export_sequence_bundle(
+    bundle: Path,
+    output: Path,
+    *,
+    target: str = "onnx",
+    quant: str | None = None,
+    force: bool = False,
+    verify: bool = True,
+    console: Any = None,
+) -> dict[str, Any]:
     """``router.onnx`` + ``pathways/<name>/`` (one artifact each via the regular exporter for ``target``) +
     ``gem-manifest.json``, written atomically; the router graph's parity is gated (same decisions, |ΔP| ≤ 1e-5)."""
     from moetool.api import plan_export
@@ -415,10 +490,17 @@ def export_sequence_bundle(bundle: Path, output: Path, *, target: str = "onnx", 
         rpath = tmp / "router.onnx"
         dim = torch.export.Dim("seq", min=2, max=4096)
         ids = torch.randint(0, 10, (1, 8))
-        torch.onnx.export(graph, (ids, torch.arange(8)[None], causal_mask(8, 0)), str(rpath), dynamo=True,
-                          optimize=True, verbose=False, input_names=["input_ids", "position_ids", "mask"],
-                          output_names=["router_probs", "route"],
-                          dynamic_shapes=({1: dim}, {1: dim}, {2: dim, 3: dim}))  # fmt: skip
+        torch.onnx.export(
+            graph,
+            (ids, torch.arange(8)[None], causal_mask(8, 0)),
+            str(rpath),
+            dynamo=True,
+            optimize=True,
+            verbose=False,
+            input_names=["input_ids", "position_ids", "mask"],
+            output_names=["router_probs", "route"],
+            dynamic_shapes=({1: dim}, {1: dim}, {2: dim, 3: dim}),
+        )
         _strip_metadata(rpath)
         router_parity: dict[str, Any] = {}
         if verify:
@@ -431,12 +513,22 @@ def export_sequence_bundle(bundle: Path, output: Path, *, target: str = "onnx", 
             for p in probes:
                 x = torch.tensor([p])
                 ref_p, ref_r = seq.route(x)
-                got_p, got_r = sess.run(None, {"input_ids": x.numpy(), "position_ids": np.arange(len(p))[None],
-                                               "mask": causal_mask(len(p), 0).numpy()})  # fmt: skip
+                got_p, got_r = sess.run(
+                    None,
+                    {
+                        "input_ids": x.numpy(),
+                        "position_ids": np.arange(len(p))[None],
+                        "mask": causal_mask(len(p), 0).numpy(),
+                    },
+                )
                 worst = max(worst, float(np.abs(got_p - ref_p.numpy()).max()))
                 agree += int((got_r == ref_r.numpy()).all())
-            router_parity = {"windows": len(probes), "seq_lens": sorted({len(p) for p in probes}),
-                             "max_abs_prob_diff": worst, "same_route": agree}  # fmt: skip
+            router_parity = {
+                "windows": len(probes),
+                "seq_lens": sorted({len(p) for p in probes}),
+                "max_abs_prob_diff": worst,
+                "same_route": agree,
+            }
             if worst > 1e-5 or agree != len(probes):
                 raise MoetoolError(f"gem router ONNX parity failed: {router_parity}")
         pathways = {}
@@ -444,23 +536,39 @@ def export_sequence_bundle(bundle: Path, output: Path, *, target: str = "onnx", 
             src = bundle / spec["pathways"][name]
             if console is not None:
                 console.print(f"exporting pathway {name} → {target}")
-            exporter, req, plan = plan_export(src, tmp / "pathways" / name, target=target, quant=quant, force=True,
-                                              verify=verify)  # fmt: skip
+            exporter, req, plan = plan_export(
+                src, tmp / "pathways" / name, target=target, quant=quant, force=True, verify=verify
+            )
             m = exporter.export(req, plan, console=console)
-            pathways[name] = {"dir": f"pathways/{name}", "file": f"pathways/{name}/{m['file']}", "target": target,
-                              "parity": m.get("parity")}  # fmt: skip
+            pathways[name] = {
+                "dir": f"pathways/{name}",
+                "file": f"pathways/{name}/{m['file']}",
+                "target": target,
+                "parity": m.get("parity"),
+            }
         for f in bundle.iterdir():
             if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
                 shutil.copy2(f, tmp / f.name)
         manifest = {
-            "format": "moetool-gem-artifact/1", "level": "sequence", "domains": spec["domains"], "tau": seq.tau,
+            "format": "moetool-gem-artifact/1",
+            "level": "sequence",
+            "domains": spec["domains"],
+            "tau": seq.tau,
             "rule": "route = argmax+1 if max router_probs > tau (strict) else 0 (general); computed in router.onnx",
-            "router": {"file": "router.onnx", "inputs": {"input_ids": "[1, T] int64", "position_ids": "[1, T] int64",
-                       "mask": "[1, 1, T, T] float32 additive causal mask"},
-                       "outputs": {"router_probs": "[1, n_domains]", "route": "[1] int64 (0 = general)"},
-                       "parity": router_parity},
-            "route_names": seq.names, "pathways": pathways, "tokenizer": "tokenizer.json",
+            "router": {
+                "file": "router.onnx",
+                "inputs": {
+                    "input_ids": "[1, T] int64",
+                    "position_ids": "[1, T] int64",
+                    "mask": "[1, 1, T, T] float32 additive causal mask",
+                },
+                "outputs": {"router_probs": "[1, n_domains]", "route": "[1] int64 (0 = general)"},
+                "parity": router_parity,
+            },
+            "route_names": seq.names,
+            "pathways": pathways,
+            "tokenizer": "tokenizer.json",
             "timing_s": round(time.perf_counter() - t0, 2),
-        }  # fmt: skip
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest

@@ -132,8 +132,12 @@ class GemModel(LlamaPreTrainedModel):
         e = rms_features(h)
         return prefix_mean(e) if self.config.router_context == "prefix" else e
 
-    def forward(self, input_ids: torch.Tensor, tau: float | None = None, route: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        tau: float | None = None,
+        route: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """input_ids [B, T] → (last hidden [B, T, D] after the final norm, router probs [B, T, n], routes [B, T]).
 
         ``tau`` overrides the config's threshold; ``route`` forces the routes (the router still runs).
@@ -165,9 +169,15 @@ class GemForCausalLM(LlamaPreTrainedModel):
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, tau: float | None = None, route: torch.Tensor | None = None,
-                **kwargs: Any) -> GemOutput:  # fmt: skip
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        tau: float | None = None,
+        route: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> GemOutput:
         """input_ids [B, T] → logits [B, T, V], router_probs [B, T, n], routes [B, T]; loss if ``labels``.
 
         Padding is not supported (``attention_mask`` must be all ones): a padded batch would route pad tokens.
@@ -178,8 +188,9 @@ class GemForCausalLM(LlamaPreTrainedModel):
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                               labels[:, 1:].reshape(-1))  # fmt: skip
+            loss = nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
+            )
         return GemOutput(loss=loss, logits=logits, router_probs=probs, routes=routes)
 
 

@@ -55,18 +55,24 @@ def resolve_pathways(recipe: GemRecipe, recipe_dir: Path | None) -> Pathways:
         raise PreflightError("\n".join(problems))
     base = cfgs["general"]
     if recipe.level == "token" and base.get("model_type") not in TOKEN_FAMILIES:
-        problems.append(f"general: token-level GEM supports {', '.join(TOKEN_FAMILIES)} models, not "
-                        f"{base.get('model_type')!r} (use level: sequence)")  # fmt: skip
+        problems.append(
+            f"general: token-level GEM supports {', '.join(TOKEN_FAMILIES)} models, not "
+            f"{base.get('model_type')!r} (use level: sequence)"
+        )
     if recipe.router.encoder_layers > int(base.get("num_hidden_layers", 0)):
-        problems.append(f"router.encoder_layers: {recipe.router.encoder_layers} exceeds the general model's "
-                        f"{base.get('num_hidden_layers')} layers")  # fmt: skip
+        problems.append(
+            f"router.encoder_layers: {recipe.router.encoder_layers} exceeds the general model's "
+            f"{base.get('num_hidden_layers')} layers"
+        )
     warnings: list[str] = []
     for i, d in enumerate(recipe.domains):
         cfg = cfgs[d.name]
         for key in FOUNDATION_KEYS + ("intermediate_size",):
             if cfg.get(key) != base.get(key):
-                problems.append(f"domains.{i}.source: {key} is {cfg.get(key)!r} but the general model has "
-                                f"{base.get(key)!r} (pathways must share one foundation)")  # fmt: skip
+                problems.append(
+                    f"domains.{i}.source: {key} is {cfg.get(key)!r} but the general model has "
+                    f"{base.get(key)!r} (pathways must share one foundation)"
+                )
         if recipe.level == "token":
             names = set(Checkpoint(srcs[d.name].path).tensors)
             missing = [n for n in Checkpoint(srcs["general"].path).tensors if _MLP.fullmatch(n) and n not in names]
@@ -80,12 +86,22 @@ def resolve_pathways(recipe: GemRecipe, recipe_dir: Path | None) -> Pathways:
 def token_config(pw: Pathways, recipe: GemRecipe) -> Any:
     from moetool.methods.gem.model import GemConfig
 
-    keep = {k: v for k, v in pw.config.items() if k not in ("architectures", "model_type", "transformers_version",
-                                                             "dtype", "torch_dtype", "auto_map", "use_cache")}  # fmt: skip
-    return GemConfig(**keep, domains=[d.name for d in recipe.domains], tau=recipe.router.tau,
-                     encoder_layers=recipe.router.encoder_layers, router_context=recipe.router.context,
-                     scar_clusters=recipe.scar.clusters,
-                     use_cache=False, architectures=["GemForCausalLM"])  # fmt: skip
+    keep = {
+        k: v
+        for k, v in pw.config.items()
+        if k
+        not in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "auto_map", "use_cache")
+    }
+    return GemConfig(
+        **keep,
+        domains=[d.name for d in recipe.domains],
+        tau=recipe.router.tau,
+        encoder_layers=recipe.router.encoder_layers,
+        router_context=recipe.router.context,
+        scar_clusters=recipe.scar.clusters,
+        use_cache=False,
+        architectures=["GemForCausalLM"],
+    )
 
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
@@ -126,8 +142,10 @@ def build_token_model(pw: Pathways, recipe: GemRecipe) -> tuple[Any, list[str]]:
                 elif name in general and "rotary_emb" not in name:
                     drift = max(drift, float((t - general[name]).abs().max()))
             if drift > 0:
-                notes.append(f"{dom.name}: non-FFN weights differ from the general model's (max |Δ| {drift:.3g}); "
-                             "token-level GEM uses only this expert's FFNs")  # fmt: skip
+                notes.append(
+                    f"{dom.name}: non-FFN weights differ from the general model's (max |Δ| {drift:.3g}); "
+                    "token-level GEM uses only this expert's FFNs"
+                )
         model.model.router.weight.zero_()
         model.model.router.bias.zero_()
         if cfg.tie_word_embeddings:

@@ -108,8 +108,16 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) ->
     return (t.exp() * (t - s)).sum(-1).mean() * temperature**2
 
 
-def run_qat(model: Any, teachers: dict[str, Any], streams: dict[str, torch.Tensor], spec: Any, bits: dict[str, int],
-            *, bos_id: int | None, log: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def run_qat(
+    model: Any,
+    teachers: dict[str, Any],
+    streams: dict[str, torch.Tensor],
+    spec: Any,
+    bits: dict[str, int],
+    *,
+    bos_id: int | None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Tune the parameters of ``spec.trainable`` with the QAKP loss; step s draws a batch of domain s mod n and
     distils from that domain's expert. Everything not trainable is frozen (requires_grad False, not in the optimiser).
 
@@ -141,13 +149,24 @@ def run_qat(model: Any, teachers: dict[str, Any], streams: dict[str, torch.Tenso
         loss.backward()
         opt.step()
         if step % 5 == 0 or step == spec.steps - 1:
-            row = {"step": step, "domain": d, "task": out.loss.item(), "quant": l_q.item(), "kd": l_kd.item(),
-                   "total": loss.item()}  # fmt: skip
+            row = {
+                "step": step,
+                "domain": d,
+                "task": out.loss.item(),
+                "quant": l_q.item(),
+                "kd": l_kd.item(),
+                "total": loss.item(),
+            }
             curve.append(row)
             if log is not None:
                 log(f"qat step {step} ({d}): task {row['task']:.4f} quant {row['quant']:.4f} kd {row['kd']:.4f}")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return {"steps": spec.steps, "trainable": sorted(spec.trainable), "trainable_params": sum(p.numel() for p in
-            params.values()), "curve": curve, "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    return {
+        "steps": spec.steps,
+        "trainable": sorted(spec.trainable),
+        "trainable_params": sum(p.numel() for p in params.values()),
+        "curve": curve,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }

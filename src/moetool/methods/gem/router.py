@@ -76,9 +76,20 @@ def _logits(router: nn.Linear, e: torch.Tensor, pool: bool) -> torch.Tensor:
     return router(e.mean(1) if pool else e)
 
 
-def train_router(router: nn.Linear, featurize: Featurize, streams: list[torch.Tensor], *, steps: int, lr: float,
-                 batch_size: int, seq_len: int, seed: int, bos_id: int | None, pool: bool = False,
-                 log: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def train_router(
+    router: nn.Linear,
+    featurize: Featurize,
+    streams: list[torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    bos_id: int | None,
+    pool: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Train ``router`` (only) on windows of each domain's ids; row i of step s comes from domain (s·B + i) mod n.
 
     The encoder runs under no_grad and nothing else is handed to the optimiser, so every other weight stays
@@ -110,8 +121,16 @@ def train_router(router: nn.Linear, featurize: Featurize, streams: list[torch.Te
 
 
 @torch.no_grad()
-def held_out_probs(router: nn.Linear, featurize: Featurize, valid: dict[str, torch.Tensor], *, seq_len: int,
-                   max_tokens: int, bos_id: int | None, pool: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def held_out_probs(
+    router: nn.Linear,
+    featurize: Featurize,
+    valid: dict[str, torch.Tensor],
+    *,
+    seq_len: int,
+    max_tokens: int,
+    bos_id: int | None,
+    pool: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """P(d|x) on held-out windows: (probs [N, n], true domain [N]); N tokens (token level) or windows (sequence)."""
     body = seq_len - (1 if bos_id is not None else 0)
     probs, labels = [], []
@@ -151,7 +170,7 @@ def tau_table(probs: torch.Tensor, labels: torch.Tensor, taus: list[float], name
                 "wrong": round((n_routed - int(right.sum())) / len(labels), 4),
                 "fallback_by_domain": {
                     n: round(float((~routed[labels == d]).float().mean()), 4) for d, n in enumerate(names)
-                },  # fmt: skip
+                },
             }
         )
     acc = float((probs.argmax(-1) == labels).float().mean())
@@ -167,7 +186,13 @@ def log_decisions(model: Any, tokenizer: Any, text: str, tau: float | None = Non
     rows = []
     for t in range(ids.shape[1]):
         p = out.router_probs[0, t]
-        rows.append({"pos": t, "token": tokenizer.decode([int(ids[0, t])]), "route": names[int(out.routes[0, t])],
-                     "max_p": round(float(p.max()), 6),
-                     "probs": {d: round(float(x), 6) for d, x in zip(model.config.domains, p, strict=True)}})  # fmt: skip
+        rows.append(
+            {
+                "pos": t,
+                "token": tokenizer.decode([int(ids[0, t])]),
+                "route": names[int(out.routes[0, t])],
+                "max_p": round(float(p.max()), 6),
+                "probs": {d: round(float(x), 6) for d, x in zip(model.config.domains, p, strict=True)},
+            }
+        )
     return rows

@@ -59,10 +59,17 @@ def main(request_path: str) -> None:
             mism += int(diff.sum())
             mism_off += int((diff & ~near).sum())
             tokens += n
-        result["parity"] = {"runtime": "ai_edge_litert interpreter", "reference": "PyTorch moetool_gem float32",
-                            "seq_lens": sorted({len(p) for p in probes}), "windows": len(probes), "tokens": tokens,
-                            "max_abs_logit_diff": worst_logit, "max_abs_prob_diff": worst_p,
-                            "route_mismatches": mism, "route_mismatches_off_boundary": mism_off}  # fmt: skip
+        result["parity"] = {
+            "runtime": "ai_edge_litert interpreter",
+            "reference": "PyTorch moetool_gem float32",
+            "seq_lens": sorted({len(p) for p in probes}),
+            "windows": len(probes),
+            "tokens": tokens,
+            "max_abs_logit_diff": worst_logit,
+            "max_abs_prob_diff": worst_p,
+            "route_mismatches": mism,
+            "route_mismatches_off_boundary": mism_off,
+        }
     print(json.dumps(result))
 
 

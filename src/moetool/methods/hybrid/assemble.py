@@ -60,7 +60,7 @@ def _router_config(p: Prepared) -> dict[str, Any]:
             "n_domains": p.layout.n_domains,
             "hidden_dim": p.layout.hidden_dim,
             "max_length": p.layout.max_length,
-        },  # fmt: skip
+        },
         "domains": p.domains,
         "in_features": p.layout.width,
         "hidden_size": r.hidden_size,
@@ -102,13 +102,23 @@ class HybridAssembler:
         check_output(Path(output), force=force)
         p = prepare(r, recipe_dir, console)
         console.print(f"training the router ({p.layout.width} features, {r.train.epochs} epochs)")
-        res = train_router(p.train, costly=p.costly, loss=r.loss, hidden=r.router.hidden_size,
-                           utility_head=r.router.utility_head, epochs=r.train.epochs, batch_size=r.train.batch_size,
-                           lr=r.train.learning_rate, seed=r.train.seed)  # fmt: skip
+        res = train_router(
+            p.train,
+            costly=p.costly,
+            loss=r.loss,
+            hidden=r.router.hidden_size,
+            utility_head=r.router.utility_head,
+            epochs=r.train.epochs,
+            batch_size=r.train.batch_size,
+            lr=r.train.learning_rate,
+            seed=r.train.seed,
+        )
         report = held_out_report(p, res.router)
         for name, row in report["rows"].items():
-            console.print(f"  {name:>18}: perplexity {row['perplexity']:.2f}, costly share "
-                          f"{row['costly_share']:.3f}, expected latency {row['expected_latency_ms']:.2f} ms")  # fmt: skip
+            console.print(
+                f"  {name:>18}: perplexity {row['perplexity']:.2f}, costly share "
+                f"{row['costly_share']:.3f}, expected latency {row['expected_latency_ms']:.2f} ms"
+            )
         write_model(Path(output), p, res.router, report, res.history, force=force, recipe_dir=recipe_dir)
         return Path(output)
 

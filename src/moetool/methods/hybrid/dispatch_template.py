@@ -26,8 +26,10 @@ class Dispatcher:
         self.manifest = json.loads((self.root / "manifest.json").read_text(encoding="utf-8"))
         router = self.manifest["router"]
         if not router.get("self_contained"):
-            raise SystemExit("this router takes feature vectors (token routing or encoder layers > 0); "
-                             "build them as moetool.methods.hybrid.router does")  # fmt: skip
+            raise SystemExit(
+                "this router takes feature vectors (token routing or encoder layers > 0); "
+                "build them as moetool.methods.hybrid.router does"
+            )
         self.session = ort.InferenceSession(str(self.root / router["file"]), providers=["CPUExecutionProvider"])
         self.domains: list[str] = router["config"]["domains"]
         self.n_domains = int(router["config"]["layout"]["n_domains"])
@@ -57,8 +59,9 @@ class Dispatcher:
             e = self.experts[k]
             if not e.get("file"):
                 raise SystemExit(f"expert {e['name']} was not exported: {e.get('reason', 'unknown')}")
-            self._llms[k] = Llama(model_path=str(self.root / e["dir"] / e["file"]), n_ctx=2048, logits_all=True,
-                                  verbose=False)  # fmt: skip
+            self._llms[k] = Llama(
+                model_path=str(self.root / e["dir"] / e["file"]), n_ctx=2048, logits_all=True, verbose=False
+            )
         return self._llms[k]
 
     def __call__(self, text: str, domain: str | None = None, max_tokens: int = 0) -> dict[str, Any]:

@@ -99,8 +99,17 @@ def export_router_onnx(meta: dict[str, Any], router: HybridRouter, path: Path) -
         graph = FeatureRouterGraph(router).eval()
         n = torch.export.Dim("n", min=1, max=1 << 20)
         args, names, shapes = (torch.zeros(2, router.in_features),), ["features"], ({0: n},)
-    torch.onnx.export(graph, args, str(path), dynamo=True, optimize=True, verbose=False, input_names=names,
-                      output_names=["scores", "choice"], dynamic_shapes=shapes)  # fmt: skip
+    torch.onnx.export(
+        graph,
+        args,
+        str(path),
+        dynamo=True,
+        optimize=True,
+        verbose=False,
+        input_names=names,
+        output_names=["scores", "choice"],
+        dynamic_shapes=shapes,
+    )
     return {"inputs": names, "outputs": ["scores", "choice"], "self_contained": self_contained(meta)}
 
 

@@ -57,9 +57,19 @@ class Runners:
             n_ctx = p.recipe.router.max_length
             threads = int(p.profile.get("threads", 1))
             with _quiet_stderr():
-                self.llms = [llama_cpp.Llama(model_path=str(f), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                                             n_threads=threads, logits_all=False, verbose=False, use_mmap=False)
-                             for f in files]  # fmt: skip
+                self.llms = [
+                    llama_cpp.Llama(
+                        model_path=str(f),
+                        n_ctx=n_ctx,
+                        n_batch=n_ctx,
+                        n_ubatch=n_ctx,
+                        n_threads=threads,
+                        logits_all=False,
+                        verbose=False,
+                        use_mmap=False,
+                    )
+                    for f in files
+                ]
             from moetool.methods.hybrid.profile import warm_llama
 
             for llm in self.llms:
@@ -144,8 +154,10 @@ def sweep(
     values = values if values is not None else r.sweep.values
     valid = p.valid
     shape = tuple(valid.features.shape[:-1])
-    baselines = {f"{n} alone": evaluate_choice(valid, torch.full(shape, k, dtype=torch.long), p.costly, alone=True)
-                 for k, n in enumerate(p.names)}  # fmt: skip
+    baselines = {
+        f"{n} alone": evaluate_choice(valid, torch.full(shape, k, dtype=torch.long), p.costly, alone=True)
+        for k, n in enumerate(p.names)
+    }
     baselines["oracle"] = evaluate_choice(valid, oracle_choice(valid, p.costly), p.costly)
     measure = timed_requests > 0 and r.router.granularity == "sequence"
     before = torch.get_num_threads()
@@ -162,18 +174,32 @@ def sweep(
         rows = []
         for v in values:
             loss = r.loss.model_copy(update={parameter: v})
-            res = train_router(p.train, costly=p.costly, loss=loss, hidden=r.router.hidden_size,
-                               utility_head=r.router.utility_head, epochs=r.train.epochs,
-                               batch_size=r.train.batch_size, lr=r.train.learning_rate, seed=r.train.seed)  # fmt: skip
-            choice = route(res.router, valid, costly=p.costly, decision=r.router.decision,
-                           utility_threshold=r.router.utility_threshold)  # fmt: skip
+            res = train_router(
+                p.train,
+                costly=p.costly,
+                loss=loss,
+                hidden=r.router.hidden_size,
+                utility_head=r.router.utility_head,
+                epochs=r.train.epochs,
+                batch_size=r.train.batch_size,
+                lr=r.train.learning_rate,
+                seed=r.train.seed,
+            )
+            choice = route(
+                res.router,
+                valid,
+                costly=p.costly,
+                decision=r.router.decision,
+                utility_threshold=r.router.utility_threshold,
+            )
             row: dict[str, Any] = {parameter: v, **evaluate_choice(valid, choice, p.costly)}
             row["soft_nll"] = soft_nll(res.router, valid)
             if alone is not None and run is not None:
                 secs, paired, ch = time_routed(p, res.router, run, idx, repeats)
                 parts = float(paired.mean())  # Σ_k share_k·latency_k, latency_k on the requests routed to k
-                unconditional = sum(float((ch == k).float().mean()) * float(alone[:, k].mean())
-                                    for k in range(len(p.names)))  # fmt: skip
+                unconditional = sum(
+                    float((ch == k).float().mean()) * float(alone[:, k].mean()) for k in range(len(p.names))
+                )
                 measured = float(secs.mean())
                 row |= {
                     "measured_latency_ms": 1000 * measured,
@@ -184,8 +210,10 @@ def sweep(
                 }
             rows.append(row)
             if console is not None:
-                console.print(f"  {parameter}={v:g}: perplexity {row['perplexity']:.3f}, costly share "
-                              f"{row['costly_share']:.3f}, expected {row['expected_latency_ms']:.2f} ms")  # fmt: skip
+                console.print(
+                    f"  {parameter}={v:g}: perplexity {row['perplexity']:.3f}, costly share "
+                    f"{row['costly_share']:.3f}, expected {row['expected_latency_ms']:.2f} ms"
+                )
     finally:
         torch.set_num_threads(before)
         if run is not None:
@@ -226,12 +254,19 @@ def table(result: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def line(name: str, row: dict[str, Any]) -> str:
-        cells = [name, f"{row['perplexity']:.3f}", f"{row['nll']:.4f}", f"{row['costly_share']:.3f}",
-                 f"{row['expected_latency_ms']:.2f}"]  # fmt: skip
+        cells = [
+            name,
+            f"{row['perplexity']:.3f}",
+            f"{row['nll']:.4f}",
+            f"{row['costly_share']:.3f}",
+            f"{row['expected_latency_ms']:.2f}",
+        ]
         if measured:
-            cells += [f"{row['measured_latency_ms']:.2f}" if "measured_latency_ms" in row else "",
-                      f"{row['sum_share_latency_ms']:.2f}" if "sum_share_latency_ms" in row else "",
-                      ("ok" if row["latency_check"] else "FAIL") if "latency_check" in row else ""]  # fmt: skip
+            cells += [
+                f"{row['measured_latency_ms']:.2f}" if "measured_latency_ms" in row else "",
+                f"{row['sum_share_latency_ms']:.2f}" if "sum_share_latency_ms" in row else "",
+                ("ok" if row["latency_check"] else "FAIL") if "latency_check" in row else "",
+            ]
         return "| " + " | ".join(cells) + " |"
 
     for name, row in result["baselines"].items():
@@ -251,12 +286,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     par = result["parameter"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     rows = result["rows"]
-    for ax, key, label in ((axes[0], "expected_latency_ms", "expected latency per request (ms, fitted profile)"),
-                           (axes[1], "costly_share", f"share of requests to {result['costly']} (costly)")):  # fmt: skip
+    for ax, key, label in (
+        (axes[0], "expected_latency_ms", "expected latency per request (ms, fitted profile)"),
+        (axes[1], "costly_share", f"share of requests to {result['costly']} (costly)"),
+    ):
         ax.plot([r[key] for r in rows], [r["perplexity"] for r in rows], "o-", label=f"router, {par} sweep")
         for r in rows:
-            ax.annotate(f"{r[par]:g}", (r[key], r["perplexity"]), fontsize=7, textcoords="offset points",
-                        xytext=(4, 4))  # fmt: skip
+            ax.annotate(f"{r[par]:g}", (r[key], r["perplexity"]), fontsize=7, textcoords="offset points", xytext=(4, 4))
         for (name, b), marker in zip(result["baselines"].items(), ("s", "D", "*"), strict=False):
             ax.plot([b[key]], [b["perplexity"]], marker, markersize=9, label=name)
         ax.set_xlabel(label)

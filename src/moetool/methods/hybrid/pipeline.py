@@ -98,8 +98,9 @@ def prepare(
     tok = experts[0].tokenizer
     train_streams, valid_streams = [], []
     for name, src in recipe.train.data.items():
-        tr, va = load_source(name, src, base_dir=recipe_dir, fraction=recipe.train.validation_fraction,
-                             seed=recipe.train.seed)  # fmt: skip
+        tr, va = load_source(
+            name, src, base_dir=recipe_dir, fraction=recipe.train.validation_fraction, seed=recipe.train.seed
+        )
         train_streams.append(tokenize_stream(tok, tr))
         valid_streams.append(tokenize_stream(tok, va))
     bos = tok.bos_token_id
@@ -117,8 +118,9 @@ def prepare(
             sets, reqs = loaded
             for s_, r_ in zip(sets, reqs, strict=True):
                 s_.cost = cost_ms(profile, names, r_.lengths)
-            return Prepared(recipe, experts, names, costly, layout, domains, profile, tok_check, sets[0], sets[1],
-                            reqs[1], encoder)  # fmt: skip
+            return Prepared(
+                recipe, experts, names, costly, layout, domains, profile, tok_check, sets[0], sets[1], reqs[1], encoder
+            )
     sets = []
     reqs = []
     for split, streams, per, seed in (
@@ -126,8 +128,15 @@ def prepare(
         ("valid", valid_streams, recipe.train.valid_samples_per_domain, recipe.train.seed + 1),
     ):
         try:
-            req = sample_requests(streams, per_domain=per, min_length=recipe.train.min_length,
-                                  max_length=spec.max_length, bos_id=bos, pad_id=pad, seed=seed)  # fmt: skip
+            req = sample_requests(
+                streams,
+                per_domain=per,
+                min_length=recipe.train.min_length,
+                max_length=spec.max_length,
+                bos_id=bos,
+                pad_id=pad,
+                seed=seed,
+            )
         except ValueError as exc:
             raise MoetoolError(f"train.data: {split} text too short: {exc}") from None
         with console.status(f"running both experts over {len(req)} {split} requests"):
@@ -138,8 +147,9 @@ def prepare(
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         _save_cache(cache, key, sets, reqs)
-    return Prepared(recipe, experts, names, costly, layout, domains, profile, tok_check, sets[0], sets[1], reqs[1],
-                    encoder)  # fmt: skip
+    return Prepared(
+        recipe, experts, names, costly, layout, domains, profile, tok_check, sets[0], sets[1], reqs[1], encoder
+    )
 
 
 _SET_FIELDS = ("features", "logp", "mask", "lengths", "cost", "domains")

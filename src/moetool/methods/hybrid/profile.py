@@ -109,10 +109,14 @@ def measure_profile(
     finally:
         torch.set_num_threads(before)
     return _profile(
-        device, f"transformers {_transformers_version()} / torch {torch.__version__}, float32, batch 1",
+        device,
+        f"transformers {_transformers_version()} / torch {torch.__version__}, float32, batch 1",
         "one forward pass over a request of L tokens (prefill / scoring), fastest of repeats after a warm-up",
-        threads=threads, clock_name=clock_name, repeats=repeats, experts=out,
-    )  # fmt: skip
+        threads=threads,
+        clock_name=clock_name,
+        repeats=repeats,
+        experts=out,
+    )
 
 
 def warm_llama(llm: Any, vocab: int, length: int, seconds: float = 4.0) -> None:
@@ -149,9 +153,16 @@ def measure_gguf_profile(
     out: dict[str, Any] = {}
     for name, path in files.items():
         with _quiet_stderr():
-            llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(lengths), n_batch=max(lengths),
-                                  n_ubatch=max(lengths), n_threads=threads, logits_all=False, verbose=False,
-                                  use_mmap=False)  # fmt: skip
+            llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=max(lengths),
+                n_batch=max(lengths),
+                n_ubatch=max(lengths),
+                n_threads=threads,
+                logits_all=False,
+                verbose=False,
+                use_mmap=False,
+            )
         best = [float("inf")] * len(lengths)
         try:
             warm_llama(llm, vocab, max(lengths))
@@ -169,17 +180,31 @@ def measure_gguf_profile(
         finally:
             with _quiet_stderr():
                 llm.close()
-        out[name] = {"lengths": list(lengths), "seconds": secs, "fit": fit_latency(list(lengths), secs),
-                     "file": str(path)}  # fmt: skip
+        out[name] = {
+            "lengths": list(lengths),
+            "seconds": secs,
+            "fit": fit_latency(list(lengths), secs),
+            "file": str(path),
+        }
     return _profile(
-        device, f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), GGUF as exported, batch 1",
+        device,
+        f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), GGUF as exported, batch 1",
         "prefill of a request of L tokens (fresh state), fastest of repeats after a warm-up",
-        threads=threads, clock_name=clock_name, repeats=repeats, experts=out,
-    )  # fmt: skip
+        threads=threads,
+        clock_name=clock_name,
+        repeats=repeats,
+        experts=out,
+    )
 
 
 def _profile(
-    device: str, runtime: str, operation: str, *, threads: int, clock_name: str, repeats: int,
+    device: str,
+    runtime: str,
+    operation: str,
+    *,
+    threads: int,
+    clock_name: str,
+    repeats: int,
     experts: dict[str, Any],
 ) -> dict[str, Any]:
     """A measured profile: what was timed, how, on which machine, and each expert's times and fit."""

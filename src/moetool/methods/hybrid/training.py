@@ -116,8 +116,14 @@ def train_router(
             terms.total.backward()
             opt.step()
             steps += 1
-            for key, v in (("loss", float(terms.total.detach())), ("ce", terms.ce), ("balance", terms.balance),
-                           ("penalty", terms.penalty), ("cost", terms.cost), ("utility", terms.utility)):  # fmt: skip
+            for key, v in (
+                ("loss", float(terms.total.detach())),
+                ("ce", terms.ce),
+                ("balance", terms.balance),
+                ("penalty", terms.penalty),
+                ("cost", terms.cost),
+                ("utility", terms.utility),
+            ):
                 sums[key] = sums.get(key, 0.0) + v * idx.numel() / n
         history.append({"epoch": epoch + 1, **{key: round(v, 6) for key, v in sums.items()}})
     router.eval()
