@@ -12,7 +12,7 @@ from comigs_fixtures import RECIPE_YAML, tiny_base
 
 from conftest import TEXT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FLWR_PY = ROOT / ".venv-flwr" / "bin" / "python"
 
 RECIPE = RECIPE_YAML.replace("{name}", "fl")
@@ -29,7 +29,7 @@ def test_flower_client_and_simulation(tmp_path):
     proc = subprocess.run(
         [
             str(FLWR_PY),
-            str(Path(__file__).with_name("comigs_flower_check.py")),
+            str(Path(__file__).with_name("flower_check.py")),
             str(tmp_path / "r.yaml"),
             str(tmp_path / "out"),
         ],

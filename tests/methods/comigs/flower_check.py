@@ -1,7 +1,7 @@
 """Run inside .venv-flwr by test_comigs_flower.py: the real ClientApp's replies, and one short Flower simulation
 against the in-process runner. Prints one JSON object.
 
-Usage: .venv-flwr/bin/python tests/methods/comigs_flower_check.py RECIPE.yaml OUT_DIR
+Usage: .venv-flwr/bin/python tests/methods/comigs/flower_check.py RECIPE.yaml OUT_DIR
 """
 
 from __future__ import annotations
