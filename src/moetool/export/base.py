@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.quant.plan import QuantSpec
 
@@ -42,21 +42,15 @@ class Exporter(Protocol):
         ...
 
 
-# target → "module:Class"; the module is imported only when the target is used
-TARGETS: dict[str, str] = {
-    "gguf": "moetool.export.gguf.exporter:GGUFExporter",
-    "onnx": "moetool.export.onnx.exporter:ONNXExporter",
-    "executorch": "moetool.export.executorch.exporter:ExecuTorchExporter",
-    "coreml": "moetool.export.coreml.exporter:CoreMLExporter",
-    "tflite": "moetool.export.tflite.exporter:TFLiteExporter",
-}
+# target -> "module:Class" (moetool.registry); the module is imported only when the target is used
+TARGETS = registry.TARGETS
 
 
 def get_exporter(target: str) -> Exporter:
+    """The standard exporter of ``target`` (an unknown name gets "did you mean")."""
     if target not in TARGETS:
-        raise ExportError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
-    module, cls = TARGETS[target].split(":")
-    exporter: Exporter = getattr(importlib.import_module(module), cls)()
+        raise ExportError(f"unknown target {target!r} ({registry.did_you_mean(target, TARGETS)})")
+    exporter: Exporter = registry.load(TARGETS[target])()
     return exporter
 
 

@@ -1,6 +1,54 @@
-"""Re-export: recipe models share :class:`moetool.strict.StrictModel` (defined outside this package so that
-modules the recipes use, such as ``moetool.quant.plan``, can import it without importing the recipe loader)."""
+"""What every recipe shares: strict sections, and a whole recipe that remembers the file it was read from.
+
+Recipe models share :class:`moetool.strict.StrictModel` (defined outside this package so that modules the recipes
+use, such as ``moetool.quant.plan``, can import it without importing the recipe loader).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import PrivateAttr
 
 from moetool.strict import StrictModel
 
-__all__ = ["StrictModel"]
+
+class RecipeBase(StrictModel):
+    """A whole recipe (one per method): ``name``, ``method`` and where it came from.
+
+    The loader records the file and its text, so every stage takes this object alone: relative model paths resolve
+    against :attr:`recipe_dir`, and outputs keep :attr:`text` verbatim as ``moetool-recipe.yaml``.
+    """
+
+    name: str
+    method: str
+
+    _path: Path | None = PrivateAttr(default=None)
+    _text: str | None = PrivateAttr(default=None)
+
+    def with_origin(self, path: Path | None, text: str | None) -> RecipeBase:
+        """Record the file and text this recipe was read from (returns self)."""
+        self._path = path
+        self._text = text
+        return self
+
+    @property
+    def path(self) -> Path | None:
+        """The recipe file, or None for a recipe built in Python."""
+        return self._path
+
+    @property
+    def recipe_dir(self) -> Path:
+        """Where relative model paths resolve first: the recipe file's folder, else the working directory."""
+        return self._path.parent if self._path is not None else Path(".")
+
+    @property
+    def text(self) -> str:
+        """The YAML the recipe was read from, or a dump of it when built in Python."""
+        if self._text is not None:
+            return self._text
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_unset=True), sort_keys=False)
+
+
+__all__ = ["RecipeBase", "StrictModel"]

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from moetool.recipe.base import StrictModel
+from moetool.recipe.base import RecipeBase, StrictModel
 from moetool.recipe.train import DataSource
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -108,7 +108,7 @@ class ComigsTraining(StrictModel):
     seed: int = 0
 
 
-class ComigsRecipe(StrictModel):
+class ComigsRecipe(RecipeBase):
     """CoMiGS: per-layer MoE of LoRA experts; generalists averaged across users, specialists and routers local."""
 
     name: str = Field(pattern=_NAME)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from moetool.recipe.base import StrictModel
+from moetool.recipe.base import RecipeBase, StrictModel
 from moetool.recipe.train import DataSource
 
 
@@ -87,7 +87,7 @@ class RetrofitTrainSpec(StrictModel):
         return self
 
 
-class EmbeddingRecipe(StrictModel):
+class EmbeddingRecipe(RecipeBase):
     """Retrofit a context-routed input embedding onto ``model`` and train it briefly."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Name of the output model.")

@@ -10,9 +10,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moetool.quant.plan import QuantSpec
+from moetool.recipe.base import RecipeBase, StrictModel
 from moetool.recipe.export import TargetSpec
 from moetool.recipe.train import DataSource
-from moetool.strict import StrictModel
 
 QATGroup = Literal["pathways", "general_ffn", "attention"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -79,7 +79,7 @@ class GemScarSpec(StrictModel):
     calibration_tokens: int = Field(default=4096, ge=64, description="Tokens per domain the centroids are fitted on.")
 
 
-class GemRecipe(StrictModel):
+class GemRecipe(RecipeBase):
     """GEM: a general pathway plus one pathway per domain, chosen per token (FFNs) or per sequence (whole models)."""
 
     name: str = Field(pattern=_NAME)

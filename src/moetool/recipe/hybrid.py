@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from moetool.recipe.base import StrictModel
+from moetool.recipe.base import RecipeBase, StrictModel
 from moetool.recipe.train import DataSource
 
 Feature = Literal["length", "domain", "hidden"]
@@ -121,7 +121,7 @@ class HybridSweepSpec(StrictModel):
     values: list[float] = Field(default_factory=lambda: [0.0, 0.25, 0.5, 1.0, 2.0, 4.0], min_length=1)
 
 
-class HybridRecipe(StrictModel):
+class HybridRecipe(RecipeBase):
     """Heterogeneous experts (e.g. a Transformer and a Mamba LM) behind a tiny router that picks one per request."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

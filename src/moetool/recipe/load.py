@@ -4,41 +4,37 @@ from __future__ import annotations
 
 import json
 import re
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Union
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
+from moetool import registry
 from moetool.errors import RecipeError
-from moetool.recipe.comigs import ComigsRecipe
-from moetool.recipe.embedding import EmbeddingRecipe
-from moetool.recipe.gem import GemRecipe
-from moetool.recipe.hybrid import HybridRecipe
-from moetool.recipe.mofe import MoFERecipe
-
-# method name -> recipe model; later methods register here.
-_RECIPES: dict[str, type[BaseModel]] = {
-    "mofe": MoFERecipe,
-    "comigs": ComigsRecipe,
-    "embedding": EmbeddingRecipe,
-    "gem": GemRecipe,
-    "hybrid": HybridRecipe,
-}
+from moetool.recipe.base import RecipeBase
 
 Loc = tuple[str | int, ...]
 
 
-def recipe_models() -> dict[str, type[BaseModel]]:
-    """The registered recipe models by method name."""
-    return dict(_RECIPES)
+def recipe_models() -> dict[str, type[RecipeBase]]:
+    """The recipe model of every registered method (:data:`moetool.registry.METHODS`), by method name."""
+    return {name: registry.load(entry.recipe) for name, entry in registry.METHODS.items()}
+
+
+@cache
+def recipe_adapter() -> TypeAdapter[RecipeBase]:
+    """One validator for every recipe: the discriminated union (on ``method``) of the registered recipe models."""
+    union = Union[tuple(recipe_models().values())]  # type: ignore[valid-type]  # noqa: UP007
+    return TypeAdapter(Annotated[union, Field(discriminator="method")])
 
 
 def recipe_json_schema() -> dict[str, Any]:
     """JSON schema of every recipe kind, one entry per method under ``oneOf``."""
     defs: dict[str, Any] = {}
     refs = []
-    for model in _RECIPES.values():
+    for model in recipe_models().values():
         schema = model.model_json_schema(ref_template="#/$defs/{model}")
         for name, sub in schema.pop("$defs", {}).items():
             # one namespace for every method's section models: two different models of one class name would
@@ -78,10 +74,12 @@ def _format_loc(loc: Loc) -> str:
 _LOC_IN_MESSAGE = re.compile(r"^([A-Za-z_][\w]*(?:\.[\w]+)*): ")
 
 
-def _errors(exc: ValidationError, path: Path, lines: dict[Loc, int]) -> list[str]:
+def _errors(exc: ValidationError, path: Path, lines: dict[Loc, int], tag: str | None = None) -> list[str]:
     out = []
     for err in exc.errors():
         loc: Loc = tuple(err["loc"])
+        if tag is not None and loc[:1] == (tag,):
+            loc = loc[1:]
         msg = err["msg"]
         if err["type"] == "value_error":
             msg = msg.removeprefix("Value error, ")
@@ -101,7 +99,7 @@ def _errors(exc: ValidationError, path: Path, lines: dict[Loc, int]) -> list[str
     return out
 
 
-def parse_recipe(text: str, path: Path) -> BaseModel:
+def parse_recipe(text: str, path: Path) -> RecipeBase:
     """Validate recipe ``text`` read from ``path``.
 
     Raises:
@@ -118,17 +116,19 @@ def parse_recipe(text: str, path: Path) -> BaseModel:
         raise RecipeError(f"{path}: a recipe must be a YAML mapping with at least 'name' and 'method'")
     lines = _line_map(node)
     method = data.get("method")
-    if method not in _RECIPES:
+    if method not in registry.METHODS:
         where = f"{path}:{lines.get(('method',), 1)}"
-        known = ", ".join(sorted(_RECIPES))
-        raise RecipeError(f"{where}: method: {method!r} is not a known method (known: {known})")
+        hint = registry.did_you_mean(method, registry.METHODS)
+        raise RecipeError(f"{where}: method: {method!r} is not a known method ({hint})")
     try:
-        return _RECIPES[method].model_validate(data)
+        recipe = recipe_adapter().validate_python(data)
     except ValidationError as exc:
-        raise RecipeError("invalid recipe:\n  " + "\n  ".join(_errors(exc, path, lines))) from None
+        # the union puts the method's tag first in every location; the file's own field paths come after it
+        raise RecipeError("invalid recipe:\n  " + "\n  ".join(_errors(exc, path, lines, tag=method))) from None
+    return recipe.with_origin(path, text)
 
 
-def load_recipe(path: str | Path) -> BaseModel:
+def load_recipe(path: str | Path) -> RecipeBase:
     """Read and validate a recipe file.
 
     Raises:

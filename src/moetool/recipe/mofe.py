@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moetool.quant.plan import QuantSpec
-from moetool.recipe.base import StrictModel
+from moetool.recipe.base import RecipeBase, StrictModel
 from moetool.recipe.export import TargetSpec
 from moetool.recipe.train import FreezeSpec, TrainSpec
 
@@ -35,7 +35,7 @@ class SharedExpertSpec(StrictModel):
     negative_prompts: list[str] = Field(default_factory=list)
 
 
-class MoFERecipe(StrictModel):
+class MoFERecipe(RecipeBase):
     """Mixture of Frozen Experts (MoFE): attention, norms and embeddings from the base, one FFN per expert."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

@@ -1,0 +1,101 @@
+"""The one plugin registry: merge methods, export targets and model-source schemes, named as data.
+
+Every entry is a ``"module:attribute"`` string imported on first use, so ``moetool --help`` and a ``mofe`` merge never
+import the other methods (or torch), and no layer needs a static import of a layer above it to find a plugin.
+This module imports nothing of moetool's but :mod:`moetool.errors`; every layer may read it.
+
+Adding a method is one line in :data:`METHODS` (see docs/architecture.md); an exporter, one line in :data:`TARGETS`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from moetool.errors import MoetoolError
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    """Where a method's parts live.
+
+    Attributes:
+        recipe: its recipe model (a pydantic class in :mod:`moetool.recipe`, the low layer every stage reads).
+        plugin: its :class:`moetool.methods.base.MethodPlugin` instance (plan/assemble/train/evaluate/export).
+        cli: its optional Typer sub-app (``moetool NAME …``), or None.
+    """
+
+    recipe: str
+    plugin: str
+    cli: str | None = None
+
+
+METHODS: dict[str, MethodEntry] = {
+    "mofe": MethodEntry("moetool.recipe.mofe:MoFERecipe", "moetool.methods.mofe:PLUGIN"),
+    "comigs": MethodEntry(
+        "moetool.recipe.comigs:ComigsRecipe", "moetool.methods.comigs:PLUGIN", "moetool.methods.comigs.cli:app"
+    ),
+    "embedding": MethodEntry(
+        "moetool.recipe.embedding:EmbeddingRecipe",
+        "moetool.methods.embedding:PLUGIN",
+        "moetool.methods.embedding.cli:app",
+    ),
+    "gem": MethodEntry("moetool.recipe.gem:GemRecipe", "moetool.methods.gem:PLUGIN", "moetool.methods.gem.cli:app"),
+    "hybrid": MethodEntry(
+        "moetool.recipe.hybrid:HybridRecipe", "moetool.methods.hybrid:PLUGIN", "moetool.methods.hybrid.cli:app"
+    ),
+}
+
+# standard export targets: target -> its Exporter class (moetool.export.base.Exporter)
+TARGETS: dict[str, str] = {
+    "gguf": "moetool.export.gguf.exporter:GGUFExporter",
+    "onnx": "moetool.export.onnx.exporter:ONNXExporter",
+    "executorch": "moetool.export.executorch.exporter:ExecuTorchExporter",
+    "coreml": "moetool.export.coreml.exporter:CoreMLExporter",
+    "tflite": "moetool.export.tflite.exporter:TFLiteExporter",
+}
+
+# model reference schemes (``zoo:NAME``): scheme -> a function ``(name: str) -> pathlib.Path`` raising MoetoolError
+SOURCE_SCHEMES: dict[str, str] = {
+    "zoo": "moetool.zoo:resolve_zoo_model",
+}
+
+
+class UnknownPluginError(MoetoolError):
+    """A method, target or scheme name that is not registered."""
+
+
+def did_you_mean(name: object, known: list[str] | tuple[str, ...] | Any) -> str:
+    """``" (did you mean 'gguf'?)"`` for a close registered name, else the list of known names."""
+    names = sorted(known)
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]!r}? known: {', '.join(names)}"
+    return f"known: {', '.join(names)}"
+
+
+def load(spec: str) -> Any:
+    """Import ``"module:attribute"`` and return the attribute."""
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def method_entry(name: object) -> MethodEntry:
+    if not isinstance(name, str) or name not in METHODS:
+        raise UnknownPluginError(f"method: {name!r} is not a known method ({did_you_mean(name, METHODS)})")
+    return METHODS[name]
+
+
+def target_spec(target: object) -> str:
+    if not isinstance(target, str) or target not in TARGETS:
+        raise UnknownPluginError(f"unknown target {target!r} ({did_you_mean(target, TARGETS)})")
+    return TARGETS[target]
+
+
+def load_all_methods() -> None:
+    """Import every method plugin, which registers moetool's own model classes (``moetool_gem``, …) with
+    transformers' Auto classes, so ``AutoModelForCausalLM.from_pretrained`` loads any moetool output."""
+    for entry in METHODS.values():
+        load(entry.plugin)
