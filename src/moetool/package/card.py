@@ -1,0 +1,248 @@
+"""The packaged folder's README.md: Hub front matter and a body that says only what the folder's files back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moetool.package.inputs import REPO_ID_PLACEHOLDER, Artifact
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _fence(text: str, lang: str) -> str:
+    fence = "````" if "```" in text else "```"
+    return f"{fence}{lang}\n{text.rstrip()}\n{fence}\n"
+
+
+def front_matter(meta: dict[str, Any], artifacts: list[Artifact], recipe: str | None) -> str:
+    """YAML the Hub reads. Only Hub repo ids go into ``base_model``: zoo and local sources are not on the Hub."""
+    import yaml
+    from huggingface_hub import ModelCardData
+
+    sources = meta.get("provenance", {}).get("sources", {})
+    hub = list(dict.fromkeys(s["ref"] for s in sources.values() if s.get("kind") == "hf-cache"))
+    license_ = (yaml.safe_load(recipe) or {}).get("license") if recipe else None
+    tags = ["moe", "moetool", "merge", meta.get("method"), meta.get("architecture")]
+    if any(a.target == "gguf" for a in artifacts):
+        tags += ["gguf", "llama-cpp"]
+    data = ModelCardData(
+        base_model=hub or None,
+        base_model_relation="merge" if hub else None,
+        license=license_ or None,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=list(dict.fromkeys(t for t in tags if t)),
+    )
+    return f"---\n{data.to_yaml()}\n---\n"
+
+
+_KINDS = {"zoo": "moetool's self-trained demo models", "local": "directories on the machine that built this model"}
+
+
+def _sources_section(meta: dict[str, Any]) -> str:
+    sources = meta.get("provenance", {}).get("sources", {})
+    rows = []
+    for label, s in sources.items():
+        files = "<br>".join(f"`{name}` `{sha}`" for name, sha in (s.get("files") or {}).items()) or "(not recorded)"
+        rev = f" @ `{s['revision'][:12]}`" if s.get("revision") else ""
+        rows.append(f"| {label} | `{s.get('ref')}`{rev} | {s.get('kind')} | {files} |")
+    text = (
+        "## Sources\n\n| role | reference | kind | weight files (sha256) |\n|---|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n\n"
+    )
+    off_hub = sorted({str(s.get("kind")) for s in sources.values() if s.get("kind") != "hf-cache"})
+    if off_hub:
+        kinds = "; ".join(f"`{k}`: {_KINDS.get(k, 'not a Hub repository')}" for k in off_hub)
+        text += (
+            f"Some sources are not Hub repositories ({kinds}), so they are not listed as `base_model`; "
+            "the hashes above identify their exact weights.\n\n"
+        )
+    return text + "Tool versions and source paths are in `moetool.json`.\n\n"
+
+
+def _training_section(meta: dict[str, Any]) -> str:
+    tr = meta.get("training")
+    if not tr:
+        return ""
+    fr = tr.get("freeze", {})
+    cfg = tr.get("train", {})
+    final = (tr.get("history") or [{}])[-1].get("loss")
+    return (
+        f"## Router tuning\n\nTuned with `moetool train` for {tr.get('steps')} steps on domains "
+        f"{', '.join(cfg.get('data', {}))} with freeze preset `{fr.get('preset')}`: "
+        f"{fr.get('trainable_params', 0):,} trainable and {fr.get('frozen_params', 0):,} frozen parameters"
+        + (f"; final training loss {final:.4f}" if isinstance(final, int | float) else "")
+        + ". The full training configuration and loss history are in `moetool.json`.\n\n"
+    )
+
+
+def _eval_key(report: dict[str, Any], model: Path, same_run: bool) -> str | None:
+    """The report's name for the packaged model: same path, else, for a report in the model's own run directory
+    (which may have been moved or copied), the same directory name."""
+    models = report.get("models", {})
+    for key, info in models.items():
+        if info.get("path") and Path(info["path"]).resolve() == model:
+            return str(key)
+    for key, info in models.items() if same_run else ():
+        if Path(info.get("path") or key).name == model.name:
+            return str(key)
+    return None
+
+
+def _eval_section(report: dict[str, Any], model: Path, plots: list[str], same_run: bool) -> str:
+    domains = list(report["domains"])
+    this = _eval_key(report, model, same_run)
+    settings = report.get("settings", {})
+    how = ", ".join(
+        f"{k.replace('_', ' ')} {v}"
+        for k, v in (("seq_len", settings.get("seq_len")), ("max_tokens", settings.get("max_tokens")))
+        if v
+    )
+    rows = []
+    for name, row in report["perplexity"].items():
+        cells = [f"{row[d]:.2f}" if d in row else "–" for d in domains]
+        mean = sum(row[d] for d in domains if d in row) / max(1, sum(d in row for d in domains))
+        label = f"**{name}** (this model)" if name == this else name
+        own = report.get("models", {}).get(name, {}).get("own_domain")
+        rows.append(f"| {label} | {own or ''} | " + " | ".join(cells) + f" | {mean:.2f} |")
+    text = (
+        "## Evaluation\n\nHeld-out perplexity per domain (lower is better"
+        + (f"; {how}" if how else "")
+        + "), from `eval/eval.json`, which also holds routing statistics and GEM metrics.\n\n"
+        + f"| model | own domain | {' | '.join(domains)} | mean |\n|---|---|{'---:|' * (len(domains) + 1)}\n"
+        + "\n".join(rows)
+        + "\n\n"
+    )
+    if this is None:
+        text += "The packaged model itself is not among the evaluated models.\n\n"
+    for p in plots:
+        text += f"![{Path(p).stem}]({p})\n\n"
+    return text
+
+
+def _parity(p: Any) -> str:
+    if not isinstance(p, dict):
+        return str(p or "not verified")
+    diffs = ", ".join(f"{float(v):.1e} @{k}" for k, v in p.get("max_abs_logit_diff", {}).items())
+    parts = [f"max abs Δlogit {diffs} tokens"] if diffs else []
+    if "top1_agreement" in p:
+        parts.append(f"top-1 agreement {100 * p['top1_agreement']:.2f}%")
+    if "ppl_change" in p:
+        parts.append(f"perplexity {100 * p['ppl_change']:+.2f}%")
+    if "decode" in p:
+        parts.append(f"cached decode {float(p['decode']['max_abs_logit_diff']):.1e}")
+    if "conversion" in p:
+        conv = max(float(v) for v in p["conversion"]["max_abs_logit_diff"].values())
+        parts.append(f"conversion alone (artifact's own weights) {conv:.1e}")
+    if "tokenizer_match" in p:
+        parts.append("tokenizer matches" if p["tokenizer_match"] else "tokenizer DIFFERS")
+    text = "; ".join(parts)
+    if "core_ml_runtime" in p:  # the figures are the converted torch wrapper's, not Core ML's
+        text = (
+            f"torch wrapper that was converted (Core ML runs on macOS only; see scripts/coreml_parity_mac.py): {text}"
+        )
+    return text
+
+
+def _artifacts_section(artifacts: list[Artifact]) -> str:
+    rows, notes = [], []
+    for a in artifacts:
+        m = a.manifest
+        plan = m.get("plan", {})
+        bpw = plan.get("bits_per_weight")
+        rows.append(
+            f"| {a.target} | `{a.repo_dir}/{a.file}` | {plan.get('label', '')} | {_size(m['artifact']['bytes'])} | "
+            f"{f'{bpw:.2f}' if bpw else ''} | {m.get('device') or 'any'} | {_parity(m.get('parity'))} |"
+        )
+        notes += [f"- `{a.repo_dir}`: {n}" for n in m.get("notes", [])]
+    return (
+        "## On-device artifacts\n\nParity compares each artifact in its runtime with this checkpoint in transformers "
+        "(float32) on held-out text. Float plans must meet a gate; quantized plans are reported (a GGUF must also "
+        "agree with transformers on its own dequantized weights).\n\n"
+        "| target | file | plan | size | bits/weight | device | parity |\n|---|---|---|---:|---:|---|---|\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + ("\n".join(notes) + "\n\n" if notes else "")
+        + "Each artifact's `manifest.json` next to it holds the per-tensor plan, memory estimate and hashes.\n\n"
+    )
+
+
+def _usage_section(artifacts: list[Artifact]) -> str:
+    text = (
+        "## Usage\n\n"
+        + _fence(
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f'repo = "{REPO_ID_PLACEHOLDER}"\n'
+            "tok = AutoTokenizer.from_pretrained(repo)\n"
+            "model = AutoModelForCausalLM.from_pretrained(repo)\n"
+            'ids = tok("def main():", return_tensors="pt")\n'
+            "print(tok.decode(model.generate(**ids, max_new_tokens=32)[0]))",
+            "python",
+        )
+        + "\n"
+    )
+    gguf = next((a for a in artifacts if a.target == "gguf"), None)
+    if gguf is not None:
+        path = f"{gguf.repo_dir}/{gguf.file}"
+        text += (
+            "With llama.cpp, after downloading the GGUF file:\n\n"
+            + _fence(f'llama-cli -m {path} -p "def main():" -n 32', "sh")
+            + "\nWith llama-cpp-python:\n\n"
+            + _fence(
+                "from llama_cpp import Llama\n\n"
+                f'llm = Llama.from_pretrained(repo_id="{REPO_ID_PLACEHOLDER}", filename="{path}")\n'
+                'print(llm("def main():", max_tokens=32)["choices"][0]["text"])',
+                "python",
+            )
+            + "\n"
+        )
+    return text
+
+
+def render_card(
+    *,
+    meta: dict[str, Any],
+    model: Path,
+    recipe: str | None,
+    train_recipe: str | None,
+    artifacts: list[Artifact],
+    report: dict[str, Any] | None,
+    plots: list[str],
+    same_run: bool = False,
+) -> str:
+    """README.md: front matter, what the model is, where it came from, how it scores, what runs on devices.
+
+    ``same_run`` says the report lies in the model's run directory, so its rows may be matched by directory name.
+    """
+    experts = meta.get("experts", [])
+    name = meta.get("name") or model.name
+    body = (
+        f"# {name}\n\nA Mixture-of-Experts model built by moetool with `method: {meta.get('method')}`: attention, "
+        "norms and embeddings come from the base model; each expert's FFN becomes one routed expert.\n\n"
+        f"- architecture: `{meta.get('architecture')}`\n"
+        f"- experts: {', '.join(f'`{e}`' for e in experts)}"
+        + (" plus a shared expert" if meta.get("shared_expert") else "")
+        + f"\n- experts per token: {meta.get('experts_per_token')}\n"
+        f"- router initialisation: `{meta.get('gate_mode')}`\n\n"
+    )
+    body += _sources_section(meta) + _training_section(meta)
+    if report is not None:
+        body += _eval_section(report, model, plots, same_run)
+    elif plots:
+        body += "## Plots\n\n" + "".join(f"![{Path(p).stem}]({p})\n\n" for p in plots)
+    if artifacts:
+        body += _artifacts_section(artifacts)
+    body += _usage_section(artifacts)
+    if recipe:
+        body += "## Recipe\n\n" + _fence(recipe, "yaml") + "\n"
+    if train_recipe:
+        body += "## Training recipe\n\n" + _fence(train_recipe, "yaml") + "\n"
+    return front_matter(meta, artifacts, recipe) + "\n" + body.rstrip() + "\n"

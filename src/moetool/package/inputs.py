@@ -1,0 +1,168 @@
+"""What ``moetool package`` reads: the model directory, its export artifacts (manifests), the evaluation report.
+
+Nothing here reads more than JSON and file listings; hashes are checked while copying (:mod:`moetool.package.build`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetool.errors import MoetoolError
+
+
+class PackageError(MoetoolError):
+    """The source cannot be packaged as asked: missing files, or artifacts of another model."""
+
+
+# what transformers needs besides weights and config; everything else in a model directory stays behind
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
+MOETOOL_FILES = ("moetool.json", "moetool-recipe.yaml", "moetool-train-recipe.yaml")
+RUN_MODELS = ("tuned-mofe", "merged")  # a run directory's model when no artifact names one, best first
+REPO_ID_PLACEHOLDER = "<this-repo-id>"  # the card is written before anyone picks the repo id
+
+
+@dataclass
+class Artifact:
+    """One ``moetool export`` output directory: an artifact file and its manifest."""
+
+    dir: Path
+    manifest: dict[str, Any]
+
+    @property
+    def target(self) -> str:
+        return str(self.manifest["target"])
+
+    @property
+    def file(self) -> str:
+        return str(self.manifest["file"])
+
+    @property
+    def repo_dir(self) -> str:
+        return f"{self.target}/{self.dir.name}"
+
+    def files(self) -> dict[str, str | None]:
+        """Every file of the artifact (relative path → sha256 from the manifest): graph targets list several
+        (ONNX's two graphs, a Core ML package's contents), GGUF has one."""
+        listed = self.manifest.get("files")
+        if listed:
+            return {str(rel): info.get("sha256") for rel, info in listed.items()}
+        return {self.file: self.manifest["artifact"].get("sha256")}
+
+
+@dataclass
+class Inputs:
+    model: Path
+    artifacts: list[Artifact]
+    eval_json: Path | None
+    plots: Path | None
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def load_artifact(path: Path) -> Artifact:
+    from moetool.export.base import read_manifest
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    for key in ("target", "file", "model", "artifact"):
+        if key not in manifest:
+            raise PackageError(f"{path / 'manifest.json'}: no {key!r}; not a moetool export manifest")
+    art = Artifact(path, manifest)
+    for rel in art.files():
+        if not (path / rel).is_file():
+            raise PackageError(f"{path}: the manifest names {rel}, which is not there")
+    return art
+
+
+def _pointed_model(art: Artifact, run: Path) -> Path:
+    """The model directory an artifact was exported from; a run directory that moved is searched by name."""
+    recorded = Path(art.manifest["model"].get("path") or "")
+    for candidate in (recorded, run / recorded.name):
+        if str(candidate) not in ("", ".") and is_model_dir(candidate):
+            return candidate.resolve()
+    raise PackageError(
+        f"{art.dir}: exported from {recorded}, which is gone (and {run / recorded.name} is no model directory); "
+        "package that model directory with --artifact instead"
+    )
+
+
+def resolve_inputs(source: Path, artifacts: list[Path], eval_json: Path | None, plots: Path | None) -> Inputs:
+    """Decide which model, artifacts, evaluation and plots go into the package (nothing is read beyond JSON)."""
+    source = Path(source)
+    eval_json = Path(eval_json) if eval_json is not None else None
+    plots = Path(plots) if plots is not None else None
+    if not source.is_dir():
+        raise PackageError(f"{source}: no such directory")
+    arts = [load_artifact(Path(a)) for a in artifacts]
+    if is_model_dir(source):
+        return Inputs(source.resolve(), arts, eval_json, plots)
+    if not artifacts:
+        arts = [load_artifact(m.parent) for m in sorted(source.glob("exports/*/manifest.json"))]
+    pointed: dict[Path, list[str]] = {}
+    for a in arts:
+        pointed.setdefault(_pointed_model(a, source), []).append(a.dir.name)
+    if len(pointed) > 1:
+        which = "; ".join(f"{', '.join(names)} from {path}" for path, names in pointed.items())
+        raise PackageError(f"{source}: the artifacts come from different models ({which}); pick one with --artifact")
+    model = next(iter(pointed), None)
+    if model is None:
+        model = next((source / n for n in RUN_MODELS if is_model_dir(source / n)), None)
+    if model is None:
+        raise PackageError(
+            f"{source}: neither a model directory (no config.json) nor a moetool run directory "
+            f"(no exports/*/manifest.json, no {' or '.join(RUN_MODELS)}/)"
+        )
+    if eval_json is None and (source / "eval.json").is_file():
+        eval_json = source / "eval.json"
+    if plots is None and (source / "plots").is_dir():
+        plots = source / "plots"
+    return Inputs(model.resolve(), arts, eval_json, plots)
+
+
+def model_files(model: Path) -> tuple[list[Path], list[Path]]:
+    """(weight files, other files to copy) of a model directory."""
+    weights = sorted(model.glob("*.safetensors"))
+    if not weights:
+        raise PackageError(f"{model}: no *.safetensors weights (moetool packages safetensors checkpoints only)")
+    index = model / "model.safetensors.index.json"
+    if index.is_file():
+        missing = sorted(set(json.loads(index.read_text())["weight_map"].values()) - {w.name for w in weights})
+        if missing:
+            raise PackageError(f"{index}: names shards that are missing: {', '.join(missing)}")
+    if not (model / "moetool.json").is_file():
+        raise PackageError(f"{model}: no moetool.json; package the output of `moetool merge` or `moetool train`")
+    others = [model / n for n in (*MODEL_FILES, *MOETOOL_FILES) if (model / n).is_file()]
+    return weights, others
+
+
+def text_of(path: Path) -> str | None:
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def read_eval(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise PackageError(f"{path}: no such evaluation report")
+    try:
+        report: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise PackageError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(report, dict) or not {"domains", "perplexity"} <= set(report):
+        raise PackageError(f"{path}: not a `moetool eval --json` report (no domains/perplexity)")
+    return report
