@@ -25,3 +25,15 @@ class UnsupportedArchitecture(PreflightError):
 
 class OutputExistsError(MoetoolError):
     """The output exists and ``--force`` was not given."""
+
+
+class CheckpointError(SourceError):
+    """A checkpoint file (safetensors header, index, config, tokenizer file) is corrupt or incomplete; names the file."""
+
+
+class InputFileError(MoetoolError):
+    """A file moetool reads (JSON, YAML) is unreadable, too large, not UTF-8 or malformed; names the file."""
+
+
+class OutputPathError(MoetoolError):
+    """The output path cannot be written safely (a file as parent, no write permission, inside an input, …)."""

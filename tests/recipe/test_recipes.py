@@ -120,7 +120,8 @@ def test_nested_validator_error_keeps_the_path_to_its_model(tmp_path):
     import yaml
     from pydantic import ValidationError, model_validator
 
-    from moetool.recipe.load import _errors, _line_map
+    from moetool.io.safe import parse_yaml
+    from moetool.recipe.load import _errors
     from moetool.strict import StrictModel
 
     class Inner(StrictModel):
@@ -140,5 +141,6 @@ def test_nested_validator_error_keeps_the_path_to_its_model(tmp_path):
     text = "name: x\nsection:\n  a: 3\n  b: 1\n"
     with pytest.raises(ValidationError) as info:
         Outer.model_validate(yaml.safe_load(text))
-    [msg] = _errors(info.value, tmp_path / "r.yaml", _line_map(yaml.compose(text)))
+    _, lines = parse_yaml(text, tmp_path / "r.yaml")
+    [msg] = _errors(info.value, tmp_path / "r.yaml", lines)
     assert msg == f"{tmp_path / 'r.yaml'}:4: section.b: 1 is smaller than a (3)"

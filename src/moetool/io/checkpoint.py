@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from moetool.errors import SourceError
+from moetool.errors import CheckpointError, SourceError
+from moetool.io.safe import decode_utf8, parse_json, read_json
 
 # safetensors dtype tag -> (torch dtype, bytes per element)
 SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -27,6 +28,20 @@ SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "U8": (torch.uint8, 1),
     "BOOL": (torch.bool, 1),
 }
+
+# bytes per element of every safetensors dtype tag, read or not: a header is checked against its file with these
+SAFETENSORS_TAG_BYTES: dict[str, int] = {tag: size for tag, (_, size) in SAFETENSORS_DTYPES.items()} | {
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "C64": 8,
+}
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own bound on the JSON header
+MAX_DIM = 2**62
 
 
 @dataclass(frozen=True)
@@ -45,18 +60,85 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * SAFETENSORS_DTYPES[self.dtype][1]
+        return self.numel * SAFETENSORS_TAG_BYTES[self.dtype]
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse a safetensors file's JSON header only (no tensor data is read)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return {
-        k: TensorInfo(k, path, v["dtype"], tuple(v["shape"]), 8 + n + v["data_offsets"][0]) for k, v in header.items()
-    }
+    """Parse and check a safetensors file's JSON header only (no tensor data is read).
+
+    The header length is bounded (:data:`MAX_HEADER_BYTES`, and the file's size) before anything is allocated, and
+    every entry is checked: a known dtype, a shape of non-negative integers, data offsets whose span matches dtype
+    and shape and lies inside the file.
+
+    Raises:
+        CheckpointError: a short, truncated or corrupt file, naming the file (and the tensor).
+    """
+    path = Path(path)
+    bad = f"{path}: not a valid safetensors file"
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise CheckpointError(f"{bad}: {size} bytes, shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{bad}: header length {n:,} is over the {MAX_HEADER_BYTES:,}-byte limit")
+            if 8 + n > size:
+                raise CheckpointError(f"{bad}: header length {n:,} runs past the end of the {size:,}-byte file")
+            raw = f.read(n)
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: a directory, not a safetensors file") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) != n:
+        raise CheckpointError(f"{bad}: truncated header ({len(raw):,} of {n:,} bytes)")
+    header = parse_json(
+        decode_utf8(raw, path, what="safetensors header", error=CheckpointError),
+        path,
+        what="safetensors header",
+        error=CheckpointError,
+    )
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not isinstance(meta, dict):
+        raise CheckpointError(f"{bad}: __metadata__ must be an object")
+    data_start = 8 + n
+    out: dict[str, TensorInfo] = {}
+    for k, v in header.items():
+        out[k] = _tensor_entry(path, k, v, data_start, size)
+    return out
+
+
+def _tensor_entry(path: Path, name: str, v: Any, data_start: int, size: int) -> TensorInfo:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(v, dict):
+        raise CheckpointError(f"{where}: header entry must be an object, not {type(v).__name__}")
+    dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_TAG_BYTES:
+        raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, not {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, not {offsets!r}")
+    info = TensorInfo(name, path, dtype, tuple(shape), data_start + offsets[0])
+    if offsets[1] - offsets[0] != info.nbytes:
+        raise CheckpointError(
+            f"{where}: data_offsets span {offsets[1] - offsets[0]:,} bytes, but {dtype} {list(shape)} needs "
+            f"{info.nbytes:,}"
+        )
+    if data_start + offsets[1] > size:
+        raise CheckpointError(
+            f"{where}: data ends at byte {data_start + offsets[1]:,}, past the end of the {size:,}-byte file "
+            "(truncated?)"
+        )
+    return info
+
+
+INDEX = "model.safetensors.index.json"
 
 
 class Checkpoint:
@@ -82,14 +164,36 @@ class Checkpoint:
         cfg = self.path / "config.json"
         if not cfg.is_file():
             raise SourceError(f"{self.path}: no config.json (not a Hugging Face model directory)")
-        return dict(json.loads(cfg.read_text()))
+        return dict(read_json(cfg, what="model config"))
+
+    @cached_property
+    def index(self) -> dict[str, str] | None:
+        """The sharded checkpoint's ``weight_map`` (tensor → shard file name), or None without an index.
+
+        Raises:
+            CheckpointError: the index is malformed, names a shard outside the directory, or a missing shard (naming
+                the index and the shard).
+        """
+        index = self.path / INDEX
+        if not index.is_file():
+            return None
+        data = read_json(index, what="safetensors index")
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(f"{index}: weight_map must be an object of tensor name → shard file name")
+        for name in sorted(set(weight_map.values())):
+            if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+                raise CheckpointError(f"{index}: shard {name!r} is not a file name in {self.path}")
+            if not (self.path / name).is_file():
+                raise CheckpointError(f"{index}: names shard {name!r}, which is missing from {self.path}")
+        return dict(weight_map)
 
     @cached_property
     def weight_files(self) -> list[Path]:
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return [self.path / n for n in names]
+        if self.index is not None:
+            return [self.path / n for n in sorted(set(self.index.values()))]
         files = sorted(self.path.glob("*.safetensors"))
         if files:
             return files
@@ -110,17 +214,34 @@ class Checkpoint:
         for f in self.weight_files:
             if f.suffix == ".bin":
                 for k, t in self._load_pickles().items():
-                    dt = {v[0]: k2 for k2, v in SAFETENSORS_DTYPES.items()}[t.dtype]
+                    dt = {v[0]: k2 for k2, v in SAFETENSORS_DTYPES.items()}.get(t.dtype)
+                    if dt is None:
+                        raise CheckpointError(f"{f}: tensor {k!r} has dtype {t.dtype}, which moetool cannot read")
                     out[k] = TensorInfo(k, f, dt, tuple(t.shape))
                 continue
-            out.update(read_safetensors_header(f))
+            for k, info in read_safetensors_header(f).items():
+                if k in out:
+                    raise CheckpointError(f"{self.path}: tensor {k!r} is in both {out[k].file.name} and {f.name}")
+                out[k] = info
+        if self.index is not None:
+            for k, shard in self.index.items():
+                if k not in out or out[k].file.name != shard:
+                    raise CheckpointError(
+                        f"{self.path / INDEX}: tensor {k!r} should be in shard {shard!r}, whose header lacks it"
+                    )
         return out
 
     def _load_pickles(self) -> dict[str, torch.Tensor]:
         if self._pickled is None:
             self._pickled = {}
             for f in self.weight_files:
-                self._pickled.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+                try:
+                    state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                except Exception as exc:  # a corrupt or hostile pickle: any unpickling error
+                    raise CheckpointError(f"{f}: cannot load pickle weights: {exc}") from None
+                if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+                    raise CheckpointError(f"{f}: not a state dict of tensors")
+                self._pickled.update(state)
         return self._pickled
 
     def get(self, name: str) -> torch.Tensor:
@@ -134,9 +255,14 @@ class Checkpoint:
             raise SourceError(f"{self.path}: missing tensor {name!r}")
         if info.file.suffix == ".bin":
             return self._load_pickles()[name].clone()
+        if info.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, which moetool cannot read")
         if self._open_file != info.file:
             self.close()
-            self._handle = open(info.file, "rb")  # noqa: SIM115 - kept open across calls, closed by close()
+            try:
+                self._handle = open(info.file, "rb")  # noqa: SIM115 - kept open across calls, closed by close()
+            except OSError as exc:
+                raise CheckpointError(f"{info.file}: cannot read: {exc.strerror or exc}") from None
             self._open_file = info.file
         self._handle.seek(info.offset)
         buf = bytearray(info.nbytes)

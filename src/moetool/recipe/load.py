@@ -8,14 +8,12 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Union
 
-import yaml
 from pydantic import Field, TypeAdapter, ValidationError
 
 from moetool import registry
 from moetool.errors import RecipeError
+from moetool.io.safe import Loc, decode_utf8, parse_yaml, read_bytes
 from moetool.recipe.base import RecipeBase
-
-Loc = tuple[str | int, ...]
 
 
 def recipe_models() -> dict[str, type[RecipeBase]]:
@@ -27,7 +25,7 @@ def recipe_models() -> dict[str, type[RecipeBase]]:
 def recipe_adapter() -> TypeAdapter[RecipeBase]:
     """One validator for every recipe: the discriminated union (on ``method``) of the registered recipe models."""
     union = Union[tuple(recipe_models().values())]  # type: ignore[valid-type]  # noqa: UP007
-    return TypeAdapter(Annotated[union, Field(discriminator="method")])
+    return TypeAdapter(Annotated[union, Field(discriminator="method")])  # type: ignore[arg-type]
 
 
 def recipe_json_schema() -> dict[str, Any]:
@@ -52,24 +50,20 @@ def recipe_json_schema() -> dict[str, Any]:
     }
 
 
-def _line_map(node: yaml.Node, loc: Loc = ()) -> dict[Loc, int]:
-    """Map every field path in a composed YAML tree to its 1-based line."""
-    lines: dict[Loc, int] = {loc: node.start_mark.line + 1}
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            sub = (*loc, str(key.value))
-            lines[sub] = key.start_mark.line + 1
-            for k, v in _line_map(value, sub).items():
-                lines.setdefault(k, v)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            lines.update(_line_map(item, (*loc, i)))
-    return lines
-
-
 def _format_loc(loc: Loc) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
+
+_TYPE_ERRORS = {"int_type", "float_type", "bool_type", "string_type", "list_type", "dict_type", "model_type"}
+_YAML_TYPE = {
+    str: "the string",
+    bool: "the boolean",
+    int: "the integer",
+    float: "the number",
+    type(None): "null",
+    list: "the list",
+    dict: "the mapping",
+}
 
 _LOC_IN_MESSAGE = re.compile(r"^([A-Za-z_][\w]*(?:\.[\w]+)*): ")
 
@@ -91,6 +85,12 @@ def _errors(exc: ValidationError, path: Path, lines: dict[Loc, int], tag: str | 
                 msg = msg[m.end() :]
         elif err["type"] == "extra_forbidden":
             msg = "unknown key (not allowed here; check the spelling)"
+        elif err["type"] in _TYPE_ERRORS:
+            # strict models never coerce: say what was given, since YAML quoting or `yes` made it so
+            got = err.get("input")
+            msg = f"{msg}, not {_YAML_TYPE.get(type(got), type(got).__name__)} {_short(got)}"
+            if isinstance(got, str) and err["type"] in ("int_type", "float_type", "bool_type"):
+                msg += " (remove the quotes)"
         probe = loc
         while probe not in lines and probe:
             probe = probe[:-1]
@@ -99,27 +99,36 @@ def _errors(exc: ValidationError, path: Path, lines: dict[Loc, int], tag: str | 
     return out
 
 
-def parse_recipe(text: str, path: Path) -> RecipeBase:
-    """Validate recipe ``text`` read from ``path``.
+def _short(value: object, limit: int = 60) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+MAX_RECIPE_BYTES = 1024 * 1024  # recipes are a few KB; prompts lists included, far below this
+
+
+def parse_recipe(text: str | bytes, path: Path) -> RecipeBase:
+    """Validate recipe ``text`` (or raw bytes, which must be UTF-8) read from ``path``.
+
+    The YAML is read under :func:`moetool.io.safe.parse_yaml`'s budgets: no duplicate keys, bounded nesting, aliases
+    and size; values are never coerced across types (``experts_per_token: "2"`` is an error).
 
     Raises:
         RecipeError: naming the file, field path and line of every problem.
     """
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise RecipeError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    if not isinstance(data, dict) or node is None:
+    size = len(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)
+    if size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{path}: recipe is {size:,} bytes, more than the {MAX_RECIPE_BYTES:,} allowed")
+    if isinstance(text, bytes):
+        text = decode_utf8(text, path, what="recipe", error=RecipeError)
+    data, lines = parse_yaml(text, path, what="recipe", error=RecipeError)
+    if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe must be a YAML mapping with at least 'name' and 'method'")
-    lines = _line_map(node)
     method = data.get("method")
-    if method not in registry.METHODS:
+    if not isinstance(method, str) or method not in registry.METHODS:
         where = f"{path}:{lines.get(('method',), 1)}"
-        hint = registry.did_you_mean(method, registry.METHODS)
-        raise RecipeError(f"{where}: method: {method!r} is not a known method ({hint})")
+        hint = registry.did_you_mean(str(method), registry.METHODS)
+        raise RecipeError(f"{where}: method: {_short(method)} is not a known method ({hint})")
     try:
         recipe = recipe_adapter().validate_python(data)
     except ValidationError as exc:
@@ -129,17 +138,13 @@ def parse_recipe(text: str, path: Path) -> RecipeBase:
 
 
 def load_recipe(path: str | Path) -> RecipeBase:
-    """Read and validate a recipe file.
+    """Read and validate a recipe file (at most :data:`MAX_RECIPE_BYTES`, UTF-8).
 
     Raises:
-        RecipeError: the file is missing, not YAML, or invalid (file, field path and line named).
+        RecipeError: the file is missing, too large, not UTF-8, not YAML, or invalid (file, field path and line named).
     """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise RecipeError(f"{p}: cannot read recipe: {exc.strerror}") from None
-    return parse_recipe(text, p)
+    return parse_recipe(read_bytes(p, what="recipe", error=RecipeError, max_bytes=MAX_RECIPE_BYTES), p)
 
 
 def dump_schema() -> str:
