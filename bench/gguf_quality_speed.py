@@ -23,7 +23,7 @@ import numpy as np
 from moetool.api import export
 from moetool.export.gguf.verify import llama_logits, load_llama
 from moetool.export.heldout import nll
-from moetool.zoo.build import DOMAINS, resolve_zoo_model, zoo_domain_text
+from moetool.zoo import DOMAINS, resolve_zoo_model, zoo_domain_text
 
 UNIFORM = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 HYBRID = (

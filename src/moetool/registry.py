@@ -98,4 +98,16 @@ def load_all_methods() -> None:
     """Import every method plugin, which registers moetool's own model classes (``moetool_gem``, …) with
     transformers' Auto classes, so ``AutoModelForCausalLM.from_pretrained`` loads any moetool output."""
     for entry in METHODS.values():
-        load(entry.plugin)
+        for module in load(entry.plugin).model_modules:
+            importlib.import_module(module)
+
+
+# demo text corpora that low layers read by scheme, never by import (``train.data.<d>.zoo: code``, the exporters'
+# held-out text): scheme -> a function ``(domain: str, split: "train" | "valid") -> str`` raising MoetoolError
+TEXT_SCHEMES: dict[str, str] = {
+    "zoo": "moetool.zoo:zoo_domain_text",
+}
+# scheme -> its domain names (a tuple of str), in the order held-out text interleaves them
+TEXT_DOMAINS: dict[str, str] = {
+    "zoo": "moetool.zoo:DOMAINS",
+}

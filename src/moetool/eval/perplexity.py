@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from rich.table import Table
 
+from moetool import registry
+
 __all__ = ["load_causal_lm", "perplexity", "perplexity_matrix", "render_matrix", "token_nll"]
 
 ModelSpec = str | Path | tuple[Any, Any]
@@ -123,9 +125,7 @@ def load_causal_lm(path: str | Path) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory, in float32 and eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moetool.methods import register_model_classes
-
-    register_model_classes()
+    registry.load_all_methods()  # a moetool output (moetool_gem, …) loads through the Auto classes only once registered
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from moetool import registry
 from moetool.export.base import ExportError
 
 SAMPLE_TEXT = (
@@ -49,9 +50,9 @@ def held_out_text(model_dir: Path, override: str | None = None) -> tuple[str, st
         zoo = True
     if zoo:
         try:
-            from moetool.zoo.build import DOMAINS, zoo_domain_text
-
-            parts = [zoo_domain_text(d, "valid")[:6000] for d in DOMAINS]
+            # the zoo sits above export; the registry names its text so this layer never imports it
+            domain_text = registry.load(registry.TEXT_SCHEMES["zoo"])
+            parts = [domain_text(d, "valid")[:6000] for d in registry.load(registry.TEXT_DOMAINS["zoo"])]
             return "\n".join(p for trio in zip(*(t.split("\n") for t in parts), strict=False) for p in trio), "zoo"
         except Exception:  # the zoo cache may be gone; the sample still proves parity
             pass

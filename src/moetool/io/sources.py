@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from moetool import registry
 from moetool.errors import MoetoolError, PreflightError, SourceError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -18,7 +19,7 @@ class ResolvedSource:
     Attributes:
         ref: the reference as written in the recipe.
         path: the local directory holding config.json and weights.
-        kind: ``local``, ``hf-cache`` or ``zoo``.
+        kind: ``local``, ``hf-cache`` or the scheme of a ``SCHEME:NAME`` reference (``zoo``).
         revision: the Hub commit of a cached snapshot, else None.
     """
 
@@ -36,11 +37,11 @@ def resolve_source(ref: str, *, relative_to: Path | None = None) -> ResolvedSour
     Raises:
         SourceError: nothing local matches, naming what was tried.
     """
-    if ref.startswith("zoo:"):
-        from moetool.zoo import resolve_zoo_model
-
+    scheme, sep, name = ref.partition(":")
+    if sep and scheme in registry.SOURCE_SCHEMES:
+        # the scheme's resolver lives above this layer (the zoo); the registry names it, so io never imports it
         try:
-            return ResolvedSource(ref, resolve_zoo_model(ref.removeprefix("zoo:")), "zoo")
+            return ResolvedSource(ref, registry.load(registry.SOURCE_SCHEMES[scheme])(name), scheme)
         except MoetoolError as exc:
             raise SourceError(str(exc)) from None
     candidates = [Path(ref).expanduser()]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.recipe.train import DataSource
 
@@ -30,9 +31,9 @@ def load_source(name: str, src: DataSource, *, base_dir: Path | None, fraction: 
     """
     where = f"train.data.{name}"
     if src.zoo:
-        from moetool.zoo import zoo_domain_text
-
-        return zoo_domain_text(src.zoo, "train"), zoo_domain_text(src.zoo, "valid")
+        # the zoo sits above train; the registry names its text reader so this layer never imports it
+        domain_text = registry.load(registry.TEXT_SCHEMES["zoo"])
+        return domain_text(src.zoo, "train"), domain_text(src.zoo, "valid")
     if src.text or src.jsonl:
         raw = Path(src.text or src.jsonl or "")
         path = base_dir / raw if base_dir is not None and not raw.is_absolute() and (base_dir / raw).exists() else raw

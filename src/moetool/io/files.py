@@ -1,0 +1,22 @@
+"""File names shared by every stage that copies a model's non-weight files."""
+
+from __future__ import annotations
+
+# Everything transformers' AutoTokenizer and generate() read next to the weights: the tokenizer (fast, SentencePiece,
+# and the slow BPE/WordPiece vocabularies), its special-token maps, the chat template (file or json) and the generation
+# defaults. One list for every stage that copies them (merge, assemble, bake, train, package): it is the union of what
+# those stages used to copy each on its own, because a file one of them left behind (a WordPiece vocab.txt, a chat
+# template) made the copy load or generate differently from its source. Stages copy only the names that exist.
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)

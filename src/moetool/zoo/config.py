@@ -1,0 +1,128 @@
+"""What determines a zoo build (:class:`ZooConfig`, the named :data:`PROFILES`) and what a build returns."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from moetool.errors import MoetoolError
+
+if TYPE_CHECKING:
+    from moetool.train.loop import LoopConfig
+
+ZOO_FORMAT = 1
+BASE_NAME = "base"
+ZOO_JSON = "zoo.json"
+
+
+@dataclass(frozen=True)
+class ZooConfig:
+    """Everything that determines a zoo build (same config and machine -> same weights)."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    seq_len: int = 256
+    batch_size: int = 8
+    base_steps: int = 750
+    expert_steps: int = 280
+    lr: float = 6e-3
+    expert_lr: float | None = None  # None: same as lr
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    seed: int = 0
+    max_chars_per_domain: int = 3_000_000
+    valid_fraction: float = 0.1
+    max_valid_chars: int | None = 80_000
+    tokenizer_chars_per_domain: int = 400_000  # balanced tokenizer training sample
+    expert_trainable: Literal["mlp", "all"] = "mlp"
+    tie_word_embeddings: bool = True
+    eval_max_tokens: int = 32768
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # torch threads while building (None: leave torch's setting alone). Results are reproducible for the same
+    # seed, config and thread count on the same machine.
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.expert_trainable not in ("mlp", "all"):
+            raise MoetoolError(f"expert_trainable must be 'mlp' or 'all', got {self.expert_trainable!r}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise MoetoolError(
+                "hidden_size must be divisible by num_heads, and num_heads by num_kv_heads "
+                f"(got {self.hidden_size}, {self.num_heads}, {self.num_kv_heads})"
+            )
+        if self.seq_len < 8 or self.batch_size < 1 or self.base_steps < 1 or self.expert_steps < 1:
+            raise MoetoolError("seq_len, batch_size, base_steps and expert_steps must be positive")
+
+    @classmethod
+    def for_profile(cls, profile: str) -> ZooConfig:
+        """The config of a named profile (see :data:`PROFILES`)."""
+        try:
+            return PROFILES[profile]
+        except KeyError:
+            raise MoetoolError(
+                f"unknown zoo profile {profile!r}; known profiles: {', '.join(sorted(PROFILES))}"
+            ) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the fields."""
+        return dataclasses.asdict(self)
+
+    def loop(self) -> LoopConfig:
+        """The training-loop settings (:func:`moetool.train.loop.train_lm`) of this config."""
+        from moetool.train.loop import LoopConfig  # torch; a config alone is read without it
+
+        return LoopConfig(
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            weight_decay=self.weight_decay,
+            warmup_fraction=self.warmup_fraction,
+            min_lr_ratio=self.min_lr_ratio,
+            seed=self.seed,
+        )
+
+
+PROFILES: dict[str, ZooConfig] = {
+    # The whole zoo (corpora, tokenizer, base, 3 experts, eval) in ~6-8 min on 2 CPU cores.
+    "default": ZooConfig(),
+    # For tests: seconds, not minutes.
+    "tiny": ZooConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=192,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        seq_len=64,
+        batch_size=16,
+        base_steps=60,
+        expert_steps=40,
+        lr=5e-3,
+        max_chars_per_domain=60_000,
+        valid_fraction=0.15,
+        eval_max_tokens=4096,
+        num_threads=1,  # matrices this small gain nothing from a second thread
+    ),
+}
+
+
+@dataclass
+class ZooResult:
+    """What :func:`build_zoo` built (or found already built)."""
+
+    root: Path
+    perplexity: dict[str, dict[str, float]]
+    seconds: float
+    cached: bool = False
+    models: list[str] = field(default_factory=list)
+
+    @property
+    def matrix(self) -> dict[str, dict[str, float]]:
+        """Alias of :attr:`perplexity`: ``matrix[model][domain]``."""
+        return self.perplexity

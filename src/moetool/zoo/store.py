@@ -1,0 +1,69 @@
+"""Finding what a built zoo holds: its models (``zoo:NAME`` references) and its domains' text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from moetool.errors import MoetoolError
+from moetool.paths import zoo_dir
+from moetool.zoo.config import ZOO_JSON
+from moetool.zoo.corpora import DOMAINS
+
+
+def read_zoo_json(root: Path) -> dict[str, Any] | None:
+    """``root``'s zoo.json, or None where there is none (or it does not parse: not a finished zoo)."""
+    path = root / ZOO_JSON
+    if not path.is_file():
+        return None
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data
+
+
+def zoo_models(profile: str = "default") -> list[str]:
+    """Names of the models in the zoo of ``profile`` (empty if it is not built)."""
+    root = zoo_dir(profile)
+    if not root.is_dir():
+        return []
+    meta = read_zoo_json(root)
+    on_disk = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
+    if meta is not None and meta.get("models"):
+        # zoo.json's models first, then models trained into the zoo later (e.g. `moetool hybrid zoo-mamba`)
+        listed = [m for m in meta["models"] if m in on_disk]
+        return listed + [m for m in on_disk if m not in listed]
+    return on_disk
+
+
+def build_hint(profile: str) -> str:
+    """The command that builds the zoo of ``profile``."""
+    return "`moetool zoo build`" if profile == "default" else f"`moetool zoo build --profile {profile}`"
+
+
+def resolve_zoo_model(name: str, profile: str = "default") -> Path:
+    """Directory of zoo model ``name`` (``base`` or a domain) of ``profile``.
+
+    Raises:
+        MoetoolError: the zoo is not built, or has no model of that name.
+    """
+    path = zoo_dir(profile) / name
+    if name and "/" not in name and (path / "config.json").is_file():
+        return path
+    available = zoo_models(profile)
+    listing = f"available: {', '.join(available)}" if available else f"the {profile!r} zoo is not built"
+    raise MoetoolError(f"zoo model {name!r} not found; run {build_hint(profile)} ({listing})")
+
+
+def zoo_domain_text(domain: str, split: Literal["train", "valid"] = "valid", profile: str = "default") -> str:
+    """The ``train`` or held-out (``valid``) text of ``domain`` that the zoo of ``profile`` was built with."""
+    if split not in ("train", "valid"):
+        raise MoetoolError(f"split must be 'train' or 'valid', got {split!r}")
+    if domain not in DOMAINS:
+        raise MoetoolError(f"unknown zoo domain {domain!r}; known domains: {', '.join(DOMAINS)}")
+    path = zoo_dir(profile) / "data" / domain / f"{split}.txt"
+    if not path.is_file():
+        raise MoetoolError(f"zoo text {path} not found; run {build_hint(profile)}")
+    return path.read_text(encoding="utf-8")
