@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.quant.plan import QuantSpec
+
+if TYPE_CHECKING:  # planning imports this module: the plan type is for annotations only
+    from moetool.export.planning import ArtifactPlan
 
 
 class ExportError(MoetoolError):
@@ -29,15 +32,24 @@ class ExportRequest:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-class Exporter(Protocol):
+NOT_VERIFIED = "not verified (--no-verify)"  # a manifest's parity when the check was skipped
+
+
+PlanT = TypeVar("PlanT")
+
+
+class Exporter(Protocol[PlanT]):
+    """A target's exporter; ``PlanT`` is what its :meth:`plan` decides (an :class:`ArtifactPlan` for the standard
+    targets), and :meth:`export` takes that same plan back."""
+
     name: str
     requires: str  # the pip extra that provides the runtime used for verification
 
-    def plan(self, req: ExportRequest) -> Any:
-        """Resolve the quantization plan (no writes); the result has ``.quant`` (a QuantPlan)."""
+    def plan(self, req: ExportRequest) -> PlanT:
+        """Resolve the quantization plan (no writes)."""
         ...
 
-    def export(self, req: ExportRequest, plan: Any, console: Any = None) -> dict[str, Any]:
+    def export(self, req: ExportRequest, plan: PlanT, console: Any = None) -> dict[str, Any]:
         """Write the artifact and its manifest into ``req.output`` atomically; return the manifest."""
         ...
 
@@ -46,11 +58,13 @@ class Exporter(Protocol):
 TARGETS = registry.TARGETS
 
 
-def get_exporter(target: str) -> Exporter:
+def get_exporter(target: str) -> Exporter[ArtifactPlan]:
     """The standard exporter of ``target`` (an unknown name gets "did you mean")."""
     if target not in TARGETS:
-        raise ExportError(f"unknown target {target!r} ({registry.did_you_mean(target, TARGETS)})")
-    exporter: Exporter = registry.load(TARGETS[target])()
+        hint = registry.did_you_mean(target, TARGETS).split("?")[0]
+        close = f" ({hint}?)" if hint.startswith("did you mean") else ""
+        raise ExportError(f"unknown target {target!r}; available: {', '.join(TARGETS)}{close}")
+    exporter: Exporter[ArtifactPlan] = registry.load(TARGETS[target])()
     return exporter
 
 

@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetool.export.base import ExportError, ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph, require
+from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
+from moetool.export.graph.common import GraphPlan, require
+from moetool.export.graph.parity import Decode, Prefill
+from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
 from moetool.io.atomic import atomic_dir
 
 BLOCK = 32
@@ -116,21 +118,53 @@ def structure(ml: Any, path: Path) -> dict[str, Any]:
     }
 
 
-class CoreMLExporter:
+def _wrapper_runners(wrapper: Any) -> tuple[Prefill, Decode]:
+    """Prefill and decode through the converted torch wrapper itself: its KV cache lives in its own buffers (the
+    Core ML states), so no past is passed around and prefill starts from an empty cache."""
+    from moetool.export.graph.model import causal_mask
+
+    def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        wrapper.k_cache.zero_()
+        wrapper.v_cache.zero_()
+        t = ids.shape[1]
+        with torch.no_grad():
+            out = wrapper(torch.from_numpy(ids), torch.arange(t)[None], causal_mask(t, 0))
+        return out.numpy(), []
+
+    def decode(ids: np.ndarray, pos: int, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        with torch.no_grad():
+            out = wrapper(torch.from_numpy(ids), torch.tensor([[pos]]), causal_mask(1, pos))
+        return out.numpy(), []
+
+    return prefill, decode
+
+
+def _wrapper_parity(req: ExportRequest, hf: Any, em: Any, capacity: int) -> dict[str, Any]:
+    """Parity of the torch wrapper that was converted (Core ML itself runs on macOS only), held to the fp32 gate."""
+    from moetool.export.coreml.stateful import StatefulLM
+
+    prefill, decode = _wrapper_runners(StatefulLM(em, capacity).eval())
+    parity = runtime_parity(
+        req,
+        hf,
+        em,
+        prefill,
+        decode,
+        runtime="torch: the StatefulLM wrapper that was converted",
+        gate_as="Core ML wrapper",
+        seq_lens=(32, min(128, capacity)),
+    )
+    parity["core_ml_runtime"] = "not run: Core ML prediction needs macOS (scripts/coreml_parity_mac.py)"
+    return parity
+
+
+class CoreMLExporter(GraphExporter):
     name = "coreml"
     requires = "coreml"
 
-    def plan(self, req: ExportRequest) -> GraphPlan:
-        return plan_graph(req, "coreml")
-
     def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
         require("coremltools", "coreml")
-        from transformers import AutoTokenizer
-
-        from moetool.export.coreml.stateful import StatefulLM
-        from moetool.export.graph.model import causal_mask, load_export_model
-        from moetool.export.graph.parity import gate, graph_parity
-        from moetool.export.heldout import held_out_text
+        from moetool.export.graph.model import load_export_model
 
         units = str(req.options.get("compute_units", "CPU_AND_NE"))
         if units not in COMPUTE_UNITS:
@@ -149,52 +183,17 @@ class CoreMLExporter:
             info = structure(ml, path)
             if info["states"] != ["k_cache", "v_cache"] or not info["ios18_or_later"]:
                 raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
-            parity: Any = "not verified (--no-verify)"
-            if req.verify:
-                wrapper = StatefulLM(em, capacity).eval()
-
-                def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-                    wrapper.k_cache.zero_()
-                    wrapper.v_cache.zero_()
-                    t = ids.shape[1]
-                    with torch.no_grad():
-                        out = wrapper(torch.from_numpy(ids), torch.arange(t)[None], causal_mask(t, 0))
-                    return out.numpy(), []
-
-                def decode(ids: np.ndarray, pos: int, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-                    with torch.no_grad():
-                        out = wrapper(torch.from_numpy(ids), torch.tensor([[pos]]), causal_mask(1, pos))
-                    return out.numpy(), []
-
-                text, src = held_out_text(req.model_dir, req.eval_text)
-                tok = AutoTokenizer.from_pretrained(str(req.model_dir))
-                parity = graph_parity(
-                    hf,
-                    em,
-                    tok,
-                    text,
-                    prefill,
-                    decode,
-                    runtime="torch: the StatefulLM wrapper that was converted",
-                    seq_lens=(32, min(128, capacity)),
-                )
-                parity |= {
-                    "text": src,
-                    "core_ml_runtime": "not run: Core ML prediction needs macOS (scripts/coreml_parity_mac.py)",
-                }
-                gate(parity, "Core ML wrapper")
+            parity = _wrapper_parity(req, hf, em, capacity) if req.verify else NOT_VERIFIED
             files = {p.relative_to(tmp).as_posix(): p for p in path.rglob("*") if p.is_file()}
-            manifest = graph_manifest("coreml", plan, files, "model.mlpackage/Manifest.json")
-            manifest["file"] = "model.mlpackage"
-            manifest |= {
+            fields = {
+                "file": "model.mlpackage",  # a package is a folder: its Manifest.json stands for it in the hashes
                 "runtime": "Core ML (iOS 18 / macOS 15), stateful KV cache",
                 "compute_units": units,
                 "compute_precision": "float16" if fp16 else "float32",
                 "capacity": capacity,
                 "structure": info,
                 "compressed_weights": {k: v for k, v in sorted(applied.items())},
-                "parity": parity,
-                "timing_s": {"total": round(time.perf_counter() - t0, 3)},
             }
-            write_manifest(tmp, manifest)
+            main = "model.mlpackage/Manifest.json"
+            manifest = finish_graph_manifest(tmp, "coreml", plan, files, main, fields, parity=parity, started=t0)
         return manifest

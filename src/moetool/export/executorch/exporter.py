@@ -6,12 +6,16 @@ dynamic int8 activations: the forms XNNPACK runs), by module name, so the router
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from moetool.export.base import ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph, require
+from moetool.export.base import NOT_VERIFIED, ExportRequest
+from moetool.export.graph.common import GraphPlan, require
+from moetool.export.graph.parity import Decode, Prefill
+from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
 
 
@@ -73,62 +77,73 @@ def quantize_modules(model: Any, precisions: dict[str, str]) -> tuple[dict[str, 
     return counts, notes
 
 
-class ExecuTorchExporter:
+def lower(model: Any) -> bytes:
+    """Both methods of ``model`` lowered to XNNPACK: the ``.pte`` program's bytes."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    pre, dec = export_programs(model)
+    prog = to_edge_transform_and_lower({"forward": pre, "decode": dec}, partitioner=[XnnpackPartitioner()])
+    buffer: bytes = prog.to_executorch().buffer
+    return buffer
+
+
+def _pte_runners(path: Path) -> tuple[Prefill, Decode]:
+    """Prefill and decode calls into the program's two methods through ``executorch.runtime``."""
+    from executorch.runtime import Runtime
+
+    from moetool.export.graph.model import causal_mask, prefill_inputs
+
+    program = Runtime.get().load_program(str(path))
+    fwd, step = program.load_method("forward"), program.load_method("decode")
+
+    def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+        out = fwd.execute(list(prefill_inputs(torch.from_numpy(ids))))
+        return out[0].numpy(), list(out[1:])
+
+    def decode(ids: np.ndarray, pos: int, past: list[Any]) -> tuple[np.ndarray, list[Any]]:
+        out = step.execute([torch.from_numpy(ids), torch.tensor([[pos]]), causal_mask(1, pos), *past])
+        return out[0].numpy(), list(out[1:])
+
+    return prefill, decode
+
+
+class ExecuTorchExporter(GraphExporter):
     name = "executorch"
     requires = "executorch"
 
-    def plan(self, req: ExportRequest) -> GraphPlan:
-        return plan_graph(req, "executorch")
-
     def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
         require("executorch", "executorch")
-        import numpy as np
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-        from executorch.exir import to_edge_transform_and_lower
-        from executorch.runtime import Runtime
-        from transformers import AutoTokenizer
-
-        from moetool.export.graph.model import ExportLM, causal_mask, load_export_model, prefill_inputs
-        from moetool.export.graph.parity import gate, graph_parity
-        from moetool.export.heldout import held_out_text
+        from moetool.export.graph.model import ExportLM, load_export_model
 
         hf, em = load_export_model(req.model_dir)
         t0 = time.perf_counter()
         counts, qnotes = quantize_modules(em, plan.precisions())
-        pre, dec = export_programs(em)
-        prog = to_edge_transform_and_lower({"forward": pre, "decode": dec}, partitioner=[XnnpackPartitioner()])
-        buf = prog.to_executorch().buffer
+        buf = lower(em)
         with atomic_dir(req.output, force=req.force) as tmp:
             path = tmp / "model.pte"
             path.write_bytes(buf)
-            parity: Any = "not verified (--no-verify)"
+            parity: dict[str, Any] | str = NOT_VERIFIED
             if req.verify:
-                program = Runtime.get().load_program(str(path))
-                fwd, step = program.load_method("forward"), program.load_method("decode")
-
-                def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-                    out = fwd.execute(list(prefill_inputs(torch.from_numpy(ids))))
-                    return out[0].numpy(), list(out[1:])
-
-                def decode(ids: np.ndarray, pos: int, past: list[Any]) -> tuple[np.ndarray, list[Any]]:
-                    out = step.execute([torch.from_numpy(ids), torch.tensor([[pos]]), causal_mask(1, pos), *past])
-                    return out[0].numpy(), list(out[1:])
-
-                text, src = held_out_text(req.model_dir, req.eval_text)
-                tok = AutoTokenizer.from_pretrained(str(req.model_dir))
+                prefill, decode = _pte_runners(path)
                 ref_model = ExportLM(hf).eval()  # em was quantized in place; the wrapper figure is for the float one
-                parity = graph_parity(hf, ref_model, tok, text, prefill, decode, runtime="executorch (XNNPACK)")
-                parity["text"] = src
-                if all(p == "fp32" for p in plan.precisions().values()):
-                    gate(parity, "ExecuTorch (fp32)")
-            manifest = graph_manifest("executorch", plan, {"model.pte": path}, "model.pte")
-            manifest |= {
+                gate_as = "ExecuTorch (fp32)" if is_float_plan(plan) else None
+                runtime = "executorch (XNNPACK)"
+                parity = runtime_parity(req, hf, ref_model, prefill, decode, runtime=runtime, gate_as=gate_as)
+            fields = {
                 "runtime": "executorch.runtime, XNNPACK delegate",
                 "methods": {"forward": "prefill", "decode": "one token with KV cache"},
                 "quantized_linears": counts,
-                "notes": manifest["notes"] + qnotes,
-                "parity": parity,
-                "timing_s": {"total": round(time.perf_counter() - t0, 3)},
             }
-            write_manifest(tmp, manifest)
+            manifest = finish_graph_manifest(
+                tmp,
+                "executorch",
+                plan,
+                {"model.pte": path},
+                "model.pte",
+                fields,
+                parity=parity,
+                started=t0,
+                notes=qnotes,
+            )
         return manifest

@@ -6,9 +6,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from moetool.export.base import ExportError, ExportRequest, write_manifest
+from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest, write_manifest
 from moetool.export.gguf.dequant import artifact_checkpoint
 from moetool.export.gguf.layout import Layout, plan_layout
 from moetool.export.heldout import held_out_text, model_name
@@ -17,6 +17,9 @@ from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import Checkpoint
 from moetool.quant.plan import QuantPlan
 from moetool.quant.types import TYPES
+
+if TYPE_CHECKING:  # verify is imported only when an export is verified
+    from moetool.export.gguf.verify import ParityReport
 
 # Conversion gates: llama.cpp against transformers running the artifact's own weights. f32 ≤ 1e-3 and f16 ≤ 1e-2
 # (llama.cpp rounds activations to the weight type in its dot products, ~5e-3 at f16 and ~4e-2 at bf16). With
@@ -83,7 +86,7 @@ class GGUFExporter:
             manifest |= {
                 "llama_cpp_arch": plan.layout.arch,
                 "notes": plan.layout.notes + manifest["notes"],
-                "parity": parity if parity is not None else "not verified (--no-verify)",
+                "parity": parity if parity is not None else NOT_VERIFIED,
                 "timing_s": {"write": round(write_s, 3), "total": round(time.perf_counter() - t0, 3)},
             }
             write_manifest(tmp, manifest)
@@ -103,7 +106,7 @@ def check_types(path: Path, plan: QuantPlan) -> None:
         raise ExportError(f"{path.name}: tensor types differ from the plan ({len(wrong)}): {sample}")
 
 
-def gate_problems(report: Any, plan: QuantPlan) -> None:
+def gate_problems(report: ParityReport, plan: QuantPlan) -> None:
     """Raise when a float plan misses its parity gate, or the tokenizer disagrees (the artifact is then wrong)."""
     if not report.tokenizer_match:
         bad = report.tokenizer_mismatches[0]

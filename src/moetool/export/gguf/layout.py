@@ -57,6 +57,35 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
         ExportError: unsupported model types, rope scaling, activations, or MoE routing llama.cpp computes
             differently (naming the reason and what would work).
     """
+    mt = str(cfg.get("model_type"))
+    arch, permute, notes = _choose_arch(cfg)
+    n, k, _ = _moe_facts(cfg)
+    out = _map_tensors(cfg, tensor_shapes, permute)
+    shared_ff = cfg.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
+    if arch == "qwen2moe" and not shared_ff:
+        shared_ff = _pad_shared_expert(out, cfg)
+        notes.append(f"zero-width shared expert written as {SHEXP_PAD} zero columns (llama.cpp requires one)")
+    elif arch == "llama" and mt == "qwen2_moe":
+        for nm in [x for x in out if "shexp" in x]:
+            del out[nm]
+    if "output.weight" not in out and arch == "qwen2moe":  # the one arch whose loader requires output.weight
+        emb = out["token_embd.weight"]
+        out["output.weight"] = GGUFTensor("output.weight", list(emb.sources), emb.shape)
+    return Layout(
+        arch=arch,
+        model_type=mt,
+        tensors=[out[nm] for nm in sorted(out, key=_tensor_order)],
+        n_experts=n,
+        top_k=k,
+        expert_ff=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if n else None,
+        shared_ff=shared_ff,
+        notes=notes,
+    )
+
+
+def _choose_arch(cfg: dict[str, Any]) -> tuple[str, bool, list[str]]:
+    """(llama.cpp arch, whether Q/K rows are permuted for NORM rope, notes), refusing what llama.cpp would compute
+    differently from transformers."""
     mt = cfg.get("model_type")
     if mt not in ARCHS:
         raise ExportError(f"model_type {mt!r} has no GGUF mapping; supported: {', '.join(ARCHS)}")
@@ -69,8 +98,8 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
         raise ExportError(f"rope_type {rope_type!r}: only unscaled rope is exported so far")
     n, k, norm = _moe_facts(cfg)
     notes: list[str] = []
-    shared_ff = cfg.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
     if mt == "qwen2_moe":
+        shared_ff = cfg.get("shared_expert_intermediate_size")
         if not shared_ff and (norm or k == n):
             # llama.cpp's qwen2moe never renormalises top-k weights; its llama arch (Mixtral) does, and takes
             # q/k/v biases: the same computation, exactly
@@ -87,18 +116,24 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
             )
     if mt == "qwen3_moe" and not norm and k < n:
         raise ExportError("qwen3_moe with norm_topk_prob: false: llama.cpp's qwen3moe always renormalises top-k")
+    return arch, permute, notes
+
+
+def _map_tensors(
+    cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], permute: bool
+) -> dict[str, GGUFTensor]:
+    """GGUF name → tensor for every HF tensor; per-expert tensors are stacked into one [n_experts, ...] tensor."""
+    n, _, _ = _moe_facts(cfg)
     n_head = int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_head)
-
     out: dict[str, GGUFTensor] = {}
     experts: dict[str, dict[int, str]] = {}
     skipped: list[str] = []
     for hf, shape in tensor_shapes.items():
         mapped = gguf_name(hf)
         if mapped is None:
-            if hf.endswith("rotary_emb.inv_freq"):
-                continue
-            skipped.append(hf)
+            if not hf.endswith("rotary_emb.inv_freq"):  # recomputed by every runtime
+                skipped.append(hf)
             continue
         name, expert = mapped
         if expert is not None:
@@ -117,43 +152,29 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
             raise ExportError(f"{name}: experts {sorted(by_e)} present, config says {n}")
         first = tensor_shapes[by_e[0]]
         out[name] = GGUFTensor(name, [by_e[e] for e in range(n)], (n, *first))
+    return out
 
-    if arch == "qwen2moe":
-        if not shared_ff:
-            # llama.cpp requires the shared expert; zeros add nothing (its sigmoid gate then multiplies 0)
-            shared_ff = SHEXP_PAD
-            hidden = int(cfg["hidden_size"])
-            for layer in range(int(cfg["num_hidden_layers"])):
-                for proj, shape in (
-                    ("gate", (SHEXP_PAD, hidden)),
-                    ("up", (SHEXP_PAD, hidden)),
-                    ("down", (hidden, SHEXP_PAD)),
-                ):
-                    nm = f"blk.{layer}.ffn_{proj}_shexp.weight"
-                    out[nm] = GGUFTensor(nm, [], shape, zeros=True)
-                nm = f"blk.{layer}.ffn_gate_inp_shexp.weight"
-                out[nm] = GGUFTensor(nm, [], (hidden,), zeros=True)
-            notes.append(f"zero-width shared expert written as {SHEXP_PAD} zero columns (llama.cpp requires one)")
-    elif arch == "llama" and mt == "qwen2_moe":
-        for nm in [x for x in out if "shexp" in x]:
-            del out[nm]
-    if "output.weight" not in out and arch == "qwen2moe":  # the one arch whose loader requires output.weight
-        emb = out["token_embd.weight"]
-        out["output.weight"] = GGUFTensor("output.weight", list(emb.sources), emb.shape)
 
-    # llama.cpp reads tensors by name; keep a stable, readable order: globals, then per layer
-    def key(nm: str) -> tuple[int, str]:
-        m = re.match(r"blk\.(\d+)\.", nm)
-        return (int(m.group(1)) + 1 if m else (0 if nm.startswith("token") else 10**9), nm)
+def _pad_shared_expert(out: dict[str, GGUFTensor], cfg: dict[str, Any]) -> int:
+    """Add an all-zero shared expert to every layer of ``out``; returns its width.
 
-    ordered = [out[nm] for nm in sorted(out, key=key)]
-    return Layout(
-        arch=arch,
-        model_type=str(mt),
-        tensors=ordered,
-        n_experts=n,
-        top_k=k,
-        expert_ff=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if n else None,
-        shared_ff=shared_ff,
-        notes=notes,
-    )
+    llama.cpp's qwen2moe requires a shared expert; zeros add nothing (its sigmoid gate then multiplies 0).
+    """
+    hidden = int(cfg["hidden_size"])
+    for layer in range(int(cfg["num_hidden_layers"])):
+        for proj, shape in (
+            ("gate", (SHEXP_PAD, hidden)),
+            ("up", (SHEXP_PAD, hidden)),
+            ("down", (hidden, SHEXP_PAD)),
+        ):
+            nm = f"blk.{layer}.ffn_{proj}_shexp.weight"
+            out[nm] = GGUFTensor(nm, [], shape, zeros=True)
+        nm = f"blk.{layer}.ffn_gate_inp_shexp.weight"
+        out[nm] = GGUFTensor(nm, [], (hidden,), zeros=True)
+    return SHEXP_PAD
+
+
+def _tensor_order(nm: str) -> tuple[int, str]:
+    """Sort key: globals, then per layer (llama.cpp reads tensors by name; the order only keeps files readable)."""
+    m = re.match(r"blk\.(\d+)\.", nm)
+    return (int(m.group(1)) + 1 if m else (0 if nm.startswith("token") else 10**9), nm)

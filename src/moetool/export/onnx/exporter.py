@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetool.export.base import ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph, require
+from moetool.export.base import NOT_VERIFIED, ExportRequest
+from moetool.export.graph.common import GraphPlan, require
+from moetool.export.graph.parity import Decode, Prefill
+from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
 
 BLOCK = 32
@@ -142,21 +144,46 @@ def _count_ops(path: Path) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-class ONNXExporter:
+def _ort_runners(ort: Any, prefill_path: Path, decode_path: Path, n_layers: int) -> tuple[Prefill, Decode]:
+    """Prefill and decode-step calls into onnxruntime sessions over the two graphs, for :func:`runtime_parity`."""
+    from moetool.export.graph.model import causal_mask
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    s_pre = ort.InferenceSession(str(prefill_path), so, providers=["CPUExecutionProvider"])
+    s_dec = ort.InferenceSession(str(decode_path), so, providers=["CPUExecutionProvider"])
+
+    def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        t = ids.shape[1]
+        feeds = {
+            "input_ids": ids,
+            "position_ids": np.arange(t, dtype=np.int64)[None],
+            "mask": causal_mask(t, 0).numpy(),
+        }
+        out = s_pre.run(None, feeds)
+        return out[0], out[1:]
+
+    def decode(ids: np.ndarray, pos: int, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        feeds = {
+            "input_ids": ids,
+            "position_ids": np.array([[pos]], dtype=np.int64),
+            "mask": causal_mask(1, pos).numpy(),
+        }
+        feeds |= dict(zip(_names(n_layers, "past"), past, strict=True))
+        out = s_dec.run(None, feeds)
+        return out[0], out[1:]
+
+    return prefill, decode
+
+
+class ONNXExporter(GraphExporter):
     name = "onnx"
     requires = "onnx"
-
-    def plan(self, req: ExportRequest) -> GraphPlan:
-        return plan_graph(req, "onnx")
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
         require("onnx", "onnx")
         ort = require("onnxruntime", "onnx")
-        from transformers import AutoTokenizer
-
-        from moetool.export.graph.model import causal_mask, load_export_model
-        from moetool.export.graph.parity import gate, graph_parity
-        from moetool.export.heldout import held_out_text
+        from moetool.export.graph.model import load_export_model
 
         hf, em = load_export_model(req.model_dir)
         t0 = time.perf_counter()
@@ -165,51 +192,20 @@ class ONNXExporter:
             export_graphs(em, pre, dec)
             counts, qnotes = quantize_graph(pre, plan.precisions())
             quantize_graph(dec, plan.precisions())
-            parity: Any = "not verified (--no-verify)"
+            parity: dict[str, Any] | str = NOT_VERIFIED
             if req.verify:
-                so = ort.SessionOptions()
-                so.log_severity_level = 3
-                s_pre = ort.InferenceSession(str(pre), so, providers=["CPUExecutionProvider"])
-                s_dec = ort.InferenceSession(str(dec), so, providers=["CPUExecutionProvider"])
-                n = em.n_layers
-
-                def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-                    t = ids.shape[1]
-                    out = s_pre.run(
-                        None,
-                        {
-                            "input_ids": ids,
-                            "position_ids": np.arange(t, dtype=np.int64)[None],
-                            "mask": causal_mask(t, 0).numpy(),
-                        },
-                    )
-                    return out[0], out[1:]
-
-                def decode(ids: np.ndarray, pos: int, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-                    feeds = {
-                        "input_ids": ids,
-                        "position_ids": np.array([[pos]], dtype=np.int64),
-                        "mask": causal_mask(1, pos).numpy(),
-                    }
-                    feeds |= dict(zip(_names(n, "past"), past, strict=True))
-                    out = s_dec.run(None, feeds)
-                    return out[0], out[1:]
-
-                text, src = held_out_text(req.model_dir, req.eval_text)
-                tok = AutoTokenizer.from_pretrained(str(req.model_dir))
-                parity = graph_parity(hf, em, tok, text, prefill, decode, runtime=f"onnxruntime {ort.__version__}")
-                parity["text"] = src
-                if all(p == "fp32" for p in plan.precisions().values()):
-                    gate(parity, "ONNX (fp32)")
-            manifest = graph_manifest("onnx", plan, {"model.onnx": pre, "model-with-past.onnx": dec}, "model.onnx")
-            manifest |= {
+                prefill, decode = _ort_runners(ort, pre, dec, em.n_layers)
+                runtime = f"onnxruntime {ort.__version__}"
+                gate_as = "ONNX (fp32)" if is_float_plan(plan) else None
+                parity = runtime_parity(req, hf, em, prefill, decode, runtime=runtime, gate_as=gate_as)
+            fields = {
                 "runtime": f"onnxruntime {ort.__version__}",
                 "graphs": {"prefill": "model.onnx", "decode_step": "model-with-past.onnx"},
                 "quantized_nodes": counts,
-                "notes": manifest["notes"] + qnotes,
                 "ops": _count_ops(pre),
-                "parity": parity,
-                "timing_s": {"total": round(time.perf_counter() - t0, 3)},
             }
-            write_manifest(tmp, manifest)
+            files = {"model.onnx": pre, "model-with-past.onnx": dec}
+            manifest = finish_graph_manifest(
+                tmp, "onnx", plan, files, "model.onnx", fields, parity=parity, started=t0, notes=qnotes
+            )
         return manifest

@@ -1,0 +1,88 @@
+"""The steps every graph exporter (ONNX, ExecuTorch, Core ML) takes around its own conversion: the plan, the parity
+run in the target's runtime, and the manifest written last into the artifact folder.
+
+Each exporter keeps what is its own (tracing, quantization, the runtime's prefill and decode calls); this module
+holds the skeleton so the three cannot drift apart in what a manifest or a parity report holds.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from moetool.export.base import ExportRequest, write_manifest
+from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
+from moetool.export.graph.parity import Decode, Prefill
+
+__all__ = ["GraphExporter", "finish_graph_manifest", "is_float_plan", "runtime_parity"]
+
+
+class GraphExporter:
+    """Base of the graph targets: the plan is the graph plan for the target's own name (its format in the device
+    profiles)."""
+
+    name: str
+    requires: str  # the pip extra that provides the runtime used for verification
+
+    def plan(self, req: ExportRequest) -> GraphPlan:
+        return plan_graph(req, self.name)
+
+
+def is_float_plan(plan: GraphPlan) -> bool:
+    """Only an all-fp32 plan is held to the parity gate; a quantized one is reported, not judged."""
+    return all(p == "fp32" for p in plan.precisions().values())
+
+
+def runtime_parity(
+    req: ExportRequest,
+    hf: Any,
+    wrapper: Any,
+    prefill: Prefill,
+    decode: Decode | None,
+    *,
+    runtime: str,
+    gate_as: str | None,
+    seq_lens: tuple[int, ...] | None = None,
+) -> dict[str, Any]:
+    """Parity of the artifact (through ``prefill``/``decode``, run in its runtime) and of the torch ``wrapper`` that
+    was converted, both against transformers ``hf`` on the model's held-out text.
+
+    ``gate_as`` names the artifact in the error raised when it misses the fp32 gate; None reports without judging.
+    """
+    from transformers import AutoTokenizer
+
+    from moetool.export.graph.parity import gate, graph_parity
+    from moetool.export.heldout import held_out_text
+
+    text, src = held_out_text(req.model_dir, req.eval_text)
+    tok = AutoTokenizer.from_pretrained(str(req.model_dir))
+    lens: dict[str, Any] = {} if seq_lens is None else {"seq_lens": seq_lens}  # else graph_parity's default
+    parity = graph_parity(hf, wrapper, tok, text, prefill, decode, runtime=runtime, **lens)
+    parity["text"] = src
+    if gate_as is not None:
+        gate(parity, gate_as)
+    return parity
+
+
+def finish_graph_manifest(
+    out_dir: Path,
+    target: str,
+    plan: GraphPlan,
+    files: dict[str, Path],
+    main: str,
+    fields: dict[str, Any],
+    *,
+    parity: dict[str, Any] | str,
+    started: float,
+    notes: list[str] | None = None,
+) -> dict[str, Any]:
+    """Write the manifest into ``out_dir`` and return it: the common fields, the target's ``fields``, its conversion
+    ``notes`` after the plan's, then parity and the time since ``started`` (``time.perf_counter``) last."""
+    manifest = graph_manifest(target, plan, files, main)
+    manifest |= fields
+    if notes:
+        manifest["notes"] = manifest["notes"] + notes
+    manifest |= {"parity": parity, "timing_s": {"total": round(time.perf_counter() - started, 3)}}
+    write_manifest(out_dir, manifest)
+    return manifest
