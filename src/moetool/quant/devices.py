@@ -8,11 +8,31 @@ printed with its parts so a user can judge the margin.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 GB = 1000**3
 MB = 1000**2
 
-ALL_GGUF = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_1", "q5_0", "q5_k", "q4_1", "q4_0", "q4_k", "q3_k", "q2_k")
+ALL_GGUF: tuple[str, ...] = (
+    "f32",
+    "f16",
+    "bf16",
+    "q8_0",
+    "q6_k",
+    "q5_1",
+    "q5_0",
+    "q5_k",
+    "q4_1",
+    "q4_0",
+    "q4_k",
+    "q3_k",
+    "q2_k",
+)
+GRAPH_PRECISIONS: tuple[str, ...] = (
+    "fp32",
+    "int8",
+    "int4",
+)  # what the graph runtimes (ONNX, TFLite, Core ML) store per weight
 
 
 @dataclass(frozen=True)
@@ -32,44 +52,47 @@ class Device:
         return type_name in self.precisions.get(fmt, ())
 
 
+def _profile(name: str, description: str, *, memory: int, budget: int, formats: tuple[str, ...], **more: Any) -> Device:
+    """A device whose runtimes run every precision their format stores: each GGUF type in llama.cpp, fp32, int8 and
+    int4 weights in a graph runtime."""
+    precisions = {f: ALL_GGUF if f == "gguf" else GRAPH_PRECISIONS for f in formats}
+    return Device(name, description, memory, budget, formats, precisions, **more)
+
+
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
-        Device(
+        _profile(
             "raspberry-pi-4",
             "Raspberry Pi 4 Model B, 4 GB (Cortex-A72, no GPU compute)",
             memory=4 * GB,
             budget=int(3.2 * GB),
             formats=("gguf",),
-            precisions={"gguf": ALL_GGUF},
             ladder=("q8_0", "moe-q5", "gem", "moe-q4", "q4_0"),  # f16 arithmetic is emulated on the A72
             note="64-bit Raspberry Pi OS Lite leaves about 3.2 GB; llama.cpp (NEON) runs every GGUF type",
         ),
-        Device(
+        _profile(
             "pixel-6",
             "Google Pixel 6, 8 GB (Tensor G1)",
             memory=8 * GB,
             budget=4 * GB,
             formats=("tflite", "gguf"),
-            precisions={"tflite": ("fp32", "int8", "int4"), "gguf": ALL_GGUF},
             note="Android's low-memory killer takes apps well before 8 GB; the NPU is native int8/fp16 only",
         ),
-        Device(
+        _profile(
             "iphone-13",
             "Apple iPhone 13 Pro, 6 GB (A15)",
             memory=6 * GB,
             budget=int(4.2 * GB),
             formats=("coreml", "gguf"),
-            precisions={"coreml": ("fp32", "int8", "int4"), "gguf": ALL_GGUF},
             note="about 4.2 GB with the increased-memory-limit entitlement (GEM's figure); about 3 GB without",
         ),
-        Device(
+        _profile(
             "laptop",
             "x86-64 or Apple-silicon laptop, 16 GB",
             memory=16 * GB,
             budget=12 * GB,
             formats=("gguf", "onnx"),
-            precisions={"gguf": ALL_GGUF, "onnx": ("fp32", "int8", "int4")},
             context=4096,
             ladder=("f32", "f16", "q8_0", "moe-q5", "gem", "moe-q4", "q4_0"),
             note="leaves 4 GB to the OS and a browser",
@@ -96,7 +119,7 @@ class MemoryEstimate:
         return self.weights + self.kv_cache + self.runtime
 
 
-def estimate_memory(weights: int, config: dict, context: int) -> MemoryEstimate:
+def estimate_memory(weights: int, config: dict[str, Any], context: int) -> MemoryEstimate:
     """Weights + f16 KV cache for ``context`` tokens + runtime (compute buffers, logits, a fixed allowance).
 
     Args:

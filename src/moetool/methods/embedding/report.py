@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -66,6 +67,101 @@ def window_perplexity(model: Any, windows: torch.Tensor, batch: int = 16) -> flo
     return math.exp(nll / n)
 
 
+def domain_perplexity(model: Any, split: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Perplexity per domain of ``split`` (domain → windows [N, T]) and their geometric mean as ``mean``."""
+    per = {dm: window_perplexity(model, w) for dm, w in split.items()}
+    per["mean"] = math.exp(sum(math.log(p) for p in per.values()) / len(per))
+    return per
+
+
+@dataclass
+class _Corpus:
+    """The zoo's text as every arm sees it: one training stream and two disjoint held-out halves."""
+
+    batches: Callable[[int], torch.Tensor]  # step → training ids [batch_size, seq_len], the same for every arm
+    select: dict[str, torch.Tensor]  # domain → windows [N, seq_len] that choose each arm's learning rate
+    test: dict[str, torch.Tensor]  # domain → windows [N, seq_len] for the reported figure
+
+
+def _zoo_corpus(tok: Any, *, batch_size: int, seq_len: int, eval_tokens: int, seed: int) -> _Corpus:
+    """Training batches over the zoo's three domains; each domain's validation text split in halves."""
+    from moetool.train.data import sample_batch, tokenize_stream
+    from moetool.zoo import DOMAINS, zoo_domain_text
+
+    bos = getattr(tok, "bos_token_id", None)
+    streams = [tokenize_stream(tok, zoo_domain_text(dm, "train")) for dm in DOMAINS]
+    select, test = {}, {}
+    for dm in DOMAINS:
+        ids = tokenize_stream(tok, zoo_domain_text(dm, "valid"))
+        half = len(ids) // 2
+        select[dm] = windows_of(ids[:half], seq_len, bos, eval_tokens)
+        test[dm] = windows_of(ids[half:], seq_len, bos, eval_tokens)
+
+    def batches(step: int) -> torch.Tensor:
+        return sample_batch(streams, batch_size, seq_len, seed=seed, step=step, bos_id=bos)
+
+    return _Corpus(batches, select, test)
+
+
+def _model_facts(model_ref: str, source: Any) -> dict[str, Any]:
+    """The report's header: what the arms replace (the input table) and keep (the body and the frozen head)."""
+    cfg = source.config
+    v, d = int(cfg.vocab_size), int(cfg.hidden_size)
+    body = sum(p.numel() for n, p in source.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    return {
+        "model": model_ref,
+        "vocab": v,
+        "hidden": d,
+        "body_params": body,
+        "original_table": v * d,
+        "head": {
+            "choice": "keep (the original head, frozen)",
+            "params": v * d,
+            "tied_in_original": bool(getattr(cfg, "tie_word_embeddings", False)),
+        },
+    }
+
+
+def _run_arm(
+    name: str,
+    embedding: dict[str, Any],
+    source: Any,
+    teacher: torch.Tensor,
+    corpus: _Corpus,
+    learning_rates: tuple[float, ...],
+    template: TrainSettings,
+    log: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    """Train one arm from the same retrofit at every learning rate; the rate with the best ``select`` perplexity
+    gives the arm's reported ``test`` figure. ``teacher`` [vocab, hidden]: the original table, distilled from."""
+    torch.manual_seed(template.seed)
+    model = retrofit(source, embedding, head="keep").eval()
+    init_state = {k: t.clone() for k, t in model.embed.state_dict().items()}
+    arm: dict[str, Any] = {
+        "embedding": embedding,
+        "params": measured_counts(model.embed),
+        "step0": domain_perplexity(model, corpus.test),
+        "runs": {},
+    }
+    for lr in learning_rates:
+        model.embed.load_state_dict(init_state)
+        s = replace(template, learning_rate=lr, history=[])
+        secs = train_embedding(model, teacher, corpus.batches, s)
+        run: dict[str, Any] = {
+            "select": domain_perplexity(model, corpus.select)["mean"],
+            "test": domain_perplexity(model, corpus.test),
+            "train_seconds": round(secs, 1),
+            "history": s.history,
+        }
+        arm["runs"][str(lr)] = run
+        if log:
+            log(f"{name} lr {lr:g}: select {run['select']:.2f}, test {run['test']['mean']:.2f} ({secs:.0f}s)")
+    best = min(arm["runs"], key=lambda k: arm["runs"][k]["select"])
+    arm["best_lr"] = float(best)
+    arm["test"] = arm["runs"][best]["test"]
+    return arm
+
+
 def run_report(
     model_ref: str = "zoo:base",
     *,
@@ -85,90 +181,42 @@ def run_report(
     ``eval_tokens`` per domain for LR selection, the next ``eval_tokens`` per domain for the reported figure.
     """
     from moetool.methods.embedding.assemble import load_source_model
-    from moetool.train.data import sample_batch, tokenize_stream
-    from moetool.zoo import DOMAINS, zoo_domain_text
 
     t_start = time.perf_counter()
-    src, source, tok = load_source_model(model_ref, None)
+    _, source, tok = load_source_model(model_ref, None)
     cfg = source.config
-    v, d = int(cfg.vocab_size), int(cfg.hidden_size)
-    old = source.get_input_embeddings().weight.detach().float().clone()
-    arms = arms or default_arms(v, d, max_positions=int(getattr(cfg, "max_position_embeddings", 512)))
-    bos = getattr(tok, "bos_token_id", None)
-    streams = [tokenize_stream(tok, zoo_domain_text(dm, "train")) for dm in DOMAINS]
-    select, test = {}, {}
-    for dm in DOMAINS:
-        ids = tokenize_stream(tok, zoo_domain_text(dm, "valid"))
-        half = len(ids) // 2
-        select[dm] = windows_of(ids[:half], seq_len, bos, eval_tokens)
-        test[dm] = windows_of(ids[half:], seq_len, bos, eval_tokens)
-
-    def batches(step: int) -> torch.Tensor:
-        return sample_batch(streams, batch_size, seq_len, seed=seed, step=step, bos_id=bos)
-
-    def ppl(model: Any, split: dict[str, torch.Tensor]) -> dict[str, float]:
-        per = {dm: window_perplexity(model, w) for dm, w in split.items()}
-        per["mean"] = math.exp(sum(math.log(p) for p in per.values()) / len(per))  # geometric mean over domains
-        return per
-
-    out: dict[str, Any] = {
-        "model": model_ref,
-        "vocab": v,
-        "hidden": d,
-        "body_params": sum(
-            p.numel() for n, p in source.named_parameters() if "embed_tokens" not in n and "lm_head" not in n
-        ),
-        "original_table": v * d,
-        "head": {
-            "choice": "keep (the original head, frozen)",
-            "params": v * d,
-            "tied_in_original": bool(getattr(cfg, "tie_word_embeddings", False)),
-        },
-        "settings": {
-            "steps": steps,
-            "batch_size": batch_size,
-            "seq_len": seq_len,
-            "learning_rates": list(learning_rates),
-            "lm_weight": lm_weight,
-            "distill_weight": distill_weight,
-            "seed": seed,
-            "eval_tokens_per_domain": eval_tokens,
-            "threads": torch.get_num_threads(),
-        },
-        "original": {"test": ppl(source, test), "select": ppl(source, select)},
-        "arms": {},
+    max_positions = int(getattr(cfg, "max_position_embeddings", 512))
+    arms = arms or default_arms(int(cfg.vocab_size), int(cfg.hidden_size), max_positions=max_positions)
+    teacher = source.get_input_embeddings().weight.detach().float().clone()  # taken before any arm touches the body
+    corpus = _zoo_corpus(tok, batch_size=batch_size, seq_len=seq_len, eval_tokens=eval_tokens, seed=seed)
+    out = _model_facts(model_ref, source)
+    out["settings"] = {
+        "steps": steps,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "learning_rates": list(learning_rates),
+        "lm_weight": lm_weight,
+        "distill_weight": distill_weight,
+        "seed": seed,
+        "eval_tokens_per_domain": eval_tokens,
+        "threads": torch.get_num_threads(),
     }
-    for name, kw in arms.items():
-        torch.manual_seed(seed)
-        m0 = retrofit(source, kw, head="keep").eval()
-        init_state = {k: t.clone() for k, t in m0.embed.state_dict().items()}
-        arm: dict[str, Any] = {"embedding": kw, "params": measured_counts(m0.embed), "step0": ppl(m0, test), "runs": {}}
-        for lr in learning_rates:
-            m0.embed.load_state_dict(init_state)
-            s = TrainSettings(
-                steps=steps,
-                learning_rate=lr,
-                batch_size=batch_size,
-                seq_len=seq_len,
-                lm_weight=lm_weight,
-                distill_weight=distill_weight,
-                seed=seed,
-                log_every=max(1, steps // 4),
-            )
-            secs = train_embedding(m0, old, batches, s)
-            run: dict[str, Any] = {
-                "select": ppl(m0, select)["mean"],
-                "test": ppl(m0, test),
-                "train_seconds": round(secs, 1),
-                "history": s.history,
-            }
-            arm["runs"][str(lr)] = run
-            if log:
-                log(f"{name} lr {lr:g}: select {run['select']:.2f}, test {run['test']['mean']:.2f} ({secs:.0f}s)")
-        best = min(arm["runs"], key=lambda k: arm["runs"][k]["select"])
-        arm["best_lr"] = float(best)
-        arm["test"] = arm["runs"][best]["test"]
-        out["arms"][name] = arm
+    out["original"] = {
+        "test": domain_perplexity(source, corpus.test),
+        "select": domain_perplexity(source, corpus.select),
+    }
+    template = TrainSettings(
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lm_weight=lm_weight,
+        distill_weight=distill_weight,
+        seed=seed,
+        log_every=max(1, steps // 4),
+    )
+    out["arms"] = {
+        name: _run_arm(name, kw, source, teacher, corpus, learning_rates, template, log) for name, kw in arms.items()
+    }
     out["seconds"] = round(time.perf_counter() - t_start, 1)
     out["verdict"] = verdict(out)
     return out

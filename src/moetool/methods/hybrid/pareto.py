@@ -22,9 +22,16 @@ import torch
 
 from moetool.io.atomic import atomic_dir
 from moetool.methods.hybrid.pipeline import Prepared
-from moetool.methods.hybrid.profile import clock
+from moetool.methods.hybrid.profile import clock, timing_llama, warm_llama
 from moetool.methods.hybrid.router import HybridRouter, sequence_features
-from moetool.methods.hybrid.training import evaluate_choice, oracle_choice, route, soft_nll, train_router
+from moetool.methods.hybrid.training import (
+    TrainResult,
+    evaluate_choice,
+    oracle_choice,
+    route,
+    soft_nll,
+    train_router,
+)
 
 _CLOCK = ["cpu"]
 
@@ -49,29 +56,12 @@ class Runners:
         self.runtime = "transformers"
         files = [p.profile["experts"][n].get("file") for n in p.names]
         if all(files):
-            import llama_cpp
-
             from moetool.export.gguf.verify import _quiet_stderr
 
             self.quiet = _quiet_stderr
             n_ctx = p.recipe.router.max_length
             threads = int(p.profile.get("threads", 1))
-            with _quiet_stderr():
-                self.llms = [
-                    llama_cpp.Llama(
-                        model_path=str(f),
-                        n_ctx=n_ctx,
-                        n_batch=n_ctx,
-                        n_ubatch=n_ctx,
-                        n_threads=threads,
-                        logits_all=False,
-                        verbose=False,
-                        use_mmap=False,
-                    )
-                    for f in files
-                ]
-            from moetool.methods.hybrid.profile import warm_llama
-
+            self.llms = [timing_llama(f, n_ctx, threads) for f in files]
             for llm in self.llms:
                 warm_llama(llm, len(p.experts[0].tokenizer), n_ctx)
             self.runtime = "llama.cpp"
@@ -137,6 +127,72 @@ def time_routed(
     return routed_s, alone_s, choices
 
 
+def train_recipe_router(p: Prepared, loss: Any) -> TrainResult:
+    """The router trained as the recipe's ``router`` and ``train`` sections say, under ``loss`` (a recipe loss
+    section, e.g. the recipe's own with one weight swept)."""
+    r = p.recipe
+    return train_router(
+        p.train,
+        costly=p.costly,
+        loss=loss,
+        hidden=r.router.hidden_size,
+        utility_head=r.router.utility_head,
+        epochs=r.train.epochs,
+        batch_size=r.train.batch_size,
+        lr=r.train.learning_rate,
+        seed=r.train.seed,
+    )
+
+
+def baselines_of(p: Prepared) -> dict[str, dict[str, Any]]:
+    """The held-out figures every router is judged against: each expert alone, and the oracle router."""
+    valid = p.valid
+    shape = tuple(valid.features.shape[:-1])
+    out = {
+        f"{n} alone": evaluate_choice(valid, torch.full(shape, k, dtype=torch.long), p.costly, alone=True)
+        for k, n in enumerate(p.names)
+    }
+    out["oracle"] = evaluate_choice(valid, oracle_choice(valid, p.costly), p.costly)
+    return out
+
+
+def latency_check(
+    p: Prepared,
+    router: HybridRouter,
+    run: Runners,
+    idx: torch.Tensor,
+    alone: torch.Tensor,
+    *,
+    repeats: int,
+    tolerance: float,
+) -> dict[str, Any]:
+    """The routed system timed live on the requests ``idx`` against the sum of its parts (module docstring);
+    ``alone`` [n, K]: each expert's seconds on those requests from :func:`time_experts`."""
+    secs, paired, ch = time_routed(p, router, run, idx, repeats)
+    parts = float(paired.mean())  # Σ_k share_k·latency_k, latency_k on the requests routed to k
+    unconditional = sum(float((ch == k).float().mean()) * float(alone[:, k].mean()) for k in range(len(p.names)))
+    measured = float(secs.mean())
+    return {
+        "measured_latency_ms": 1000 * measured,
+        "sum_share_latency_ms": 1000 * parts,
+        "sum_share_mean_latency_ms": 1000 * unconditional,
+        "router_overhead_ms": 1000 * (measured - parts),
+        "latency_check": measured >= parts * (1 - tolerance),
+    }
+
+
+def _sweep_row(p: Prepared, parameter: str, value: float) -> tuple[dict[str, Any], HybridRouter]:
+    """Train the router at ``parameter = value`` and score its routing of the held-out requests."""
+    r = p.recipe
+    router = train_recipe_router(p, r.loss.model_copy(update={parameter: value})).router
+    choice = route(
+        router, p.valid, costly=p.costly, decision=r.router.decision, utility_threshold=r.router.utility_threshold
+    )
+    row: dict[str, Any] = {parameter: value, **evaluate_choice(p.valid, choice, p.costly)}
+    row["soft_nll"] = soft_nll(router, p.valid)
+    return row, router
+
+
 def sweep(
     p: Prepared,
     *,
@@ -152,13 +208,7 @@ def sweep(
     r = p.recipe
     parameter = parameter or r.sweep.parameter
     values = values if values is not None else r.sweep.values
-    valid = p.valid
-    shape = tuple(valid.features.shape[:-1])
-    baselines = {
-        f"{n} alone": evaluate_choice(valid, torch.full(shape, k, dtype=torch.long), p.costly, alone=True)
-        for k, n in enumerate(p.names)
-    }
-    baselines["oracle"] = evaluate_choice(valid, oracle_choice(valid, p.costly), p.costly)
+    baselines = baselines_of(p)
     measure = timed_requests > 0 and r.router.granularity == "sequence"
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -173,41 +223,9 @@ def sweep(
                 baselines[f"{n} alone"]["measured_latency_ms"] = 1000 * float(alone[:, k].mean())
         rows = []
         for v in values:
-            loss = r.loss.model_copy(update={parameter: v})
-            res = train_router(
-                p.train,
-                costly=p.costly,
-                loss=loss,
-                hidden=r.router.hidden_size,
-                utility_head=r.router.utility_head,
-                epochs=r.train.epochs,
-                batch_size=r.train.batch_size,
-                lr=r.train.learning_rate,
-                seed=r.train.seed,
-            )
-            choice = route(
-                res.router,
-                valid,
-                costly=p.costly,
-                decision=r.router.decision,
-                utility_threshold=r.router.utility_threshold,
-            )
-            row: dict[str, Any] = {parameter: v, **evaluate_choice(valid, choice, p.costly)}
-            row["soft_nll"] = soft_nll(res.router, valid)
+            row, router = _sweep_row(p, parameter, v)
             if alone is not None and run is not None:
-                secs, paired, ch = time_routed(p, res.router, run, idx, repeats)
-                parts = float(paired.mean())  # Σ_k share_k·latency_k, latency_k on the requests routed to k
-                unconditional = sum(
-                    float((ch == k).float().mean()) * float(alone[:, k].mean()) for k in range(len(p.names))
-                )
-                measured = float(secs.mean())
-                row |= {
-                    "measured_latency_ms": 1000 * measured,
-                    "sum_share_latency_ms": 1000 * parts,
-                    "sum_share_mean_latency_ms": 1000 * unconditional,
-                    "router_overhead_ms": 1000 * (measured - parts),
-                    "latency_check": measured >= parts * (1 - tolerance),
-                }
+                row |= latency_check(p, router, run, idx, alone, repeats=repeats, tolerance=tolerance)
             rows.append(row)
             if console is not None:
                 console.print(
@@ -218,20 +236,41 @@ def sweep(
         torch.set_num_threads(before)
         if run is not None:
             run.close()
+    return _sweep_result(
+        p,
+        parameter,
+        baselines,
+        rows,
+        timed_requests=int(len(idx)) if measure else 0,
+        timing={"repeats": repeats, "threads": threads, "clock": _CLOCK[0], "tolerance": tolerance},
+        runtime=run.runtime if measure and run is not None else None,
+    )
+
+
+def _sweep_result(
+    p: Prepared,
+    parameter: str,
+    baselines: dict[str, dict[str, Any]],
+    rows: list[dict[str, Any]],
+    *,
+    timed_requests: int,
+    timing: dict[str, Any],
+    runtime: str | None,
+) -> dict[str, Any]:
+    """pareto.json: the rows and baselines with what they were measured on and how (``timing``: repeats, threads,
+    clock and tolerance of the measurement)."""
+    r = p.recipe
     return {
         "parameter": parameter,
         "costly": p.names[p.costly],
         "experts": p.names,
         "granularity": r.router.granularity,
         "device": p.profile["device"],
-        "held_out_requests": int(valid.features.shape[0]),
-        "timed_requests": int(len(idx)) if measure else 0,
-        "timing": {
-            "repeats": repeats,
-            "threads": threads,
-            "clock": _CLOCK[0],
-            "tolerance": tolerance,
-            "runtime": run.runtime if measure and run is not None else None,
+        "held_out_requests": int(p.valid.features.shape[0]),
+        "timed_requests": timed_requests,
+        "timing": timing
+        | {
+            "runtime": runtime,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "note": "llama.cpp timed in a process that also runs torch is only reliable with "
             "OMP_WAIT_POLICY=PASSIVE set before torch loads (bench/hybrid_pareto.py sets it)",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,33 @@ def time_forward(model: Any, input_ids: torch.Tensor, repeats: int, clock_name: 
     return min(times)
 
 
+def fastest_in_rounds(
+    inputs: list[Any],
+    repeats: int,
+    now: Callable[[], float],
+    run: Callable[[Any], object],
+    prepare: Callable[[Any], object],
+) -> list[float]:
+    """Per input, the fastest of ``repeats`` timed ``run(x)`` (seconds on ``now``), each after an untimed
+    ``prepare(x)`` (a warm-up pass, a state reset).
+
+    The rounds go over all inputs, not all repeats of one input in a row: a disturbance of a few hundred ms (another
+    process, a page-in) then spoils one sample of several lengths instead of every sample of one.
+    """
+    best = [float("inf")] * len(inputs)
+    for _ in range(repeats):
+        for j, x in enumerate(inputs):
+            prepare(x)
+            t0 = now()
+            run(x)
+            best[j] = min(best[j], now() - t0)
+    return best
+
+
+def _expert_entry(lengths: list[int], seconds: list[float]) -> dict[str, Any]:
+    return {"lengths": list(lengths), "seconds": seconds, "fit": fit_latency(list(lengths), seconds)}
+
+
 def measure_profile(
     experts: dict[str, Any],
     *,
@@ -94,6 +122,7 @@ def measure_profile(
     clock_name: str = "cpu",
 ) -> dict[str, Any]:
     """Time each model in ``experts`` (name → transformers causal LM) at each length on this machine."""
+    now = clock(clock_name)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -101,11 +130,12 @@ def measure_profile(
         out: dict[str, Any] = {}
         for name, model in experts.items():
             inputs = [torch.randint(0, vocab, (1, n), generator=g) for n in lengths]
-            secs = [float("inf")] * len(lengths)
-            for _ in range(repeats):  # rounds over all lengths (see measure_gguf_profile)
-                for j, ids in enumerate(inputs):
-                    secs[j] = min(secs[j], time_forward(model, ids, 1, clock_name))
-            out[name] = {"lengths": list(lengths), "seconds": secs, "fit": fit_latency(list(lengths), secs)}
+
+            def forward(ids: torch.Tensor, model: Any = model) -> None:
+                model(input_ids=ids)
+
+            with torch.inference_mode():
+                out[name] = _expert_entry(lengths, fastest_in_rounds(inputs, repeats, now, forward, forward))
     finally:
         torch.set_num_threads(before)
     return _profile(
@@ -117,6 +147,26 @@ def measure_profile(
         repeats=repeats,
         experts=out,
     )
+
+
+def timing_llama(path: Path | str, n_ctx: int, threads: int) -> Any:
+    """A llama.cpp model set up for timing a prefill: one batch takes a whole request, only the last logits are
+    kept, and the weights are read in at load (no mmap page-ins while timing)."""
+    import llama_cpp
+
+    from moetool.export.gguf.verify import _quiet_stderr
+
+    with _quiet_stderr():
+        return llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            n_ubatch=n_ctx,
+            n_threads=threads,
+            logits_all=False,
+            verbose=False,
+            use_mmap=False,
+        )
 
 
 def warm_llama(llm: Any, vocab: int, length: int, seconds: float = 4.0) -> None:
@@ -152,40 +202,23 @@ def measure_gguf_profile(
     now = clock(clock_name)
     out: dict[str, Any] = {}
     for name, path in files.items():
-        with _quiet_stderr():
-            llm = llama_cpp.Llama(
-                model_path=str(path),
-                n_ctx=max(lengths),
-                n_batch=max(lengths),
-                n_ubatch=max(lengths),
-                n_threads=threads,
-                logits_all=False,
-                verbose=False,
-                use_mmap=False,
-            )
-        best = [float("inf")] * len(lengths)
+        llm = timing_llama(path, max(lengths), threads)
+
+        def prefill(ids: list[int], llm: Any = llm) -> None:
+            with _quiet_stderr():
+                llm.eval(ids)
+
+        def reset(_: list[int], llm: Any = llm) -> None:
+            llm.reset()
+
         try:
             warm_llama(llm, vocab, max(lengths))
             inputs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-            # rounds over all lengths, not all repeats of one length in a row: a disturbance of a few hundred ms
-            # (another process, a page-in) then spoils one sample of several lengths instead of every sample of one
-            for _ in range(repeats):
-                for j, ids in enumerate(inputs):
-                    llm.reset()
-                    t0 = now()
-                    with _quiet_stderr():
-                        llm.eval(ids)
-                    best[j] = min(best[j], now() - t0)
-            secs = best
+            secs = fastest_in_rounds(inputs, repeats, now, prefill, reset)
         finally:
             with _quiet_stderr():
                 llm.close()
-        out[name] = {
-            "lengths": list(lengths),
-            "seconds": secs,
-            "fit": fit_latency(list(lengths), secs),
-            "file": str(path),
-        }
+        out[name] = _expert_entry(lengths, secs) | {"file": str(path)}
     return _profile(
         device,
         f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), GGUF as exported, batch 1",
