@@ -11,26 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from moetool.errors import MoetoolError
+from moetool.io.files import TOKENIZER_FILES
 
 
 class PackageError(MoetoolError):
     """The source cannot be packaged as asked: missing files, or artifacts of another model."""
 
 
-# what transformers needs besides weights and config; everything else in a model directory stays behind
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
+# what transformers needs besides the weights; everything else in a model directory stays behind
+MODEL_FILES = ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
 MOETOOL_FILES = ("moetool.json", "moetool-recipe.yaml", "moetool-train-recipe.yaml")
 RUN_MODELS = ("tuned-mofe", "merged")  # a run directory's model when no artifact names one, best first
 REPO_ID_PLACEHOLDER = "<this-repo-id>"  # the card is written before anyone picks the repo id
