@@ -1,49 +1,409 @@
-"""Write an output directory atomically: build in a temporary sibling, move into place when complete."""
+"""Write an output directory atomically: build in a temporary sibling, move into place when complete.
+
+Crash safety:
+
+* the temporary sibling is ``.NAME.moetool-tmp-PID-XXXX`` (PID: the writing process); every atomic write first
+  sweeps the leftovers of writers of the same output whose process is gone (:func:`sweep_leftovers`);
+* SIGTERM is handled like SIGINT while a write is in progress: the temporary directory is removed before exiting;
+* ``--force`` replaces an existing output with one ``renameat2(RENAME_EXCHANGE)`` on Linux, so OUT is at every
+  instant either the complete old or the complete new output. Where the exchange is not available the old output is
+  first renamed to ``.NAME.moetool-old-PID-XXXX``; a run killed between the two renames leaves OUT absent, and the
+  next run's sweep puts the old output back.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import re
+import secrets
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
-from moetool.errors import OutputExistsError
+from moetool.errors import OutputExistsError, OutputPathError, SourceError
+
+TMP_MARK = ".moetool-tmp-"
+OLD_MARK = ".moetool-old-"
+# .NAME.moetool-tmp-PID-RANDOM, .NAME.moetool-old-PID-RANDOM (and .NAME.moetool-old-PID of moetool before 0.2)
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.moetool-(?:(?P<kind>tmp)-(?P<pid>\d+)-[^/]+|old-(?P<oldpid>\d+)(?:-[^/]*)?)$")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP) arrived during an atomic write; raised like SIGINT's KeyboardInterrupt so that every
+    ``finally`` runs and the temporary directory is removed."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# leftovers of killed writers
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (on this machine; a pid reused by another process counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def leftover_owner(path: Path) -> tuple[str, str, int] | None:
+    """``(output name, "tmp" | "old", owner pid)`` if ``path``'s name is a moetool temporary or displaced output."""
+    m = _LEFTOVER.match(Path(path).name)
+    if m is None:
+        return None
+    return (m["name"], "tmp", int(m["pid"])) if m["kind"] else (m["name"], "old", int(m["oldpid"]))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def sweep_leftovers(out: Path) -> list[Path]:
+    """Clean up after writers of ``out`` that were killed: their processes are gone, their leftovers are not.
+
+    * ``.NAME.moetool-old-PID-*`` (the previous output, displaced by a ``--force`` swap that did not finish): put
+      back as ``out`` if ``out`` is absent (the swap was killed between its two renames), else removed;
+    * ``.NAME.moetool-tmp-PID-*`` (an unfinished output, or an old one after the exchange): removed.
+
+    Leftovers of a live process are never touched. Returns the paths removed or restored.
+    """
+    out = Path(out)
+    parent = out.parent
+    try:
+        entries = list(parent.iterdir())
+    except OSError:  # no parent yet, or not readable: nothing to sweep (the write itself reports it)
+        return []
+    done: list[Path] = []
+    mine = [(p, leftover_owner(p)) for p in entries]
+    dead = [(p, o) for p, o in mine if o is not None and o[0] == out.name and not pid_alive(o[2])]
+    for p, (_, kind, _) in sorted(dead, key=lambda po: po[0].name):
+        if kind != "old":
+            continue
+        try:
+            if not out.exists() and not out.is_symlink():
+                os.rename(p, out)  # the complete old output: the killed run never reported success
+            else:
+                _remove(p)
+        except OSError:  # another run swept it first
+            continue
+        done.append(p)
+    for p, (_, kind, _) in dead:
+        if kind == "tmp":
+            _remove(p)
+            done.append(p)
+    return done
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# checks before any work
 
 
 def check_output(out: Path, *, force: bool) -> None:
-    """Refuse an existing, non-empty ``out`` unless ``force``.
+    """Refuse an existing, non-empty ``out`` unless ``force`` (after sweeping killed writers' leftovers of ``out``).
 
     Raises:
         OutputExistsError: naming the path and the flag that overrides.
     """
+    out = Path(out)
+    sweep_leftovers(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise OutputExistsError(f"{out} exists; pass --force to replace it")
+
+
+def _resolved(p: Path) -> Path:
+    return Path(os.path.abspath(Path(p).expanduser())).resolve()
+
+
+def check_output_path(output: Path | str, inputs: list[Path] | tuple[Path, ...] = ()) -> Path:
+    """Refuse an output path that cannot be written safely, before any expensive work; returns it resolved.
+
+    Refused (:class:`OutputPathError`, saying which): an empty path, ``.``, ``..``, the working directory or one of
+    its parents, a filesystem root; a path under an existing file; a parent that cannot be written; a path equal to
+    or inside any input; a parent of any input (replacing it with ``--force`` would delete the input).
+
+    Args:
+        inputs: every local directory or file the command reads (sources, base model, recipe file).
+    """
+    text = str(output)
+    if text.strip() == "":
+        raise OutputPathError("the output path is empty; pass -o DIR")
+    raw = Path(text).expanduser()
+    if raw.name in ("", ".", ".."):
+        raise OutputPathError(f"output {text!r}: name a new directory, not {raw.name or text!r}")
+    out = _resolved(raw)
+    if out == out.parent:
+        raise OutputPathError(f"output {text!r} is a filesystem root")
+    cwd = _resolved(Path.cwd())
+    if out == cwd or cwd.is_relative_to(out):
+        raise OutputPathError(f"output {text!r} is the working directory or one of its parents; name a new directory")
+    if leftover_owner(out) is not None:
+        raise OutputPathError(f"output {text!r} is a moetool temporary directory name; choose another name")
+    # the nearest existing ancestor must be a writable directory
+    anc = out.parent
+    while not anc.exists() and anc != anc.parent:
+        if anc.is_symlink():  # a dangling link
+            raise OutputPathError(f"output {text!r}: {anc} is a broken symbolic link")
+        anc = anc.parent
+    if not anc.is_dir():
+        raise OutputPathError(f"output {text!r}: {anc} is a file, not a directory")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise OutputPathError(f"output {text!r}: cannot write in {anc} (permission denied)")
+    for inp in inputs:
+        i = _resolved(Path(inp))
+        if out == i:
+            raise OutputPathError(f"output {text!r} is an input ({inp}); it would be replaced")
+        if out.is_relative_to(i):
+            raise OutputPathError(f"output {text!r} is inside the input {inp}; write it elsewhere")
+        if i.is_relative_to(out):
+            raise OutputPathError(
+                f"output {text!r} contains the input {inp}; replacing it would delete the input. Write it elsewhere"
+            )
+    return out
+
+
+def is_moetool_temp(path: Path) -> bool:
+    """Whether ``path`` or one of its parents is a moetool temporary or displaced output (an unfinished write)."""
+    p = _resolved(Path(path))
+    return any(leftover_owner(Path(part)) is not None for part in (p, *p.parents))
+
+
+def unfinished_reason(path: Path) -> str | None:
+    """Why ``path`` is not a finished model directory, or None if it is one.
+
+    Finished: not a moetool temporary directory; a ``config.json`` that parses as a JSON object; weights that are
+    complete (every shard of an index present, every safetensors header valid and its data inside the file); if
+    ``moetool.json`` is there, it parses too.
+    """
+    from moetool.errors import MoetoolError
+    from moetool.io.checkpoint import Checkpoint
+    from moetool.io.safe import read_json
+
+    path = Path(path)
+    if is_moetool_temp(path):
+        return (
+            "a moetool temporary directory (left by an interrupted write; it is removed by the next write of that "
+            "output)"
+        )
+    if not path.is_dir():
+        return "not a directory"
+    if not (path / "config.json").is_file():
+        return "no config.json (not a finished model directory)"
+    try:
+        ck = Checkpoint(path, allow_pickle=True)
+        ck.config  # noqa: B018 - parses config.json
+        if any(f.suffix == ".safetensors" for f in ck.weight_files):
+            ck.tensors  # noqa: B018 - reads and checks every header against its file
+        if (path / "moetool.json").is_file():
+            read_json(path / "moetool.json", what="moetool metadata")
+    except MoetoolError as exc:
+        return f"incomplete or corrupt: {exc}"
+    return None
+
+
+def is_finished_model_dir(path: Path) -> bool:
+    """Whether ``path`` is a finished moetool or Hugging Face model directory (see :func:`unfinished_reason`)."""
+    return unfinished_reason(path) is None
+
+
+def check_finished_model_dir(path: Path) -> None:
+    """Refuse a model input that is a moetool temporary directory or a half-written folder.
+
+    Raises:
+        SourceError: naming the directory and what is wrong with it.
+    """
+    reason = unfinished_reason(path)
+    if reason is not None:
+        raise SourceError(f"{path}: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# signals and the swap
+
+_depth = 0
+_depth_lock = threading.Lock()
+_saved: dict[int, Any] = {}
+_HANDLED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
+
+
+def _on_terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated(f"terminated by {signal.Signals(signum).name}")
+
+
+def _install_handlers() -> None:
+    global _depth
+    with _depth_lock:
+        _depth += 1
+        if _depth > 1 or threading.current_thread() is not threading.main_thread():
+            return
+        for s in _HANDLED:
+            try:
+                prev = signal.getsignal(s)
+                if prev in (signal.SIG_IGN,):  # e.g. nohup: keep ignoring
+                    continue
+                _saved[s] = prev
+                signal.signal(s, _on_terminate)
+            except (ValueError, OSError):
+                pass
+
+
+def _restore_handlers() -> None:
+    global _depth
+    with _depth_lock:
+        _depth -= 1
+        if _depth > 0 or threading.current_thread() is not threading.main_thread():
+            return
+        for s, prev in list(_saved.items()):
+            try:
+                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
+        _saved.clear()
+
+
+@contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """Defer SIGINT/SIGTERM/SIGHUP across a few renames, so a signal never lands between them."""
+    sigs = {signal.SIGINT, *_HANDLED}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_renameat2: Any = None
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the names ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``, both must exist).
+
+    Returns False where the call is not available (other systems, old C libraries, filesystems without it).
+    """
+    global _renameat2
+    if not sys.platform.startswith("linux"):
+        return False
+    if _renameat2 is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+        except (OSError, AttributeError):
+            _renameat2 = False
+    if _renameat2 is False:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _swap_in(tmp: Path, out: Path) -> Path | None:
+    """Move the finished ``tmp`` to ``out``; returns what is left to delete (the old output), if anything.
+
+    Call with signals blocked.
+    """
+    if not out.exists() and not out.is_symlink():
+        os.rename(tmp, out)
+        return None
+    if exchange(tmp, out):
+        return tmp  # now holds the old output
+    old = out.with_name(f".{out.name}{OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    return old
+
+
+def tmp_prefix(out: Path) -> str:
+    """The name prefix of this process's temporary directories for ``out``."""
+    return f".{Path(out).name}{TMP_MARK}{os.getpid()}-"
 
 
 @contextmanager
 def atomic_dir(out: Path, *, force: bool) -> Iterator[Path]:
     """Yield a temporary directory next to ``out``; on success it replaces ``out``, on any failure it vanishes.
 
-    The temporary directory lives in ``out``'s parent so the final move is a rename on one filesystem.
+    The temporary directory lives in ``out``'s parent so the final move is a rename on one filesystem. Killed
+    writers' leftovers of ``out`` are swept first; SIGTERM during the write removes the temporary directory like
+    Ctrl-C does; an existing ``out`` (with ``force``) is replaced atomically where the OS allows (see the module
+    docstring).
     """
     out = Path(out)
+    if out.name in ("", ".", ".."):
+        raise OutputPathError(f"output {str(out)!r}: name a new directory")
     check_output(out, force=force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.moetool-tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result should look like any directory the user makes
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OutputPathError(f"output {out}: a parent is a file, not a directory") from None
+    except OSError as exc:
+        raise OutputPathError(f"output {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
+    _install_handlers()
+    garbage: Path | None = None
+    try:
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(out), dir=out.parent))
+        except OSError as exc:
+            raise OutputPathError(f"output {out}: cannot write in {out.parent}: {exc.strerror or exc}") from None
+        garbage = tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result should look like any directory the user makes
         yield tmp
-        if out.exists():
-            old = out.with_name(f".{out.name}.moetool-old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        else:
-            tmp.rename(out)
+        with _signals_blocked():
+            garbage = _swap_in(tmp, out)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            if garbage is not None:
+                _remove(garbage)
+        finally:
+            _restore_handlers()
+
+
+__all__ = [
+    "Terminated",
+    "atomic_dir",
+    "check_finished_model_dir",
+    "check_output",
+    "check_output_path",
+    "exchange",
+    "is_finished_model_dir",
+    "is_moetool_temp",
+    "pid_alive",
+    "sweep_leftovers",
+    "unfinished_reason",
+]
