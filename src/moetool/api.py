@@ -1,88 +1,148 @@
-"""The small Python API behind the CLI (usable from notebooks)."""
+"""The pipeline: recipe → plan → assemble → train → evaluate → export → package, one function per stage.
+
+Every stage takes the validated recipe object (:func:`load` reads a file once; a path is accepted at these entry
+points for convenience and loaded here, never again further down). Stages report through a rich console
+(:mod:`moetool.progress`): silent unless one is passed. ``moetool build`` and ``moetool demo`` are :func:`build`;
+the CLI only parses arguments and prints.
+
+    recipe = api.load("recipes/demo-mofe.yaml")
+    merged = api.assemble(recipe, "out/merged")
+    tuned = api.train(recipe, "out/tuned", model=merged).output
+    manifest = api.export(tuned, "out/gguf", device="raspberry-pi-4")
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from moetool.methods import METHODS, MergePlan
+from moetool.errors import MoetoolError
+from moetool.methods import get_plugin, plugin_for_model
+from moetool.methods.base import MethodPlugin, TrainOutcome
+from moetool.progress import silent
+from moetool.recipe.base import RecipeBase
 from moetool.recipe.load import load_recipe
 
-
-def plan_merge(recipe_path: str | Path, *, allow_pickle: bool = False) -> MergePlan:
-    """Validate the recipe and run preflight: no output is touched."""
-    path = Path(recipe_path)
-    recipe: Any = load_recipe(path)
-    return METHODS[recipe.method].plan(recipe, recipe_dir=path.parent, allow_pickle=allow_pickle)
+RecipeLike = RecipeBase | str | Path
 
 
-def assembler_for(recipe_path: str | Path) -> tuple[Any, Any]:
-    """The recipe's assembler (methods that build a model directly, see :class:`moetool.methods.Assembler`), or
-    ``(None, recipe)`` for tensor-plan methods."""
-    from moetool.methods import get_assembler
-
-    recipe: Any = load_recipe(Path(recipe_path))
-    return get_assembler(recipe.method), recipe
+def load(recipe: RecipeLike) -> RecipeBase:
+    """The validated recipe: a path is read and validated once; a recipe object is returned as it is."""
+    return recipe if isinstance(recipe, RecipeBase) else load_recipe(recipe)
 
 
-def merge(
-    recipe_path: str | Path,
+def plugin(recipe: RecipeBase) -> MethodPlugin:
+    """The recipe's method plugin (:data:`moetool.registry.METHODS`)."""
+    return get_plugin(recipe.method)
+
+
+def plan(recipe: RecipeLike, *, allow_pickle: bool = False) -> Any:
+    """What ``assemble`` would build, from configs and headers only: a :class:`~moetool.methods.mofe.MergePlan`
+    for mofe (every output tensor), a description for the other methods. Nothing is written."""
+    r = load(recipe)
+    return plugin(r).describe(r, allow_pickle=allow_pickle)
+
+
+def plan_merge(recipe: RecipeLike, *, allow_pickle: bool = False) -> Any:
+    """The mofe tensor plan (kept name of :func:`plan`)."""
+    return plan(recipe, allow_pickle=allow_pickle)
+
+
+def assemble(
+    recipe: RecipeLike,
     output: str | Path,
     *,
     force: bool = False,
     allow_pickle: bool = False,
     console: Console | None = None,
 ) -> Path:
-    """Plan and execute a merge (or run the method's assembler); returns the output directory."""
-    from moetool.merge import execute
-
-    assembler, recipe = assembler_for(recipe_path)
-    if assembler is not None:
-        return Path(
-            assembler.assemble(
-                recipe, recipe_dir=Path(recipe_path).parent, output=Path(output), force=force, console=console
-            )
-        )
-    plan = plan_merge(recipe_path, allow_pickle=allow_pickle)
-    text = Path(recipe_path).read_text(encoding="utf-8")
-    return execute(plan, Path(output), force=force, recipe_text=text, console=console)
+    """Build the recipe's model into ``output`` (atomically; an existing output only with ``force``)."""
+    r = load(recipe)
+    return Path(
+        plugin(r).assemble(r, Path(output), force=force, allow_pickle=allow_pickle, console=console or silent())
+    )
 
 
-def model_quant_spec(model_dir: Path) -> Any:
-    """The ``quantization:`` section of the recipe a model was merged from (kept as moetool-recipe.yaml), if any."""
-    import yaml
-
-    from moetool.quant.plan import QuantSpec
-
-    path = Path(model_dir) / "moetool-recipe.yaml"
-    if not path.is_file():
-        return None
-    section = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("quantization")
-    return None if section is None else QuantSpec.model_validate(section)
+merge = assemble
 
 
-# moetool's own outputs that the standard exporters cannot read, and what exports them (model_type or marker file).
-METHOD_EXPORTS: dict[str, str] = {
-    "moetool_gem": "moetool gem export MODEL -o DIR (token-level GEM: router and threshold inside the graph)",
-    "gem.json": "moetool gem export MODEL -o DIR (sequence-level GEM: router artifact + one artifact per pathway)",
-    "moetool_routed_embedding": "moetool embedding export MODEL --target onnx|tflite|coreml -o DIR",
-    "moetool_comigs": "moetool comigs bake USER_DIR -o MIXTRAL_DIR (exact), then moetool export MIXTRAL_DIR",
-}
+def train(
+    recipe: RecipeLike,
+    output: str | Path,
+    *,
+    model: str | Path | None = None,
+    force: bool = False,
+    resume: bool = True,
+    preset: str | None = None,
+    console: Console | None = None,
+    **options: Any,
+) -> TrainOutcome:
+    """The method's training (mofe: router tuning of the merged ``model``, resumable; comigs: the federation)."""
+    r = load(recipe)
+    return plugin(r).train(
+        r,
+        Path(model) if model is not None else None,
+        Path(output),
+        force=force,
+        resume=resume,
+        preset=preset,
+        console=console or silent(),
+        **options,
+    )
 
 
-def _refuse_method_output(model_dir: Path) -> None:
-    """Name the right command when ``model_dir`` is a method's own model class or bundle."""
-    from moetool.export import ExportError
+def evaluate(
+    models: list[str],
+    *,
+    domains: list[str],
+    data: dict[str, Path] | None = None,
+    own: dict[str, str] | None = None,
+    seq_len: int = 256,
+    max_tokens: int = 32768,
+) -> dict[str, Any]:
+    """Per-domain held-out perplexity, routing statistics and GEM metrics of every model (dirs or ``zoo:NAME``).
 
-    cfg = model_dir / "config.json"
-    key = json.loads(cfg.read_text(encoding="utf-8")).get("model_type") if cfg.is_file() else None
-    if key not in METHOD_EXPORTS:
-        key = next((k for k in METHOD_EXPORTS if k.endswith(".json") and (model_dir / k).is_file()), None)
-    if key is not None:
-        raise ExportError(f"{model_dir} is a {key.removesuffix('.json')} model; export it with: {METHOD_EXPORTS[key]}")
+    Held-out text per domain comes from ``data`` (DOMAIN → file) or the zoo; a model's own domain (for GG/DSI) from
+    ``own``, else its zoo name or directory name.
+    """
+    from moetool.eval.report import evaluate as run
+    from moetool.io.sources import resolve_source
+
+    files = data or {}
+    texts = {d: (files[d].read_text(encoding="utf-8") if d in files else _zoo_text(d)) for d in domains}
+    paths = {m: resolve_source(m).path for m in models}
+    owners = {m: _own_domain(m, p, domains) for m, p in paths.items()} | (own or {})
+    return run(paths, texts, own_domains=owners, seq_len=seq_len, max_tokens=max_tokens)
+
+
+def _zoo_text(domain: str) -> str:
+    from moetool.zoo import zoo_domain_text
+
+    return zoo_domain_text(domain, "valid")
+
+
+def _own_domain(ref: str, path: Path, domains: list[str]) -> str | None:
+    """An expert's own domain: ``zoo:DOMAIN`` or a directory named after a domain."""
+    name = ref.removeprefix("zoo:") if ref.startswith("zoo:") else path.name
+    return name if name in domains else None
+
+
+def write_report(report: dict[str, Any], json_file: Path | None, plots: Path | None) -> list[Path]:
+    """The evaluation report as JSON and PNG plots; returns the files written."""
+    written = []
+    if json_file is not None:
+        json_file.parent.mkdir(parents=True, exist_ok=True)
+        json_file.write_text(json.dumps(report, indent=2))
+        written.append(json_file)
+    if plots is not None:
+        from moetool.eval.plots import write_plots
+
+        written += list(write_plots(report, plots))
+    return written
 
 
 def plan_export(
@@ -97,64 +157,65 @@ def plan_export(
     eval_text: str | None = None,
     context: int | None = None,
 ) -> tuple[Any, Any, Any]:
-    """Resolve target, quantization plan and memory estimate without writing: (exporter, request, plan).
+    """(exporter, request, plan) for ``model`` without writing; a method's own output gets its method's exporter.
 
     ``quant`` is a :class:`~moetool.quant.plan.QuantSpec`, ``--quant`` text, or None for the model's recipe section
     (else f16, or the device's best fitting plan when ``device`` is given).
     """
-    from moetool.export import TARGETS, ExportError, ExportRequest, get_exporter
+    from moetool.export.base import ExportError, ExportRequest
+    from moetool.export.resolve import plan_export as plan_standard
     from moetool.io.sources import resolve_source
-    from moetool.quant.devices import get_device
-    from moetool.quant.plan import QuantSpec, parse_quant
+    from moetool.quant.plan import QuantSpec
 
     model_dir = resolve_source(str(model)).path
-    _refuse_method_output(model_dir)
-    try:
-        spec = parse_quant(quant) if isinstance(quant, str) else quant
-        dev = get_device(device) if device is not None else None
-    except ValueError as exc:  # pydantic's ValidationError included
-        raise ExportError(str(exc)) from None
-    if dev is not None:
-        if target is None:
-            target = next((f for f in dev.formats if f in TARGETS), None)
-            if target is None:
-                raise ExportError(f"{dev.name} prefers {', '.join(dev.formats)}; none is available yet")
-        elif target not in dev.formats:
-            raise ExportError(f"{dev.name} runs {', '.join(dev.formats)}, not {target}")
-    if spec is None:
-        spec = model_quant_spec(model_dir)
-    if spec is None:
-        spec = QuantSpec() if device is not None else QuantSpec(preset="f16")
-    exporter = get_exporter(target or "gguf")  # no device and no target: GGUF
+    owner = plugin_for_model(model_dir)
+    if owner is None:
+        return plan_standard(
+            model_dir,
+            output,
+            target=target,
+            quant=quant,
+            device=device,
+            force=force,
+            verify=verify,
+            eval_text=eval_text,
+            context=context,
+        )
+    if device is not None:
+        raise ExportError(f"{model_dir} is a {owner.name} model: --device applies to standard MoE models; use --target")
+    exporter = owner.exporter(model_dir, target)
     req = ExportRequest(
         model_dir=model_dir,
         output=Path(output),
-        quant=spec,
-        device=device,
+        quant=QuantSpec(preset="f16"),
         verify=verify,
         force=force,
         eval_text=eval_text,
         context=context,
+        options={"quant": quant if isinstance(quant, str) else None},
     )
     return exporter, req, exporter.plan(req)
 
 
 def adapter_base(adapter: Path, base: str | Path | None) -> Path:
     """The base model of a PEFT adapter: ``base`` if given, else its ``base_model_name_or_path`` (resolved locally)."""
-    import json
-
+    from moetool.export.base import ExportError
     from moetool.io.sources import resolve_source
 
     ref = base or json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not ref:
-        from moetool.export import ExportError
-
         raise ExportError(f"{adapter}: the adapter names no base model; pass --base")
     return resolve_source(str(ref), relative_to=Path(adapter)).path
 
 
 def export(
-    model: str | Path, output: str | Path, *, console: Console | None = None, base: str | Path | None = None, **kw: Any
+    model: str | Path,
+    output: str | Path,
+    *,
+    console: Console | None = None,
+    base: str | Path | None = None,
+    options: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> dict[str, Any]:
     """Plan, write, verify and describe one artifact; returns its manifest (also written next to it).
 
@@ -163,7 +224,6 @@ def export(
     from moetool.export.gguf.lora import export_adapter, is_adapter
 
     if is_adapter(Path(model)):
-        quant = kw.get("quant") or "f32"
         return export_adapter(
             Path(model),
             adapter_base(Path(model), base),
@@ -171,8 +231,129 @@ def export(
             force=kw.get("force", False),
             verify=kw.get("verify", True),
             eval_text=kw.get("eval_text"),
-            out_type=str(quant),
+            out_type=str(kw.get("quant") or "f32"),
         )
-    exporter, req, plan = plan_export(model, output, **kw)
-    manifest: dict[str, Any] = exporter.export(req, plan, console=console)
+    exporter, req, the_plan = plan_export(model, output, **kw)
+    req.options.update(options or {})
+    manifest: dict[str, Any] = exporter.export(req, the_plan, console=console or silent())
     return manifest
+
+
+def package(
+    source: str | Path,
+    output: str | Path,
+    *,
+    artifacts: list[Path] | None = None,
+    eval_json: Path | None = None,
+    plots: Path | None = None,
+    force: bool = False,
+) -> Path:
+    """A Hugging Face repo folder: weights, tokenizer, provenance, artifacts, evaluation, model card."""
+    from moetool.package import build_repo
+
+    return Path(
+        build_repo(Path(source), Path(output), artifacts=artifacts or [], eval_json=eval_json, plots=plots, force=force)
+    )
+
+
+@dataclass
+class BuildResult:
+    """What :func:`build` wrote: the merged and tuned models, the evaluation, each artifact's manifest, the repo."""
+
+    merged: Path
+    model: Path
+    tuned: dict[str, Path] = field(default_factory=dict)
+    report: dict[str, Any] | None = None
+    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    repo: Path | None = None
+
+
+def build(
+    recipe: RecipeLike,
+    output: str | Path,
+    *,
+    tune: bool | None = None,
+    presets: list[str] | None = None,
+    compare: list[str] | None = None,
+    devices: list[str] | None = None,
+    max_tokens: int = 8192,
+    force: bool = False,
+    verify: bool = True,
+    console: Console | None = None,
+    on_stage: Any = None,
+) -> BuildResult:
+    """The recipe's whole pipeline: assemble → tune (``tune``, default: when the recipe has ``train:``; once per preset) → evaluate
+    (the merged and tuned models beside ``compare``) → export every ``targets:`` entry (or only ``devices``) →
+    package.
+
+    ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures there).
+    """
+    from moetool.io.atomic import check_output
+
+    r, out, console = load(recipe), Path(output), console or silent()
+    stage = on_stage or (lambda name, value: None)
+    if r.method != "mofe":
+        raise MoetoolError(
+            f"{r.path or r.name}: moetool build runs the mofe pipeline; for method: {r.method} run `moetool merge "
+            f"RECIPE -o DIR` and then `moetool {r.method} --help` for its training, evaluation and export commands "
+            f"(docs/{r.method}.md)"
+        )
+    check_output(out, force=force)
+    console.rule("merge")
+    merged = assemble(r, out / "merged", force=force, console=console)
+    result = BuildResult(merged=merged, model=merged)
+    stage("merged", merged)
+    if tune if tune is not None else "train" in r.model_fields_set:
+        for preset in presets or [None]:
+            console.rule(f"router tuning{f', freeze preset {preset}' if preset else ''}")
+            path = out / (f"tuned-{preset}" if presets else "tuned")
+            outcome = train(r, path, model=merged, force=force, resume=False, preset=preset, console=console)
+            result.tuned[preset or "tuned"] = result.model = outcome.output
+            stage("trained", (preset, outcome))
+    result.report = _build_eval(r, out, result, compare, max_tokens, console, stage)
+    for t in r.targets:
+        if devices is not None and t.device not in devices:
+            continue
+        console.rule(f"export {t.dir_name}")
+        exporter, req, the_plan = plan_export(
+            result.model,
+            out / "exports" / t.dir_name,
+            target=t.target,
+            quant=t.quant,
+            device=t.device,
+            context=t.context,
+            force=force,
+            verify=verify,
+        )
+        stage("export_plan", (t.dir_name, exporter, the_plan))
+        with console.status(f"writing and verifying {exporter.name} …"):
+            result.manifests[t.dir_name] = exporter.export(req, the_plan, console=console)
+        stage("exported", (req.output, result.manifests[t.dir_name]))
+    console.rule("Hugging Face repo folder")
+    has_report = result.report is not None
+    result.repo = package(
+        result.model,
+        out / "hf-repo",
+        artifacts=[out / "exports" / n for n in result.manifests],
+        eval_json=out / "eval.json" if has_report else None,
+        plots=out / "plots" if has_report else None,
+        force=True,
+    )
+    stage("packaged", result.repo)
+    return result
+
+
+def _build_eval(
+    r: Any, out: Path, result: BuildResult, compare: list[str], max_tokens: int, console: Console, stage: Any
+) -> dict[str, Any] | None:
+    """Evaluate the merged and tuned models (beside ``compare``) on the recipe's zoo domains, if it has any."""
+    domains = [d for d, src in r.train.data.items() if src.zoo]
+    if not domains:
+        console.print("[yellow]no zoo domains in train.data: evaluation skipped (use moetool eval --data)[/]")
+        return None
+    console.rule("evaluation")
+    names = [*compare, str(result.merged), *[str(p) for p in result.tuned.values()]]
+    report = evaluate(names, domains=domains, max_tokens=max_tokens)
+    write_report(report, out / "eval.json", out / "plots")
+    stage("evaluated", report)
+    return report

@@ -25,11 +25,13 @@ class MethodEntry:
         recipe: its recipe model (a pydantic class in :mod:`moetool.recipe`, the low layer every stage reads).
         plugin: its :class:`moetool.methods.base.MethodPlugin` instance (plan/assemble/train/evaluate/export).
         cli: its optional Typer sub-app (``moetool NAME …``), or None.
+        commands: extra top-level commands it adds, as ``(name, "module:function")`` pairs.
     """
 
     recipe: str
     plugin: str
     cli: str | None = None
+    commands: tuple[tuple[str, str], ...] = ()
 
 
 METHODS: dict[str, MethodEntry] = {
@@ -44,7 +46,10 @@ METHODS: dict[str, MethodEntry] = {
     ),
     "gem": MethodEntry("moetool.recipe.gem:GemRecipe", "moetool.methods.gem:PLUGIN", "moetool.methods.gem.cli:app"),
     "hybrid": MethodEntry(
-        "moetool.recipe.hybrid:HybridRecipe", "moetool.methods.hybrid:PLUGIN", "moetool.methods.hybrid.cli:app"
+        "moetool.recipe.hybrid:HybridRecipe",
+        "moetool.methods.hybrid:PLUGIN",
+        "moetool.methods.hybrid.cli:app",
+        commands=(("profile", "moetool.methods.hybrid.cli:profile_cmd"),),
     ),
 }
 

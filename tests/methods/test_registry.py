@@ -1,4 +1,5 @@
-"""The method plugins: lazy assembler lookup, Auto-class registration, and `moetool export` naming the right command."""
+"""The plugin registry: one entry per method, lazy loading, Auto-class registration, and `moetool export` serving
+every method's output (or refusing with the targets it supports)."""
 
 from __future__ import annotations
 
@@ -9,22 +10,42 @@ from pathlib import Path
 
 import pytest
 
+from moetool import registry
 from moetool.export import ExportError
 
 
-def test_cli_starts_without_loading_methods() -> None:
-    code = "import sys, moetool.cli; print(any(m.startswith('moetool.methods.') for m in sys.modules), 'torch' in sys.modules)"
+def test_cli_starts_without_loading_torch_or_method_models() -> None:
+    code = (
+        "import sys, moetool.cli; "
+        "print(any(m.startswith('moetool.methods.') and m.endswith(('.model', '.assemble', '.export')) "
+        "for m in sys.modules), 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "False"], "moetool --help must not import the method packages or torch"
+    assert out == ["False", "False", "False"], "moetool --help must not import torch or the methods' models"
 
 
-def test_every_plugin_registers_its_assembler() -> None:
-    from moetool.methods import PLUGINS, get_assembler
+def test_every_registered_method_has_a_plugin_and_a_recipe() -> None:
+    from moetool.methods import get_plugin
+    from moetool.recipe.load import recipe_models
 
-    for method in PLUGINS:
-        assembler = get_assembler(method)
-        assert assembler is not None and assembler.name == method
-    assert get_assembler("mofe") is None  # a tensor-plan method
+    models = recipe_models()
+    for method in registry.METHODS:
+        assert get_plugin(method).name == method
+        assert models[method].model_fields["method"].annotation.__args__ == (method,)  # type: ignore[union-attr]
+
+
+def test_unknown_names_get_did_you_mean(tmp_path: Path) -> None:
+    from moetool.errors import MoetoolError
+    from moetool.export import get_exporter
+    from moetool.methods import get_plugin
+    from moetool.recipe.load import parse_recipe
+
+    with pytest.raises(MoetoolError, match="did you mean 'gem'"):
+        get_plugin("gen")
+    with pytest.raises(ExportError, match="did you mean 'onnx'"):
+        get_exporter("onxx")
+    with pytest.raises(MoetoolError, match="r.yaml:2: method: 'mofee' is not a known method \\(did you mean 'mofe'"):
+        parse_recipe("name: x\nmethod: mofee\n", tmp_path / "r.yaml")
 
 
 def test_models_module_registers_auto_classes() -> None:
@@ -37,18 +58,23 @@ def test_models_module_registers_auto_classes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("files", "command"),
+    ("files", "target", "exporter", "refusal"),
     [
-        ({"config.json": {"model_type": "moetool_gem"}}, "moetool gem export"),
-        ({"config.json": {"model_type": "moetool_routed_embedding"}}, "moetool embedding export"),
-        ({"config.json": {"model_type": "moetool_comigs"}}, "moetool comigs bake"),
-        ({"gem.json": {}}, "moetool gem export"),
+        ({"config.json": {"model_type": "moetool_gem"}}, None, "onnx", "supported: onnx, tflite"),
+        ({"gem.json": {}}, None, "gguf", "supported: onnx, tflite, gguf"),
+        ({"config.json": {"model_type": "moetool_routed_embedding"}}, None, "onnx", "supported: onnx, tflite, coreml"),
+        ({"config.json": {"model_type": "moetool_comigs"}}, "onnx", "onnx", "supported: gguf, onnx"),
+        ({"hybrid.json": {}}, None, "gguf", "supported: gguf, onnx"),
     ],
 )
-def test_export_names_the_methods_exporter(tmp_path: Path, files: dict[str, dict], command: str) -> None:
+def test_export_serves_every_method(
+    tmp_path: Path, files: dict[str, dict], target: str | None, exporter: str, refusal: str
+) -> None:
     from moetool.api import plan_export
 
     for name, data in files.items():
         (tmp_path / name).write_text(json.dumps(data))
-    with pytest.raises(ExportError, match=command):
-        plan_export(tmp_path, tmp_path / "out", target="onnx")
+    chosen, _, plan = plan_export(tmp_path, tmp_path / "out", target=target)
+    assert chosen.name == exporter and plan.description
+    with pytest.raises(ExportError, match=refusal):
+        plan_export(tmp_path, tmp_path / "out", target="nonsense")

@@ -268,9 +268,6 @@ def test_push_cli_with_token_from_env(packaged, hub, monkeypatch, capfd):
 
 
 def test_push_dry_run_sends_nothing(packaged, hub, monkeypatch):
-    import moetool.cli
-
-    monkeypatch.setattr(moetool.cli.out, "width", 200)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     res = runner.invoke(app, ["push", str(packaged), "--repo-id", "tester/dry", "--endpoint", hub.url, "--dry-run"])
     assert res.exit_code == 0, res.output

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import TEXT, write_recipe
 from moetool.api import merge
+from moetool.recipe import load_recipe
 from moetool.train.router_tuning import checkpoint_dir, train_router
 
 
@@ -57,7 +58,7 @@ train:
   router_jitter: 0.1
 """,
     )
-    return recipe, merge(recipe, d / "moe")
+    return load_recipe(recipe), merge(recipe, d / "moe")
 
 
 def test_trains_routers_and_freezes_experts(moe, tmp_path):

@@ -1,7 +1,4 @@
-"""``moetool package`` and ``moetool push``: thin Typer commands over :mod:`moetool.package`.
-
-moetool.cli registers these at its end, so anything taken from it is imported when a command runs, not at import.
-"""
+"""``moetool package`` and ``moetool push``: thin Typer commands over :mod:`moetool.package`."""
 
 from __future__ import annotations
 
@@ -10,10 +7,10 @@ from typing import Annotated
 
 import typer
 
-from moetool.commands import friendly as _friendly
+from moetool.cli.console import friendly, human, out
 
 
-@_friendly
+@friendly
 def package_cmd(
     source: Annotated[Path, typer.Argument(help="Model directory (merged or tuned) or a run directory like out/demo.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (the Hub repository's content).")],
@@ -28,18 +25,17 @@ def package_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Lay out a Hugging Face repository folder: weights, tokenizer, provenance, artifacts, evaluation, model card."""
-    from moetool.cli import _human, out
     from moetool.package.build import build_repo
     from moetool.package.hub import upload_files
 
     path = build_repo(source, output, artifacts=artifact or [], eval_json=eval_json, plots=plots, force=force)
     files = upload_files(path)
     out.print(
-        f"[green]wrote[/] {path} ({len(files)} files, {_human(sum(n for _, n in files))}); see {path / 'README.md'}"
+        f"[green]wrote[/] {path} ({len(files)} files, {human(sum(n for _, n in files))}); see {path / 'README.md'}"
     )
 
 
-@_friendly
+@friendly
 def push_cmd(
     folder: Annotated[Path, typer.Argument(help="Folder written by `moetool package`.")],
     repo_id: Annotated[str, typer.Option("--repo-id", help="namespace/name on the Hub (created if missing).")],
@@ -52,7 +48,6 @@ def push_cmd(
     """Upload a packaged folder to the Hugging Face Hub. The token comes from HF_TOKEN or `hf auth login`."""
     from rich.table import Table
 
-    from moetool.cli import _human, out
     from moetool.package.hub import push, upload_files
 
     files = upload_files(folder)
@@ -64,11 +59,16 @@ def push_cmd(
         t.add_column("path in repo")
         t.add_column("size", justify="right")
         for rel, n in files:
-            t.add_row(rel, _human(n))
-        t.add_row("[bold]total[/]", f"[bold]{_human(sum(n for _, n in files))}[/] in {len(files)} files")
+            t.add_row(rel, human(n))
+        t.add_row("[bold]total[/]", f"[bold]{human(sum(n for _, n in files))}[/] in {len(files)} files")
         out.print(t)
         return
     from huggingface_hub import constants
 
     url = f"{(endpoint or constants.ENDPOINT).rstrip('/')}/{repo_id}"
     out.print(f"[green]pushed[/] {len(sent)} files to {url}" + (f" (branch {revision})" if revision else ""))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("package")(package_cmd)
+    app.command("push")(push_cmd)

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from safetensors.torch import load_file, save_file
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
-from moetool.recipe.load import load_recipe
+from moetool.io.files import TOKENIZER_FILES
+from moetool.progress import silent, task
 from moetool.recipe.train import TrainSpec
 from moetool.routing.losses import expert_load, routing_entropy, routing_losses
 from moetool.routing.tap import RouterTap
@@ -143,8 +143,144 @@ def _card_section(recipe: Any, report: FreezeReport, history: list[dict[str, Any
     )
 
 
+@dataclass
+class _Run:
+    """Everything one tuning run holds: model, data, optimizer and where it resumes."""
+
+    accelerator: Any
+    model: Any
+    opt: torch.optim.AdamW
+    sched: torch.optim.lr_scheduler.LambdaLR
+    tap: RouterTap
+    streams: list[torch.Tensor]
+    params: list[torch.nn.Parameter]
+    report: FreezeReport
+    bos: int | None
+    fingerprint: str
+    start: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _setup(recipe: Any, model_dir: Path, console: Console) -> _Run:
+    """Load the MoE, apply the freeze spec, tokenize the training data, make the optimizer and schedule."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec: TrainSpec = recipe.train
+    accelerator = Accelerator(gradient_accumulation_steps=spec.grad_accum)
+    set_seed(spec.seed)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    report = apply_freeze(model, recipe.freeze.preset, recipe.freeze.trainable, recipe.freeze.frozen)
+    if accelerator.is_main_process:
+        console.print(
+            f"parameters: [bold]{report.trainable_params:,}[/] trainable, {report.frozen_params:,} frozen "
+            f"({len(report.trainable)} trainable tensors; preset {recipe.freeze.preset})"
+        )
+    streams = []
+    for name, src in spec.data.items():
+        train_text, _ = load_source(
+            name, src, base_dir=recipe.recipe_dir, fraction=spec.validation_fraction, seed=spec.seed
+        )
+        streams.append(tokenize_stream(tok, train_text))
+    opt = make_optimizer(model, spec)
+    fingerprint = json.dumps([recipe.train.model_dump(), recipe.freeze.model_dump(), str(model_dir.resolve())])
+    return _Run(
+        accelerator=accelerator,
+        model=model,
+        opt=opt,
+        sched=torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(spec)),
+        tap=RouterTap(model, spec.router_jitter),
+        streams=streams,
+        params=[p for p in model.parameters() if p.requires_grad],
+        report=report,
+        bos=tok.bos_token_id,
+        fingerprint=fingerprint,
+    )
+
+
+def _step(run: _Run, prepared: Any, spec: TrainSpec, step: int, top_k: int) -> tuple[dict[str, float], int]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns the mean losses and the tokens seen."""
+    acc = run.accelerator
+    agg = {"ce": 0.0, "lb": 0.0, "z": 0.0}
+    tokens = 0
+    for micro in range(spec.grad_accum):
+        seed = spec.seed + 7919 * acc.process_index
+        batch = sample_batch(
+            run.streams, spec.batch_size, spec.seq_len, seed=seed, step=step * spec.grad_accum + micro, bos_id=run.bos
+        ).to(acc.device)
+        run.tap.generator.manual_seed(seed * 31 + step * spec.grad_accum + micro)
+        run.tap.logits.clear()
+        with acc.accumulate(prepared.model):
+            out = prepared.model(input_ids=batch, labels=batch, use_cache=False)
+            lb, z = routing_losses(run.tap.logits, top_k)
+            loss = out.loss + spec.load_balancing_coef * lb + spec.z_loss_coef * z
+            acc.backward(loss)
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(run.params, spec.max_grad_norm)
+            prepared.opt.step()
+            prepared.opt.zero_grad()
+        agg["ce"] += out.loss.item() / spec.grad_accum
+        agg["lb"] += lb.item() / spec.grad_accum
+        agg["z"] += z.item() / spec.grad_accum
+        tokens += batch.numel()
+    run.sched.step()
+    return agg, tokens
+
+
+@dataclass
+class _Prepared:
+    model: Any
+    opt: Any
+
+
+def _loop(
+    run: _Run,
+    spec: TrainSpec,
+    ckpt: Path,
+    console: Console,
+    callback: Callable[[int, dict[str, Any]], None] | None,
+) -> tuple[Any, float]:
+    """Steps from ``run.start`` to ``spec.steps``: metrics every ``log_every``, checkpoints every ``checkpoint_every``."""
+    acc = run.accelerator
+    model, opt = acc.prepare(run.model, run.opt)
+    prepared = _Prepared(model, opt)
+    model.train()
+    top_k = run.model.config.num_experts_per_tok
+    t0, tokens = time.perf_counter(), 0
+    shown = console if acc.is_main_process else Console(quiet=True)
+    with task(shown, "router tuning", spec.steps, unit="steps") as advance:
+        advance(run.start)
+        for step in range(run.start, spec.steps):
+            agg, n = _step(run, prepared, spec, step, top_k)
+            tokens += n
+            done = step + 1
+            metrics: dict[str, Any] = {
+                "step": done,
+                "loss": agg["ce"] + spec.load_balancing_coef * agg["lb"] + spec.z_loss_coef * agg["z"],
+                **agg,
+                "lr": run.sched.get_last_lr()[0],
+            }
+            info = f"loss {metrics['loss']:.3f} ce {agg['ce']:.3f} lb {agg['lb']:.3f}"
+            if done % spec.log_every == 0 or done == spec.steps:
+                with torch.no_grad():
+                    metrics["entropy"] = float(torch.stack([routing_entropy(x) for x in run.tap.logits]).mean())
+                    metrics["load"] = torch.stack([expert_load(x, top_k) for x in run.tap.logits]).mean(0).tolist()
+                metrics["tokens_per_s"] = tokens / max(1e-9, time.perf_counter() - t0)
+                run.history.append(metrics)
+                load = " ".join(f"{x:.2f}" for x in metrics["load"])
+                info += f" | {metrics['tokens_per_s']:.0f} tok/s | H {metrics['entropy']:.2f} | load {load}"
+            advance(1, info)
+            if acc.is_main_process and (done % spec.checkpoint_every == 0 and done < spec.steps):
+                _save_checkpoint(ckpt, done, acc.unwrap_model(model), run.opt, run.sched, run.history, run.fingerprint)
+            if callback is not None:
+                callback(done, metrics)
+    return model, time.perf_counter() - t0
+
+
 def train_router(
-    recipe_path: str | Path,
+    recipe: Any,
     model_dir: str | Path,
     output: str | Path,
     *,
@@ -157,137 +293,38 @@ def train_router(
     """Tune an assembled MoE as the recipe's ``freeze:`` and ``train:`` sections say; write it to ``output``.
 
     Args:
+        recipe: the validated recipe (:func:`moetool.recipe.load_recipe`) with ``freeze:`` and ``train:``.
         callback: called after every optimizer step with (step, metrics); raising from it interrupts the run
             (the last checkpoint remains, and the next call resumes from it).
         preset: overrides the recipe's ``freeze.preset``.
 
     Raises:
-        MoetoolError: bad recipe, model, data or freeze patterns; an existing output without ``force``.
+        MoetoolError: bad model, data or freeze patterns; an existing output without ``force``.
     """
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    console = console or Console(stderr=True)
-    recipe_path, model_dir, output = Path(recipe_path), Path(model_dir), Path(output)
-    recipe: Any = load_recipe(recipe_path)
+    console = console if console is not None else silent()
+    model_dir, output = Path(model_dir), Path(output)
+    if getattr(recipe, "train", None) is None or getattr(recipe, "freeze", None) is None:
+        raise MoetoolError(f"recipe {recipe.name!r}: router tuning needs train: and freeze: sections")
     if preset is not None:
         recipe = recipe.model_copy(update={"freeze": recipe.freeze.model_copy(update={"preset": preset})})
     spec: TrainSpec = recipe.train
     check_output(output, force=force)
     if not (model_dir / "config.json").is_file():
         raise MoetoolError(f"--model: {model_dir} is not a checkpoint directory")
-
-    accelerator = Accelerator(gradient_accumulation_steps=spec.grad_accum)
-    set_seed(spec.seed)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    report = apply_freeze(model, recipe.freeze.preset, recipe.freeze.trainable, recipe.freeze.frozen)
-    if accelerator.is_main_process:
-        console.print(
-            f"parameters: [bold]{report.trainable_params:,}[/] trainable, {report.frozen_params:,} frozen "
-            f"({len(report.trainable)} trainable tensors; preset {recipe.freeze.preset})"
-        )
-
-    streams = []
-    for name, src in spec.data.items():
-        train_text, _ = load_source(
-            name, src, base_dir=recipe_path.parent, fraction=spec.validation_fraction, seed=spec.seed
-        )
-        streams.append(tokenize_stream(tok, train_text))
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(model, spec)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(spec))
-    tap = RouterTap(model, spec.router_jitter)
-    top_k = model.config.num_experts_per_tok
-
-    fingerprint = json.dumps([recipe.train.model_dump(), recipe.freeze.model_dump(), str(model_dir.resolve())])
+    run = _setup(recipe, model_dir, console)
     ckpt = checkpoint_dir(output)
-    start, history = 0, list[dict[str, Any]]()
     if ckpt.exists() and resume:
-        start, history = _load_checkpoint(ckpt, model, opt, sched, fingerprint)
-        console.print(f"resuming from step {start} ({ckpt})")
+        run.start, run.history = _load_checkpoint(ckpt, run.model, run.opt, run.sched, run.fingerprint)
+        console.print(f"resuming from step {run.start} ({ckpt})")
     elif ckpt.exists():
         shutil.rmtree(ckpt)
-    prepared_model, prepared_opt = accelerator.prepare(model, opt)
-    prepared_model.train()
-
-    t0 = time.perf_counter()
-    tokens = 0
-    bos = tok.bos_token_id
-    progress = Progress(
-        TextColumn("router tuning"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not accelerator.is_main_process,
-    )
-    with progress:
-        task = progress.add_task("train", total=spec.steps, completed=start, info="")
-        for step in range(start, spec.steps):
-            agg = {"ce": 0.0, "lb": 0.0, "z": 0.0}
-            for micro in range(spec.grad_accum):
-                seed = spec.seed + 7919 * accelerator.process_index
-                batch = sample_batch(
-                    streams, spec.batch_size, spec.seq_len, seed=seed, step=step * spec.grad_accum + micro, bos_id=bos
-                ).to(accelerator.device)
-                tap.generator.manual_seed(seed * 31 + step * spec.grad_accum + micro)
-                tap.logits.clear()
-                with accelerator.accumulate(prepared_model):
-                    out = prepared_model(input_ids=batch, labels=batch, use_cache=False)
-                    lb, z = routing_losses(tap.logits, top_k)
-                    loss = out.loss + spec.load_balancing_coef * lb + spec.z_loss_coef * z
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(params, spec.max_grad_norm)
-                    prepared_opt.step()
-                    prepared_opt.zero_grad()
-                agg["ce"] += out.loss.item() / spec.grad_accum
-                agg["lb"] += lb.item() / spec.grad_accum
-                agg["z"] += z.item() / spec.grad_accum
-                tokens += batch.numel()
-            sched.step()
-            done = step + 1
-            metrics: dict[str, Any] = {
-                "step": done,
-                "loss": agg["ce"] + spec.load_balancing_coef * agg["lb"] + spec.z_loss_coef * agg["z"],
-                **agg,
-                "lr": sched.get_last_lr()[0],
-            }
-            if done % spec.log_every == 0 or done == spec.steps:
-                with torch.no_grad():
-                    metrics["entropy"] = float(torch.stack([routing_entropy(x) for x in tap.logits]).mean())
-                    metrics["load"] = torch.stack([expert_load(x, top_k) for x in tap.logits]).mean(0).tolist()
-                metrics["tokens_per_s"] = tokens / max(1e-9, time.perf_counter() - t0)
-                history.append(metrics)
-            info = f"loss {metrics['loss']:.3f} ce {agg['ce']:.3f} lb {agg['lb']:.3f}"
-            if "tokens_per_s" in metrics:
-                load = " ".join(f"{x:.2f}" for x in metrics["load"])
-                info += f" | {metrics['tokens_per_s']:.0f} tok/s | H {metrics['entropy']:.2f} | load {load}"
-            progress.update(task, completed=done, info=info)
-            if accelerator.is_main_process and (done % spec.checkpoint_every == 0 and done < spec.steps):
-                _save_checkpoint(ckpt, done, accelerator.unwrap_model(prepared_model), opt, sched, history, fingerprint)
-            if callback is not None:
-                callback(done, metrics)
-    tap.remove()
-    accelerator.wait_for_everyone()
-    seconds = time.perf_counter() - t0
-    result = TrainResult(output, spec.steps, report, history, seconds, start)
-    if accelerator.is_main_process:
-        _write_output(
-            accelerator.unwrap_model(prepared_model),
-            model_dir,
-            output,
-            recipe,
-            recipe_path,
-            report,
-            history,
-            seconds,
-            force,
-        )
+    prepared_model, seconds = _loop(run, spec, ckpt, console, callback)
+    run.tap.remove()
+    run.accelerator.wait_for_everyone()
+    result = TrainResult(output, spec.steps, run.report, run.history, seconds, run.start)
+    if run.accelerator.is_main_process:
+        model = run.accelerator.unwrap_model(prepared_model)
+        _write_output(model, model_dir, output, recipe, run.report, run.history, seconds, force)
         shutil.rmtree(ckpt, ignore_errors=True)
     return result
 
@@ -297,14 +334,11 @@ def _write_output(
     model_dir: Path,
     output: Path,
     recipe: Any,
-    recipe_path: Path,
     report: FreezeReport,
     history: list[dict[str, Any]],
     seconds: float,
     force: bool,
 ) -> None:
-    from moetool.merge import TOKENIZER_FILES
-
     model.eval()
     with atomic_dir(output, force=force) as tmp:
         # transformers re-saves a model loaded from per-expert tensors in that same per-expert layout
@@ -312,7 +346,7 @@ def _write_output(
         for f in TOKENIZER_FILES:
             if (model_dir / f).is_file() and not (tmp / f).exists():
                 shutil.copy2(model_dir / f, tmp / f)
-        shutil.copy2(recipe_path, tmp / "moetool-train-recipe.yaml")
+        (tmp / "moetool-train-recipe.yaml").write_text(recipe.text, encoding="utf-8")
         for f in ("moetool-recipe.yaml",):
             if (model_dir / f).is_file():
                 shutil.copy2(model_dir / f, tmp / f)

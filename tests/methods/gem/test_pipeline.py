@@ -35,7 +35,7 @@ def built(tmp_path_factory):
 def _load(out: Path):
     from transformers import AutoModelForCausalLM
 
-    import moetool.methods.gem  # noqa: F401
+    import moetool.methods.gem.model  # noqa: F401  (registers its model class)
 
     return AutoModelForCausalLM.from_pretrained(str(out)).eval()
 

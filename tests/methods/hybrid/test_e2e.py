@@ -47,11 +47,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     texts = write_texts(root)
     recipe = root / "recipe.yaml"
     recipe.write_text(RECIPE.format(llama=llama, mamba=mamba, alpha=texts["alpha"], beta=texts["beta"]))
-    from moetool.api import assembler_for
+    from moetool import api
 
-    assembler, r = assembler_for(recipe)
-    assert assembler is not None and assembler.name == "hybrid"
-    out = assembler.assemble(r, recipe_dir=root, output=root / "model")
+    assert api.plugin(api.load(recipe)).name == "hybrid"
+    out = api.assemble(recipe, root / "model")
     return {"root": root, "recipe": recipe, "model": out, "llama": llama, "mamba": mamba}
 
 
@@ -72,10 +71,9 @@ def test_merge_writes_a_hybrid_model(built):
     prof = json.loads((built["model"] / "latency_profile.json").read_text())
     assert set(prof["experts"]) == {"llama", "mamba"} and all(s > 0 for s in prof["experts"]["llama"]["seconds"])
     with pytest.raises(OutputExistsError):
-        from moetool.api import assembler_for
+        from moetool import api
 
-        assembler, r = assembler_for(built["recipe"])
-        assembler.assemble(r, recipe_dir=built["root"], output=built["model"])
+        api.assemble(built["recipe"], built["model"])
 
 
 def test_expert_interface_and_fast_scan(built):
@@ -245,14 +243,13 @@ def test_cli_dry_run_and_pareto(built, tmp_path):
 
 def test_per_token_routing_end_to_end(built, tmp_path):
     """granularity: token on the real (tiny) experts: causal per-token features, a feature-input router graph."""
-    from moetool.api import assembler_for
+    from moetool import api
     from moetool.methods.hybrid.export import export_hybrid
 
     text = built["recipe"].read_text().replace("  hidden_size: 8\n", "  hidden_size: 8\n  granularity: token\n")
     recipe = built["root"] / "token.yaml"
     recipe.write_text(text)
-    assembler, r = assembler_for(recipe)
-    out = assembler.assemble(r, recipe_dir=built["root"], output=tmp_path / "token-model")
+    out = api.assemble(recipe, tmp_path / "token-model")
     meta = json.loads((out / "hybrid.json").read_text())
     rows = meta["held_out"]["rows"]
     assert meta["router"]["granularity"] == "token"

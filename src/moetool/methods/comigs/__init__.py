@@ -1,13 +1,13 @@
 """``method: comigs``: collaborative learning with a Mixture of Generalists and Specialists (LoRA experts).
 
-Importing this package registers the ``moetool_comigs`` model type with the transformers Auto classes and the
-``comigs`` assembler with ``moetool merge``.
+``PLUGIN`` is what the pipeline drives; importing :mod:`.model` registers ``moetool_comigs`` with transformers' Auto
+classes. This module stays light (no torch), so ``moetool --help`` can list the ``comigs`` sub-commands.
 """
 
 from __future__ import annotations
 
-from moetool.methods.comigs.model import ComigsConfig, ComigsForCausalLM, register
+from moetool.methods.comigs.plugin import ComigsPlugin
 
-register()
+PLUGIN = ComigsPlugin()
 
-__all__ = ["ComigsConfig", "ComigsForCausalLM", "register"]
+__all__ = ["PLUGIN", "ComigsPlugin"]

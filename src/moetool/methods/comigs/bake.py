@@ -193,3 +193,37 @@ def save_adapters(model: ComigsForCausalLM, output: Path, *, base_model: str, fo
             save_file(tensors, str(d / "adapter_model.safetensors"))
             out_dirs.append(Path(output) / name)
     return out_dirs
+
+
+def load_user(model: Path) -> ComigsForCausalLM:
+    """A user's trained model (``moetool comigs train`` output), float32, in eval mode.
+
+    Raises:
+        MoetoolError: no config.json, or a model of another type.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from moetool.errors import MoetoolError
+    from moetool.methods.comigs.model import register
+
+    register()
+    if not (model / "config.json").is_file():
+        raise MoetoolError(f"{model}: no config.json (expected a user model written by `moetool comigs train`)")
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    if not isinstance(m, ComigsForCausalLM):
+        raise MoetoolError(f"{model}: model_type is {m.config.model_type!r}, not moetool_comigs")
+    return m.eval()
+
+
+# the parity probe of a bake: code, licence and plain English, so every expert's tokens occur
+BAKE_PROBE = "The quick brown fox jumps over the lazy dog. def main(): return 0. Permission is hereby granted."
+
+
+def bake_user(model_dir: Path, output: Path, *, force: bool = False) -> dict[str, Any]:
+    """Bake a user's model directory into a Mixtral checkpoint, parity-checked on :data:`BAKE_PROBE`."""
+    from transformers import AutoTokenizer
+
+    m = load_user(model_dir)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = torch.tensor([tok(BAKE_PROBE, add_special_tokens=True)["input_ids"][:64]])
+    return bake(m, output, ids=ids, tokenizer_dir=model_dir, force=force)

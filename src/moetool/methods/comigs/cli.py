@@ -1,42 +1,41 @@
 """``moetool comigs train | bake | adapters``: thin Typer commands over :mod:`moetool.methods.comigs`.
 
-``moetool merge recipe.yaml -o OUT`` (the assembler) writes the untrained per-user models; these commands train them
-(in one process, or on Flower), bake a trained user model into a Mixtral checkpoint, or write its experts as PEFT
-adapters (→ GGUF LoRA adapters with ``moetool export``).
+``moetool merge recipe.yaml -o OUT`` writes the untrained per-user models; these commands train them (in one
+process, or on Flower), bake a trained user model into a Mixtral checkpoint (``moetool export`` does that by itself),
+or write its experts as PEFT adapters (→ GGUF LoRA adapters with ``moetool export``).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from moetool.commands import friendly as _friendly
+from moetool.cli.console import console, figure, friendly, out
 
-comigs_app = typer.Typer(no_args_is_help=True, help="CoMiGS: federated generalist + specialist LoRA experts.")
+app = typer.Typer(no_args_is_help=True, help="CoMiGS: federated generalist + specialist LoRA experts.")
 
 
-def _load(model: Path) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
+def _flower(recipe: Path, output: Path, *, variant: str, rounds: int | None, force: bool) -> dict[str, Any]:
     from moetool.errors import MoetoolError
-    from moetool.methods.comigs.model import ComigsForCausalLM, register
+    from moetool.io.atomic import atomic_dir, check_output
 
-    register()
-    if not (model / "config.json").is_file():
-        raise MoetoolError(f"{model}: no config.json (expected a user model written by `moetool comigs train`)")
-    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-    if not isinstance(m, ComigsForCausalLM):
-        raise MoetoolError(f"{model}: model_type is {m.config.model_type!r}, not moetool_comigs")
-    return m.eval()
+    try:
+        from moetool.methods.comigs.flower import simulate
+    except ImportError:
+        raise MoetoolError(
+            "--engine flower: flwr is not installed in this environment; run `bash scripts/setup_comigs.sh` and "
+            "use .venv-flwr/bin/moetool (Flower pins protobuf/typer/rich below the main environment's)"
+        ) from None
+    check_output(output, force=force)
+    with atomic_dir(output, force=force) as tmp:
+        report: dict[str, Any] = simulate(recipe, tmp, variant=variant, rounds=rounds)
+    return report
 
 
-@comigs_app.command("train")
-@_friendly
+@app.command("train")
+@friendly
 def train_cmd(
     recipe: Annotated[Path, typer.Argument(help="comigs recipe.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory: one model per user + comigs-report.json.")],
@@ -48,62 +47,36 @@ def train_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Train every user's model: bi-level expert/router steps, generalists averaged each round."""
-    from rich.console import Console
-
+    from moetool import api
     from moetool.errors import MoetoolError
-    from moetool.io.atomic import atomic_dir, check_output
-    from moetool.methods.comigs.federated import VARIANTS
-    from moetool.recipe import load_recipe
-    from moetool.recipe.comigs import ComigsRecipe
 
-    console = Console(stderr=True)
-    r = load_recipe(recipe)
-    if not isinstance(r, ComigsRecipe):
-        raise MoetoolError(f"{recipe}: method is {getattr(r, 'method', None)!r}, not comigs")
-    if variant not in VARIANTS:
-        raise MoetoolError(f"--variant: {variant!r} is not one of {', '.join(VARIANTS)}")
-    if rounds is not None:
-        r = r.model_copy(update={"training": r.training.model_copy(update={"rounds": rounds})})
+    r = api.load(recipe)
+    if r.method != "comigs":
+        raise MoetoolError(f"{recipe}: method is {r.method!r}, not comigs")
     if engine == "flower":
-        try:
-            from moetool.methods.comigs.flower import simulate
-        except ImportError:
-            raise MoetoolError(
-                "--engine flower: flwr is not installed in this environment; run `bash scripts/setup_comigs.sh` and "
-                "use .venv-flwr/bin/moetool (Flower pins protobuf/typer/rich below the main environment's)"
-            ) from None
-        check_output(output, force=force)
-        with atomic_dir(output, force=force) as tmp:
-            report = simulate(recipe, tmp, variant=variant, rounds=rounds)
+        report = _flower(recipe, output, variant=variant, rounds=rounds, force=force)
+        for name, u in report["users"].items():
+            figure(f"{name} test perplexity", f"{u['test_ppl']:.2f}")
     elif engine == "inprocess":
-        from moetool.methods.comigs.pipeline import train
-
-        report = train(r, recipe.parent, output, variant=variant, force=force, log=console.print)
+        res = api.train(r, output, force=force, console=console, variant=variant, rounds=rounds)
+        for label, value in res.figures.items():
+            figure(label, value)
     else:
         raise MoetoolError(f"--engine: {engine!r} is not inprocess or flower")
-    for name, u in report["users"].items():
-        console.print(f"{name}: test perplexity {u['test_ppl']:.2f}")
-    sys.stdout.write(json.dumps({k: report[k] for k in ("variant", "engine", "users")}, indent=2) + "\n")
+    out.print(f"[green]wrote[/] {output} (report: {output / 'comigs-report.json'})")
 
 
-@comigs_app.command("bake")
-@_friendly
+@app.command("bake")
+@friendly
 def bake_cmd(
     model: Annotated[Path, typer.Argument(help="A user's model directory (from `moetool comigs train`).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Mixtral checkpoint directory.")],
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Merge every expert's LoRA into its own MLP: a standard Mixtral checkpoint (parity ≤ 1e-5 checked)."""
-    import torch
-    from transformers import AutoTokenizer
+    from moetool.methods.comigs.bake import bake_user
 
-    from moetool.methods.comigs.bake import bake
-
-    m = _load(model)
-    tok = AutoTokenizer.from_pretrained(str(model))
-    text = "The quick brown fox jumps over the lazy dog. def main(): return 0. Permission is hereby granted."
-    ids = torch.tensor([tok(text, add_special_tokens=True)["input_ids"][:64]])
-    report = bake(m, output, ids=ids, tokenizer_dir=model, force=force)
+    report = bake_user(model, output, force=force)
     typer.echo(
         f"wrote {output} (Mixtral, {len(report['experts'])} experts, top-{report['top_k']}); "
         f"parity max |Δlogit| {report['parity_max_abs_logit_diff']:.2e} (float64), "
@@ -111,8 +84,8 @@ def bake_cmd(
     )
 
 
-@comigs_app.command("adapters")
-@_friendly
+@app.command("adapters")
+@friendly
 def adapters_cmd(
     model: Annotated[Path, typer.Argument(help="A user's model directory.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory: one PEFT adapter per expert.")],
@@ -120,8 +93,7 @@ def adapters_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Each expert (its MLP LoRA + the shared attention LoRA) as a PEFT adapter over the dense base."""
-    from moetool.methods.comigs.bake import save_adapters
+    from moetool.methods.comigs.bake import load_user, save_adapters
 
-    m = _load(model)
-    dirs = save_adapters(m, output, base_model=base_model, force=force)
+    dirs = save_adapters(load_user(model), output, base_model=base_model, force=force)
     typer.echo(f"wrote {len(dirs)} adapters to {output}: {', '.join(d.name for d in dirs)}")

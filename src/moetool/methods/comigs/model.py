@@ -284,9 +284,13 @@ def _is_lora_or_router(name: str) -> bool:
 
 def register() -> None:
     """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load ``model_type: moetool_comigs`` checkpoints."""
-    from moetool.methods import register_causal_lm
+    from moetool.methods.base import register_causal_lm
 
     register_causal_lm(ComigsConfig, ComigsForCausalLM)
+
+
+# importing this module is enough to load its checkpoints through the Auto classes
+register()
 
 
 __all__ = ["ComigsConfig", "ComigsForCausalLM", "ComigsMoE", "LoRALinear", "register", "route"]

@@ -37,7 +37,7 @@ def save_user(client: ClientTrainer, out: Path, tokenizer_dir: Path) -> float:
     """
     from transformers import AutoModelForCausalLM
 
-    import moetool.methods.comigs  # noqa: F401  (registers the model type for the reload)
+    import moetool.methods.comigs.model  # noqa: F401  (registers its model class)
 
     client.model.save_pretrained(str(out))
     copy_tokenizer(tokenizer_dir, out)
@@ -151,26 +151,3 @@ def train(
         (tmp / "moetool-recipe.yaml").write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False))
         (tmp / "comigs-report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
-
-
-class ComigsAssembler:
-    """``moetool merge`` for ``method: comigs``: the untrained per-user models (train with ``moetool comigs train``)."""
-
-    name = "comigs"
-
-    def describe(self, recipe: Any, *, recipe_dir: Path) -> str:
-        return describe(recipe, recipe_dir)
-
-    def assemble(
-        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None
-    ) -> Path:
-        return assemble(recipe, recipe_dir, output, force=force, console=console)
-
-
-def _register() -> None:
-    from moetool.methods import register_assembler
-
-    register_assembler(ComigsAssembler())
-
-
-_register()

@@ -11,15 +11,15 @@ from typing import Annotated
 
 import typer
 
-from moetool.commands import friendly as _friendly
+from moetool.cli.console import console, friendly, out
 
-embedding_app = typer.Typer(
+app = typer.Typer(
     no_args_is_help=True, help="Routed input embeddings (method: embedding): export and the parameter/quality report."
 )
 
 
-@embedding_app.command("export")
-@_friendly
+@app.command("export")
+@friendly
 def embedding_export_cmd(
     model: Annotated[
         Path, typer.Argument(help="A routed-embedding model directory (moetool merge, method embedding).")
@@ -30,7 +30,6 @@ def embedding_export_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Export a routed-embedding model (router and body as standard ops) and check it in its runtime."""
-    from moetool.cli import out
     from moetool.methods.embedding.export import export_routed
 
     text = eval_text.read_text(encoding="utf-8") if eval_text is not None else None
@@ -44,8 +43,8 @@ def embedding_export_cmd(
     out.print(f"[green]wrote[/] {output} ({target}, {m['runtime']}): max |Δlogit| {max(diffs):.2e}{where}{agree}")
 
 
-@embedding_app.command("report")
-@_friendly
+@app.command("report")
+@friendly
 def embedding_report_cmd(
     model: Annotated[str, typer.Argument(help="Causal LM directory or zoo:NAME.")] = "zoo:base",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write report.json and report.md here.")] = None,
@@ -55,7 +54,6 @@ def embedding_report_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Parameters and held-out perplexity of routed embeddings against fair dense baselines (zoo domains)."""
-    from moetool.cli import console, out
     from moetool.io.atomic import atomic_dir, check_output
     from moetool.methods.embedding.report import render_markdown, run_report
 

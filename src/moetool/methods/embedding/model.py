@@ -171,6 +171,10 @@ class RoutedEmbeddingForCausalLM(PreTrainedModel):
 
 def register() -> None:
     """Make ``AutoConfig``/``AutoModelForCausalLM`` load ``moetool_routed_embedding`` directories."""
-    from moetool.methods import register_causal_lm
+    from moetool.methods.base import register_causal_lm
 
     register_causal_lm(RoutedEmbeddingConfig, RoutedEmbeddingForCausalLM)
+
+
+# importing this module is enough to load its checkpoints through the Auto classes
+register()

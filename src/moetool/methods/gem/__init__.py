@@ -1,13 +1,11 @@
 """``method: gem``: domain pathways behind a confidence-threshold router with a general fallback (arXiv 2503.22698).
 
-Importing this package registers the ``moetool_gem`` model class with transformers' Auto classes.
+``PLUGIN`` is what the pipeline drives; importing :mod:`.model` registers ``moetool_gem`` with transformers' Auto
+classes. This module stays light (no torch), so ``moetool --help`` can list the ``gem`` sub-commands.
 """
 
-from moetool.methods import register_assembler
-from moetool.methods.gem.assembler import GemAssembler
-from moetool.methods.gem.model import GemConfig, GemForCausalLM, register
+from moetool.methods.gem.plugin import GemPlugin
 
-register()
-register_assembler(GemAssembler())
+PLUGIN = GemPlugin()
 
-__all__ = ["GemAssembler", "GemConfig", "GemForCausalLM", "register"]
+__all__ = ["PLUGIN", "GemPlugin"]

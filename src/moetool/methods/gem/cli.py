@@ -1,6 +1,6 @@
 """``moetool gem …``: evaluate, export and inspect the routing of a GEM model (``moetool merge`` builds it).
 
-moetool.cli registers ``gem_app`` at its end; anything taken from moetool.cli is imported when a command runs.
+The registry (:data:`moetool.registry.METHODS`) attaches ``app`` as ``moetool gem``; heavy imports stay in commands.
 """
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ from typing import Annotated, Any
 
 import typer
 
-from moetool.commands import friendly as _friendly
+from moetool.cli.console import console, friendly, out
 
-gem_app = typer.Typer(no_args_is_help=True, help="GEM models: evaluation (GG/CDTR/DSI), export, routing logs.")
+app = typer.Typer(no_args_is_help=True, help="GEM models: evaluation (GG/CDTR/DSI), export, routing logs.")
 
 
 def _print_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from moetool.cli import out
     from moetool.eval.perplexity import render_matrix
 
     out.print(render_matrix(report["perplexity"], "held-out perplexity (lower is better)"))
@@ -66,8 +65,8 @@ def _print_report(report: dict[str, Any]) -> None:
     out.print(t)
 
 
-@gem_app.command("eval")
-@_friendly
+@app.command("eval")
+@friendly
 def eval_cmd(
     model: Annotated[Path, typer.Argument(help="A GEM model or bundle written by `moetool merge`.")],
     json_file: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
@@ -99,8 +98,8 @@ def eval_cmd(
         json_file.write_text(json.dumps(report, indent=2))
 
 
-@gem_app.command("export")
-@_friendly
+@app.command("export")
+@friendly
 def export_cmd(
     model: Annotated[Path, typer.Argument(help="A GEM model (token level) or bundle (sequence level).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output directory.")],
@@ -120,32 +119,16 @@ def export_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Token level: gem.onnx with the router and threshold inside the graph. Sequence level: router.onnx plus one
-    artifact per pathway and gem-manifest.json (see moetool.methods.gem.dispatch)."""
-    from moetool.cli import console, out
-    from moetool.errors import MoetoolError
-    from moetool.methods.gem.export import export_sequence_bundle, export_token_onnx, export_token_tflite
+    artifact per pathway and gem-manifest.json (see moetool.methods.gem.dispatch). Same as ``moetool export``."""
+    from moetool import api
+    from moetool.cli.render import print_manifest
 
-    if (model / "gem.json").is_file():
-        target = target or "gguf"
-        m = export_sequence_bundle(model, output, target=target, quant=quant, force=force, console=console)
-        out.print(
-            f"[green]wrote[/] {output} (router.onnx + {len(m['pathways'])} {target} pathways); router parity "
-            f"{m['router']['parity']}"
-        )
-    elif target == "tflite":
-        if quant is not None:
-            raise MoetoolError("--quant: the token-level TFLite graph is exported in fp32 only")
-        m = export_token_tflite(model, output, force=force)
-        out.print(f"[green]wrote[/] {output / m['file']}; parity {m['parity']}")
-    elif target in (None, "onnx"):
-        m = export_token_onnx(model, output, quant=quant, force=force)
-        out.print(f"[green]wrote[/] {output / m['file']}; parity {m['parity']}")
-    else:
-        raise MoetoolError(f"--target {target!r}: the token-level graph exports to onnx or tflite")
+    manifest = api.export(model, output, target=target, quant=quant, force=force, console=console)
+    print_manifest(output, manifest)
 
 
-@gem_app.command("route")
-@_friendly
+@app.command("route")
+@friendly
 def route_cmd(
     model: Annotated[Path, typer.Argument(help="A token-level GEM model.")],
     text: Annotated[str, typer.Option(help="Text to route.")],
@@ -155,7 +138,7 @@ def route_cmd(
     """Per-token routing decisions: pathway, max P(d|x) and every P."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import moetool.methods.gem  # noqa: F401
+    import moetool.methods.gem.model  # noqa: F401  (registers its model class)
     from moetool.methods.gem.router import log_decisions
 
     m = AutoModelForCausalLM.from_pretrained(str(model)).eval()

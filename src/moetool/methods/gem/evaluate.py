@@ -100,7 +100,7 @@ def gem_report(
     every expert, on each domain's held-out text; plus the experiment summary (see :func:`fallback_experiment`)."""
     from transformers import AutoTokenizer
 
-    import moetool.methods.gem  # noqa: F401  (registers moetool_gem)
+    import moetool.methods.gem.model  # noqa: F401  (registers its model class)
 
     tok = AutoTokenizer.from_pretrained(str(gem_dir))
     bundle = (gem_dir / "gem.json").is_file()

@@ -196,6 +196,10 @@ class GemForCausalLM(LlamaPreTrainedModel):
 
 def register() -> None:
     """Make ``AutoConfig`` / ``AutoModelForCausalLM`` load ``moetool_gem`` checkpoints (idempotent)."""
-    from moetool.methods import register_causal_lm
+    from moetool.methods.base import register_causal_lm
 
     register_causal_lm(GemConfig, GemForCausalLM)
+
+
+# importing this module is enough to load its checkpoints through the Auto classes
+register()

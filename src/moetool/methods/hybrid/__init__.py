@@ -2,12 +2,12 @@
 
 See docs/hybrid.md. Modules: experts (one interface, tokenizer check), zoo_mamba (the zoo's Mamba expert), router,
 loss, profile (latency profiles), data/pipeline/training (router training on cached expert outputs), assemble
-(``moetool merge``), pareto (the λ2 / threshold sweep), export (router artifact, experts, manifest, dispatcher).
+(``moetool merge``), pareto (the λ2 / threshold sweep), export (router artifact, experts, manifest, dispatcher),
+plugin (what the pipeline drives), cli (``moetool hybrid …``).
 """
 
-from moetool.methods import register_assembler
-from moetool.methods.hybrid.assemble import HybridAssembler
+from moetool.methods.hybrid.plugin import HybridPlugin
 
-register_assembler(HybridAssembler())
+PLUGIN = HybridPlugin()
 
-__all__ = ["HybridAssembler"]
+__all__ = ["PLUGIN", "HybridPlugin"]

@@ -12,14 +12,12 @@ from typing import Annotated, Any
 
 import typer
 
-from moetool.commands import friendly as _friendly
+from moetool.cli.console import console, friendly, out
 
-hybrid_app = typer.Typer(
-    no_args_is_help=True, help="Heterogeneous experts behind a cost-aware router (method: hybrid)."
-)
+app = typer.Typer(no_args_is_help=True, help="Heterogeneous experts behind a cost-aware router (method: hybrid).")
 
 
-@_friendly
+@friendly
 def profile_cmd(
     model: Annotated[Path, typer.Argument(help="Hybrid model directory (written by `moetool merge`).")],
     device: Annotated[str, typer.Option(help="Name of the device the profile describes.")] = "this-machine",
@@ -37,7 +35,6 @@ def profile_cmd(
     """Measure each expert's latency over request lengths (or read a device's), fit a·L + b·L² + c0, store it."""
     from rich.table import Table
 
-    from moetool.cli import console, out
     from moetool.errors import MoetoolError
     from moetool.methods.hybrid.assemble import read_model
     from moetool.methods.hybrid.profile import PROFILE_FILE, latency_at, measure_profile, read_profile
@@ -100,8 +97,8 @@ def profile_cmd(
     )
 
 
-@hybrid_app.command("pareto")
-@_friendly
+@app.command("pareto")
+@friendly
 def pareto_cmd(
     recipe: Annotated[Path, typer.Argument(help="A method: hybrid recipe.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for pareto.json/.md/.png.")],
@@ -115,7 +112,6 @@ def pareto_cmd(
 
     if "torch" not in sys.modules:  # llama.cpp timing next to torch needs passive OpenMP threads (see pareto.py)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from moetool.cli import console, out
     from moetool.errors import MoetoolError
     from moetool.io.atomic import check_output
     from moetool.methods.hybrid.pareto import sweep, table, write_sweep
@@ -139,8 +135,8 @@ def pareto_cmd(
     out.print(f"[green]wrote[/] {output}/pareto.json, pareto.md, pareto.png")
 
 
-@hybrid_app.command("export")
-@_friendly
+@app.command("export")
+@friendly
 def export_cmd(
     model: Annotated[Path, typer.Argument(help="Hybrid model directory.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Export directory.")],
@@ -151,7 +147,6 @@ def export_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Router as its own ONNX graph (onnxruntime parity), each expert via moetool's exporters, manifest, dispatcher."""
-    from moetool.cli import console, out
     from moetool.methods.hybrid.export import export_hybrid
 
     with console.status("exporting router and experts …"):
@@ -177,11 +172,10 @@ def export_cmd(
             out.print(f"  {e['name']}: {e.get('reason') or par or 'router only'}")
 
 
-@hybrid_app.command("zoo-mamba")
-@_friendly
+@app.command("zoo-mamba")
+@friendly
 def zoo_mamba_cmd(force: Annotated[bool, typer.Option("--force", help="Retrain even if cached.")] = False) -> None:
     """Train the zoo's Mamba expert (zoo:mamba) with the zoo's tokenizer and corpora (~5-10 min, one thread)."""
-    from moetool.cli import console, out
     from moetool.methods.hybrid.zoo_mamba import build_zoo_mamba
 
     out.print(f"[green]zoo mamba ready[/] at {build_zoo_mamba(force=force, console=console)}")

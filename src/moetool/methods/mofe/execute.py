@@ -11,25 +11,13 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import Checkpoint
-from moetool.methods.base import DTYPES, MergePlan
+from moetool.io.files import TOKENIZER_FILES
+from moetool.methods.mofe.plan import DTYPES, MergePlan
+from moetool.progress import silent, task
 from moetool.recipe.mofe import MoFERecipe
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 
 
 def compute_router_weights(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -75,6 +63,92 @@ def compute_router_weights(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor 
     return gates, shared_gate
 
 
+def _notes(console: Console, plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Print the plan's warnings and compute the routers, passing on their own warnings as labelled lines."""
+    for note in plan.warnings:
+        console.print(f"[yellow]warning:[/] {note}")
+    console.print(f"computing routers ({plan.recipe.gate_mode}) …")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gates, shared_gates = compute_router_weights(plan)
+    for w in caught:
+        if issubclass(w.category, UserWarning) and "router rows" in str(w.message):
+            console.print(f"[yellow]warning:[/] {w.message}")
+    return gates, shared_gates
+
+
+def _stream_tensors(
+    plan: MergePlan, tmp: Path, gates: torch.Tensor, shared_gates: torch.Tensor | None, console: Console
+) -> None:
+    """Read, cast and write every planned tensor, one at a time, into shards under ``tmp``."""
+    from moetool.io.writer import ShardedWriter
+
+    dtype = DTYPES[plan.dtype]
+    ckpts: dict[str, Checkpoint] = {}
+    layout = [(op.out, dtype, op.shape) for op in plan.ops]
+    try:
+        with (
+            task(console, "writing tensors", len(plan.ops), unit="tensors") as advance,
+            ShardedWriter(tmp, layout, plan.recipe.max_shard_size) as writer,
+        ):
+            for op in plan.ops:
+                if op.kind in ("copy", "expert", "shared"):
+                    assert op.source is not None and op.src is not None
+                    if op.source not in ckpts:
+                        ckpts[op.source] = Checkpoint(plan.sources[op.source].path, allow_pickle=plan.allow_pickle)
+                    t = ckpts[op.source].get(op.src)
+                elif op.kind == "zeros":
+                    t = torch.zeros(op.shape)
+                elif op.kind == "router":
+                    t = gates[int(op.out.split(".")[2])]
+                else:  # shared_gate
+                    layer = int(op.out.split(".")[2])
+                    t = shared_gates[layer] if shared_gates is not None else torch.zeros(op.shape)
+                if tuple(t.shape) != op.shape:
+                    raise RuntimeError(f"{op.out}: got shape {tuple(t.shape)}, planned {op.shape}")
+                writer.add(op.out, t.to(dtype))
+                advance()
+    finally:
+        for c in ckpts.values():
+            c.close()
+
+
+def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str) -> None:
+    """config.json, the base's tokenizer files, the recipe, moetool.json (provenance) and the model card."""
+    from moetool.card import model_card, provenance
+
+    recipe: MoFERecipe = plan.recipe
+    cfg = dict(plan.config) | {"dtype": plan.dtype}
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    base_path = plan.sources["base"].path
+    for f in TOKENIZER_FILES:
+        if (base_path / f).is_file():
+            shutil.copy2(base_path / f, tmp / f)
+    (tmp / "moetool-recipe.yaml").write_text(recipe_text)
+    meta: dict[str, Any] = {
+        "method": recipe.method,
+        "name": recipe.name,
+        "architecture": plan.arch.name,
+        "experts": [e.name for e in recipe.experts],
+        "shared_expert": recipe.shared_expert is not None,
+        "experts_per_token": recipe.experts_per_token,
+        "gate_mode": recipe.gate_mode,
+        "provenance": provenance(plan.sources, recipe_text, allow_pickle=plan.allow_pickle),
+    }
+    (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
+    card = model_card(
+        name=recipe.name,
+        method=recipe.method,
+        arch=plan.arch.name,
+        experts=meta["experts"],
+        top_k=recipe.experts_per_token,
+        gate_mode=recipe.gate_mode,
+        sources=plan.sources,
+        recipe_text=recipe_text,
+    )
+    (tmp / "README.md").write_text(card)
+
+
 def execute(
     plan: MergePlan, out: Path, *, force: bool = False, recipe_text: str = "", console: Console | None = None
 ) -> Path:
@@ -83,88 +157,11 @@ def execute(
     Raises:
         OutputExistsError: ``out`` exists and ``force`` is False (checked before any work).
     """
-    from moetool.card import model_card, provenance
-
-    console = console or Console(stderr=True)
+    console = console if console is not None else silent()
     out = Path(out)
     check_output(out, force=force)
-    for note in plan.warnings:
-        console.print(f"[yellow]warning:[/] {note}")
-    recipe: MoFERecipe = plan.recipe
-    console.print(f"computing routers ({recipe.gate_mode}) …")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gates, shared_gates = compute_router_weights(plan)
-    for w in caught:
-        if issubclass(w.category, UserWarning) and "router rows" in str(w.message):
-            console.print(f"[yellow]warning:[/] {w.message}")
-    dtype = DTYPES[plan.dtype]
-    ckpts: dict[str, Checkpoint] = {}
-
-    def checkpoint(label: str) -> Checkpoint:
-        if label not in ckpts:
-            ckpts[label] = Checkpoint(plan.sources[label].path, allow_pickle=plan.allow_pickle)
-        return ckpts[label]
-
-    from moetool.io.writer import ShardedWriter
-
+    gates, shared_gates = _notes(console, plan)
     with atomic_dir(out, force=force) as tmp:
-        progress = Progress(
-            TextColumn("writing tensors"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        )
-        layout = [(op.out, dtype, op.shape) for op in plan.ops]
-        with progress, ShardedWriter(tmp, layout, recipe.max_shard_size) as writer:
-            task = progress.add_task("write", total=len(plan.ops))
-            for op in plan.ops:
-                if op.kind in ("copy", "expert", "shared"):
-                    assert op.source is not None and op.src is not None
-                    t = checkpoint(op.source).get(op.src)
-                elif op.kind == "zeros":
-                    t = torch.zeros(op.shape)
-                elif op.kind == "router":
-                    layer = int(op.out.split(".")[2])
-                    t = gates[layer]
-                else:  # shared_gate
-                    layer = int(op.out.split(".")[2])
-                    t = shared_gates[layer] if shared_gates is not None else torch.zeros(op.shape)
-                if tuple(t.shape) != op.shape:
-                    raise RuntimeError(f"{op.out}: got shape {tuple(t.shape)}, planned {op.shape}")
-                writer.add(op.out, t.to(dtype))
-                progress.advance(task)
-        for c in ckpts.values():
-            c.close()
-        cfg = dict(plan.config) | {"dtype": plan.dtype}
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        base_path = plan.sources["base"].path
-        for f in TOKENIZER_FILES:
-            if (base_path / f).is_file():
-                shutil.copy2(base_path / f, tmp / f)
-        (tmp / "moetool-recipe.yaml").write_text(recipe_text)
-        meta: dict[str, Any] = {
-            "method": recipe.method,
-            "name": recipe.name,
-            "architecture": plan.arch.name,
-            "experts": [e.name for e in recipe.experts],
-            "shared_expert": recipe.shared_expert is not None,
-            "experts_per_token": recipe.experts_per_token,
-            "gate_mode": recipe.gate_mode,
-            "provenance": provenance(plan.sources, recipe_text, allow_pickle=plan.allow_pickle),
-        }
-        (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
-        card = model_card(
-            name=recipe.name,
-            method=recipe.method,
-            arch=plan.arch.name,
-            experts=meta["experts"],
-            top_k=recipe.experts_per_token,
-            gate_mode=recipe.gate_mode,
-            sources=plan.sources,
-            recipe_text=recipe_text,
-        )
-        (tmp / "README.md").write_text(card)
+        _stream_tensors(plan, tmp, gates, shared_gates, console)
+        _write_metadata(plan, tmp, recipe_text)
     return out

@@ -15,8 +15,8 @@ from moetool.arch.families import DENSE_FAMILIES, FOUNDATION_KEYS, MLP_PROJS, de
 from moetool.arch.outputs import MoEArch, select_output_arch
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
-from moetool.io.sources import resolve_sources
-from moetool.methods.base import MergePlan, TensorOp
+from moetool.io.sources import ResolvedSource, resolve_sources
+from moetool.methods.mofe.plan import MergePlan, TensorOp
 from moetool.recipe.mofe import MoFERecipe
 
 # non-MLP tensors of a dense base that are copied unchanged; anything else in the base is an error
@@ -52,130 +52,163 @@ def _tokenizer_signature(path: Path) -> tuple[Any, ...] | None:
     )
 
 
-class MoFEMethod:
-    """Plugin for ``method: mofe``."""
+def _refs(recipe: MoFERecipe) -> dict[str, tuple[str, str]]:
+    """label -> (recipe field, model reference) for every checkpoint the recipe names."""
+    refs: dict[str, tuple[str, str]] = {"base": ("base_model", recipe.base_model)}
+    for i, e in enumerate(recipe.experts):
+        refs[e.name] = (f"experts.{i}.source", e.source)
+    if recipe.shared_expert is not None:
+        refs["shared"] = ("shared_expert.source", recipe.shared_expert.source)
+    return refs
 
-    name = "mofe"
 
-    def plan(self, recipe: object, *, recipe_dir: Path | None = None, allow_pickle: bool = False) -> MergePlan:
-        """Resolve sources, run every preflight check and list the output tensors.
+def _base_config(path: Path) -> Any:
+    try:
+        base_cfg = AutoConfig.from_pretrained(str(path))
+    except Exception as exc:
+        raise PreflightError(f"base_model: cannot read config of {path}: {exc}") from None
+    if base_cfg.model_type not in DENSE_FAMILIES:
+        supported = ", ".join(DENSE_FAMILIES)
+        raise PreflightError(
+            f"base_model: {base_cfg.model_type!r} is not a supported dense family (supported: {supported})"
+        )
+    return base_cfg
 
-        Raises:
-            PreflightError: all problems found, one per line.
-            UnsupportedArchitecture: no output architecture accepts the base (with each one's reason).
-        """
-        assert isinstance(recipe, MoFERecipe)
-        rdir = recipe_dir
+
+def _base_tensors(ck: Checkpoint, arch: MoEArch, problems: list[str]) -> dict[str, Any]:
+    """The base's tensors; any that has no place in the output is a problem."""
+    base_t: dict[str, Any] = {}
+    try:
+        base_t = ck.tensors
+    except MoetoolError as exc:
+        problems.append(f"base_model: {exc}")
+    for name in base_t:
+        if _MLP.match(name) or _IGNORED.fullmatch(name) or any(p.fullmatch(name) for p in _COPIED):
+            continue
+        problems.append(f"base_model: tensor {name!r} has no place in a {arch.name} checkpoint")
+    return base_t
+
+
+def _check_expert(
+    fieldname: str,
+    ck: Checkpoint,
+    base_cfg: Any,
+    mlp_shapes: dict[str, Any],
+    base_sig: tuple[Any, ...] | None,
+    *,
+    shared: bool,
+    problems: list[str],
+    warnings: list[str],
+) -> None:
+    """Foundation keys, MLP tensor names and shapes, and the tokenizer of one expert against the base."""
+    try:
+        cfg = ck.config
+        tensors = ck.tensors
+    except MoetoolError as exc:
+        problems.append(f"{fieldname}: {exc}")
+        return
+    for key in FOUNDATION_KEYS:
+        if cfg.get(key) != getattr(base_cfg, key, None):
+            problems.append(
+                f"{fieldname}: {key} is {cfg.get(key)!r} but the base has {getattr(base_cfg, key, None)!r} "
+                "(experts must share the base's foundation)"
+            )
+    for layer in range(base_cfg.num_hidden_layers):
+        for proj in MLP_PROJS:
+            name = dense_mlp_name(layer, proj)
+            info = tensors.get(name)
+            if info is None:
+                problems.append(f"{fieldname}: missing tensor {name!r}")
+            elif not shared and info.shape != mlp_shapes.get(name):
+                problems.append(
+                    f"{fieldname}: {name} has shape {list(info.shape)}, base has {list(mlp_shapes.get(name, ()))}"
+                )
+    sig = _tokenizer_signature(ck.path)
+    if sig is None:
+        warnings.append(f"{fieldname}: {ck.path} has no tokenizer; vocabulary match not checked")
+    elif base_sig is not None and sig != base_sig:
+        problems.append(
+            f"{fieldname}: its tokenizer differs from the base's (vocabulary or special tokens); experts "
+            "must share one tokenizer"
+        )
+
+
+def _mixture_warnings(recipe: MoFERecipe, sources: dict[str, ResolvedSource]) -> list[str]:
+    warnings = []
+    n_exp = len(recipe.experts)
+    if n_exp & (n_exp - 1):
+        warnings.append(
+            f"{n_exp} experts is not a power of two; some inference stacks (older llama.cpp builds, fused "
+            "kernels) handle such counts badly or slowly"
+        )
+    srcs = [sources[e.name].path for e in recipe.experts]
+    if len(set(srcs)) < len(srcs):
+        warnings.append("several experts come from the same checkpoint; they will be identical")
+    return warnings
+
+
+def plan_mofe(recipe: MoFERecipe, *, allow_pickle: bool = False) -> MergePlan:
+    """Resolve sources, run every preflight check and list the output tensors (reads headers, never weights).
+
+    Raises:
+        PreflightError: all problems found, one per line.
+        UnsupportedArchitecture: no output architecture accepts the base (with each one's reason).
+    """
+    refs = _refs(recipe)
+    sources = resolve_sources(refs, relative_to=recipe.recipe_dir)
+    ckpts = {label: Checkpoint(src.path, allow_pickle=allow_pickle) for label, src in sources.items()}
+    try:
+        base_cfg = _base_config(sources["base"].path)
+        arch = select_output_arch(recipe.architecture, base_cfg, shared=recipe.shared_expert is not None)
         problems: list[str] = []
         warnings: list[str] = []
-
-        refs: dict[str, tuple[str, str]] = {"base": ("base_model", recipe.base_model)}
-        for i, e in enumerate(recipe.experts):
-            refs[e.name] = (f"experts.{i}.source", e.source)
-        if recipe.shared_expert is not None:
-            refs["shared"] = ("shared_expert.source", recipe.shared_expert.source)
-        sources = resolve_sources(refs, relative_to=rdir)
-
-        ckpts = {label: Checkpoint(src.path, allow_pickle=allow_pickle) for label, src in sources.items()}
-        try:
-            base_cfg = AutoConfig.from_pretrained(str(sources["base"].path))
-        except Exception as exc:
-            raise PreflightError(f"base_model: cannot read config of {sources['base'].path}: {exc}") from None
-        if base_cfg.model_type not in DENSE_FAMILIES:
-            supported = ", ".join(DENSE_FAMILIES)
-            raise PreflightError(
-                f"base_model: {base_cfg.model_type!r} is not a supported dense family (supported: {supported})"
-            )
-        arch = select_output_arch(recipe.architecture, base_cfg, shared=recipe.shared_expert is not None)
-
-        n_layers = base_cfg.num_hidden_layers
-        base_t = {}
-        try:
-            base_t = ckpts["base"].tensors
-        except MoetoolError as exc:
-            problems.append(f"base_model: {exc}")
-        for name in base_t:
-            if _MLP.match(name) or _IGNORED.fullmatch(name) or any(p.fullmatch(name) for p in _COPIED):
-                continue
-            problems.append(f"base_model: tensor {name!r} has no place in a {arch.name} checkpoint")
-
+        base_t = _base_tensors(ckpts["base"], arch, problems)
+        mlp_shapes = {
+            name: base_t[name].shape
+            for layer in range(base_cfg.num_hidden_layers)
+            for proj in MLP_PROJS
+            if (name := dense_mlp_name(layer, proj)) in base_t
+        }
         base_sig = _tokenizer_signature(sources["base"].path)
-        mlp_shapes = {}
-        for layer in range(n_layers):
-            for proj in MLP_PROJS:
-                name = dense_mlp_name(layer, proj)
-                if name in base_t:
-                    mlp_shapes[name] = base_t[name].shape
         for label, ck in ckpts.items():
-            if label == "base":
-                continue
-            fieldname = refs[label][0]
-            try:
-                cfg = ck.config
-                tensors = ck.tensors
-            except MoetoolError as exc:
-                problems.append(f"{fieldname}: {exc}")
-                continue
-            for key in FOUNDATION_KEYS:
-                if cfg.get(key) != getattr(base_cfg, key, None):
-                    problems.append(
-                        f"{fieldname}: {key} is {cfg.get(key)!r} but the base has {getattr(base_cfg, key, None)!r} "
-                        "(experts must share the base's foundation)"
-                    )
-            for layer in range(n_layers):
-                for proj in MLP_PROJS:
-                    name = dense_mlp_name(layer, proj)
-                    info = tensors.get(name)
-                    if info is None:
-                        problems.append(f"{fieldname}: missing tensor {name!r}")
-                    elif label != "shared" and info.shape != mlp_shapes.get(name):
-                        problems.append(
-                            f"{fieldname}: {name} has shape {list(info.shape)}, base has "
-                            f"{list(mlp_shapes.get(name, ()))}"
-                        )
-            sig = _tokenizer_signature(ck.path)
-            if sig is None:
-                warnings.append(f"{fieldname}: {ck.path} has no tokenizer; vocabulary match not checked")
-            elif base_sig is not None and sig != base_sig:
-                problems.append(
-                    f"{fieldname}: its tokenizer differs from the base's (vocabulary or special tokens); experts "
-                    "must share one tokenizer"
+            if label != "base":
+                _check_expert(
+                    refs[label][0],
+                    ck,
+                    base_cfg,
+                    mlp_shapes,
+                    base_sig,
+                    shared=label == "shared",
+                    problems=problems,
+                    warnings=warnings,
                 )
         if problems:
             raise PreflightError("\n".join(problems))
-
-        n_exp = len(recipe.experts)
-        if n_exp & (n_exp - 1):
-            warnings.append(
-                f"{n_exp} experts is not a power of two; some inference stacks (older llama.cpp builds, fused "
-                "kernels) handle such counts badly or slowly"
-            )
-        srcs = [sources[e.name].path for e in recipe.experts]
-        if len(set(srcs)) < len(srcs):
-            warnings.append("several experts come from the same checkpoint; they will be identical")
+        warnings += _mixture_warnings(recipe, sources)
         shared_inter = None
         if recipe.shared_expert is not None:
             shared_inter = ckpts["shared"].tensors[dense_mlp_name(0, "gate_proj")].shape[0]
-        config = arch.make_config(
-            base_cfg, n_experts=n_exp, top_k=recipe.experts_per_token, shared_intermediate=shared_inter
-        )
-        if recipe.norm_topk_prob is not None:
-            if "norm_topk_prob" not in config:
-                raise PreflightError(f"norm_topk_prob: the {arch.name} output has no such option")
-            config["norm_topk_prob"] = recipe.norm_topk_prob
-        ops = _ops(arch, base_t, recipe, n_layers, shared_inter, base_cfg.hidden_size)
+    finally:
         for c in ckpts.values():
             c.close()
-        return MergePlan(
-            recipe=recipe,
-            arch=arch,
-            config=config,
-            ops=ops,
-            sources=sources,
-            dtype=recipe.dtype,
-            warnings=warnings,
-            allow_pickle=allow_pickle,
-        )
+    config = arch.make_config(
+        base_cfg, n_experts=len(recipe.experts), top_k=recipe.experts_per_token, shared_intermediate=shared_inter
+    )
+    if recipe.norm_topk_prob is not None:
+        if "norm_topk_prob" not in config:
+            raise PreflightError(f"norm_topk_prob: the {arch.name} output has no such option")
+        config["norm_topk_prob"] = recipe.norm_topk_prob
+    ops = _ops(arch, base_t, recipe, base_cfg.num_hidden_layers, shared_inter, base_cfg.hidden_size)
+    return MergePlan(
+        recipe=recipe,
+        arch=arch,
+        config=config,
+        ops=ops,
+        sources=sources,
+        dtype=recipe.dtype,
+        warnings=warnings,
+        allow_pickle=allow_pickle,
+    )
 
 
 def _ops(

@@ -1,0 +1,67 @@
+"""The CLI's leaf: the two consoles, error formatting, verbosity. Imports nothing of moetool's above it, so the
+commands and the methods' sub-apps (``moetool.methods.*.cli``) share it without a cycle."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar
+
+import typer
+from rich.markup import escape
+
+from moetool.errors import MoetoolError
+from moetool.progress import cli_console
+
+console = cli_console(stderr=True)  # progress, stage rules, warnings
+out = cli_console(stderr=False)  # results: tables, "wrote …", labelled figures
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def friendly(fn: F) -> F:
+    """Turn user errors into one red message and exit code 2 (no traceback)."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MoetoolError as exc:
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def human(n: float) -> str:
+    """Bytes for people: ``1.2 MB``."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def figure(label: str, value: str) -> None:
+    """One labelled result line (``label: value``), the shape every command prints its checks and figures in."""
+    out.print(f"{label}: {value}", highlight=False)
+
+
+def set_verbosity(verbose: bool) -> None:
+    """Without ``--verbose``: no third-party progress bars ("Loading weights"), INFO logs or warnings meant for
+    GPUs; moetool's own warnings still print. Set before transformers and onnxruntime are imported."""
+    if verbose:
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("ORT_LOGGING_LEVEL", "3")
+    logging.getLogger().setLevel(logging.WARNING)
+    for name in ("onnxruntime", "onnxscript", "torch", "torch.onnx", "torch._dynamo", "coremltools", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for module in ("torch", "transformers", "onnxscript", "onnxruntime", "coremltools", "torchao", "accelerate"):
+        warnings.filterwarnings("ignore", module=module)

@@ -1,0 +1,64 @@
+"""``moetool eval``: held-out perplexity per domain, routing statistics and GEM metrics, side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from moetool.cli.console import friendly, out
+
+
+def run_eval(
+    models: list[str],
+    *,
+    domains: list[str],
+    data: dict[str, Path] | None = None,
+    own: dict[str, str] | None = None,
+    seq_len: int = 256,
+    max_tokens: int = 32768,
+    json_file: Path | None = None,
+    plots: Path | None = None,
+) -> dict[str, Any]:
+    """Evaluate, print the tables, write the report and plots."""
+    from moetool import api
+    from moetool.cli.render import print_report
+
+    report = api.evaluate(models, domains=domains, data=data, own=own, seq_len=seq_len, max_tokens=max_tokens)
+    print_report(report)
+    for path in api.write_report(report, json_file, plots):
+        out.print(f"wrote {path}")
+    return report
+
+
+@friendly
+def eval_cmd(
+    models: Annotated[list[str], typer.Argument(help="Model directories or zoo:NAME references.")],
+    domains: Annotated[str, typer.Option(help="Comma-separated zoo domains.")] = "code,legal,medical",
+    data: Annotated[
+        list[str] | None, typer.Option(help="DOMAIN=FILE: held-out text for a domain (overrides the zoo's).")
+    ] = None,
+    own: Annotated[list[str] | None, typer.Option(help="MODEL=DOMAIN: a model's own domain for GG/DSI.")] = None,
+    seq_len: Annotated[int, typer.Option(help="Window length in tokens.")] = 256,
+    max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain.")] = 32768,
+    json_file: Annotated[Path | None, typer.Option("--json", help="Write the full report as JSON.")] = None,
+    plots: Annotated[Path | None, typer.Option(help="Directory for PNG plots.")] = None,
+) -> None:
+    """Per-domain held-out perplexity, routing statistics and GEM metrics for every model given."""
+    files = {d: Path(f) for d, f in (item.split("=", 1) for item in (data or []))}
+    owners = dict(x.split("=", 1) for x in (own or []))
+    run_eval(
+        models,
+        domains=[d for d in domains.split(",") if d],
+        data=files,
+        own=owners,
+        seq_len=seq_len,
+        max_tokens=max_tokens,
+        json_file=json_file,
+        plots=plots,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(eval_cmd)

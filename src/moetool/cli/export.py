@@ -1,0 +1,126 @@
+"""``moetool export | devices | presets``: artifacts for devices, each checked in its runtime."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from moetool.cli.console import console, friendly, human, out
+
+
+@friendly
+def export_cmd(
+    model: Annotated[str, typer.Argument(help="Model directory (any method's output), zoo:NAME, or a PEFT adapter.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Artifact directory (artifact + manifest.json).")],
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help="gguf, onnx, tflite, coreml or executorch (default: the device's first format, else gguf; "
+            "a method's output: its own default)."
+        ),
+    ] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            help="Preset (gem, moe-q4, …), type (q8_0, …) or rules 'experts=q4_k,attention=q8_0,*=q8_0'. "
+            "Default: the recipe's quantization section, else f16."
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="Device profile (`moetool devices`): picks format and the best plan that fits.")
+    ] = None,
+    context: Annotated[int | None, typer.Option(help="Context length for the memory estimate.")] = None,
+    eval_text: Annotated[Path | None, typer.Option(help="Held-out text file for the parity check.")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan and memory estimate; write nothing.")
+    ] = False,
+    verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
+    compute_units: Annotated[
+        str, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE.")
+    ] = "CPU_AND_NE",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    base: Annotated[
+        str | None,
+        typer.Option(
+            help="Base model of a PEFT adapter given as MODEL (default: the adapter's base_model_name_or_path)."
+        ),
+    ] = None,
+) -> None:
+    """Export a model for a device, with a per-tensor precision plan, verified in the target runtime.
+
+    Every method's output exports here (GEM, routed embeddings, hybrid, CoMiGS users baked to Mixtral). Given a PEFT
+    LoRA adapter directory, writes a GGUF adapter for llama.cpp's --lora, checked against the base with it merged.
+    """
+    from moetool import api
+    from moetool.cli.render import print_export_plan, print_manifest
+    from moetool.export.gguf.lora import is_adapter
+    from moetool.io.atomic import check_output
+
+    text = eval_text.read_text(encoding="utf-8") if eval_text else None
+    if is_adapter(Path(model)):
+        if dry_run:
+            raise typer.BadParameter("--dry-run is for models, not adapters")
+        with console.status("writing and verifying the GGUF adapter …"):
+            manifest = api.export(model, output, base=base, quant=quant, force=force, verify=verify, eval_text=text)
+        print_manifest(output, manifest)
+        return
+    exporter, req, plan = api.plan_export(
+        model, output, target=target, quant=quant, device=device, force=force, verify=verify, eval_text=text,
+        context=context,
+    )  # fmt: skip
+    req.options["compute_units"] = compute_units
+    print_export_plan(exporter, plan, f"{exporter.name} plan '{getattr(getattr(plan, 'quant', None), 'label', '')}' "
+                      f"for {plan.name}")  # fmt: skip
+    if dry_run:
+        return
+    check_output(output, force=force)
+    with console.status(f"writing and verifying {exporter.name} …"):
+        manifest = exporter.export(req, plan, console=console)
+    print_manifest(output, manifest)
+
+
+def devices(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Device profiles: memory budget, formats in order of preference, precisions, plans tried."""
+    from dataclasses import asdict
+
+    from moetool.quant.devices import DEVICES
+
+    if as_json:
+        sys.stdout.write(json.dumps({n: asdict(d) for n, d in DEVICES.items()}, indent=2) + "\n")
+        return
+    t = Table(title="device profiles")
+    for col in ("device", "memory", "budget", "formats", "plans tried (best first)", "note"):
+        t.add_column(col)
+    for d in DEVICES.values():
+        t.add_row(d.name, human(d.memory), human(d.budget), ", ".join(d.formats), ", ".join(d.ladder), d.note)
+    out.print(t)
+
+
+def presets() -> None:
+    """Quantization presets and types (for --quant and the recipe's quantization section)."""
+    from moetool.quant.plan import PRESET_HELP
+    from moetool.quant.types import TYPES
+
+    t = Table(title="quantization presets")
+    t.add_column("preset")
+    t.add_column("what")
+    for name, text in PRESET_HELP.items():
+        t.add_row(name, text)
+    out.print(t)
+    t = Table(title="types (each is also a uniform preset; routers stay f32)")
+    for col in ("type", "bits", "bits/weight stored", "block", "written by"):
+        t.add_column(col)
+    for ty in TYPES.values():
+        t.add_row(ty.name, str(ty.bits), f"{ty.bpw:.4g}", str(ty.block), "gguf-py" if ty.python else "llama.cpp")
+    out.print(t)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export")(export_cmd)
+    app.command()(devices)
+    app.command()(presets)

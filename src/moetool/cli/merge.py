@@ -1,0 +1,82 @@
+"""``moetool validate | schema | merge | inspect``: recipes and the models they build."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from moetool.cli.console import console, friendly, human, out
+from moetool.errors import MoetoolError
+
+
+@friendly
+def validate(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> None:
+    """Validate a recipe file (no model is read)."""
+    from moetool.api import load
+
+    r = load(recipe)
+    out.print(f"[green]ok[/]: {recipe} (method: {r.method}, name: {r.name})")
+
+
+def schema() -> None:
+    """Print the JSON schema of recipe files."""
+    from moetool.recipe.load import dump_schema
+
+    sys.stdout.write(dump_schema() + "\n")
+
+
+@friendly
+def merge(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output directory.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; read no weights, write nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept pytorch_model*.bin inputs.")] = False,
+) -> None:
+    """Build the recipe's model: experts merged into one MoE checkpoint (mofe), or the method's own model."""
+    from moetool import api
+    from moetool.cli.render import print_description, print_plan
+
+    r = api.load(recipe)
+    if dry_run:
+        plan = api.plan(r, allow_pickle=allow_pickle)
+        print_description(plan) if isinstance(plan, str) else print_plan(plan)
+        return
+    if output is None:
+        raise MoetoolError("--output is required (or use --dry-run)")
+    path = api.assemble(r, output, force=force, allow_pickle=allow_pickle, console=console)
+    out.print(f"[green]wrote[/] {path} (method {r.method})")
+
+
+@friendly
+def inspect(
+    model: Annotated[Path, typer.Argument(help="Checkpoint directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Architecture, experts, routers, total and active parameters, size on disk."""
+    from moetool.inspect import inspect_model
+
+    info = inspect_model(model)
+    if as_json:
+        sys.stdout.write(json.dumps(info, indent=2) + "\n")
+        return
+    t = Table(title=str(model), show_header=False)
+    for k, v in info.items():
+        if k in ("total_params", "active_params_per_token"):
+            v = f"{v:,}"
+        elif k == "size_on_disk_bytes":
+            v = human(v)
+        t.add_row(k, str(v))
+    out.print(t)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(validate)
+    app.command()(schema)
+    app.command()(merge)
+    app.command()(inspect)

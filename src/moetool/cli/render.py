@@ -1,0 +1,176 @@
+"""Tables and labelled lines for the CLI's results: merge plans, quantization plans, parity, evaluation reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from moetool.cli.console import human, out
+
+
+def print_plan(plan: Any) -> None:
+    by_kind = plan.bytes_by_kind()
+    t = Table(title=f"merge plan: {plan.recipe.name} → {plan.arch.name} ({plan.dtype})")
+    for col in ("tensor", "kind", "source", "shape"):
+        t.add_column(col)
+    shown = [op for op in plan.ops if ".layers." not in op.out or ".layers.0." in op.out]
+    for op in shown:
+        t.add_row(op.out, op.kind, op.source or "(computed)", "×".join(map(str, op.shape)))
+    out.print(t)
+    layers = plan.config["num_hidden_layers"]
+    if layers > 1:
+        out.print(f"(layers 1–{layers - 1} repeat layer 0's pattern)")
+    s = Table(title="bytes by kind")
+    s.add_column("kind")
+    s.add_column("bytes", justify="right")
+    for k, v in by_kind.items():
+        s.add_row(k, human(v))
+    s.add_row("[bold]total[/]", f"[bold]{human(plan.total_bytes)}[/] in {len(plan.ops)} tensors")
+    out.print(s)
+    hidden = plan.recipe.gate_mode == "hidden"
+    out.print(
+        f"peak memory estimate: {human(plan.peak_memory_estimate())}"
+        + (" (the base model loaded once for hidden gates, freed before tensors stream)" if hidden else "")
+    )
+    for w in plan.warnings:
+        out.print(f"[yellow]warning:[/] {w}")
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from moetool.eval.perplexity import render_matrix
+
+    matrix = {m: dict(row) | {"mean": sum(row.values()) / len(row)} for m, row in report["perplexity"].items()}
+    out.print(render_matrix(matrix, "held-out perplexity (lower is better)"))
+    g = Table(title="GEM metrics (Perf = 1/perplexity)")
+    for col in ("model", "own domain", "GG", "DSI"):
+        g.add_column(col, justify="right" if col in ("GG", "DSI") else "left")
+    for m, v in report["gem"].items():
+        g.add_row(m, v["own_domain"] or "(general: mean over domains)", f"{v['gg']:.3f}", f"{v['dsi']:.3f}")
+    out.print(g)
+    for m, r in report["routing"].items():
+        experts = r["experts"] or [str(i) for i in range(len(next(iter(r["per_domain"].values()))["expert_share"][0]))]
+        t = Table(title=f"routing of {m}: share of top-k assignments (mean over layers) and entropy")
+        t.add_column("text")
+        for e in experts:
+            t.add_column(e, justify="right")
+        t.add_column("entropy", justify="right")
+        for d, st in r["per_domain"].items():
+            layers = st["expert_share"]
+            mean = [sum(layer[i] for layer in layers) / len(layers) for i in range(len(experts))]
+            t.add_row(d, *[f"{x:.2f}" for x in mean], f"{sum(st['entropy']) / len(st['entropy']):.2f}")
+        out.print(t)
+
+
+def acceptance(report: dict[str, Any], candidates: list[str], tolerance: float = 0.05) -> bool:
+    """Print whether each MoE is within ``tolerance`` of the best expert on every domain and beats every expert's
+    mean; return True if the last candidate passes."""
+    ppl = report["perplexity"]
+    experts = [m for m, v in report["models"].items() if v["own_domain"]]
+    domains = report["domains"]
+    best = {d: min(ppl[e][d] for e in experts) for d in domains}
+    best_mean = min(sum(ppl[e].values()) / len(domains) for e in experts)
+    t = Table(title=f"acceptance: within {tolerance:.0%} of the best expert on every domain, mean below every expert's")
+    for col in ("model", *[f"{d} / best" for d in domains], "mean / best expert mean", "verdict"):
+        t.add_column(col, justify="right" if col != "model" else "left")
+    ok = False
+    for m in candidates:
+        ratios = [ppl[m][d] / best[d] for d in domains]
+        mean_ratio = sum(ppl[m].values()) / len(domains) / best_mean
+        ok = all(r <= 1 + tolerance for r in ratios) and mean_ratio < 1
+        verdict = "[green]PASS[/]" if ok else "[red]FAIL[/]"
+        t.add_row(m, *[f"{r:.3f}" for r in ratios], f"{mean_ratio:.3f}", verdict)
+    out.print(t)
+    return ok
+
+
+def print_quant_plan(plan: Any, title: str) -> None:
+    """Bytes per role and the total: printed before anything is written."""
+    q = plan.quant
+    t = Table(title=title)
+    for col in ("role", "parameters", "types", "bytes"):
+        t.add_column(col, justify="right" if col in ("parameters", "bytes") else "left")
+    for role, row in q.by_role().items():
+        types = ", ".join(f"{ty}×{n}" for ty, n in row["types"].items())
+        t.add_row(role, f"{row['params']:,}", types, human(row["bytes"]))
+    t.add_row("[bold]total[/]", f"{q.total_params:,}", f"{q.bpw():.2f} bits/weight", f"[bold]{human(q.total_bytes)}[/]")
+    out.print(t)
+    for note in q.notes():
+        out.print(f"[yellow]note[/]: {escape(note)}")
+    if plan.memory is not None:
+        m = plan.memory
+        line = (
+            f"memory at {plan.context} tokens: weights {human(m.weights)} + KV cache {human(m.kv_cache)} + "
+            f"runtime {human(m.runtime)} = {human(m.total)}"
+        )
+        if plan.device:
+            from moetool.quant.devices import get_device
+
+            line += f" (budget on {plan.device}: {human(get_device(plan.device).budget)})"
+        out.print(line)
+    for label, total, fits in getattr(plan, "candidates", []):
+        mark = "[green]fits[/]" if fits else "[red]too big or unsupported[/]"
+        out.print(f"  plan {label}: {human(total)} {mark}{'  ← chosen' if label == q.label else ''}")
+
+
+def print_parity(p: Any) -> None:
+    if isinstance(p, dict):
+        diffs = ", ".join(f"seq {k}: {v:.2e}" for k, v in p["max_abs_logit_diff"].items())
+        line = (
+            f"parity ({p['runtime']} vs {p['reference']}, {p.get('text', '?')} text): max |Δlogit| {diffs}; top-1 "
+            f"agreement {p['top1_agreement']:.4f}; perplexity {p['ppl_reference']:.3f} → {p['ppl_artifact']:.3f} "
+            f"({100 * p['ppl_change']:+.2f}%)"
+        )
+        if "conversion" in p:
+            conv = p["conversion"]
+            worst = max(conv["max_abs_logit_diff"].values())
+            line += f"; conversion alone (artifact's own weights): max |Δlogit| {worst:.2e}, top-1 {conv['top1_agreement']:.4f}"
+        if "decode" in p:
+            line += f"; decode with KV cache: max |Δlogit| {p['decode']['max_abs_logit_diff']:.2e}"
+        if "tokenizer_match" in p:
+            line += f"; tokenizer {'matches' if p['tokenizer_match'] else 'DIFFERS'} on {p['tokenizer_probes']} probes"
+        out.print(line, highlight=False)
+    else:
+        out.print(f"[yellow]{p}[/]")
+
+
+def print_description(text: str) -> None:
+    """A method's ``--dry-run`` description, line by line (labelled lines, never wrapped)."""
+    for line in text.splitlines():
+        out.print(escape(line), highlight=False)
+
+
+def print_export_plan(exporter: Any, plan: Any, title: str) -> None:
+    """The quantization plan of a standard exporter, or what a method's own exporter will write."""
+    if hasattr(plan, "quant"):
+        print_quant_plan(plan, title)
+    else:
+        out.print(f"{exporter.name} plan for {plan.name}: {plan.description}", highlight=False)
+
+
+def print_manifest(output: Any, manifest: dict[str, Any]) -> None:
+    """What an export wrote and its parity figures (standard exporters and methods' own alike)."""
+    from pathlib import Path
+
+    where = Path(output) / manifest["file"] if "file" in manifest else Path(output)
+    size = manifest.get("artifact", {}).get("bytes")
+    out.print(f"[green]wrote[/] {where}" + (f" ({human(size)})" if size else ""))
+    if "baked_from" in manifest:
+        b = manifest["baked_from"]
+        out.print(f"bake: from {b['comigs_user']}, max |Δlogit| {b['parity_max_abs_logit_diff']:.2e}", highlight=False)
+    if "parity" in manifest:
+        print_parity(manifest["parity"])
+    for part in ("router", "pathways", "experts"):
+        if part in manifest:
+            out.print(f"{part}: {_summary(manifest[part])}", highlight=False)
+
+
+def _summary(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items() if not isinstance(v, dict | list))
+    if isinstance(value, list):
+        return (
+            f"{len(value)} ({', '.join(str(v.get('name', v.get('dir', '?'))) for v in value if isinstance(v, dict))})"
+        )
+    return str(value)

@@ -1,0 +1,86 @@
+"""Resolve a standard export without writing: target, quantization plan and memory estimate.
+
+Shared by the pipeline (:func:`moetool.api.plan_export`) and by methods that export their parts (a GEM pathway, a
+hybrid expert) through the standard exporters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moetool.export.base import TARGETS, Exporter, ExportError, ExportRequest, get_exporter
+from moetool.quant.plan import QuantSpec, parse_quant
+
+
+def resolve_target(device: str | None, target: str | None) -> tuple[str, Any]:
+    """The target (given, else the device's first available format, else gguf) and the device profile."""
+    from moetool.quant.devices import get_device
+
+    try:
+        dev = get_device(device) if device is not None else None
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    if dev is None:
+        return target or "gguf", None
+    if target is None:
+        target = next((f for f in dev.formats if f in TARGETS), None)
+        if target is None:
+            raise ExportError(f"{dev.name} prefers {', '.join(dev.formats)}; none is available yet")
+    elif target not in dev.formats:
+        raise ExportError(f"{dev.name} runs {', '.join(dev.formats)}, not {target}")
+    return target, dev
+
+
+def quant_spec_of_model(model_dir: Path) -> QuantSpec | None:
+    """The ``quantization:`` section of the recipe a model was merged from (kept as moetool-recipe.yaml), if any."""
+    import yaml
+
+    path = Path(model_dir) / "moetool-recipe.yaml"
+    if not path.is_file():
+        return None
+    section = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("quantization")
+    return None if section is None else QuantSpec.model_validate(section)
+
+
+def resolve_quant(model_dir: Path, quant: QuantSpec | str | None, device: str | None) -> QuantSpec:
+    """``quant`` as given (``--quant`` text parsed), else the model's recipe section, else f16 (or the device's
+    best fitting plan when a device is given)."""
+    try:
+        spec = parse_quant(quant) if isinstance(quant, str) else quant
+    except ValueError as exc:  # pydantic's ValidationError included
+        raise ExportError(str(exc)) from None
+    if spec is None:
+        spec = quant_spec_of_model(model_dir)
+    if spec is None:
+        spec = QuantSpec() if device is not None else QuantSpec(preset="f16")
+    return spec
+
+
+def plan_export(
+    model_dir: Path,
+    output: str | Path,
+    *,
+    target: str | None = None,
+    quant: QuantSpec | str | None = None,
+    device: str | None = None,
+    force: bool = False,
+    verify: bool = True,
+    eval_text: str | None = None,
+    context: int | None = None,
+) -> tuple[Exporter, ExportRequest, Any]:
+    """(exporter, request, plan) for a standard transformers model in ``model_dir``; writes nothing."""
+    target, _ = resolve_target(device, target)
+    spec = resolve_quant(Path(model_dir), quant, device)
+    exporter = get_exporter(target)
+    req = ExportRequest(
+        model_dir=Path(model_dir),
+        output=Path(output),
+        quant=spec,
+        device=device,
+        verify=verify,
+        force=force,
+        eval_text=eval_text,
+        context=context,
+    )
+    return exporter, req, exporter.plan(req)

@@ -1,0 +1,144 @@
+"""The method plugin protocol: what every merge method provides to the pipeline (:mod:`moetool.api`).
+
+A method is one folder under ``moetool/methods/`` whose ``__init__`` exposes ``PLUGIN`` (a :class:`MethodPlugin`),
+plus its recipe model in :mod:`moetool.recipe`; registering it is one line in :data:`moetool.registry.METHODS`.
+
+Stages take the validated recipe object (:class:`moetool.recipe.base.RecipeBase`), never a path to parse again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from moetool.errors import MoetoolError
+from moetool.export.base import Exporter, ExportError, ExportRequest
+from moetool.recipe.base import RecipeBase
+
+
+def register_causal_lm(config_cls: Any, model_cls: Any) -> None:
+    """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load checkpoints of ``config_cls.model_type`` (idempotent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+    AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
+@dataclass
+class MethodExportPlan:
+    """The plan of a method's own exporter: what it will write (printed before writing), nothing to resolve."""
+
+    name: str
+    target: str
+    description: str
+
+
+@dataclass
+class FunctionExporter:
+    """An :class:`~moetool.export.base.Exporter` over a method's export function ``fn(req, console) -> manifest``."""
+
+    name: str
+    requires: str
+    description: str
+    fn: Callable[[ExportRequest, Console], dict[str, Any]]
+
+    def plan(self, req: ExportRequest) -> MethodExportPlan:
+        return MethodExportPlan(name=req.model_dir.name, target=self.name, description=self.description)
+
+    def export(self, req: ExportRequest, plan: Any, console: Any = None) -> dict[str, Any]:
+        from moetool.progress import silent
+
+        return self.fn(req, console if console is not None else silent())
+
+
+@dataclass
+class TrainOutcome:
+    """What a method's training wrote: the output and labelled figures for the CLI to print."""
+
+    output: Path
+    figures: dict[str, str] = field(default_factory=dict)
+    detail: Any = None
+
+
+def config_model_type(model_dir: Path) -> str | None:
+    """``model_type`` from ``model_dir/config.json``, or None when there is none."""
+    cfg = Path(model_dir) / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        value = json.loads(cfg.read_text(encoding="utf-8")).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise MoetoolError(f"{cfg}: not a valid JSON object") from None
+    return value if isinstance(value, str) else None
+
+
+class MethodPlugin:
+    """Base of every method plugin; a method overrides what it supports, the rest refuses with the reason.
+
+    Attributes:
+        name: the recipe's ``method:`` value.
+        model_types: ``config.json`` ``model_type`` values of the models this method writes (its own classes).
+        model_modules: modules whose import registers those classes with transformers' Auto classes.
+        marker_files: files that mark an output folder as this method's (a bundle without one config.json).
+        export_targets: ``moetool export --target`` values this method's outputs support (first = default).
+        trains: what ``moetool train`` does for this method, for the refusal when it does nothing.
+    """
+
+    name: str = ""
+    model_types: tuple[str, ...] = ()
+    model_modules: tuple[str, ...] = ()
+    marker_files: tuple[str, ...] = ()
+    export_targets: tuple[str, ...] = ()
+
+    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> Any:
+        """What :meth:`assemble` would build (``moetool merge --dry-run``); reads no weights."""
+        raise NotImplementedError
+
+    def assemble(
+        self, recipe: RecipeBase, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+    ) -> Path:
+        """Build the model into ``output`` atomically (refusing an existing one without ``force``); returns it."""
+        raise NotImplementedError
+
+    def train(
+        self,
+        recipe: RecipeBase,
+        model: Path | None,
+        output: Path,
+        *,
+        force: bool = False,
+        resume: bool = True,
+        preset: str | None = None,
+        console: Console,
+    ) -> TrainOutcome:
+        """Train what the recipe's training section says, from ``model`` (the merged output) into ``output``."""
+        raise MoetoolError(
+            f"method {self.name}: its routers are trained inside `moetool merge` (see docs/{self.name}.md); "
+            "`moetool train` has nothing more to do"
+        )
+
+    def owns(self, model_dir: Path) -> bool:
+        """Whether ``model_dir`` is an output of this method (its model class or its bundle marker)."""
+        if any((model_dir / m).is_file() for m in self.marker_files):
+            return True
+        return bool(self.model_types) and config_model_type(model_dir) in self.model_types
+
+    def exporter(self, model_dir: Path, target: str | None) -> Exporter:
+        """The exporter of this method's output ``model_dir`` for ``target`` (None: the method's default)."""
+        if not self.export_targets:
+            raise ExportError(f"{model_dir} is a {self.name} model, which has no exporter")
+        raise ExportError(
+            f"{model_dir} is a {self.name} model: --target {target!r} is not supported "
+            f"(supported: {', '.join(self.export_targets)})"
+        )
+
+    def refuse_target(self, model_dir: Path, target: str | None) -> ExportError:
+        return ExportError(
+            f"{model_dir} is a {self.name} model: --target {target!r} is not supported "
+            f"(supported: {', '.join(self.export_targets)})"
+        )

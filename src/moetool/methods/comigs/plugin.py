@@ -1,0 +1,107 @@
+"""The ``comigs`` plugin: assemble the untrained per-user models, train the federation, export a user's model
+(baked into a standard Mixtral first, exactly, then through the standard exporters)."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from moetool import registry
+from moetool.errors import MoetoolError
+from moetool.export.base import Exporter, ExportRequest, get_exporter
+from moetool.methods.base import FunctionExporter, MethodPlugin, TrainOutcome
+from moetool.recipe.base import RecipeBase
+from moetool.recipe.comigs import ComigsRecipe
+
+
+def _as_comigs(recipe: RecipeBase) -> ComigsRecipe:
+    assert isinstance(recipe, ComigsRecipe)
+    return recipe
+
+
+def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str, Any]:
+    """Bake the user model into a Mixtral in a temporary folder beside the output, export that, note the bake."""
+    from moetool.export.resolve import resolve_quant
+    from moetool.methods.comigs.bake import bake_user
+
+    req.output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{req.output.name}.bake-", dir=req.output.parent) as tmp:
+        baked = Path(tmp) / "mixtral"
+        bake = bake_user(req.model_dir, baked)
+        console.print(
+            f"bake: {req.model_dir.name} → Mixtral ({len(bake['experts'])} experts, top-{bake['top_k']}); "
+            f"parity max |Δlogit| {bake['parity_max_abs_logit_diff']:.2e} (float64)",
+            highlight=False,
+        )
+        exporter = get_exporter(target)
+        sub = replace(req, model_dir=baked, quant=resolve_quant(baked, req.options.get("quant"), None))
+        manifest = exporter.export(sub, exporter.plan(sub), console=console)
+    manifest["baked_from"] = {
+        "comigs_user": str(req.model_dir),
+        "parity_max_abs_logit_diff": bake["parity_max_abs_logit_diff"],
+    }
+    return manifest
+
+
+class ComigsPlugin(MethodPlugin):
+    name = "comigs"
+    model_types = ("moetool_comigs",)
+    model_modules = ("moetool.methods.comigs.model",)
+    export_targets = tuple(registry.TARGETS)
+
+    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> str:
+        from moetool.methods.comigs.pipeline import describe
+
+        return describe(_as_comigs(recipe), recipe.recipe_dir)
+
+    def assemble(
+        self, recipe: RecipeBase, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+    ) -> Path:
+        from moetool.methods.comigs.pipeline import assemble
+
+        return assemble(_as_comigs(recipe), recipe.recipe_dir, output, force=force, console=console)
+
+    def train(
+        self,
+        recipe: RecipeBase,
+        model: Path | None,
+        output: Path,
+        *,
+        force: bool = False,
+        resume: bool = True,
+        preset: str | None = None,
+        console: Console,
+        variant: str = "comigs",
+        rounds: int | None = None,
+        **_: Any,
+    ) -> TrainOutcome:
+        """The federation in one process (``moetool comigs train --engine flower`` runs it on Flower)."""
+        from moetool.methods.comigs.federated import VARIANTS
+        from moetool.methods.comigs.pipeline import train
+
+        r = _as_comigs(recipe)
+        if variant not in VARIANTS:
+            raise MoetoolError(f"--variant: {variant!r} is not one of {', '.join(VARIANTS)}")
+        if rounds is not None:
+            r = r.model_copy(update={"training": r.training.model_copy(update={"rounds": rounds})})
+        report = train(r, r.recipe_dir, output, variant=variant, force=force, log=console.print)
+        figures = {
+            f"{name} test perplexity": f"{u['test_ppl_before']:.2f} → {u['test_ppl']:.2f}"
+            for name, u in report["users"].items()
+        }
+        return TrainOutcome(output=output, figures=figures, detail=report)
+
+    def exporter(self, model_dir: Path, target: str | None) -> Exporter:
+        target = target or "gguf"
+        if target not in self.export_targets:
+            raise self.refuse_target(model_dir, target)
+        return FunctionExporter(
+            name=target,
+            requires=registry.TARGETS[target],
+            description=f"bake the CoMiGS user model into a standard Mixtral (exact), then export it as {target}",
+            fn=lambda req, console: export_baked(req, target, console),
+        )

@@ -1,0 +1,66 @@
+"""``method: mofe``: dense experts of one base → a standard MoE checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+plan (:mod:`.planner`: preflight from configs and headers, a weight-free tensor plan) → execute (:mod:`.execute`:
+routers, one streamed tensor at a time, atomic output) → optional router tuning (:mod:`moetool.train`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from moetool.methods.base import MethodPlugin, TrainOutcome
+from moetool.methods.mofe.plan import MergePlan, TensorOp
+from moetool.recipe.base import RecipeBase
+from moetool.recipe.mofe import MoFERecipe
+
+
+class MoFEPlugin(MethodPlugin):
+    """Its outputs are plain transformers MoE models: the standard exporters serve them."""
+
+    name = "mofe"
+
+    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> MergePlan:
+        from moetool.methods.mofe.planner import plan_mofe
+
+        assert isinstance(recipe, MoFERecipe)
+        return plan_mofe(recipe, allow_pickle=allow_pickle)
+
+    def assemble(
+        self, recipe: RecipeBase, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+    ) -> Path:
+        from moetool.methods.mofe.execute import execute
+
+        plan = self.describe(recipe, allow_pickle=allow_pickle)
+        return execute(plan, output, force=force, recipe_text=recipe.text, console=console)
+
+    def train(
+        self,
+        recipe: RecipeBase,
+        model: Path | None,
+        output: Path,
+        *,
+        force: bool = False,
+        resume: bool = True,
+        preset: str | None = None,
+        console: Console,
+        **kw: Any,
+    ) -> TrainOutcome:
+        from moetool.errors import MoetoolError
+        from moetool.train.router_tuning import train_router
+
+        if model is None:
+            raise MoetoolError("--model: router tuning needs the merged MoE (moetool merge RECIPE -o DIR)")
+        res = train_router(recipe, model, output, force=force, resume=resume, console=console, preset=preset, **kw)
+        figures = {
+            "steps": f"{res.steps} in {res.seconds:.0f} s",
+            "trainable": f"{res.freeze.trainable_params:,} parameters ({res.freeze.frozen_params:,} frozen)",
+        }
+        return TrainOutcome(output=res.output, figures=figures, detail=res)
+
+
+PLUGIN = MoFEPlugin()
+
+__all__ = ["PLUGIN", "MergePlan", "MoFEPlugin", "TensorOp"]
