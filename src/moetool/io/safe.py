@@ -111,7 +111,7 @@ def parse_json(
     except ValueError as exc:  # e.g. an integer longer than sys.get_int_max_str_digits()
         raise _fail(error, f"{path}: {what} cannot be parsed: {exc}") from None
     if expect is not None and not isinstance(value, expect):
-        want = "an object" if expect is dict else "an array" if expect is list else expect.__name__
+        want = "object" if expect is dict else "array" if expect is list else expect.__name__
         raise _fail(error, f"{path}: {what} must be a JSON {want}, not {type(value).__name__}")
     return value
 
@@ -279,7 +279,11 @@ def parse_yaml(
     more than one document, and values YAML cannot construct (``2001-02-30``, unknown ``!!tags``).
     """
     text = decode_utf8(data, path, what=what, error=error) if isinstance(data, bytes) else data
-    loader = BudgetLoader(text)
+    try:
+        loader = BudgetLoader(text)
+    except yaml.reader.ReaderError as exc:  # a control character anywhere in the text
+        line = text.count("\n", 0, max(exc.position, 0)) + 1
+        raise _fail(error, f"{path}:{line}: not valid YAML: character {exc.character:#06x} is not allowed") from None
     try:
         node = loader.get_single_node()
         if node is None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import RecipeBase, StrictModel
@@ -14,25 +14,34 @@ from moetool.recipe.train import FreezeSpec, TrainSpec
 ExpertName = str
 
 
+def _has_text(prompt: str) -> str:
+    if not prompt.strip():
+        raise ValueError(f"prompt {prompt!r} has no text; a gate needs words to route on")
+    return prompt
+
+
+Prompt = Annotated[str, AfterValidator(_has_text)]
+
+
 class ExpertSpec(StrictModel):
     """One routed expert: the MLP of ``source`` becomes expert ``name`` in every layer."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Unique expert name.")
     source: str = Field(description="Local directory, Hugging Face repo id in the local cache, or zoo:NAME.")
-    positive_prompts: list[str] = Field(default_factory=list, description="Text this expert should receive.")
-    negative_prompts: list[str] = Field(default_factory=list, description="Text this expert should not receive.")
+    positive_prompts: list[Prompt] = Field(default_factory=list, description="Text this expert should receive.")
+    negative_prompts: list[Prompt] = Field(default_factory=list, description="Text this expert should not receive.")
 
 
 class SharedExpertSpec(StrictModel):
     """An always-on expert (Qwen2-MoE only), e.g. the base FFN as a generalist."""
 
     source: str
-    positive_prompts: list[str] = Field(
+    positive_prompts: list[Prompt] = Field(
         default_factory=list,
         description="If given, the sigmoid shared-expert gate is initialised from these prompts; else it is zero "
         "(a constant 0.5 weight).",
     )
-    negative_prompts: list[str] = Field(default_factory=list)
+    negative_prompts: list[Prompt] = Field(default_factory=list)
 
 
 class MoFERecipe(RecipeBase):
