@@ -26,14 +26,15 @@ Advance = Callable[..., None]  # ``advance(n=1, note="")``, as :func:`moetool.pr
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """What :func:`train_lm` reads besides the model, data and step count."""
+    """What :func:`train_lm` reads besides the model, data, step count and learning rate; the configs of the
+    models trained with it (the zoo's, its Mamba's) extend it."""
 
-    batch_size: int
-    seq_len: int
-    weight_decay: float
-    warmup_fraction: float
-    min_lr_ratio: float
-    seed: int
+    seq_len: int = 256
+    batch_size: int = 8
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    seed: int = 0
 
 
 def derive_seed(seed: int, name: str) -> int:

@@ -252,7 +252,7 @@ def _train_models(
         f"model: Llama, {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}, "
         f"{n_params / 1e6:.2f}M params; experts train: {cfg.expert_trainable}"
     )
-    common: dict[str, Any] = {"streams": streams, "cfg": cfg.loop(), "bos_id": int(tokenizer.bos_token_id)}
+    common: dict[str, Any] = {"streams": streams, "cfg": cfg, "bos_id": int(tokenizer.bos_token_id)}
     training = {
         BASE_NAME: train_zoo_model(
             base,

@@ -5,12 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from moetool.errors import MoetoolError
-
-if TYPE_CHECKING:
-    from moetool.train.loop import LoopConfig
+from moetool.train.loop import LoopConfig
 
 ZOO_FORMAT = 1
 BASE_NAME = "base"
@@ -18,8 +16,9 @@ ZOO_JSON = "zoo.json"
 
 
 @dataclass(frozen=True)
-class ZooConfig:
-    """Everything that determines a zoo build (same config and machine -> same weights)."""
+class ZooConfig(LoopConfig):
+    """Everything that determines a zoo build (same config and machine -> same weights): the training loop's
+    settings (:class:`~moetool.train.loop.LoopConfig`: seq_len, batch_size, schedule, weight decay, seed) and these."""
 
     vocab_size: int = 4096
     hidden_size: int = 128
@@ -27,16 +26,10 @@ class ZooConfig:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
-    seq_len: int = 256
-    batch_size: int = 8
     base_steps: int = 750
     expert_steps: int = 280
     lr: float = 6e-3
     expert_lr: float | None = None  # None: same as lr
-    warmup_fraction: float = 0.05
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    seed: int = 0
     max_chars_per_domain: int = 3_000_000
     valid_fraction: float = 0.1
     max_valid_chars: int | None = 80_000
@@ -73,19 +66,6 @@ class ZooConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of the fields."""
         return dataclasses.asdict(self)
-
-    def loop(self) -> LoopConfig:
-        """The training-loop settings (:func:`moetool.train.loop.train_lm`) of this config."""
-        from moetool.train.loop import LoopConfig  # torch; a config alone is read without it
-
-        return LoopConfig(
-            batch_size=self.batch_size,
-            seq_len=self.seq_len,
-            weight_decay=self.weight_decay,
-            warmup_fraction=self.warmup_fraction,
-            min_lr_ratio=self.min_lr_ratio,
-            seed=self.seed,
-        )
 
 
 PROFILES: dict[str, ZooConfig] = {

@@ -30,6 +30,7 @@ import torch
 from moetool.methods.embedding.model import RoutedEmbeddingConfig, RoutedEmbeddingForCausalLM
 from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import EmbeddingConfig
+from moetool.train.loop import optimise
 
 
 def svd_seed(
@@ -150,9 +151,9 @@ def _phase(
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=s.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(steps, min(s.warmup_steps, steps // 2)))
     norm = teacher.pow(2).sum(-1).mean()
-    model.train()
-    for i in range(steps):
-        ids = batches(offset + i)
+
+    def step_loss(i: int) -> torch.Tensor:
+        ids = batches(offset + i)  # [B, T]
         b, t = ids.shape
         if s.lm_weight:
             out = model(ids, labels=ids)
@@ -163,15 +164,16 @@ def _phase(
             loss = aux["total"]
         if s.distill_weight:
             loss = loss + s.distill_weight * (h - teacher[ids]).pow(2).sum(-1).mean() / norm
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm)
-        opt.step()
-        sched.step()
+        return loss
+
+    def after_step(i: int, loss: float) -> None:
         if (offset + i + 1) % s.log_every == 0:
-            s.history.append({"step": offset + i + 1, "loss": float(loss.detach())})
+            s.history.append({"step": offset + i + 1, "loss": loss})
             if log:
-                log(f"step {offset + i + 1}: loss {float(loss.detach()):.4f}")
+                log(f"step {offset + i + 1}: loss {loss:.4f}")
+
+    model.train()
+    optimise(opt, sched, params, steps, step_loss, max_grad_norm=s.max_grad_norm, after_step=after_step)
     model.eval()
 
 

@@ -1,8 +1,9 @@
 """A zoo Mamba expert: a small ``MambaForCausalLM`` trained here, the way the zoo trains its Transformers.
 
 Same tokenizer (the zoo's, read from ``<zoo>/base``), same corpora and splits (``<zoo>/data/<domain>/``), same
-optimiser, schedule, balanced domain mix and batch sampler as :mod:`moetool.zoo.build`. It is cached next to the zoo
-as ``<zoo>/mamba`` (written atomically), so ``zoo:mamba`` resolves through the ordinary ``resolve_zoo_model``.
+training loop (:func:`moetool.zoo.train_zoo_model`: optimiser, schedule, balanced domain mix, batch sampler) as the
+zoo's Transformers. It is cached next to the zoo as ``<zoo>/mamba`` (written atomically), so ``zoo:mamba`` resolves
+through the ordinary ``resolve_zoo_model``.
 
 transformers runs Mamba's sequential reference scan on CPU (no ``mamba_ssm`` kernels). Its backward indexes one
 time step at a time out of ``[B, D, T, N]`` tensors, and every such index materialises a full-size gradient, which
@@ -16,10 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,28 +29,25 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.paths import zoo_dir
+from moetool.train.loop import LoopConfig
 
 MAMBA_NAME = "mamba"
 MAMBA_JSON = "mamba.json"
 
 
 @dataclass(frozen=True)
-class MambaZooConfig:
-    """Everything that determines the zoo Mamba build. Small enough for ~5 min on one CPU thread."""
+class MambaZooConfig(LoopConfig):
+    """Everything that determines the zoo Mamba build: the zoo's training-loop settings (the
+    :class:`~moetool.train.loop.LoopConfig` defaults, as the zoo's Transformers) and these. Small enough for ~5 min
+    on one CPU thread."""
 
     hidden_size: int = 64
     num_layers: int = 2
     state_size: int = 16
     expand: int = 2
     conv_kernel: int = 4
-    seq_len: int = 256
-    batch_size: int = 8
     steps: int = 300
     lr: float = 6e-3
-    warmup_fraction: float = 0.05
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    seed: int = 0
     eval_max_tokens: int = 16384
     num_threads: int = 1
 
@@ -142,6 +137,88 @@ def mamba_config(cfg: MambaZooConfig, tokenizer: Any) -> Any:
     )
 
 
+def _zoo_texts(zoo: Path, domains: tuple[str, ...]) -> dict[tuple[str, str], str]:
+    """Each domain's train and held-out text of the zoo at ``zoo``, keyed ``(domain, split)``.
+
+    Raises:
+        MoetoolError: the zoo is not built, or its text is missing.
+    """
+    from moetool.zoo import BASE_NAME
+
+    if not (zoo / BASE_NAME / "config.json").is_file():
+        raise MoetoolError(
+            f"zoo {zoo} is not built; run `moetool zoo build` first (the Mamba expert uses its tokenizer)"
+        )
+    texts = {}
+    for d in domains:
+        for split in ("train", "valid"):
+            p = zoo / "data" / d / f"{split}.txt"
+            if not p.is_file():
+                raise MoetoolError(f"{p}: zoo text missing; rebuild the zoo (`moetool zoo build --force`)")
+            texts[d, split] = p.read_text(encoding="utf-8")
+    return texts
+
+
+def _train_and_save(
+    zoo: Path, out: Path, cfg: MambaZooConfig, texts: dict[tuple[str, str], str], console: Console
+) -> dict[str, Any]:
+    """Train the Mamba on the zoo's balanced domain mix, evaluate it, save it into ``out``; returns mamba.json."""
+    from transformers import AutoTokenizer, MambaForCausalLM
+
+    from moetool.eval.perplexity import perplexity
+    from moetool.train.loop import derive_seed
+    from moetool.zoo import BASE_NAME, DOMAINS, train_zoo_model
+
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(zoo / BASE_NAME))
+    streams = [
+        torch.tensor(tokenizer(texts[d, "train"], add_special_tokens=False, verbose=False)["input_ids"])
+        for d in DOMAINS
+    ]
+    torch.manual_seed(derive_seed(cfg.seed, "mamba"))
+    model = MambaForCausalLM(mamba_config(cfg, tokenizer))
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(
+        f"zoo mamba: {cfg.num_layers} layers, hidden {cfg.hidden_size}, state {cfg.state_size}, "
+        f"{n_params / 1e6:.2f}M params, {cfg.steps} steps on {cfg.num_threads} thread(s)"
+    )
+    probe = torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))
+    scan_diff = check_fast_scan(model, probe)
+    with patched_scan():
+        stats = train_zoo_model(
+            model,
+            console=console,
+            name=MAMBA_NAME,
+            streams=streams,
+            mix=list(range(len(DOMAINS))),
+            steps=cfg.steps,
+            lr=cfg.lr,
+            cfg=cfg,
+            bos_id=int(tokenizer.bos_token_id),
+        )
+    scan_diff = max(scan_diff, check_fast_scan(model, probe))
+    with patched_scan():
+        ppl = {
+            d: perplexity(model, tokenizer, texts[d, "valid"], seq_len=cfg.seq_len, max_tokens=cfg.eval_max_tokens)
+            for d in DOMAINS
+        }
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    meta = {
+        "config": asdict(cfg),
+        "architecture": "MambaForCausalLM",
+        "parameters": n_params,
+        "tokenizer": str(zoo / BASE_NAME),
+        "training": stats,
+        "perplexity": {d: round(v, 4) for d, v in ppl.items()},
+        "eval_max_tokens": cfg.eval_max_tokens,
+        "fast_scan_max_abs_logit_diff": scan_diff,
+        "build_seconds": round(time.perf_counter() - t0, 1),
+    }
+    (out / MAMBA_JSON).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta
+
+
 def build_zoo_mamba(
     profile: str = "default",
     *,
@@ -155,11 +232,8 @@ def build_zoo_mamba(
     Raises:
         MoetoolError: the zoo is not built, or training diverged.
     """
-    from transformers import AutoTokenizer, MambaForCausalLM
-
-    from moetool.eval.perplexity import perplexity
-    from moetool.zoo.build import BASE_NAME, _derive_seed, _quiet_transformers, _train
-    from moetool.zoo.corpora import DOMAINS
+    from moetool.io.atomic import atomic_dir
+    from moetool.zoo import DOMAINS, claimed, quiet_transformers, remove_stale_builds
 
     cfg = config or MambaZooConfig()
     console = console or Console(stderr=True)
@@ -171,115 +245,23 @@ def build_zoo_mamba(
         if meta.get("config") == asdict(cfg):
             console.print(f"[green]zoo mamba[/] {out} is up to date")
             return out
-    if not (zoo / BASE_NAME / "config.json").is_file():
-        raise MoetoolError(
-            f"zoo {zoo} is not built; run `moetool zoo build` first (the Mamba expert uses its tokenizer)"
-        )
-    texts = {}
-    for d in DOMAINS:
-        for split in ("train", "valid"):
-            p = zoo / "data" / d / f"{split}.txt"
-            if not p.is_file():
-                raise MoetoolError(f"{p}: zoo text missing; rebuild the zoo (`moetool zoo build --force`)")
-            texts[d, split] = p.read_text(encoding="utf-8")
-
+    texts = _zoo_texts(zoo, DOMAINS)
+    if not math.isfinite(cfg.lr) or cfg.lr <= 0:
+        raise MoetoolError(f"lr must be a positive number, got {cfg.lr}")
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.num_threads)
-    tmp = zoo / f".{MAMBA_NAME}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    t0 = time.perf_counter()
+    remove_stale_builds(out)
     try:
-        with _quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(str(zoo / BASE_NAME))
-            streams = [
-                torch.tensor(tokenizer(texts[d, "train"], add_special_tokens=False, verbose=False)["input_ids"])
-                for d in DOMAINS
-            ]
-            torch.manual_seed(_derive_seed(cfg.seed, "mamba"))
-            model = MambaForCausalLM(mamba_config(cfg, tokenizer))
-            n_params = sum(p.numel() for p in model.parameters())
-            console.print(
-                f"zoo mamba: {cfg.num_layers} layers, hidden {cfg.hidden_size}, state {cfg.state_size}, "
-                f"{n_params / 1e6:.2f}M params, {cfg.steps} steps on {cfg.num_threads} thread(s)"
-            )
-            probe = torch.randint(0, len(tokenizer), (2, 48), generator=torch.Generator().manual_seed(0))
-            scan_diff = check_fast_scan(model, probe)
-            # _train reads these fields of a ZooConfig; the Mamba config supplies them under the same names.
-            train_cfg = _TrainView(cfg)
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            progress = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(bar_width=24),
-                MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.3f}"),
-                TextColumn("{task.fields[tps]:>6.0f} tok/s"),
-                TimeElapsedColumn(),
-                console=console,
-            )
-            with patched_scan(), progress:
-                stats = _train(
-                    model,
-                    name=MAMBA_NAME,
-                    streams=streams,
-                    mix=list(range(len(DOMAINS))),
-                    steps=cfg.steps,
-                    lr=cfg.lr,
-                    cfg=train_cfg,  # type: ignore[arg-type]
-                    bos_id=int(tokenizer.bos_token_id),
-                    progress=progress,
-                )
-            scan_diff = max(scan_diff, check_fast_scan(model, probe))
-            with patched_scan():
-                ppl = {
-                    d: perplexity(
-                        model, tokenizer, texts[d, "valid"], seq_len=cfg.seq_len, max_tokens=cfg.eval_max_tokens
-                    )
-                    for d in DOMAINS
-                }
-            tmp.mkdir(parents=True)
-            model.save_pretrained(str(tmp))
-            tokenizer.save_pretrained(str(tmp))
-            meta = {
-                "config": asdict(cfg),
-                "architecture": "MambaForCausalLM",
-                "parameters": n_params,
-                "tokenizer": str(zoo / BASE_NAME),
-                "training": stats,
-                "perplexity": {d: round(v, 4) for d, v in ppl.items()},
-                "eval_max_tokens": cfg.eval_max_tokens,
-                "fast_scan_max_abs_logit_diff": scan_diff,
-                "build_seconds": round(time.perf_counter() - t0, 1),
-            }
-            (tmp / MAMBA_JSON).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-            old = None
-            if out.exists():
-                old = zoo / f".{MAMBA_NAME}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(out, old)
-            os.replace(tmp, out)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+        # force: an outdated or partial <zoo>/mamba is ours to replace
+        with atomic_dir(out, force=True) as tmp, claimed(tmp), quiet_transformers():
+            meta = _train_and_save(zoo, tmp, cfg, texts, console)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
         torch.set_num_threads(threads)
     ppl_line = ", ".join(f"{d} {v:.1f}" for d, v in meta["perplexity"].items())
     console.print(
         f"[green]zoo mamba built[/] in {meta['build_seconds']:.0f} s -> {out} (held-out perplexity {ppl_line})"
     )
     return out
-
-
-class _TrainView:
-    """The fields of a ZooConfig that :func:`moetool.zoo.build._train` reads, taken from a MambaZooConfig."""
-
-    def __init__(self, cfg: MambaZooConfig) -> None:
-        self.batch_size = cfg.batch_size
-        self.seq_len = cfg.seq_len
-        self.weight_decay = cfg.weight_decay
-        self.warmup_fraction = cfg.warmup_fraction
-        self.min_lr_ratio = cfg.min_lr_ratio
-        self.seed = cfg.seed
-        if not math.isfinite(cfg.lr) or cfg.lr <= 0:
-            raise MoetoolError(f"lr must be a positive number, got {cfg.lr}")
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m moetool.methods.hybrid.zoo_mamba [--force]`
