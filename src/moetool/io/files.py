@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 # Everything transformers' AutoTokenizer and generate() read next to the weights: the tokenizer (fast, SentencePiece,
 # and the slow BPE/WordPiece vocabularies), its special-token maps, the chat template (file or json) and the generation
 # defaults. One list for every stage that copies them (merge, assemble, bake, train, package): it is the union of what
@@ -20,3 +23,16 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "chat_template.json",
     "generation_config.json",
 )
+
+
+def copy_tokenizer(src: Path, dst: Path, *, overwrite: bool = True) -> list[str]:
+    """Copy every :data:`TOKENIZER_FILES` entry that exists in ``src`` into ``dst``; returns the names copied.
+
+    ``overwrite=False`` keeps files ``dst`` already has (a model's own re-saved tokenizer files win).
+    """
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file() and (overwrite or not (Path(dst) / name).exists()):
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied

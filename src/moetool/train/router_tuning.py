@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
-from moetool.io.files import TOKENIZER_FILES
+from moetool.io.files import copy_tokenizer
 from moetool.progress import silent, task
 from moetool.recipe.train import TrainSpec
 from moetool.routing.losses import expert_load, routing_entropy, routing_losses
@@ -343,9 +343,7 @@ def _write_output(
     with atomic_dir(output, force=force) as tmp:
         # transformers re-saves a model loaded from per-expert tensors in that same per-expert layout
         model.save_pretrained(str(tmp), max_shard_size="2GB")
-        for f in TOKENIZER_FILES:
-            if (model_dir / f).is_file() and not (tmp / f).exists():
-                shutil.copy2(model_dir / f, tmp / f)
+        copy_tokenizer(model_dir, tmp, overwrite=False)
         (tmp / "moetool-train-recipe.yaml").write_text(recipe.text, encoding="utf-8")
         for f in ("moetool-recipe.yaml",):
             if (model_dir / f).is_file():

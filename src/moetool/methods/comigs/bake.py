@@ -12,7 +12,6 @@ baselines) gets a zero gate: equal weights over all experts.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +19,11 @@ import torch
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir
+from moetool.io.files import copy_tokenizer
 from moetool.methods.comigs.model import ComigsForCausalLM, LoRAExpert, LoRALinear
 
 PARITY_TOL = 1e-5
 FLOAT32_TOL = 1e-3  # float32 evaluation of merged vs unmerged weights: summation order only
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
 def merged_expert(model: ComigsForCausalLM, layer: int, j: int) -> dict[str, torch.Tensor]:
@@ -110,9 +109,7 @@ def bake(
     with atomic_dir(Path(output), force=force) as tmp:
         mix.save_pretrained(str(tmp))
         if tokenizer_dir is not None:
-            for f in _TOKENIZER_FILES:
-                if (Path(tokenizer_dir) / f).is_file():
-                    shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
+            copy_tokenizer(Path(tokenizer_dir), tmp)
         reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
         diff32 = max_logit_diff(model, reloaded, ids)
         # The gate: both evaluated in float64, so what is compared is the function the checkpoint stores, not float32

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -13,18 +12,11 @@ import yaml
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir
+from moetool.io.files import copy_tokenizer
 from moetool.methods.comigs.assemble import PARITY_TOL, count_params, load_dense
 from moetool.methods.comigs.bilevel import ClientTrainer
 from moetool.methods.comigs.federated import Federation, prepare, run_inprocess, variant_recipe
 from moetool.recipe.comigs import ComigsRecipe
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-
-
-def copy_tokenizer(src: Path, dst: Path) -> None:
-    for f in TOKENIZER_FILES:
-        if (src / f).is_file():
-            shutil.copy2(src / f, dst / f)
 
 
 def save_user(client: ClientTrainer, out: Path, tokenizer_dir: Path) -> float:

@@ -13,7 +13,6 @@ Checks written to ``moetool.json`` (and failing the build when a hard one fails)
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +20,9 @@ import torch
 
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.atomic import atomic_dir, check_output
+from moetool.io.files import copy_tokenizer
 from moetool.recipe.embedding import EmbeddingRecipe
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 EVAL_TOKENS = 4096  # held-out tokens per domain for the build's own perplexity figures
 
 
@@ -224,9 +215,7 @@ class EmbeddingAssembler:
         }
         with atomic_dir(output, force=force) as tmp:
             model.save_pretrained(str(tmp))
-            for f in TOKENIZER_FILES:
-                if (src.path / f).is_file():
-                    shutil.copy2(src.path / f, tmp / f)
+            copy_tokenizer(src.path, tmp)
             (tmp / "moetool-recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
             reload = reload_check(tmp, model, probe)
             if reload > 1e-5:

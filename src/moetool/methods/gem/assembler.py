@@ -20,6 +20,7 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
+from moetool.io.files import copy_tokenizer
 from moetool.methods.gem.pathways import Pathways, resolve_pathways
 from moetool.recipe.gem import GemRecipe
 
@@ -139,14 +140,6 @@ def _tokenizer(pw: Pathways) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(pw.general.path))
-
-
-def _copy_tokenizer(src: Path, dst: Path) -> None:
-    from moetool.merge import TOKENIZER_FILES
-
-    for f in TOKENIZER_FILES:
-        if (src / f).is_file():
-            shutil.copy2(src / f, dst / f)
 
 
 def _probe(streams: dict[str, tuple[torch.Tensor, torch.Tensor]], bos: int | None, n: int = 64) -> torch.Tensor:
@@ -299,7 +292,7 @@ def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Pa
         }
     with atomic_dir(output, force=force) as tmp:
         model.save_pretrained(str(tmp))
-        _copy_tokenizer(pw.general.path, tmp)
+        copy_tokenizer(pw.general.path, tmp)
         (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw), indent=2))
         (tmp / "moetool-recipe.yaml").write_text(_recipe_yaml(recipe))
         (tmp / REPORT).write_text(json.dumps(report, indent=2))
@@ -389,5 +382,5 @@ def assemble_sequence(
         (tmp / "moetool-recipe.yaml").write_text(_recipe_yaml(recipe))
         (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw), indent=2))
         (tmp / REPORT).write_text(json.dumps(report, indent=2))
-        _copy_tokenizer(pw.general.path, tmp)
+        copy_tokenizer(pw.general.path, tmp)
     return output

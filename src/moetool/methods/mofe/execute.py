@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from rich.console import Console
 
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import Checkpoint
-from moetool.io.files import TOKENIZER_FILES
+from moetool.io.files import copy_tokenizer
 from moetool.methods.mofe.plan import DTYPES, MergePlan
 from moetool.progress import silent, task
 from moetool.recipe.mofe import MoFERecipe
@@ -121,9 +120,7 @@ def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str) -> None:
     cfg = dict(plan.config) | {"dtype": plan.dtype}
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     base_path = plan.sources["base"].path
-    for f in TOKENIZER_FILES:
-        if (base_path / f).is_file():
-            shutil.copy2(base_path / f, tmp / f)
+    copy_tokenizer(base_path, tmp)
     (tmp / "moetool-recipe.yaml").write_text(recipe_text)
     meta: dict[str, Any] = {
         "method": recipe.method,
