@@ -290,7 +290,8 @@ def build(
     """
     from moetool.io.atomic import check_output
 
-    r, out, console = load(recipe), Path(output), console or silent()
+    r: Any = load(recipe)
+    out, console = Path(output), console or silent()
     stage = on_stage or (lambda name, value: None)
     if r.method != "mofe":
         raise MoetoolError(
@@ -304,13 +305,13 @@ def build(
     result = BuildResult(merged=merged, model=merged)
     stage("merged", merged)
     if tune if tune is not None else "train" in r.model_fields_set:
-        for preset in presets or [None]:
+        for preset in [*presets] if presets else [None]:
             console.rule(f"router tuning{f', freeze preset {preset}' if preset else ''}")
             path = out / (f"tuned-{preset}" if presets else "tuned")
             outcome = train(r, path, model=merged, force=force, resume=False, preset=preset, console=console)
             result.tuned[preset or "tuned"] = result.model = outcome.output
             stage("trained", (preset, outcome))
-    result.report = _build_eval(r, out, result, compare, max_tokens, console, stage)
+    result.report = _build_eval(r, out, result, compare or [], max_tokens, console, stage)
     for t in r.targets:
         if devices is not None and t.device not in devices:
             continue

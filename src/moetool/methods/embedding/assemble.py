@@ -123,9 +123,9 @@ class EmbeddingAssembler:
                 vocab_size=v,
                 d_model=d,
                 max_positions=int(getattr(cfg, "max_position_embeddings", 512)),
-                **e.module_kwargs(),
+                **e.module_kwargs(),  # type: ignore[arg-type]
             )
-        )  # type: ignore[arg-type]
+        )
         head = v * d if recipe.head == "keep" else 0
         lines = [
             f"embedding retrofit: {recipe.name} ← {recipe.model} ({cfg.model_type}, vocab {v}, hidden {d})",
@@ -144,8 +144,7 @@ class EmbeddingAssembler:
         import yaml
 
         from moetool.eval.perplexity import perplexity
-        from moetool.methods.embedding.retrofit import TrainSettings, retrofit, train_embedding
-        from moetool.methods.embedding.variants import measured_counts
+        from moetool.methods.embedding.retrofit import retrofit, train_embedding
 
         assert isinstance(recipe, EmbeddingRecipe)
         output = Path(output)
@@ -167,24 +166,14 @@ class EmbeddingAssembler:
                 f"retrofit check failed: step-0 embedding is {step0['max_abs_vs_svd']:.3g} from the SVD approximation"
             )
         t = recipe.train
-        s = TrainSettings(
-            steps=t.steps,
-            learning_rate=t.learning_rate,
-            batch_size=t.batch_size,
-            seq_len=t.seq_len,
-            warmup_steps=t.warmup_steps,
-            lm_weight=t.lm_weight,
-            distill_weight=t.distill_weight,
-            unfreeze_steps=t.unfreeze_steps,
-            unfreeze_learning_rate=t.unfreeze_learning_rate,
-            max_grad_norm=t.max_grad_norm,
-            weight_decay=t.weight_decay,
-            seed=t.seed,
-        )
+        s = _settings(recipe)
         seconds = train_embedding(model, old, batch, s, log)
         cached = cache_check(model, probe, prefill=16)
         if cached > 1e-4:
             raise MoetoolError(f"cache check failed: cached decoding differs from a full forward by {cached:.3g}")
+        say = console.print if console is not None else (lambda *a, **k: None)
+        say(f"step-0 check: |embedding − SVD seed| {step0['max_abs_vs_svd']:.2e} of max {step0['max_abs_table']:.2e}")
+        say(f"cache check: cached decoding vs full forward, max |Δlogit| {cached:.2e}")
         ppl = {
             name: {
                 "original": perplexity(source, tok, text, seq_len=t.seq_len, max_tokens=EVAL_TOKENS),
@@ -192,27 +181,9 @@ class EmbeddingAssembler:
             }
             for name, text in held.items()
         }
-        counts = measured_counts(model.embed)
-        v, d = old.shape
-        meta = {
-            "name": recipe.name,
-            "method": "embedding",
-            "provenance": {"sources": {"model": {"ref": src.ref, "path": str(src.path), "kind": src.kind}}},
-            "embedding": {
-                "variant": recipe.embedding.variant,
-                "head": recipe.head,
-                "params": {
-                    "original_table": v * d,
-                    "routed_embedding": counts,
-                    "head": v * d if recipe.head == "keep" else 0,
-                },
-                "step0": step0,
-                "cached_vs_full_max_abs_logit_diff": cached,
-                "heldout_perplexity": ppl,
-                "eval_tokens_per_domain": EVAL_TOKENS,
-                "training": {"seconds": round(seconds, 1), "history": s.history},
-            },
-        }
+        for name, row in ppl.items():
+            say(f"held-out perplexity {name}: original {row['original']:.2f} → retrofitted {row['retrofitted']:.2f}")
+        meta = _meta(recipe, src, model, old, step0, cached, ppl, seconds, s.history)
         with atomic_dir(output, force=force) as tmp:
             model.save_pretrained(str(tmp))
             copy_tokenizer(src.path, tmp)
@@ -220,9 +191,66 @@ class EmbeddingAssembler:
             reload = reload_check(tmp, model, probe)
             if reload > 1e-5:
                 raise MoetoolError(f"reload check failed: the saved model differs by {reload:.3g}")
-            meta["embedding"]["reload_max_abs_logit_diff"] = reload  # type: ignore[index]
+            meta["embedding"]["reload_max_abs_logit_diff"] = reload
             (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
+        say(f"reload check: saved vs in-memory, max |Δlogit| {reload:.2e}")
         return output
+
+
+def _settings(recipe: EmbeddingRecipe) -> Any:
+    from moetool.methods.embedding.retrofit import TrainSettings
+
+    t = recipe.train
+    return TrainSettings(
+        steps=t.steps,
+        learning_rate=t.learning_rate,
+        batch_size=t.batch_size,
+        seq_len=t.seq_len,
+        warmup_steps=t.warmup_steps,
+        lm_weight=t.lm_weight,
+        distill_weight=t.distill_weight,
+        unfreeze_steps=t.unfreeze_steps,
+        unfreeze_learning_rate=t.unfreeze_learning_rate,
+        max_grad_norm=t.max_grad_norm,
+        weight_decay=t.weight_decay,
+        seed=t.seed,
+    )
+
+
+def _meta(
+    recipe: EmbeddingRecipe,
+    src: Any,
+    model: Any,
+    old: torch.Tensor,
+    step0: dict[str, float],
+    cached: float,
+    ppl: dict[str, Any],
+    seconds: float,
+    history: list[Any],
+) -> dict[str, Any]:
+    """moetool.json: provenance, parameter counts and every check's figure."""
+    from moetool.methods.embedding.variants import measured_counts
+
+    v, d = old.shape
+    return {
+        "name": recipe.name,
+        "method": "embedding",
+        "provenance": {"sources": {"model": {"ref": src.ref, "path": str(src.path), "kind": src.kind}}},
+        "embedding": {
+            "variant": recipe.embedding.variant,
+            "head": recipe.head,
+            "params": {
+                "original_table": v * d,
+                "routed_embedding": measured_counts(model.embed),
+                "head": v * d if recipe.head == "keep" else 0,
+            },
+            "step0": step0,
+            "cached_vs_full_max_abs_logit_diff": cached,
+            "heldout_perplexity": ppl,
+            "eval_tokens_per_domain": EVAL_TOKENS,
+            "training": {"seconds": round(seconds, 1), "history": history},
+        },
+    }
 
 
 def reload_check(path: Path, model: Any, ids: torch.Tensor) -> float:

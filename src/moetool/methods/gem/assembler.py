@@ -8,7 +8,6 @@ level) the QAT figures.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -22,20 +21,12 @@ from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.files import copy_tokenizer
 from moetool.methods.gem.pathways import Pathways, resolve_pathways
+from moetool.methods.gem.training import digest, fit_scar, print_tau, token_qat, train_token_router
 from moetool.recipe.gem import GemRecipe
 
 PARITY_LIMIT = 1e-4  # max |Δlogit| of a forced pathway against its source model (float32, same ops)
 REPORT = "gem-report.json"
 BUNDLE = "gem.json"
-
-
-def _digest(model: torch.nn.Module, skip: str) -> dict[str, str]:
-    """sha256 of every parameter whose name does not start with ``skip`` (to prove they did not move)."""
-    return {
-        n: hashlib.sha256(p.detach().contiguous().numpy().tobytes()).hexdigest()
-        for n, p in model.named_parameters()
-        if not n.startswith(skip)
-    }
 
 
 def _meta_model(pw: Pathways, recipe: GemRecipe) -> Any:
@@ -167,39 +158,10 @@ def _meta(recipe: GemRecipe, pw: Pathways) -> dict[str, Any]:
     }
 
 
-def _held_out_ppl(
-    model: Any,
-    valid: dict[str, torch.Tensor],
-    bos: int | None,
-    tokens: int,
-    seq_len: int = 128,
-) -> dict[str, float]:
-    """Perplexity per domain on the first ``tokens`` held-out ids, non-overlapping windows (BOS + seq_len − 1)."""
-    import math
-
-    out = {}
-    body = seq_len - (1 if bos is not None else 0)
-    with torch.no_grad():
-        for d, ids in valid.items():
-            ids = ids[:tokens]
-            nll, n = 0.0, 0
-            for s in range(0, len(ids) - body + 1, body):
-                w = ids[s : s + body]
-                w = torch.cat([torch.tensor([bos]), w]) if bos is not None else w
-                logits = model(w[None]).logits[0, :-1].float()
-                nll += float(torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
-                n += len(w) - 1
-            out[d] = round(math.exp(nll / max(n, 1)), 4)
-    return out
-
-
 def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Path, force: bool, console: Any) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    from moetool.methods.gem.pathways import build_token_model, fit_scar_centroids, token_parity
-    from moetool.methods.gem.qat import apply_fake_quant, gem_plan, quant_bits, run_qat
-    from moetool.methods.gem.router import domain_streams, gem_encoder, held_out_probs, tau_table, train_router
-    from moetool.train.data import sample_batch
+    """The token-level GEM model: pathways assembled (parity-checked), SCAR, router, QAT; written atomically."""
+    from moetool.methods.gem.pathways import build_token_model, token_parity
+    from moetool.methods.gem.router import domain_streams
 
     model, notes = build_token_model(pw, recipe)
     tok = _tokenizer(pw)
@@ -219,77 +181,10 @@ def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Pa
         "memory": memory_table(pw, recipe),
     }
     if recipe.scar.clusters:
-        calib = [
-            sample_batch([s[0]], 4, 128, seed=recipe.router.seed, step=i, bos_id=bos)
-            for i, s in enumerate(streams.values())
-        ]
-        fit_scar_centroids(model, calib, recipe.scar.iterations, seed=recipe.router.seed)
-        report["scar"] = {"clusters": recipe.scar.clusters, "fitted_on_tokens": sum(c.numel() for c in calib)}
-    before = _digest(model, "model.router.")
-    router = model.model.router
-    for p in model.parameters():
-        p.requires_grad_(False)
-    router.requires_grad_(True)
-    spec = recipe.router
-    report["router_training"] = train_router(
-        router,
-        gem_encoder(model),
-        [s[0] for s in streams.values()],
-        steps=spec.steps,
-        lr=spec.learning_rate,
-        batch_size=spec.batch_size,
-        seq_len=spec.seq_len,
-        seed=spec.seed,
-        bos_id=bos,
-        log=console.print,
-    )
-    router.requires_grad_(False)
-    moved = [n for n, h in _digest(model, "model.router.").items() if before[n] != h]
-    if moved:
-        raise MoetoolError(f"router training changed frozen weights: {moved[:3]}")
-    report["router_training"]["frozen_unchanged"] = len(before)
-    valid = {d: s[1] for d, s in streams.items()}
-    probs, labels = held_out_probs(
-        router, gem_encoder(model), valid, seq_len=spec.seq_len, max_tokens=spec.eval_tokens, bos_id=bos
-    )
-    report["router"] = tau_table(probs, labels, spec.tau_grid, list(streams))
-    _print_tau(console, report["router"])
+        report["scar"] = fit_scar(model, recipe, streams, bos)
+    report["router_training"], report["router"] = train_token_router(model, recipe, streams, bos, console)
     if recipe.qat.steps:
-        bits = quant_bits(gem_plan(model, recipe.quantization, fit_rows=False))
-        teachers = {
-            d: AutoModelForCausalLM.from_pretrained(str(s.path), dtype=torch.float32).eval()
-            for d, s in pw.domains.items()
-        }
-        ev_tokens = min(4096, spec.eval_tokens)
-
-        def ppl_pair() -> dict[str, Any]:
-            import copy
-
-            q = copy.deepcopy(model)
-            apply_fake_quant(q, bits)
-            return {
-                "float": _held_out_ppl(model, valid, bos, ev_tokens),
-                "fake_quant": _held_out_ppl(q, valid, bos, ev_tokens),
-            }
-
-        pre = ppl_pair()
-        frozen = _digest(model, "\0")
-        report["qat"] = run_qat(
-            model, teachers, {d: s[0] for d, s in streams.items()}, recipe.qat, bits, bos_id=bos, log=console.print
-        )
-        after = _digest(model, "\0")
-        from moetool.methods.gem.qat import trainable_names
-
-        train_set = set(trainable_names(model, list(recipe.qat.trainable)))
-        moved = [n for n in after if after[n] != frozen[n] and n not in train_set]
-        if moved:
-            raise MoetoolError(f"QAT changed frozen weights: {moved[:3]}")
-        report["qat"] |= {
-            "before": pre,
-            "after": ppl_pair(),
-            "frozen_unchanged": len(after) - len(train_set),
-            "eval_tokens_per_domain": ev_tokens,
-        }
+        report["qat"] = token_qat(model, recipe, pw, streams, bos, console)
     with atomic_dir(output, force=force) as tmp:
         model.save_pretrained(str(tmp))
         copy_tokenizer(pw.general.path, tmp)
@@ -297,16 +192,6 @@ def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Pa
         (tmp / "moetool-recipe.yaml").write_text(_recipe_yaml(recipe))
         (tmp / REPORT).write_text(json.dumps(report, indent=2))
     return output
-
-
-def _print_tau(console: Any, table: dict[str, Any]) -> None:
-    console.print(f"router held-out argmax accuracy {table['argmax_accuracy']:.3f} over {table['items']} items")
-    for row in table["by_tau"]:
-        acc = "-" if row["routed_accuracy"] is None else f"{row['routed_accuracy']:.3f}"
-        console.print(
-            f"  tau {row['tau']:.2f}: fallback {row['fallback']:.3f}, routed accuracy {acc}, "
-            f"correct {row['correct']:.3f}, wrong {row['wrong']:.3f}"
-        )
 
 
 def assemble_sequence(
@@ -330,7 +215,7 @@ def assemble_sequence(
         router.bias.zero_()
     spec = recipe.router
     report: dict[str, Any] = {"level": "sequence", "memory": memory_table(pw, recipe)}
-    before = _digest(general, "\0")
+    before = digest(general, "\0")
     report["router_training"] = train_router(
         router,
         featurize,
@@ -344,14 +229,14 @@ def assemble_sequence(
         pool=True,
         log=console.print,
     )
-    if _digest(general, "\0") != before:
+    if digest(general, "\0") != before:
         raise MoetoolError("router training changed the general model's weights")
     valid = {d: s[1] for d, s in streams.items()}
     probs, labels = held_out_probs(
         router, featurize, valid, seq_len=spec.seq_len, max_tokens=spec.eval_tokens, bos_id=bos, pool=True
     )
     report["router"] = tau_table(probs, labels, spec.tau_grid, list(streams))
-    _print_tau(console, report["router"])
+    print_tau(console, report["router"])
     with atomic_dir(output, force=force) as tmp:
         save_file(
             {"weight": router.weight.detach().contiguous(), "bias": router.bias.detach().contiguous()},

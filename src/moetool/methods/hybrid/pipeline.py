@@ -69,8 +69,6 @@ def prepare(
     ``cache``: a file keeping the requests and expert outputs between runs (reused only when the experts, data and
     router settings it was made with are the recipe's; costs are always recomputed from the current profile).
     """
-    from moetool.train.data import load_source, tokenize_stream
-
     console = console or Console(stderr=True)
     experts, tok_check = load_experts(recipe, recipe_dir)
     names = [e.name for e in experts]
@@ -95,18 +93,7 @@ def prepare(
         hidden_dim=encoder.hidden_size if encoder is not None else 0,
         max_length=spec.max_length,
     )
-    tok = experts[0].tokenizer
-    train_streams, valid_streams = [], []
-    for name, src in recipe.train.data.items():
-        tr, va = load_source(
-            name, src, base_dir=recipe_dir, fraction=recipe.train.validation_fraction, seed=recipe.train.seed
-        )
-        train_streams.append(tokenize_stream(tok, tr))
-        valid_streams.append(tokenize_stream(tok, va))
-    bos = tok.bos_token_id
-    if bos is None:
-        raise MoetoolError(f"expert {names[0]!r}: the tokenizer has no BOS token (requests start with one)")
-    pad = tok.pad_token_id if tok.pad_token_id is not None else bos
+    train_streams, valid_streams, bos, pad = _token_streams(recipe, recipe_dir, experts[0], names[0])
     key = json.dumps(
         [recipe.model_dump(mode="json", include={"experts", "train", "router"}), [str(e.path) for e in experts]],
         sort_keys=True,
@@ -121,8 +108,7 @@ def prepare(
             return Prepared(
                 recipe, experts, names, costly, layout, domains, profile, tok_check, sets[0], sets[1], reqs[1], encoder
             )
-    sets = []
-    reqs = []
+    sets, reqs = [], []
     for split, streams, per, seed in (
         ("train", train_streams, recipe.train.samples_per_domain, recipe.train.seed),
         ("valid", valid_streams, recipe.train.valid_samples_per_domain, recipe.train.seed + 1),
@@ -141,8 +127,7 @@ def prepare(
             raise MoetoolError(f"train.data: {split} text too short: {exc}") from None
         with console.status(f"running both experts over {len(req)} {split} requests"):
             outs = expert_outputs(experts, req, encoder=encoder, encoder_layers=spec.encoder_layers)
-        cost = cost_ms(profile, names, req.lengths)
-        sets.append(build_set(layout, spec.granularity, req, outs, cost))
+        sets.append(build_set(layout, spec.granularity, req, outs, cost_ms(profile, names, req.lengths)))
         reqs.append(req)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +135,27 @@ def prepare(
     return Prepared(
         recipe, experts, names, costly, layout, domains, profile, tok_check, sets[0], sets[1], reqs[1], encoder
     )
+
+
+def _token_streams(
+    recipe: HybridRecipe, recipe_dir: Path, first: Any, name: str
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
+    """Train and held-out token streams per domain (the first expert's tokenizer: they are identical), BOS and pad."""
+    from moetool.train.data import load_source, tokenize_stream
+
+    tok = first.tokenizer
+    train_streams, valid_streams = [], []
+    for domain, src in recipe.train.data.items():
+        tr, va = load_source(
+            domain, src, base_dir=recipe_dir, fraction=recipe.train.validation_fraction, seed=recipe.train.seed
+        )
+        train_streams.append(tokenize_stream(tok, tr))
+        valid_streams.append(tokenize_stream(tok, va))
+    bos = tok.bos_token_id
+    if bos is None:
+        raise MoetoolError(f"expert {name!r}: the tokenizer has no BOS token (requests start with one)")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else bos
+    return train_streams, valid_streams, bos, pad
 
 
 _SET_FIELDS = ("features", "logp", "mask", "lengths", "cost", "domains")

@@ -1,0 +1,159 @@
+"""The token-level GEM model's training stages: SCAR centroids, the router (everything else frozen, checked by
+hash), QAT against the domains' experts; and the held-out figures they print."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.methods.gem.pathways import Pathways
+from moetool.recipe.gem import GemRecipe
+
+
+def digest(model: torch.nn.Module, skip: str) -> dict[str, str]:
+    """sha256 of every parameter whose name does not start with ``skip`` (to prove they did not move)."""
+    return {
+        n: hashlib.sha256(p.detach().contiguous().numpy().tobytes()).hexdigest()
+        for n, p in model.named_parameters()
+        if not n.startswith(skip)
+    }
+
+
+def held_out_ppl(
+    model: Any,
+    valid: dict[str, torch.Tensor],
+    bos: int | None,
+    tokens: int,
+    seq_len: int = 128,
+) -> dict[str, float]:
+    """Perplexity per domain on the first ``tokens`` held-out ids, non-overlapping windows (BOS + seq_len − 1)."""
+
+    out = {}
+    body = seq_len - (1 if bos is not None else 0)
+    with torch.no_grad():
+        for d, ids in valid.items():
+            ids = ids[:tokens]
+            nll, n = 0.0, 0
+            for s in range(0, len(ids) - body + 1, body):
+                w = ids[s : s + body]
+                w = torch.cat([torch.tensor([bos]), w]) if bos is not None else w
+                logits = model(w[None]).logits[0, :-1].float()
+                nll += float(torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
+                n += len(w) - 1
+            out[d] = round(math.exp(nll / max(n, 1)), 4)
+    return out
+
+
+def fit_scar(model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | None) -> dict[str, Any]:
+    """SCAR's k-means centroids on a calibration batch per domain."""
+    from moetool.methods.gem.pathways import fit_scar_centroids
+    from moetool.train.data import sample_batch
+
+    calib = [
+        sample_batch([s[0]], 4, 128, seed=recipe.router.seed, step=i, bos_id=bos)
+        for i, s in enumerate(streams.values())
+    ]
+    fit_scar_centroids(model, calib, recipe.scar.iterations, seed=recipe.router.seed)
+    return {"clusters": recipe.scar.clusters, "fitted_on_tokens": sum(c.numel() for c in calib)}
+
+
+def train_token_router(
+    model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | None, console: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Train the router with everything else frozen (checked by hash); its held-out table over τ."""
+    from moetool.methods.gem.router import gem_encoder, held_out_probs, tau_table, train_router
+
+    before = digest(model, "model.router.")
+    router = model.model.router
+    for p in model.parameters():
+        p.requires_grad_(False)
+    router.requires_grad_(True)
+    spec = recipe.router
+    training = train_router(
+        router,
+        gem_encoder(model),
+        [s[0] for s in streams.values()],
+        steps=spec.steps,
+        lr=spec.learning_rate,
+        batch_size=spec.batch_size,
+        seq_len=spec.seq_len,
+        seed=spec.seed,
+        bos_id=bos,
+        log=console.print,
+    )
+    router.requires_grad_(False)
+    moved = [n for n, h in digest(model, "model.router.").items() if before[n] != h]
+    if moved:
+        raise MoetoolError(f"router training changed frozen weights: {moved[:3]}")
+    training["frozen_unchanged"] = len(before)
+    valid = {d: s[1] for d, s in streams.items()}
+    probs, labels = held_out_probs(
+        router, gem_encoder(model), valid, seq_len=spec.seq_len, max_tokens=spec.eval_tokens, bos_id=bos
+    )
+    table = tau_table(probs, labels, spec.tau_grid, list(streams))
+    print_tau(console, table)
+    return training, table
+
+
+def token_qat(
+    model: Any, recipe: GemRecipe, pw: Pathways, streams: dict[str, Any], bos: int | None, console: Any
+) -> dict[str, Any]:
+    """QAT with the domains' experts as teachers; held-out perplexity (float and fake-quantized) before and after,
+    printed as labelled lines; weights outside the trainable groups unchanged (checked by hash)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from moetool.methods.gem.qat import apply_fake_quant, gem_plan, quant_bits, run_qat, trainable_names
+
+    bits = quant_bits(gem_plan(model, recipe.quantization, fit_rows=False))
+    teachers = {
+        d: AutoModelForCausalLM.from_pretrained(str(s.path), dtype=torch.float32).eval() for d, s in pw.domains.items()
+    }
+    valid = {d: s[1] for d, s in streams.items()}
+    ev_tokens = min(4096, recipe.router.eval_tokens)
+
+    def ppl_pair() -> dict[str, Any]:
+        q = copy.deepcopy(model)
+        apply_fake_quant(q, bits)
+        return {
+            "float": held_out_ppl(model, valid, bos, ev_tokens),
+            "fake_quant": held_out_ppl(q, valid, bos, ev_tokens),
+        }
+
+    pre = ppl_pair()
+    frozen = digest(model, "\0")
+    qat = run_qat(
+        model, teachers, {d: s[0] for d, s in streams.items()}, recipe.qat, bits, bos_id=bos, log=console.print
+    )
+    after = digest(model, "\0")
+    train_set = set(trainable_names(model, list(recipe.qat.trainable)))
+    moved = [n for n in after if after[n] != frozen[n] and n not in train_set]
+    if moved:
+        raise MoetoolError(f"QAT changed frozen weights: {moved[:3]}")
+    post = ppl_pair()
+    for label, value in (("before", pre), ("after", post)):
+        figures = ", ".join(
+            f"{kind} " + " / ".join(f"{d} {v:.2f}" for d, v in by.items()) for kind, by in value.items()
+        )
+        console.print(f"QAT held-out perplexity {label}: {figures}", highlight=False)
+    return qat | {
+        "before": pre,
+        "after": post,
+        "frozen_unchanged": len(after) - len(train_set),
+        "eval_tokens_per_domain": ev_tokens,
+    }
+
+
+def print_tau(console: Any, table: dict[str, Any]) -> None:
+    console.print(f"router held-out argmax accuracy {table['argmax_accuracy']:.3f} over {table['items']} items")
+    for row in table["by_tau"]:
+        acc = "-" if row["routed_accuracy"] is None else f"{row['routed_accuracy']:.3f}"
+        console.print(
+            f"  tau {row['tau']:.2f}: fallback {row['fallback']:.3f}, routed accuracy {acc}, "
+            f"correct {row['correct']:.3f}, wrong {row['wrong']:.3f}"
+        )
