@@ -135,6 +135,20 @@ def _resolved(p: Path) -> Path:
     return Path(os.path.abspath(Path(p).expanduser())).resolve()
 
 
+def _parent_problem(out: Path) -> str | None:
+    """Why ``out`` cannot be created: the nearest existing ancestor must be a directory this process can write."""
+    anc = out.parent
+    while not anc.exists() and anc != anc.parent:
+        if anc.is_symlink():
+            return f"{anc} is a broken symbolic link"
+        anc = anc.parent
+    if not anc.is_dir():
+        return f"{anc} is a file, not a directory"
+    if not os.access(anc, os.W_OK | os.X_OK):
+        return f"cannot write in {anc} (permission denied)"
+    return None
+
+
 def check_output_path(output: Path | str, inputs: list[Path] | tuple[Path, ...] = ()) -> Path:
     """Refuse an output path that cannot be written safely, before any expensive work; returns it resolved.
 
@@ -159,16 +173,9 @@ def check_output_path(output: Path | str, inputs: list[Path] | tuple[Path, ...] 
         raise OutputPathError(f"output {text!r} is the working directory or one of its parents; name a new directory")
     if leftover_owner(out) is not None:
         raise OutputPathError(f"output {text!r} is a moetool temporary directory name; choose another name")
-    # the nearest existing ancestor must be a writable directory
-    anc = out.parent
-    while not anc.exists() and anc != anc.parent:
-        if anc.is_symlink():  # a dangling link
-            raise OutputPathError(f"output {text!r}: {anc} is a broken symbolic link")
-        anc = anc.parent
-    if not anc.is_dir():
-        raise OutputPathError(f"output {text!r}: {anc} is a file, not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise OutputPathError(f"output {text!r}: cannot write in {anc} (permission denied)")
+    problem = _parent_problem(out)
+    if problem is not None:
+        raise OutputPathError(f"output {text!r}: {problem}")
     for inp in inputs:
         i = _resolved(Path(inp))
         if out == i:
@@ -365,11 +372,12 @@ def atomic_dir(out: Path, *, force: bool) -> Iterator[Path]:
     out = Path(out)
     if out.name in ("", ".", ".."):
         raise OutputPathError(f"output {str(out)!r}: name a new directory")
+    problem = _parent_problem(Path(os.path.abspath(out)))
+    if problem is not None:
+        raise OutputPathError(f"output {out}: {problem}")
     check_output(out, force=force)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise OutputPathError(f"output {out}: a parent is a file, not a directory") from None
     except OSError as exc:
         raise OutputPathError(f"output {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
     _install_handlers()
