@@ -16,16 +16,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from moetool.errors import MoetoolError
+from moetool.export.base import Exporter, ExportRequest
 from moetool.methods import get_plugin, plugin_for_model
-from moetool.methods.base import MethodPlugin, TrainOutcome
+from moetool.methods.base import MethodExportPlan, MethodPlugin, Stage, TrainOutcome
 from moetool.progress import silent
+from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import RecipeBase
 from moetool.recipe.load import load_recipe
+from moetool.recipe.mofe import MoFERecipe
+
+if TYPE_CHECKING:
+    from moetool.export.planning import ArtifactPlan
+    from moetool.methods.mofe.plan import MergePlan
 
 RecipeLike = RecipeBase | str | Path
 
@@ -40,14 +47,14 @@ def plugin(recipe: RecipeBase) -> MethodPlugin:
     return get_plugin(recipe.method)
 
 
-def plan(recipe: RecipeLike, *, allow_pickle: bool = False) -> Any:
+def plan(recipe: RecipeLike, *, allow_pickle: bool = False) -> MergePlan | str:
     """What ``assemble`` would build, from configs and headers only: a :class:`~moetool.methods.mofe.MergePlan`
     for mofe (every output tensor), a description for the other methods. Nothing is written."""
     r = load(recipe)
     return plugin(r).describe(r, allow_pickle=allow_pickle)
 
 
-def plan_merge(recipe: RecipeLike, *, allow_pickle: bool = False) -> Any:
+def plan_merge(recipe: RecipeLike, *, allow_pickle: bool = False) -> MergePlan | str:
     """The mofe tensor plan (kept name of :func:`plan`)."""
     return plan(recipe, allow_pickle=allow_pickle)
 
@@ -150,22 +157,21 @@ def plan_export(
     output: str | Path,
     *,
     target: str | None = None,
-    quant: Any = None,
+    quant: QuantSpec | str | None = None,
     device: str | None = None,
     force: bool = False,
     verify: bool = True,
     eval_text: str | None = None,
     context: int | None = None,
-) -> tuple[Any, Any, Any]:
+) -> tuple[Exporter[Any], ExportRequest, ArtifactPlan | MethodExportPlan]:
     """(exporter, request, plan) for ``model`` without writing; a method's own output gets its method's exporter.
 
     ``quant`` is a :class:`~moetool.quant.plan.QuantSpec`, ``--quant`` text, or None for the model's recipe section
     (else f16, or the device's best fitting plan when ``device`` is given).
     """
-    from moetool.export.base import ExportError, ExportRequest
+    from moetool.export.base import ExportError
     from moetool.export.resolve import plan_export as plan_standard
     from moetool.io.sources import resolve_source
-    from moetool.quant.plan import QuantSpec
 
     model_dir = resolve_source(str(model)).path
     owner = plugin_for_model(model_dir)
@@ -280,7 +286,7 @@ def build(
     force: bool = False,
     verify: bool = True,
     console: Console | None = None,
-    on_stage: Any = None,
+    on_stage: Stage | None = None,
 ) -> BuildResult:
     """The recipe's whole pipeline: assemble → tune (``tune``, default: when the recipe has ``train:``; once per preset) → evaluate
     (the merged and tuned models beside ``compare``) → export every ``targets:`` entry (or only ``devices``) →
@@ -290,10 +296,10 @@ def build(
     """
     from moetool.io.atomic import check_output
 
-    r: Any = load(recipe)
+    r = load(recipe)
     out, console = Path(output), console or silent()
-    stage = on_stage or (lambda name, value: None)
-    if r.method != "mofe":
+    stage: Stage = on_stage or (lambda name, value: None)
+    if not isinstance(r, MoFERecipe):
         raise MoetoolError(
             f"{r.path or r.name}: moetool build runs the mofe pipeline; for method: {r.method} run `moetool merge "
             f"RECIPE -o DIR` and then `moetool {r.method} --help` for its training, evaluation and export commands "
@@ -345,7 +351,7 @@ def build(
 
 
 def _build_eval(
-    r: Any, out: Path, result: BuildResult, compare: list[str], max_tokens: int, console: Console, stage: Any
+    r: MoFERecipe, out: Path, result: BuildResult, compare: list[str], max_tokens: int, console: Console, stage: Stage
 ) -> dict[str, Any] | None:
     """Evaluate the merged and tuned models (beside ``compare``) on the recipe's zoo domains, if it has any."""
     domains = [d for d, src in r.train.data.items() if src.zoo]

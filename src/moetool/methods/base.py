@@ -12,13 +12,19 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportError, ExportRequest
 from moetool.recipe.base import RecipeBase
+
+if TYPE_CHECKING:  # the mofe plan imports torch; the CLI imports this module at start-up
+    from moetool.methods.mofe.plan import MergePlan
+
+# what ``api.build`` reports after each stage: (stage name, its result)
+Stage = Callable[[str, Any], None]
 
 
 def register_causal_lm(config_cls: Any, model_cls: Any) -> None:
@@ -95,7 +101,7 @@ class MethodPlugin:
     marker_files: tuple[str, ...] = ()
     export_targets: tuple[str, ...] = ()
 
-    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> Any:
+    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> MergePlan | str:
         """What :meth:`assemble` would build (``moetool merge --dry-run``); reads no weights."""
         raise NotImplementedError
 
