@@ -131,20 +131,27 @@ def run_inprocess(fed: Federation, rounds: int | None = None, log: Callable[[str
     clients = fed.clients
     sharing = [c for c in clients if c.shared]
     server = sharing[0].shared_state() if sharing else {}  # the server's initial generalist (= every device's)
-    for r in range(rounds or fed.recipe.training.rounds):
+    total = rounds or fed.recipe.training.rounds
+    for r in range(total):
         uploads = []
         stats = {}
         for i, c in enumerate(clients):
             if c.shared:
                 c.load_shared(server)
-            stats[fed.recipe.users[i].name] = c.local_round()
+            name = fed.recipe.users[i].name
+            stats[name] = c.local_round()
+            if log is not None:  # one line per user, so a long round is never silent
+                log(f"round {r + 1}/{total}, user {name}: train cross-entropy {stats[name]['train_ce']:.3f}")
             if c.shared:
                 uploads.append(c.shared_state())
         if uploads:
             server = average(uploads)
         fed.history.append({"round": r + 1, "users": stats})
         if log is not None:
-            log(f"round {r + 1}: " + ", ".join(f"{u} {s['train_ce']:.3f}" for u, s in stats.items()))
+            mean = sum(s["train_ce"] for s in stats.values()) / max(len(stats), 1)
+            log(
+                f"round {r + 1}/{total}: generalists averaged over {len(uploads)} users; mean train cross-entropy {mean:.3f}"
+            )
     for c in sharing:
         c.load_shared(server)
     return fed
