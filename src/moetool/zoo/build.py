@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import platform
 import shutil
 import sys
@@ -31,7 +30,7 @@ import torch
 from rich.console import Console
 
 from moetool.errors import MoetoolError
-from moetool.io.atomic import atomic_dir
+from moetool.io.atomic import atomic_dir, pid_alive
 from moetool.paths import zoo_dir
 from moetool.progress import task
 from moetool.train.loop import derive_seed, train_lm
@@ -39,11 +38,7 @@ from moetool.zoo.config import BASE_NAME, ZOO_FORMAT, ZOO_JSON, ZooConfig, ZooRe
 from moetool.zoo.corpora import DOMAINS, DomainSplit, corpus_stats, make_splits
 from moetool.zoo.store import read_zoo_json
 
-__all__ = ["build_zoo", "claimed", "quiet_transformers", "remove_stale_builds", "train_zoo_model"]
-
-# inside a build's temporary directory while it is written: the builder's pid, so a later build can tell a
-# directory left by a killed build from one a running build still writes (removed before the directory moves)
-BUILDER_PID = ".builder-pid"
+__all__ = ["build_zoo", "quiet_transformers", "remove_stale_builds", "train_zoo_model"]
 
 
 @contextlib.contextmanager
@@ -134,45 +129,13 @@ def _check_experts(matrix: dict[str, dict[str, float]], domains: tuple[str, ...]
 # ------------------------------------------------------------------------------------ stale temporary dirs
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return pid < 2**22  # exists but belongs to someone else; absurd pids cannot exist
-    return True
-
-
-def _builder_of(d: Path) -> str:
-    """The pid that wrote temporary directory ``d``: in its name (``.zoo.building-PID-…``, older builds) or in its
-    :data:`BUILDER_PID` file (``atomic_dir``'s directories); "" when it cannot be told."""
-    if ".building-" in d.name:
-        return d.name.rsplit(".building-", 1)[1].split("-", 1)[0]
-    try:
-        return (d / BUILDER_PID).read_text().strip()
-    except OSError:
-        return ""
-
-
 def remove_stale_builds(root: Path) -> None:
-    """Delete temporary build directories next to ``root`` whose builder no longer runs (killed builds)."""
-    for pattern in (f".{root.name}.building-*", f".{root.name}.moetool-tmp-*"):
-        for d in root.parent.glob(pattern):
-            pid = _builder_of(d)
-            if d.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
-                shutil.rmtree(d, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def claimed(tmp: Path) -> Iterator[Path]:
-    """Mark ``tmp`` as this process's build for :func:`remove_stale_builds` while it is written."""
-    mark = tmp / BUILDER_PID
-    mark.write_text(str(os.getpid()))
-    try:
-        yield tmp
-    finally:
-        mark.unlink(missing_ok=True)
+    """Delete the temporary directories ``.NAME.building-PID-…`` that zoo builds before :func:`atomic_dir` left
+    next to ``root`` when killed (``atomic_dir`` sweeps its own leftovers)."""
+    for d in root.parent.glob(f".{root.name}.building-*"):
+        pid = d.name.rsplit(".building-", 1)[1].split("-", 1)[0]
+        if d.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- build
@@ -367,7 +330,7 @@ def build_zoo(
     console.print(f"[bold]building zoo[/] profile={profile} seed={cfg.seed} -> {root}")
     try:
         # force: _reuse has already refused a directory that is not a zoo; an outdated zoo is replaced
-        with atomic_dir(root, force=True) as tmp, claimed(tmp), quiet_transformers():
+        with atomic_dir(root, force=True) as tmp, quiet_transformers():
             meta = _build_into(tmp, profile, cfg, console, t_start)
     finally:
         torch.set_num_threads(threads_before)

@@ -115,20 +115,13 @@ def verify_mamba_gguf(path: Path, model_dir: Path, text: str, seq_lens: tuple[in
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moetool.export.gguf.verify import _quiet_stderr, check_tokenizer, llama_logits, load_llama
-    from moetool.export.heldout import agreement, windows
+    from moetool.export.gguf.verify import run_llama
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    probes, ppl_windows = windows(tok, text, list(seq_lens), 4)
-    llm = load_llama(path, n_ctx=max(seq_lens))
-    try:
-        mismatches = check_tokenizer(llm, tok)
-        got = [llama_logits(llm, ids) for ids in probes + ppl_windows]
-    finally:
-        with _quiet_stderr():
-            llm.close()
-    agree = agreement(got, ref, probes, ppl_windows)
+    run = run_llama(path, tok, text, list(seq_lens))
+    mismatches = run.tokenizer_mismatches
+    agree = run.against(ref)
     return {
         "runtime": "llama-cpp-python",
         "reference": "transformers float32 (MambaForCausalLM)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,7 @@ class ParityReport:
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Any:
+def quiet_stderr() -> Iterator[None]:
     """llama.cpp logs to fd 2 from C; silence it unless MOETOOL_VERBOSE is set."""
     if os.environ.get("MOETOOL_VERBOSE"):
         yield
@@ -84,6 +85,9 @@ def _quiet_stderr() -> Any:
         os.close(saved)
 
 
+_quiet_stderr = quiet_stderr  # the old name: export/gguf/write.py and methods/hybrid/{pareto,profile}.py import it
+
+
 def load_llama(path: Path, n_ctx: int, lora_path: Path | None = None) -> Any:
     try:
         from llama_cpp import Llama
@@ -92,7 +96,7 @@ def load_llama(path: Path, n_ctx: int, lora_path: Path | None = None) -> Any:
             "verifying a GGUF needs llama-cpp-python: pip install 'moetool[llama]' (it compiles llama.cpp, "
             "about 12 minutes), or pass --no-verify to write an unverified artifact"
         ) from None
-    with _quiet_stderr():
+    with quiet_stderr():
         return Llama(
             model_path=str(path),
             n_ctx=n_ctx,
@@ -111,7 +115,7 @@ def load_llama(path: Path, n_ctx: int, lora_path: Path | None = None) -> Any:
 def llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
     """[T, V] logits of llama.cpp for ``ids`` (a fresh sequence)."""
     llm.reset()
-    with _quiet_stderr():
+    with quiet_stderr():
         llm.eval(ids)
     return np.array(llm.scores[: len(ids)], dtype=np.float32)
 
@@ -126,6 +130,43 @@ def check_tokenizer(llm: Any, tok: Any) -> list[dict[str, Any]]:
         if list(got) != list(ref):
             bad.append({"text": s, "hf": ref[:32], "llama_cpp": list(got)[:32]})
     return bad
+
+
+@dataclass
+class LlamaRun:
+    """llama.cpp's outputs on held-out text: the token windows it ran (``probes``, one per sequence length, then
+    ``ppl_windows``), its logits ``[T, V]`` for each in that order, and where its tokenizer differs from HF's."""
+
+    probes: list[list[int]]
+    ppl_windows: list[list[int]]
+    logits: list[np.ndarray]
+    tokenizer_mismatches: list[dict[str, Any]]
+
+    def against(self, model: Any) -> Agreement:
+        """These logits against ``model`` (transformers) on the same ids."""
+        return agreement(self.logits, model, self.probes, self.ppl_windows)
+
+
+def run_llama(
+    gguf_path: Path,
+    tok: Any,
+    text: str,
+    seq_lens: list[int],
+    *,
+    n_windows: int = 4,
+    lora_path: Path | None = None,
+) -> LlamaRun:
+    """Load ``gguf_path`` in llama.cpp, check its tokenizer against ``tok`` and run it on windows of ``text`` (one
+    per length in ``seq_lens``, then ``n_windows`` of the longest); the one parity run every GGUF writer uses."""
+    probes, ppl_windows = windows(tok, text, seq_lens, n_windows)
+    llm = load_llama(gguf_path, n_ctx=max(seq_lens), lora_path=lora_path)
+    try:
+        mismatches = check_tokenizer(llm, tok)
+        logits = [llama_logits(llm, ids) for ids in probes + ppl_windows]
+    finally:
+        with quiet_stderr():
+            llm.close()
+    return LlamaRun(probes, ppl_windows, logits, mismatches)
 
 
 def compare(
@@ -150,25 +191,18 @@ def compare(
     original = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     max_pos = int(getattr(original.config, "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
-    probes, ppl_windows = windows(tok, text, lens, n_windows)
-    llm = load_llama(gguf_path, n_ctx=max(lens), lora_path=lora_path)
-    try:
-        mismatches = check_tokenizer(llm, tok)
-        llm_out = [llama_logits(llm, ids) for ids in probes + ppl_windows]
-    finally:
-        with _quiet_stderr():
-            llm.close()
-    vs_original = agreement(llm_out, original, probes, ppl_windows)
+    run = run_llama(gguf_path, tok, text, lens, n_windows=n_windows, lora_path=lora_path)
+    vs_original = run.against(original)
     if artifact_weights is None:
         conversion = vs_original
     else:
         del original
         own = AutoModelForCausalLM.from_pretrained(str(artifact_weights), dtype=torch.float32).eval()
-        conversion = agreement(llm_out, own, probes, ppl_windows)
+        conversion = run.against(own)
     return ParityReport(
-        tokenizer_mismatches=mismatches,
+        tokenizer_mismatches=run.tokenizer_mismatches,
         seq_lens=lens,
         conversion=conversion,
         original=vs_original,
-        tokens_scored=sum(len(w) - 1 for w in ppl_windows),
+        tokens_scored=sum(len(w) - 1 for w in run.ppl_windows),
     )

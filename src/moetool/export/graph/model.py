@@ -35,7 +35,9 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(var + self.eps))
 
 
-def _linear(w: torch.Tensor, b: torch.Tensor | None = None) -> nn.Linear:
+def linear(w: torch.Tensor, b: torch.Tensor | None = None) -> nn.Linear:
+    """A frozen ``nn.Linear`` holding copies of ``w`` ``[out, in]`` (and ``b`` ``[out]``): what every traced graph
+    is built of, so exporters see plain Linear ops whatever module the weights came from."""
     lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
     lin.weight = nn.Parameter(w.detach().clone(), requires_grad=False)
     if b is not None:
@@ -48,7 +50,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = _linear(gate), _linear(up), _linear(down)
+        self.gate_proj, self.up_proj, self.down_proj = linear(gate), linear(up), linear(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -67,11 +69,11 @@ class DenseMaskedMoE(nn.Module):
         shared_gate: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        self.router = _linear(router)
+        self.router = linear(router)
         self.experts = nn.ModuleList(experts)
         self.top_k, self.norm_topk = top_k, norm_topk
         self.shared = shared
-        self.shared_gate = None if shared_gate is None else _linear(shared_gate)
+        self.shared_gate = None if shared_gate is None else linear(shared_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x).float(), dim=-1)  # [B, T, E]
@@ -140,10 +142,10 @@ class Attention(nn.Module):
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_head)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_head)
         get_b = lambda m: None if m.bias is None else m.bias  # noqa: E731
-        self.q = _linear(attn.q_proj.weight, get_b(attn.q_proj))
-        self.k = _linear(attn.k_proj.weight, get_b(attn.k_proj))
-        self.v = _linear(attn.v_proj.weight, get_b(attn.v_proj))
-        self.o = _linear(attn.o_proj.weight, get_b(attn.o_proj))
+        self.q = linear(attn.q_proj.weight, get_b(attn.q_proj))
+        self.k = linear(attn.k_proj.weight, get_b(attn.k_proj))
+        self.v = linear(attn.v_proj.weight, get_b(attn.v_proj))
+        self.o = linear(attn.o_proj.weight, get_b(attn.o_proj))
         qn = getattr(attn, "q_norm", None)
         self.q_norm = None if qn is None else RMSNorm(qn.weight, eps)
         kn = getattr(attn, "k_norm", None)
@@ -243,7 +245,7 @@ class ExportLM(nn.Module):
             blocks.append(Block(layer, cfg, eps, mlp))
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(inner.norm.weight, eps)
-        self.lm_head = _linear(hf.lm_head.weight)
+        self.lm_head = linear(hf.lm_head.weight)
         self.register_buffer("inv_freq", inner.rotary_emb.inv_freq.detach().clone().float(), persistent=False)
         self.n_layers = len(blocks)
         self.n_kv = blocks[0].attn.n_kv

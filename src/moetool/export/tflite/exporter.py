@@ -1,44 +1,22 @@
 """``moetool export --target tflite``: ExportLM with a static KV cache → one ``.tflite`` with ``prefill`` and
 ``decode`` signatures (litert-torch), int8/int4 by role through ai-edge-quantizer, parity in the LiteRT interpreter.
 
-litert-torch pins typing-extensions and pydantic below what onnx/executorch tooling here needs, so it lives in its
-own venv (``bash scripts/setup.sh --tflite`` makes ``.venv-litert``) and the conversion runs there as a subprocess;
-if litert-torch is importable in the current interpreter that one is used instead.
+The conversion runs in litert-torch's own interpreter through :mod:`moetool.export.tflite.runner`
+(worker: :mod:`moetool.export.tflite.worker`).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from moetool.export.base import ExportError, ExportRequest, write_manifest
 from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
 from moetool.export.graph.parity import gate
+from moetool.export.tflite.runner import REPO, litert_python, run_worker
 from moetool.io.atomic import atomic_dir
 
-REPO = Path(__file__).resolve().parents[4]
-
-
-def litert_python() -> str:
-    env = os.environ.get("MOETOOL_LITERT_PYTHON")
-    if env:
-        return env
-    if importlib.util.find_spec("litert_torch") is not None:
-        return sys.executable
-    venv = REPO / ".venv-litert" / "bin" / "python"
-    if venv.is_file():
-        return str(venv)
-    raise ExportError(
-        "TFLite export needs litert-torch, kept in its own venv: bash scripts/setup.sh --tflite (makes .venv-litert), "
-        "or set MOETOOL_LITERT_PYTHON to a python that has it"
-    )
+__all__ = ["REPO", "TFLiteExporter", "litert_python"]  # REPO, litert_python: kept importable here for older callers
 
 
 class TFLiteExporter:
@@ -58,13 +36,13 @@ class TFLiteExporter:
     def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
         from moetool.export.heldout import held_out_text
 
-        py = litert_python()
+        litert_python()  # no litert-torch: refuse before anything is written
         max_pos = int(plan.config.get("max_position_embeddings", 2048))
         capacity = min(max_pos, plan.context, 512)
         prefill_len = min(128, capacity - 8)
         text, src = held_out_text(req.model_dir, req.eval_text)
         t0 = time.perf_counter()
-        with atomic_dir(req.output, force=req.force) as tmp, tempfile.TemporaryDirectory() as work:
+        with atomic_dir(req.output, force=req.force) as tmp:
             request = {
                 "model_dir": str(req.model_dir),
                 "out_dir": str(tmp),
@@ -74,18 +52,7 @@ class TFLiteExporter:
                 "verify": req.verify,
                 "eval_text": text,
             }
-            rp = Path(work) / "request.json"
-            rp.write_text(json.dumps(request))
-            proc = subprocess.run(
-                [py, "-m", "moetool.export.tflite.worker", str(rp)],
-                capture_output=True,
-                text=True,
-                env=os.environ | {"PYTHONPATH": str(REPO / "src")},
-            )
-            if proc.returncode != 0:
-                tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
-                raise ExportError(f"TFLite conversion failed in {py}:\n{tail}")
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            result = run_worker("moetool.export.tflite.worker", request)
             parity = result.pop("parity", "not verified (--no-verify)")
             if isinstance(parity, dict):
                 parity["text"] = src

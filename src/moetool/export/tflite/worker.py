@@ -9,8 +9,6 @@ capacity, prefill_len, verify, eval_text. Writes model.tflite and prints the res
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,16 +68,81 @@ def quantize(path: Path, roles: dict[str, str], blockwise: dict[str, bool]) -> d
     return applied
 
 
-def main(request_path: str) -> None:
-    import litert_torch
-    from ai_edge_litert.interpreter import Interpreter
-    from litert_torch import signature  # noqa: F401  (import check: the venv must have litert-torch)
+def _blockwise(em: Any, precisions: dict[str, str]) -> dict[str, bool]:
+    """Per role: every quantized weight's input width is a multiple of 32 (int4 blocks of 32 fit)."""
+    from moetool.export.graph.names import hf_name
+    from moetool.quant.roles import role_of
 
-    req: dict[str, Any] = json.loads(Path(request_path).read_text())
+    blockwise: dict[str, bool] = {}
+    for n, prm in em.named_parameters():
+        if prm.dim() == 2 and n in precisions:
+            r = role_of(hf_name(n))
+            blockwise[r] = blockwise.get(r, True) and prm.shape[1] % 32 == 0
+    return blockwise
+
+
+def _notes(roles: dict[str, str], applied: dict[str, str]) -> list[str]:
+    notes = [
+        f"{r} planned {p} but kept fp32 (only FULLY_CONNECTED ops are quantized for TFLite)"
+        for r, p in roles.items()
+        if p != "fp32" and r not in applied
+    ]
+    return notes + [
+        f"{r}: an input width is not a multiple of 32, so int4 is per channel, not blockwise"
+        for r, p in applied.items()
+        if p.endswith("(per channel)")
+    ]
+
+
+def _parity(path: Path, hf: Any, em: Any, model: Any, req: dict[str, Any], cap: int, plen: int) -> dict[str, Any]:
+    """The converted model's prefill and decode signatures in the LiteRT interpreter against transformers."""
+    from ai_edge_litert.interpreter import Interpreter
     from transformers import AutoTokenizer
 
-    from moetool.export.graph.model import load_export_model
     from moetool.export.graph.parity import graph_parity
+    from moetool.export.graph.static import static_mask
+    from moetool.export.tflite.runner import signature_outputs
+
+    it = Interpreter(model_path=str(path))
+    pre, dec = it.get_signature_runner("prefill"), it.get_signature_runner("decode")
+    n_cache = 2 * em.n_layers
+
+    def run(
+        runner: Any, ids: np.ndarray, p: np.ndarray, caches: list[np.ndarray]
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        feeds = {
+            "args_0": ids.astype(np.int32),
+            "args_1": p.astype(np.int32),
+            "args_2": static_mask(torch.from_numpy(p), cap).numpy(),
+        }
+        feeds |= {f"args_{3 + i}": c for i, c in enumerate(caches)}
+        out = signature_outputs(runner, feeds)  # logits, then the caches
+        return out[0], out[1 : 1 + n_cache]
+
+    empty = [c.numpy() for c in model.empty_cache()]
+
+    def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        n = ids.shape[1]
+        padded = np.zeros((1, plen), dtype=np.int64)
+        padded[0, :n] = ids[0]
+        logits, caches = run(pre, padded, np.arange(plen)[None], empty)
+        return logits[:, :n], caches
+
+    def decode(ids: np.ndarray, p: int, caches: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        return run(dec, ids, np.array([[p]]), caches)
+
+    tok = AutoTokenizer.from_pretrained(req["model_dir"])
+    return graph_parity(
+        hf, em, tok, req["eval_text"], prefill, decode, runtime="ai_edge_litert interpreter", seq_lens=(32, plen)
+    )
+
+
+def convert(req: dict[str, Any]) -> dict[str, Any]:
+    """The request (module docstring) in, model.tflite written, the result out."""
+    import litert_torch
+    from litert_torch import signature  # noqa: F401  (import check: the venv must have litert-torch)
+
+    from moetool.export.graph.model import load_export_model
     from moetool.export.graph.static import StaticCacheLM, static_mask
 
     hf, em = load_export_model(req["model_dir"])
@@ -93,69 +156,21 @@ def main(request_path: str) -> None:
     path = Path(req["out_dir"]) / "model.tflite"
     edge.export(str(path))
     roles = role_precisions(req["precisions"])
-    from moetool.export.graph.names import hf_name
-    from moetool.quant.roles import role_of
-
-    blockwise: dict[str, bool] = {}
-    for n, prm in em.named_parameters():
-        if prm.dim() == 2 and n in req["precisions"]:
-            r = role_of(hf_name(n))
-            blockwise[r] = blockwise.get(r, True) and prm.shape[1] % 32 == 0
-    applied = quantize(path, roles, blockwise)
-    notes = [
-        f"{r} planned {p} but kept fp32 (only FULLY_CONNECTED ops are quantized for TFLite)"
-        for r, p in roles.items()
-        if p != "fp32" and r not in applied
-    ]
-    notes += [
-        f"{r}: an input width is not a multiple of 32, so int4 is per channel, not blockwise"
-        for r, p in applied.items()
-        if p.endswith("(per channel)")
-    ]
+    applied = quantize(path, roles, _blockwise(em, req["precisions"]))
     result: dict[str, Any] = {
         "quantized_roles": applied,
         "capacity": cap,
         "prefill_len": plen,
-        "tflite_notes": notes,
+        "tflite_notes": _notes(roles, applied),
         "cache_shape": [1, em.n_kv, cap, em.head_dim],
         "cache_tensors": 2 * em.n_layers,
     }
     if req["verify"]:
-        it = Interpreter(model_path=str(path))
-        pre, dec = it.get_signature_runner("prefill"), it.get_signature_runner("decode")
-        n_cache = 2 * em.n_layers
-
-        def run(
-            runner: Any, ids: np.ndarray, p: np.ndarray, caches: list[np.ndarray]
-        ) -> tuple[np.ndarray, list[np.ndarray]]:
-            feeds = {
-                "args_0": ids.astype(np.int32),
-                "args_1": p.astype(np.int32),
-                "args_2": static_mask(torch.from_numpy(p), cap).numpy(),
-            }
-            feeds |= {f"args_{3 + i}": c for i, c in enumerate(caches)}
-            out = runner(**feeds)
-            keys = sorted(out, key=lambda k: int(k.split("_")[-1]))
-            return out[keys[0]], [out[k] for k in keys[1 : 1 + n_cache]]
-
-        empty = [c.numpy() for c in model.empty_cache()]
-
-        def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-            n = ids.shape[1]
-            padded = np.zeros((1, plen), dtype=np.int64)
-            padded[0, :n] = ids[0]
-            logits, caches = run(pre, padded, np.arange(plen)[None], empty)
-            return logits[:, :n], caches
-
-        def decode(ids: np.ndarray, p: int, caches: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-            return run(dec, ids, np.array([[p]]), caches)
-
-        tok = AutoTokenizer.from_pretrained(req["model_dir"])
-        result["parity"] = graph_parity(
-            hf, em, tok, req["eval_text"], prefill, decode, runtime="ai_edge_litert interpreter", seq_lens=(32, plen)
-        )
-    print(json.dumps(result))
+        result["parity"] = _parity(path, hf, em, model, req, cap, plen)
+    return result
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from moetool.export.tflite.runner import worker_main
+
+    worker_main(convert)

@@ -269,29 +269,10 @@ def export_coreml(model: Any, tok: Any, text: str, out_dir: Path, *, text_source
 
 def export_tflite(model_dir: Path, text: str, out_dir: Path, *, text_source: str) -> dict[str, Any]:
     """Run :mod:`.tflite_worker` in the litert-torch interpreter; returns its figures (parity gated at 1e-4)."""
-    import json
-    import os
-    import subprocess
-    import tempfile
+    from moetool.export.tflite.runner import run_worker
 
-    from moetool.export.tflite.exporter import REPO, litert_python
-
-    py = litert_python()
-    with tempfile.TemporaryDirectory() as work:
-        rp = Path(work) / "request.json"
-        rp.write_text(
-            json.dumps({"model_dir": str(model_dir), "out_dir": str(out_dir), "prefill_len": 128, "eval_text": text})
-        )
-        proc = subprocess.run(
-            [py, "-m", "moetool.methods.embedding.tflite_worker", str(rp)],
-            capture_output=True,
-            text=True,
-            env=os.environ | {"PYTHONPATH": str(REPO / "src")},
-        )
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
-        raise ExportError(f"TFLite conversion failed in {py}:\n{tail}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    request = {"model_dir": str(model_dir), "out_dir": str(out_dir), "prefill_len": 128, "eval_text": text}
+    result = run_worker("moetool.methods.embedding.tflite_worker", request)
     result["parity"]["text"] = text_source
     worst = max(result["parity"]["max_abs_logit_diff"].values())
     if worst > 1e-4:

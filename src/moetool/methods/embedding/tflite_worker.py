@@ -1,5 +1,5 @@
 """TFLite conversion of a routed-embedding model's prefill, run where litert-torch is installed (``.venv-litert``,
-see :mod:`moetool.export.tflite.exporter`).
+through :mod:`moetool.export.tflite.runner`).
 
     python -m moetool.methods.embedding.tflite_worker REQUEST.json
 
@@ -11,8 +11,6 @@ two lengths, and top-1 agreement and perplexity on held-out windows.
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +18,18 @@ import numpy as np
 import torch
 
 
-def main(request_path: str) -> None:
+def convert(req: dict[str, Any]) -> dict[str, Any]:
+    """The request (module docstring) in, model.tflite written, the result out."""
     import litert_torch
     from ai_edge_litert.interpreter import Interpreter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import moetool.methods.embedding  # noqa: F401  (registers the model type)
+    import moetool.methods.embedding.model  # noqa: F401  (registers its model class)
     from moetool.export.heldout import agreement, windows
+    from moetool.export.tflite.runner import padded_feeds, signature_outputs
     from moetool.methods.embedding.export import ExportRoutedLM, PrefillLogits
     from moetool.methods.embedding.router import causal_mask
 
-    req: dict[str, Any] = json.loads(Path(request_path).read_text())
     torch.set_num_threads(1)
     hf = AutoModelForCausalLM.from_pretrained(req["model_dir"], dtype=torch.float32).eval()
     plen = int(req["prefill_len"])
@@ -42,25 +41,23 @@ def main(request_path: str) -> None:
     runner = Interpreter(model_path=str(path)).get_signature_runner("prefill")
     mask = causal_mask(plen, 0).numpy()
 
-    def prefill(ids: np.ndarray) -> np.ndarray:
-        n = ids.shape[1]
-        padded = np.zeros((1, plen), dtype=np.int32)
-        padded[0, :n] = ids[0]
-        out = runner(args_0=padded, args_1=np.arange(plen, dtype=np.int32)[None], args_2=mask)
-        return np.asarray(next(iter(out.values())))[:, :n]
+    def prefill(ids: list[int]) -> np.ndarray:
+        """Logits ``[len(ids), V]`` of the right-padded prefill."""
+        return np.asarray(signature_outputs(runner, padded_feeds(ids, plen, mask))[0])[0, : len(ids)]
 
     tok = AutoTokenizer.from_pretrained(req["model_dir"])
     probes, ppl_windows = windows(tok, req["eval_text"], [32, plen], 4)
-    got = [prefill(np.array([ids]))[0] for ids in probes + ppl_windows]
-    vs = agreement(got, hf, probes, ppl_windows)
+    vs = agreement([prefill(ids) for ids in probes + ppl_windows], hf, probes, ppl_windows)
     parity = {
         "runtime": "ai_edge_litert interpreter",
         "reference": "transformers float32",
         "seq_lens": [32, plen],
         "max_abs_logit_diff": vs.max_abs_logit_diff,
     } | vs.to_json()
-    print(json.dumps({"parity": parity, "prefill_len": plen, "signatures": ["prefill"]}))
+    return {"parity": parity, "prefill_len": plen, "signatures": ["prefill"]}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from moetool.export.tflite.runner import worker_main
+
+    worker_main(convert)

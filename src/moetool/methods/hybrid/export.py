@@ -21,6 +21,7 @@ from torch import nn
 from moetool.errors import MoetoolError
 from moetool.export.base import write_manifest
 from moetool.io.atomic import atomic_dir
+from moetool.io.files import copy_tokenizer
 from moetool.methods.hybrid.router import HybridRouter
 
 ROUTER_ONNX = "router.onnx"
@@ -197,12 +198,9 @@ def export_hybrid(
         parity = router_parity(meta, router, tmp / ROUTER_ONNX, _parity_requests(meta, parity_requests))
         if not (parity["max_abs_score_diff"] <= 1e-4 and parity["choice_agreement"] == 1.0):
             raise MoetoolError(f"router ONNX parity failed: {parity}")
-        first = meta["experts"][0]["path"]
         tok_dir = tmp / "tokenizer"
         tok_dir.mkdir()
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (Path(first) / f).is_file():
-                shutil.copy2(Path(first) / f, tok_dir / f)
+        copy_tokenizer(Path(meta["experts"][0]["path"]), tok_dir)
         expert_rows = []
         for e in meta["experts"]:
             row: dict[str, Any] = {"name": e["name"], "model_type": e["model_type"], "kind": e["kind"]}
@@ -243,8 +241,8 @@ def _export_expert(
     e: dict[str, Any], out: Path, target: str, quant: str | None, verify: bool, console: Any
 ) -> dict[str, Any]:
     """One expert through moetool's exporter for ``target``; the Mamba GGUF writer for Mamba experts."""
-    from moetool.api import plan_export
     from moetool.export.base import ExportError
+    from moetool.export.resolve import plan_export
 
     if e["model_type"] == "mamba" and target == "gguf":
         from moetool.export.gguf.mamba import export_mamba_gguf

@@ -233,7 +233,7 @@ def build_zoo_mamba(
         MoetoolError: the zoo is not built, or training diverged.
     """
     from moetool.io.atomic import atomic_dir
-    from moetool.zoo import DOMAINS, claimed, quiet_transformers, remove_stale_builds
+    from moetool.zoo import DOMAINS, quiet_transformers, remove_stale_builds
 
     cfg = config or MambaZooConfig()
     console = console or Console(stderr=True)
@@ -253,7 +253,7 @@ def build_zoo_mamba(
     remove_stale_builds(out)
     try:
         # force: an outdated or partial <zoo>/mamba is ours to replace
-        with atomic_dir(out, force=True) as tmp, claimed(tmp), quiet_transformers():
+        with atomic_dir(out, force=True) as tmp, quiet_transformers():
             meta = _train_and_save(zoo, tmp, cfg, texts, console)
     finally:
         torch.set_num_threads(threads)

@@ -1,0 +1,156 @@
+"""Parity of GEM's exported graphs against PyTorch: the held-out probes, and the one comparison of logits, router
+probabilities and routes that every runtime (onnxruntime, the LiteRT interpreter) goes through."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moetool.export.graph.model import causal_mask
+
+__all__ = [
+    "PARITY_LIMIT",
+    "SEQ_LENS",
+    "onnx_feeds",
+    "ort_session",
+    "parity_failed",
+    "probe_windows",
+    "route_parity",
+    "router_parity",
+    "token_parity",
+]
+
+PARITY_LIMIT = 1e-4  # fp32 graph vs PyTorch, max |Δlogit|
+SEQ_LENS = (32, 128)
+
+# ids [T] -> the runtime's (logits [1, T, V], router_probs [1, T, n], routes [1, T]) for exactly those tokens
+TokenRun = Callable[[list[int]], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def ort_session(path: Path) -> Any:
+    from moetool.export.graph.common import require
+
+    ort = require("onnxruntime", "onnx")
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def onnx_feeds(ids: list[int]) -> dict[str, np.ndarray]:
+    """The inputs of a GEM ONNX graph for ``ids``: input_ids, position_ids ``[1, T]``, causal mask ``[1, 1, T, T]``."""
+    return {
+        "input_ids": np.asarray([ids], dtype=np.int64),
+        "position_ids": np.arange(len(ids))[None],
+        "mask": causal_mask(len(ids), 0).numpy(),
+    }
+
+
+def probe_windows(tok: Any, model_dir: Path, lengths: tuple[int, ...]) -> list[list[int]]:
+    """One window per length per domain of held-out text (so routes cover general and every pathway)."""
+    from moetool.export.heldout import held_out_text
+
+    texts: list[str] = []
+    meta = json.loads((model_dir / "moetool.json").read_text()) if (model_dir / "moetool.json").is_file() else {}
+    try:
+        from moetool.zoo import zoo_domain_text
+
+        texts = [zoo_domain_text(d, "valid")[:20000] for d in meta.get("domains", [])]
+    except Exception:  # not a zoo domain, or no zoo cache: the mixed held-out sample still exercises the graph
+        texts = []
+    if not texts:
+        texts = [held_out_text(model_dir)[0]]
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    tok.model_max_length = 10**9  # windows are cut below
+    out = []
+    for text in texts:
+        ids = tok(text, add_special_tokens=False).input_ids
+        for n in lengths:
+            if len(ids) >= n:
+                out.append(bos + ids[: n - len(bos)])
+    return out
+
+
+@torch.no_grad()
+def route_parity(model: Any, probes: list[list[int]], run: TokenRun, *, runtime: str) -> dict[str, Any]:
+    """The runtime (``run``) against the PyTorch ``model`` on each probe: max |Δlogit|, max |ΔP|, routes that differ
+    (for an fp32 graph a route may only differ where max P is within 1e-5 of tau, where the runtimes round
+    differently), top-1 agreement and both perplexities over the probes (what a quantized graph costs)."""
+    from moetool.export.heldout import nll
+
+    agree = 0
+    nll_ref = nll_got = 0.0
+    worst_logit = worst_p = 0.0
+    mism = mism_off = tokens = 0
+    share = torch.zeros(len(model.config.domains) + 1)
+    for ids in probes:
+        ref = model(torch.tensor([ids]))
+        logits, probs, routes = run(ids)
+        worst_logit = max(worst_logit, float(np.abs(logits - ref.logits.numpy()).max()))
+        worst_p = max(worst_p, float(np.abs(probs - ref.router_probs.numpy()).max()))
+        diff = routes != ref.routes.numpy()
+        mism += int(diff.sum())
+        near = np.abs(ref.router_probs.numpy().max(-1) - float(model.config.tau)) < 1e-5
+        mism_off += int((diff & ~near).sum())
+        tokens += len(ids)
+        agree += int((logits[0].argmax(-1) == ref.logits[0].numpy().argmax(-1)).sum())
+        nll_ref += nll(ref.logits[0].numpy(), ids)[0]
+        nll_got += nll(logits[0], ids)[0]
+        share += torch.bincount(ref.routes.reshape(-1), minlength=len(share)).float()
+    names = ["general", *model.config.domains]
+    scored = tokens - len(probes)
+    return {
+        "runtime": runtime,
+        "reference": "PyTorch moetool_gem float32",
+        "seq_lens": sorted({len(p) for p in probes}),
+        "windows": len(probes),
+        "tokens": tokens,
+        "max_abs_logit_diff": worst_logit,
+        "max_abs_prob_diff": worst_p,
+        "route_mismatches": mism,
+        "route_mismatches_off_boundary": mism_off,
+        "top1_agreement": round(agree / tokens, 6),
+        "ppl_reference": round(math.exp(nll_ref / scored), 4),
+        "ppl_artifact": round(math.exp(nll_got / scored), 4),
+        "route_share": {n: round(float(s / tokens), 4) for n, s in zip(names, share, strict=True)},
+    }
+
+
+def parity_failed(parity: dict[str, Any]) -> bool:
+    """The fp32 gate of a token graph: logits within :data:`PARITY_LIMIT`, no route off the tau boundary differs."""
+    return bool(parity["max_abs_logit_diff"] > PARITY_LIMIT or parity["route_mismatches_off_boundary"])
+
+
+def token_parity(model: Any, path: Path, probes: list[list[int]]) -> dict[str, Any]:
+    """:func:`route_parity` of the ONNX graph at ``path`` in onnxruntime."""
+    sess = ort_session(path)
+
+    def run(ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        logits, probs, routes = sess.run(None, onnx_feeds(ids))
+        return logits, probs, routes
+
+    return route_parity(model, probes, run, runtime="onnxruntime")
+
+
+def router_parity(seq: Any, path: Path, probes: list[list[int]]) -> dict[str, Any]:
+    """The sequence-level router graph at ``path`` in onnxruntime against ``seq.route`` (PyTorch) on each probe:
+    max |ΔP| and how many probes take the same route."""
+    sess = ort_session(path)
+    worst, agree = 0.0, 0
+    for p in probes:
+        ref_p, ref_r = seq.route(torch.tensor([p]))
+        got_p, got_r = sess.run(None, onnx_feeds(p))
+        worst = max(worst, float(np.abs(got_p - ref_p.numpy()).max()))
+        agree += int((got_r == ref_r.numpy()).all())
+    return {
+        "windows": len(probes),
+        "seq_lens": sorted({len(p) for p in probes}),
+        "max_abs_prob_diff": worst,
+        "same_route": agree,
+    }
