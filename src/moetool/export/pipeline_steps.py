@@ -12,21 +12,40 @@ from pathlib import Path
 from typing import Any
 
 from moetool.export.base import ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
+from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph, require
 from moetool.export.graph.parity import Decode, Prefill
 
 __all__ = ["GraphExporter", "finish_graph_manifest", "is_float_plan", "runtime_parity"]
 
 
 class GraphExporter:
-    """Base of the graph targets: the plan is the graph plan for the target's own name (its format in the device
-    profiles)."""
+    """Base of the graph targets. The plan is the graph plan for the target's own name (its format in the device
+    profiles); :meth:`export` checks the runtime is installed and the options valid before the model is loaded, then
+    hands the loaded model to the target's :meth:`write`."""
 
     name: str
     requires: str  # the pip extra that provides the runtime used for verification
+    runtime_modules: tuple[str, ...] = ()  # what that extra installs and the target imports
 
     def plan(self, req: ExportRequest) -> GraphPlan:
         return plan_graph(req, self.name)
+
+    def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
+        from moetool.export.graph.model import load_export_model
+
+        for module in self.runtime_modules:
+            require(module, self.requires)
+        self.check(req)
+        hf, em = load_export_model(req.model_dir)
+        return self.write(req, plan, hf, em, started=time.perf_counter())
+
+    def check(self, req: ExportRequest) -> None:
+        """Refuse target options (``req.options``) the target cannot take; nothing is loaded yet."""
+
+    def write(self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float) -> dict[str, Any]:
+        """Convert ``em`` (the ExportLM around transformers model ``hf``) into ``req.output`` atomically, check it
+        against ``hf`` unless ``req.verify`` is off, and return the manifest (timed from ``started``)."""
+        raise NotImplementedError
 
 
 def is_float_plan(plan: GraphPlan) -> bool:

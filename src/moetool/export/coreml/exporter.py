@@ -9,7 +9,6 @@ weights were compressed to what. ``scripts/coreml_parity_mac.py`` runs the numer
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
-from moetool.export.graph.common import GraphPlan, require
+from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
 from moetool.io.atomic import atomic_dir
@@ -158,23 +157,27 @@ def _wrapper_parity(req: ExportRequest, hf: Any, em: Any, capacity: int) -> dict
     return parity
 
 
+def _compute_units(req: ExportRequest) -> str:
+    units = str(req.options.get("compute_units", "CPU_AND_NE"))
+    if units not in COMPUTE_UNITS:
+        raise ExportError(f"compute units {units!r}; choose one of {', '.join(COMPUTE_UNITS)}")
+    return units
+
+
 class CoreMLExporter(GraphExporter):
     name = "coreml"
     requires = "coreml"
+    runtime_modules = ("coremltools",)
 
-    def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
-        require("coremltools", "coreml")
-        from moetool.export.graph.model import load_export_model
+    def check(self, req: ExportRequest) -> None:
+        _compute_units(req)
 
-        units = str(req.options.get("compute_units", "CPU_AND_NE"))
-        if units not in COMPUTE_UNITS:
-            raise ExportError(f"compute units {units!r}; choose one of {', '.join(COMPUTE_UNITS)}")
-        hf, em = load_export_model(req.model_dir)
+    def write(self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float) -> dict[str, Any]:
+        units = _compute_units(req)
         max_pos = int(plan.config.get("max_position_embeddings", 2048))
         capacity = min(max_pos, plan.context)
         # Core ML states are fp16 only, so the program computes in fp16; an f32 plan means "no weight compression"
         fp16 = True
-        t0 = time.perf_counter()
         ml = convert(em, capacity, fp16, units)
         ml, applied = compress(ml, plan.precisions(), fp16)
         with atomic_dir(req.output, force=req.force) as tmp:
@@ -195,5 +198,5 @@ class CoreMLExporter(GraphExporter):
                 "compressed_weights": {k: v for k, v in sorted(applied.items())},
             }
             main = "model.mlpackage/Manifest.json"
-            manifest = finish_graph_manifest(tmp, "coreml", plan, files, main, fields, parity=parity, started=t0)
+            manifest = finish_graph_manifest(tmp, "coreml", plan, files, main, fields, parity=parity, started=started)
         return manifest

@@ -5,7 +5,6 @@ dynamic int8 activations: the forms XNNPACK runs), by module name, so the router
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
-from moetool.export.graph.common import GraphPlan, require
+from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
@@ -111,13 +110,11 @@ def _pte_runners(path: Path) -> tuple[Prefill, Decode]:
 class ExecuTorchExporter(GraphExporter):
     name = "executorch"
     requires = "executorch"
+    runtime_modules = ("executorch",)
 
-    def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
-        require("executorch", "executorch")
-        from moetool.export.graph.model import ExportLM, load_export_model
+    def write(self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float) -> dict[str, Any]:
+        from moetool.export.graph.model import ExportLM
 
-        hf, em = load_export_model(req.model_dir)
-        t0 = time.perf_counter()
         counts, qnotes = quantize_modules(em, plan.precisions())
         buf = lower(em)
         with atomic_dir(req.output, force=req.force) as tmp:
@@ -135,15 +132,8 @@ class ExecuTorchExporter(GraphExporter):
                 "methods": {"forward": "prefill", "decode": "one token with KV cache"},
                 "quantized_linears": counts,
             }
+            files = {"model.pte": path}
             manifest = finish_graph_manifest(
-                tmp,
-                "executorch",
-                plan,
-                {"model.pte": path},
-                "model.pte",
-                fields,
-                parity=parity,
-                started=t0,
-                notes=qnotes,
+                tmp, "executorch", plan, files, "model.pte", fields, parity=parity, started=started, notes=qnotes
             )
         return manifest

@@ -9,7 +9,6 @@ Files: ``model.onnx`` (prefill: input_ids, position_ids, mask [1,1,T,T] → logi
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
-from moetool.export.graph.common import GraphPlan, require
+from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
@@ -179,14 +178,11 @@ def _ort_runners(ort: Any, prefill_path: Path, decode_path: Path, n_layers: int)
 class ONNXExporter(GraphExporter):
     name = "onnx"
     requires = "onnx"
+    runtime_modules = ("onnx", "onnxruntime")
 
-    def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
-        require("onnx", "onnx")
-        ort = require("onnxruntime", "onnx")
-        from moetool.export.graph.model import load_export_model
+    def write(self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float) -> dict[str, Any]:
+        import onnxruntime as ort
 
-        hf, em = load_export_model(req.model_dir)
-        t0 = time.perf_counter()
         with atomic_dir(req.output, force=req.force) as tmp:
             pre, dec = tmp / "model.onnx", tmp / "model-with-past.onnx"
             export_graphs(em, pre, dec)
@@ -206,6 +202,6 @@ class ONNXExporter(GraphExporter):
             }
             files = {"model.onnx": pre, "model-with-past.onnx": dec}
             manifest = finish_graph_manifest(
-                tmp, "onnx", plan, files, "model.onnx", fields, parity=parity, started=t0, notes=qnotes
+                tmp, "onnx", plan, files, "model.onnx", fields, parity=parity, started=started, notes=qnotes
             )
         return manifest
