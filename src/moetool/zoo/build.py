@@ -38,7 +38,7 @@ from moetool.zoo.config import BASE_NAME, ZOO_FORMAT, ZOO_JSON, ZooConfig, ZooRe
 from moetool.zoo.corpora import DOMAINS, DomainSplit, corpus_stats, make_splits
 from moetool.zoo.store import read_zoo_json
 
-__all__ = ["build_zoo", "quiet_transformers", "remove_stale_builds", "train_zoo_model"]
+__all__ = ["build_zoo", "quiet_transformers", "remove_stale_builds", "train_zoo_model", "vocab_fields"]
 
 
 @contextlib.contextmanager
@@ -71,11 +71,21 @@ def train_zoo_model(model: torch.nn.Module, *, console: Console, name: str, step
     return stats
 
 
+def vocab_fields(tokenizer: Any) -> dict[str, Any]:
+    """What a zoo model's config takes from the zoo tokenizer: the vocabulary size and the special token ids."""
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def _model_config(cfg: ZooConfig, tokenizer: Any) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=len(tokenizer),
+        **vocab_fields(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
@@ -84,9 +94,6 @@ def _model_config(cfg: ZooConfig, tokenizer: Any) -> Any:
         max_position_embeddings=cfg.seq_len * 2,
         rms_norm_eps=1e-5,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
         attention_dropout=0.0,
     )
 

@@ -85,7 +85,7 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-_quiet_stderr = quiet_stderr  # the old name: export/gguf/write.py and methods/hybrid/{pareto,profile}.py import it
+_quiet_stderr = quiet_stderr  # the old name, still imported by export/gguf/write.py
 
 
 def load_llama(path: Path, n_ctx: int, lora_path: Path | None = None) -> Any:

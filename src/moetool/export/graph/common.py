@@ -33,6 +33,31 @@ def require(module: str, extra: str) -> Any:
         ) from None
 
 
+def onnx_export(
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    path: Path,
+    *,
+    inputs: list[str],
+    outputs: list[str],
+    dynamic_shapes: Any,
+) -> None:
+    """Trace ``module`` on ``args`` to ONNX at ``path`` the way every moetool graph is traced: the dynamo exporter
+    (symbolic shapes from ``dynamic_shapes``), graph optimisation on, trace metadata (module scopes) kept for
+    quantization, nothing printed."""
+    torch.onnx.export(
+        module,
+        args,
+        str(path),
+        dynamo=True,
+        optimize=True,
+        verbose=False,
+        input_names=inputs,
+        output_names=outputs,
+        dynamic_shapes=dynamic_shapes,
+    )
+
+
 def meta_export_model(config: dict[str, Any]) -> Any:
     """An ExportLM on the meta device: its parameter names and shapes, no weights read."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -115,7 +115,7 @@ class ExportRoutedLM(nn.Module):
 
 def export_onnx(model: Any, tok: Any, text: str, out_dir: Path, *, text_source: str) -> dict[str, Any]:
     """Write ``model.onnx`` + ``model-with-past.onnx`` into ``out_dir`` and return the parity figures."""
-    from moetool.export.graph.common import require
+    from moetool.export.graph.common import onnx_export, require
     from moetool.export.graph.parity import gate, graph_parity
     from moetool.methods.embedding.router import causal_mask
 
@@ -126,33 +126,18 @@ def export_onnx(model: Any, tok: Any, text: str, out_dir: Path, *, text_source: 
     max_pos = int(model.embed.cfg.max_positions)
     seq = torch.export.Dim("seq", min=2, max=max_pos)
     ids = torch.randint(0, 10, (1, 8))
-    names_in = ["input_ids", "position_ids", "mask"]
+    names_in, names_out = ["input_ids", "position_ids", "mask"], ["logits", *em.past_names("present")]
     with torch.no_grad():
-        torch.onnx.export(
-            em,
-            (ids, torch.arange(8)[None], causal_mask(8, 0)),
-            str(pre),
-            dynamo=True,
-            optimize=True,
-            verbose=False,
-            input_names=names_in,
-            output_names=["logits", *em.past_names("present")],
-            dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
-        )
+        args: tuple[Any, ...] = (ids, torch.arange(8)[None], causal_mask(8, 0))
+        shapes: tuple[Any, ...] = ({1: seq}, {1: seq}, {2: seq, 3: seq})
+        onnx_export(em, args, pre, inputs=names_in, outputs=names_out, dynamic_shapes=shapes)
         p = 5
         past = em.empty_past(p)
         plen = torch.export.Dim("past", min=1, max=max_pos - 1)
-        torch.onnx.export(
-            em,
-            (ids[:, :1], torch.tensor([[p]]), causal_mask(1, p), *past),
-            str(dec),
-            dynamo=True,
-            optimize=True,
-            verbose=False,
-            input_names=[*names_in, *em.past_names("past")],
-            output_names=["logits", *em.past_names("present")],
-            dynamic_shapes=(None, None, {3: plen + 1}, em.past_shapes(plen)),
-        )
+        args = (ids[:, :1], torch.tensor([[p]]), causal_mask(1, p), *past)
+        shapes = (None, None, {3: plen + 1}, em.past_shapes(plen))
+        names = [*names_in, *em.past_names("past")]
+        onnx_export(em, args, dec, inputs=names, outputs=names_out, dynamic_shapes=shapes)
     so = ort.SessionOptions()
     so.log_severity_level = 3
     s_pre = ort.InferenceSession(str(pre), so, providers=["CPUExecutionProvider"])

@@ -183,18 +183,11 @@ def graph_precisions(graph: GemGraph, quant: str | None) -> dict[str, str]:
 
 
 def trace_onnx(graph: nn.Module, path: Path, outputs: list[str]) -> None:
-    """torch.onnx (dynamo) of a graph taking (input_ids, position_ids, mask) with a dynamic sequence length; trace
-    metadata (module scopes) kept for quantization."""
+    """A graph taking (input_ids, position_ids, mask) to ONNX with a dynamic sequence length."""
+    from moetool.export.graph.common import onnx_export
+
     seq = torch.export.Dim("seq", min=2, max=4096)
     ids = torch.randint(0, 10, (1, 8))
-    torch.onnx.export(
-        graph,
-        (ids, torch.arange(8)[None], causal_mask(8, 0)),
-        str(path),
-        dynamo=True,
-        optimize=True,
-        verbose=False,
-        input_names=GRAPH_INPUTS,
-        output_names=outputs,
-        dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
-    )
+    args = (ids, torch.arange(8)[None], causal_mask(8, 0))
+    shapes = ({1: seq}, {1: seq}, {2: seq, 3: seq})
+    onnx_export(graph, args, path, inputs=GRAPH_INPUTS, outputs=outputs, dynamic_shapes=shapes)

@@ -85,6 +85,8 @@ def encoder_embedding(meta: dict[str, Any]) -> torch.Tensor | None:
 
 def export_router_onnx(meta: dict[str, Any], router: HybridRouter, path: Path) -> dict[str, Any]:
     """Trace the router graph with torch.onnx (dynamo) to ``path``; returns its input/output description."""
+    from moetool.export.graph.common import onnx_export
+
     if self_contained(meta):
         graph: nn.Module = RouterGraph(router, meta["router"]["layout"], encoder_embedding(meta)).eval()
         nd = meta["router"]["layout"]["n_domains"]
@@ -100,17 +102,7 @@ def export_router_onnx(meta: dict[str, Any], router: HybridRouter, path: Path) -
         graph = FeatureRouterGraph(router).eval()
         n = torch.export.Dim("n", min=1, max=1 << 20)
         args, names, shapes = (torch.zeros(2, router.in_features),), ["features"], ({0: n},)
-    torch.onnx.export(
-        graph,
-        args,
-        str(path),
-        dynamo=True,
-        optimize=True,
-        verbose=False,
-        input_names=names,
-        output_names=["scores", "choice"],
-        dynamic_shapes=shapes,
-    )
+    onnx_export(graph, args, path, inputs=names, outputs=["scores", "choice"], dynamic_shapes=shapes)
     return {"inputs": names, "outputs": ["scores", "choice"], "self_contained": self_contained(meta)}
 
 

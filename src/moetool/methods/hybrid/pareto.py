@@ -56,7 +56,7 @@ class Runners:
         self.runtime = "transformers"
         files = [p.profile["experts"][n].get("file") for n in p.names]
         if all(files):
-            from moetool.export.gguf.verify import _quiet_stderr
+            from moetool.export.gguf.verify import quiet_stderr as _quiet_stderr
 
             self.quiet = _quiet_stderr
             n_ctx = p.recipe.router.max_length

@@ -154,7 +154,7 @@ def timing_llama(path: Path | str, n_ctx: int, threads: int) -> Any:
     kept, and the weights are read in at load (no mmap page-ins while timing)."""
     import llama_cpp
 
-    from moetool.export.gguf.verify import _quiet_stderr
+    from moetool.export.gguf.verify import quiet_stderr as _quiet_stderr
 
     with _quiet_stderr():
         return llama_cpp.Llama(
@@ -172,7 +172,7 @@ def timing_llama(path: Path | str, n_ctx: int, threads: int) -> Any:
 def warm_llama(llm: Any, vocab: int, length: int, seconds: float = 4.0) -> None:
     """Evaluate for ``seconds`` (3 runs at least) before timing: llama.cpp's first seconds after loading run up to
     ~100x slower than steady state (measured here: 1.7 s vs 15 ms for 32 tokens)."""
-    from moetool.export.gguf.verify import _quiet_stderr
+    from moetool.export.gguf.verify import quiet_stderr as _quiet_stderr
 
     ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(1)).tolist()
     t0, runs = time.perf_counter(), 0
@@ -196,7 +196,7 @@ def measure_gguf_profile(
     """Time each expert's GGUF in llama.cpp (llama-cpp-python): prefill of L tokens, fresh state each run."""
     import llama_cpp
 
-    from moetool.export.gguf.verify import _quiet_stderr
+    from moetool.export.gguf.verify import quiet_stderr as _quiet_stderr
 
     g = torch.Generator().manual_seed(0)
     now = clock(clock_name)

@@ -122,17 +122,16 @@ def check_fast_scan(model: Any, input_ids: torch.Tensor) -> float:
 def mamba_config(cfg: MambaZooConfig, tokenizer: Any) -> Any:
     from transformers import MambaConfig
 
+    from moetool.zoo import vocab_fields
+
     return MambaConfig(
-        vocab_size=len(tokenizer),
+        **vocab_fields(tokenizer),
         hidden_size=cfg.hidden_size,
         state_size=cfg.state_size,
         num_hidden_layers=cfg.num_layers,
         expand=cfg.expand,
         conv_kernel=cfg.conv_kernel,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
         layer_norm_epsilon=1e-5,
     )
 
