@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner, Result
@@ -80,6 +81,12 @@ runner = CliRunner()
 def cli() -> Callable[[list[str]], Result]:
     """``cli(ARGS)``: run ``moetool ARGS`` in-process."""
     return lambda args: runner.invoke(app, args)
+
+
+@pytest.fixture
+def tools() -> SimpleNamespace:
+    """The helpers of this conftest for test modules (which cannot import it by name)."""
+    return SimpleNamespace(tree_digest=tree_digest, leftovers=leftovers, squash=squash, runner=runner, app=app)
 
 
 @pytest.fixture

@@ -579,12 +579,14 @@ def _dead_pid() -> int:
 @pytest.mark.xfail(strict=True, reason=WIRING + "merge: check_output_path(output, inputs) before planning")
 @pytest.mark.parametrize("where", ["expert-dir", "inside-expert", "parent-of-inputs", "recipe-dir"])
 def test_output_must_not_touch_inputs(env, refused, where):
-    r = env.recipe(good(env).replace("gate_mode: hidden", "gate_mode: random"))
+    (env.root / "recipes").mkdir()
+    r = env.root / "recipes" / "r.yaml"  # the recipe file is an input too: its folder is not a valid output
+    r.write_text(good(env).replace("gate_mode: hidden", "gate_mode: random"))
     target = {
         "expert-dir": env.models["e1"],
         "inside-expert": env.models["e1"] / "moe",
         "parent-of-inputs": env.models["e1"].parent,
-        "recipe-dir": env.work,
+        "recipe-dir": r.parent,
     }[where]
     refused(
         ["merge", str(r), "-o", str(target), "--force"],

@@ -298,8 +298,8 @@ def parse_yaml(
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         problem = getattr(exc, "problem", None) or exc
         raise _fail(error, f"{where}: not valid YAML: {problem}") from None
-    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # e.g. a timestamp like 2001-02-30
-        raise _fail(error, f"{path}: {what}: a value YAML cannot read: {exc}") from None
+    except Exception as exc:  # constructing plain data: ValueError (2001-02-30), IndexError (`!!int ""`), …
+        raise _fail(error, f"{path}: {what}: a value YAML cannot read: {type(exc).__name__}: {exc}") from None
     finally:
         loader.dispose()
     return value, lines
