@@ -241,7 +241,10 @@ def test_atomic_dir_refuses_bad_outputs_before_writing(tmp_path):
     for bad in (Path(""), Path(".")):
         with pytest.raises(OutputPathError), atomic_dir(bad, force=True):
             pass
-    with pytest.raises(OutputPathError, match="f is a file, not a directory"), atomic_dir(tmp_path / "f" / "out", force=True):
+    with (
+        pytest.raises(OutputPathError, match="f is a file, not a directory"),
+        atomic_dir(tmp_path / "f" / "out", force=True),
+    ):
         pass
     assert _names(tmp_path) == ["f"]
 

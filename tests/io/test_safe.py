@@ -236,3 +236,18 @@ def test_corrupt_pickle_is_a_checkpoint_error(tmp_path):
         Checkpoint(tmp_path, allow_pickle=True).tensors  # noqa: B018
     with pytest.raises(MoetoolError, match="--allow-pickle"):
         Checkpoint(tmp_path).tensors  # noqa: B018
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_tensors_are_refused_on_read(tmp_path, value, monkeypatch):
+    import moetool.io.checkpoint as ckmod
+
+    monkeypatch.setattr(ckmod, "FINITE_CHUNK", 4)  # the bad value sits in a later chunk
+    w = torch.zeros(5, 5, dtype=torch.bfloat16)
+    w[4, 4] = value
+    save_file({"w": w, "i": torch.arange(3)}, str(tmp_path / "model.safetensors"))
+    ck = Checkpoint(tmp_path)
+    assert torch.equal(ck.get("i"), torch.arange(3))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'w' has \d NaN and \d Inf values \(of 25\)"):
+        ck.get("w")
+    assert not torch.isfinite(Checkpoint(tmp_path, check_finite=False).get("w")).all()

@@ -42,6 +42,7 @@ SAFETENSORS_TAG_BYTES: dict[str, int] = {tag: size for tag, (_, size) in SAFETEN
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own bound on the JSON header
 MAX_DIM = 2**62
+FINITE_CHUNK = 1 << 22  # elements checked at a time: the check's temporary stays at 4 MB whatever the tensor
 
 
 @dataclass(frozen=True)
@@ -150,11 +151,14 @@ class Checkpoint:
     Args:
         path: directory with config.json and ``*.safetensors`` (sharded with an index, or single).
         allow_pickle: also accept ``pytorch_model*.bin`` (loaded with ``torch.load(weights_only=True)``).
+        check_finite: refuse a floating-point tensor with NaN or Inf values when it is read (:meth:`get`), naming
+            the file and the tensor: a corrupt or diverged checkpoint must not flow silently into an output.
     """
 
-    def __init__(self, path: Path, *, allow_pickle: bool = False) -> None:
+    def __init__(self, path: Path, *, allow_pickle: bool = False, check_finite: bool = True) -> None:
         self.path = Path(path)
         self.allow_pickle = allow_pickle
+        self.check_finite = check_finite
         self._open_file: Path | None = None
         self._handle: Any = None
         self._pickled: dict[str, torch.Tensor] | None = None
@@ -254,7 +258,7 @@ class Checkpoint:
         if info is None:
             raise SourceError(f"{self.path}: missing tensor {name!r}")
         if info.file.suffix == ".bin":
-            return self._load_pickles()[name].clone()
+            return self._finite(info, self._load_pickles()[name].clone())
         if info.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, which moetool cannot read")
         if self._open_file != info.file:
@@ -270,7 +274,22 @@ class Checkpoint:
             raise SourceError(f"{info.file}: truncated data for tensor {name!r}")
         if not buf:
             return torch.empty(info.shape, dtype=SAFETENSORS_DTYPES[info.dtype][0])
-        return torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[info.dtype][0]).reshape(info.shape)
+        return self._finite(info, torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[info.dtype][0]).reshape(info.shape))
+
+    def _finite(self, info: TensorInfo, t: torch.Tensor) -> torch.Tensor:
+        """``t``, after checking (in bounded chunks) that a floating-point tensor holds no NaN or Inf."""
+        if not self.check_finite or not t.is_floating_point():
+            return t
+        flat = t.reshape(-1)
+        for i in range(0, flat.numel(), FINITE_CHUNK):
+            if not bool(torch.isfinite(flat[i : i + FINITE_CHUNK]).all()):
+                nan = int(torch.isnan(flat).sum())
+                inf = int(torch.isinf(flat).sum())
+                raise CheckpointError(
+                    f"{info.file}: tensor {info.name!r} has {nan:,} NaN and {inf:,} Inf values (of {flat.numel():,}); "
+                    "the checkpoint is corrupt or its training diverged"
+                )
+        return t
 
     def close(self) -> None:
         if self._handle is not None:
