@@ -185,9 +185,9 @@ def requantize_k(src: Path, dst: Path, plan: QuantPlan, threads: int = 0) -> Non
     params.ftype = 7  # MOSTLY_Q8_0: only a label here, every 2-D tensor has an override
     params.pure = True
     params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(Override))
-    from moetool.export.gguf.verify import _quiet_stderr
+    from moetool.export.gguf.verify import quiet_stderr
 
-    with _quiet_stderr():
+    with quiet_stderr():
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise ExportError(f"llama.cpp's quantizer failed on {src} (return code {rc})")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
-from moetool.export.graph.common import GraphPlan
+from moetool.export.graph.common import GraphPlan, onnx_export
 from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
@@ -35,15 +35,12 @@ def export_graphs(model: Any, prefill_path: Path, decode_path: Path) -> None:
     n = model.n_layers
     seq = torch.export.Dim("seq", min=2, max=4096)
     ids = torch.randint(0, 10, (1, 8))
-    torch.onnx.export(
+    onnx_export(
         model,
         prefill_inputs(ids),
-        str(prefill_path),
-        dynamo=True,
-        optimize=True,
-        verbose=False,
-        input_names=["input_ids", "position_ids", "mask"],
-        output_names=["logits", *_names(n, "present")],
+        prefill_path,
+        inputs=["input_ids", "position_ids", "mask"],
+        outputs=["logits", *_names(n, "present")],
         dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
     )
     past_len = torch.export.Dim("past", min=1, max=4095)
@@ -51,15 +48,12 @@ def export_graphs(model: Any, prefill_path: Path, decode_path: Path) -> None:
     past = [torch.zeros(1, model.n_kv, p, model.head_dim) for _ in range(2 * n)]
     args = (ids[:, :1], torch.tensor([[p]]), causal_mask(1, p), *past)
     shapes = (None, None, {3: past_len + 1}, tuple({2: past_len} for _ in past))  # *past is one input
-    torch.onnx.export(
+    onnx_export(
         model,
         args,
-        str(decode_path),
-        dynamo=True,
-        optimize=True,
-        verbose=False,
-        input_names=["input_ids", "position_ids", "mask", *_names(n, "past")],
-        output_names=["logits", *_names(n, "present")],
+        decode_path,
+        inputs=["input_ids", "position_ids", "mask", *_names(n, "past")],
+        outputs=["logits", *_names(n, "present")],
         dynamic_shapes=shapes,
     )
 

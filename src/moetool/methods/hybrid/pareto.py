@@ -56,9 +56,9 @@ class Runners:
         self.runtime = "transformers"
         files = [p.profile["experts"][n].get("file") for n in p.names]
         if all(files):
-            from moetool.export.gguf.verify import quiet_stderr as _quiet_stderr
+            from moetool.export.gguf.verify import quiet_stderr
 
-            self.quiet = _quiet_stderr
+            self.quiet = quiet_stderr
             n_ctx = p.recipe.router.max_length
             threads = int(p.profile.get("threads", 1))
             self.llms = [timing_llama(f, n_ctx, threads) for f in files]

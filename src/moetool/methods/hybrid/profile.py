@@ -154,9 +154,9 @@ def timing_llama(path: Path | str, n_ctx: int, threads: int) -> Any:
     kept, and the weights are read in at load (no mmap page-ins while timing)."""
     import llama_cpp
 
-    from moetool.export.gguf.verify import quiet_stderr as _quiet_stderr
+    from moetool.export.gguf.verify import quiet_stderr
 
-    with _quiet_stderr():
+    with quiet_stderr():
         return llama_cpp.Llama(
             model_path=str(path),
             n_ctx=n_ctx,
@@ -172,13 +172,13 @@ def timing_llama(path: Path | str, n_ctx: int, threads: int) -> Any:
 def warm_llama(llm: Any, vocab: int, length: int, seconds: float = 4.0) -> None:
     """Evaluate for ``seconds`` (3 runs at least) before timing: llama.cpp's first seconds after loading run up to
     ~100x slower than steady state (measured here: 1.7 s vs 15 ms for 32 tokens)."""
-    from moetool.export.gguf.verify import quiet_stderr as _quiet_stderr
+    from moetool.export.gguf.verify import quiet_stderr
 
     ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(1)).tolist()
     t0, runs = time.perf_counter(), 0
     while runs < 3 or time.perf_counter() - t0 < seconds:
         llm.reset()
-        with _quiet_stderr():
+        with quiet_stderr():
             llm.eval(ids)
         runs += 1
 
@@ -196,7 +196,7 @@ def measure_gguf_profile(
     """Time each expert's GGUF in llama.cpp (llama-cpp-python): prefill of L tokens, fresh state each run."""
     import llama_cpp
 
-    from moetool.export.gguf.verify import quiet_stderr as _quiet_stderr
+    from moetool.export.gguf.verify import quiet_stderr
 
     g = torch.Generator().manual_seed(0)
     now = clock(clock_name)
@@ -205,7 +205,7 @@ def measure_gguf_profile(
         llm = timing_llama(path, max(lengths), threads)
 
         def prefill(ids: list[int], llm: Any = llm) -> None:
-            with _quiet_stderr():
+            with quiet_stderr():
                 llm.eval(ids)
 
         def reset(_: list[int], llm: Any = llm) -> None:
@@ -216,7 +216,7 @@ def measure_gguf_profile(
             inputs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
             secs = fastest_in_rounds(inputs, repeats, now, prefill, reset)
         finally:
-            with _quiet_stderr():
+            with quiet_stderr():
                 llm.close()
         out[name] = _expert_entry(lengths, secs) | {"file": str(path)}
     return _profile(
