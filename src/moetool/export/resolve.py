@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool.export.base import TARGETS, Exporter, ExportError, ExportRequest, get_exporter
+from moetool.export.planning import ArtifactPlan
 from moetool.quant.plan import QuantSpec, parse_quant
 
 
@@ -68,7 +69,7 @@ def plan_export(
     verify: bool = True,
     eval_text: str | None = None,
     context: int | None = None,
-) -> tuple[Exporter, ExportRequest, Any]:
+) -> tuple[Exporter[ArtifactPlan], ExportRequest, ArtifactPlan]:
     """(exporter, request, plan) for a standard transformers model in ``model_dir``; writes nothing."""
     target, _ = resolve_target(device, target)
     spec = resolve_quant(Path(model_dir), quant, device)

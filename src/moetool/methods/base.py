@@ -56,7 +56,7 @@ class FunctionExporter:
     def plan(self, req: ExportRequest) -> MethodExportPlan:
         return MethodExportPlan(name=req.model_dir.name, target=self.name, description=self.description)
 
-    def export(self, req: ExportRequest, plan: Any, console: Any = None) -> dict[str, Any]:
+    def export(self, req: ExportRequest, plan: MethodExportPlan, console: Any = None) -> dict[str, Any]:
         from moetool.progress import silent
 
         return self.fn(req, console if console is not None else silent())
@@ -134,7 +134,7 @@ class MethodPlugin:
             return True
         return bool(self.model_types) and config_model_type(model_dir) in self.model_types
 
-    def exporter(self, model_dir: Path, target: str | None) -> Exporter:
+    def exporter(self, model_dir: Path, target: str | None) -> Exporter[MethodExportPlan]:
         """The exporter of this method's output ``model_dir`` for ``target`` (None: the method's default)."""
         if not self.export_targets:
             raise ExportError(f"{model_dir} is a {self.name} model, which has no exporter")

@@ -85,7 +85,6 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-_quiet_stderr = quiet_stderr  # the old name, still imported by export/gguf/write.py
 
 
 def load_llama(path: Path, n_ctx: int, lora_path: Path | None = None) -> Any:

@@ -13,7 +13,7 @@ from rich.console import Console
 from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportRequest, get_exporter
-from moetool.methods.base import FunctionExporter, MethodPlugin, TrainOutcome
+from moetool.methods.base import FunctionExporter, MethodExportPlan, MethodPlugin, TrainOutcome
 from moetool.recipe.base import RecipeBase
 from moetool.recipe.comigs import ComigsRecipe
 
@@ -95,7 +95,7 @@ class ComigsPlugin(MethodPlugin):
         }
         return TrainOutcome(output=output, figures=figures, detail=report)
 
-    def exporter(self, model_dir: Path, target: str | None) -> Exporter:
+    def exporter(self, model_dir: Path, target: str | None) -> Exporter[MethodExportPlan]:
         target = target or "gguf"
         if target not in self.export_targets:
             raise self.refuse_target(model_dir, target)

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 
 from moetool.export.base import Exporter, ExportRequest
-from moetool.methods.base import FunctionExporter, MethodPlugin
+from moetool.methods.base import FunctionExporter, MethodExportPlan, MethodPlugin
 from moetool.recipe.base import RecipeBase
 
 
@@ -47,7 +47,7 @@ class EmbeddingPlugin(MethodPlugin):
             )
         )
 
-    def exporter(self, model_dir: Path, target: str | None) -> Exporter:
+    def exporter(self, model_dir: Path, target: str | None) -> Exporter[MethodExportPlan]:
         target = target or "onnx"
         if target not in self.export_targets:
             raise self.refuse_target(model_dir, target)

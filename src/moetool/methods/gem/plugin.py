@@ -11,7 +11,7 @@ from rich.console import Console
 from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportError, ExportRequest
-from moetool.methods.base import FunctionExporter, MethodPlugin
+from moetool.methods.base import FunctionExporter, MethodExportPlan, MethodPlugin
 from moetool.recipe.base import RecipeBase
 
 TOKEN_TARGETS = ("onnx", "tflite")
@@ -70,7 +70,7 @@ class GemPlugin(MethodPlugin):
             )
         )
 
-    def exporter(self, model_dir: Path, target: str | None) -> Exporter:
+    def exporter(self, model_dir: Path, target: str | None) -> Exporter[MethodExportPlan]:
         if (model_dir / "gem.json").is_file():
             target = target or "gguf"
             if target not in registry.TARGETS:

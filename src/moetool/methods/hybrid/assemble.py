@@ -20,10 +20,11 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
+from moetool.methods.hybrid.pareto import train_recipe_router
 from moetool.methods.hybrid.pipeline import Prepared, prepare
 from moetool.methods.hybrid.profile import PROFILE_FILE
 from moetool.methods.hybrid.router import HybridRouter, router_param_count
-from moetool.methods.hybrid.training import evaluate_choice, oracle_choice, route, soft_nll, train_router
+from moetool.methods.hybrid.training import evaluate_choice, oracle_choice, route, soft_nll
 from moetool.recipe.hybrid import HybridRecipe
 
 HYBRID_JSON = "hybrid.json"
@@ -102,17 +103,7 @@ class HybridAssembler:
         check_output(Path(output), force=force)
         p = prepare(r, recipe_dir, console)
         console.print(f"training the router ({p.layout.width} features, {r.train.epochs} epochs)")
-        res = train_router(
-            p.train,
-            costly=p.costly,
-            loss=r.loss,
-            hidden=r.router.hidden_size,
-            utility_head=r.router.utility_head,
-            epochs=r.train.epochs,
-            batch_size=r.train.batch_size,
-            lr=r.train.learning_rate,
-            seed=r.train.seed,
-        )
+        res = train_recipe_router(p, r.loss)
         report = held_out_report(p, res.router)
         for name, row in report["rows"].items():
             console.print(

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from moetool import registry
 from moetool.export.base import Exporter, ExportRequest
-from moetool.methods.base import FunctionExporter, MethodPlugin
+from moetool.methods.base import FunctionExporter, MethodExportPlan, MethodPlugin
 from moetool.recipe.base import RecipeBase
 
 
@@ -49,7 +49,7 @@ class HybridPlugin(MethodPlugin):
             )
         )
 
-    def exporter(self, model_dir: Path, target: str | None) -> Exporter:
+    def exporter(self, model_dir: Path, target: str | None) -> Exporter[MethodExportPlan]:
         target = target or "gguf"
         if target not in self.export_targets:
             raise self.refuse_target(model_dir, target)
