@@ -609,6 +609,21 @@ def test_export_output_must_not_touch_the_model(env, refused, where):
 
 
 @pytest.mark.xfail(
+    strict=True,
+    reason=WIRING + "methods/mofe/planner.py _tokenizer_signature: read tokenizer files with io.safe.read_json first",
+)
+@pytest.mark.parametrize("command", ["merge-dry", "merge"])
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("role", ["e1", "base"])
+def test_malformed_tokenizer_file(env, refused, role, name, command):
+    (env.models[role] / name).write_text("{")
+    r = env.recipe(good(env))
+    refused(
+        COMMANDS[command](env, r), [str(env.models[role] / name)], inputs=[r, *env.models.values()], sandbox=env.root
+    )
+
+
+@pytest.mark.xfail(
     strict=True, reason=WIRING + "export: check_finished_model_dir(model_dir) (refuse a killed merge's temp dir)"
 )
 def test_export_refuses_a_moetool_temp_dir(env, refused):
