@@ -19,19 +19,19 @@ import os
 # Mamba prefill took 140 ms of CPU after a few torch matmuls vs 4 ms before. PASSIVE must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import dataclasses
+import json
+from pathlib import Path
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
+import torch
+from rich.console import Console
 
-from moetool.methods.hybrid.pareto import sweep, table, write_sweep  # noqa: E402
-from moetool.methods.hybrid.pipeline import load_experts, prepare  # noqa: E402
-from moetool.methods.hybrid.profile import cost_ms, costly_expert, measure_gguf_profile, measure_profile  # noqa: E402
-from moetool.methods.hybrid.zoo_mamba import build_zoo_mamba  # noqa: E402
-from moetool.recipe import load_recipe  # noqa: E402
+from moetool.methods.hybrid.pareto import sweep, table, write_sweep
+from moetool.methods.hybrid.pipeline import load_experts, prepare
+from moetool.methods.hybrid.profile import cost_ms, costly_expert, measure_gguf_profile, measure_profile
+from moetool.methods.hybrid.zoo_mamba import build_zoo_mamba
+from moetool.recipe import load_recipe
 
 
 def gguf_profile(recipe, recipe_dir: Path, out: Path, console: Console) -> Path:

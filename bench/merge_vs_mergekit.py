@@ -136,7 +136,7 @@ print(wall, usage.ru_maxrss / 1024)
 
 def run(cmd: list[str]) -> tuple[float, float]:
     """Wall seconds and the command's peak RSS in MB."""
-    res = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, *cmd], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, *cmd], capture_output=True, text=True, check=False)
     if res.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr}")
     wall, rss = res.stdout.split()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -34,7 +35,7 @@ def main() -> int:
     ml = ct.models.MLModel(f"{args.export_dir}/model.mlpackage")
     hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(args.model_dir)
-    text = open(args.text).read() if args.text else "def main():\n    return 42\n" * 40
+    text = Path(args.text).read_text() if args.text else "def main():\n    return 42\n" * 40
     ids = tok(text).input_ids[:128]
     worst = 0.0
     agree = total = 0

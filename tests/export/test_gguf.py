@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import gguf
-import llama_cpp  # noqa: E402,F401  (the dev extra installs it; a missing runtime must fail, not skip)
+import llama_cpp  # noqa: F401  (the dev extra installs it; a missing runtime must fail, not skip)
 import numpy as np
 import pytest
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import llama_cpp  # noqa: E402,F401  (the dev extra installs it; a missing runtime must fail, not skip)
+import llama_cpp  # noqa: F401  (the dev extra installs it; a missing runtime must fail, not skip)
 import pytest
 import torch
 from safetensors.torch import save_file

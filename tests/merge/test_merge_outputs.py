@@ -85,7 +85,7 @@ def test_model_card_and_provenance(merged):
 
 
 def test_inspect(merged):
-    m, out = merged
+    _m, out = merged
     info = inspect_model(out)
     assert info["architecture"] == "MixtralForCausalLM"
     assert info["num_experts"] == 3 and info["experts_per_token"] == 2

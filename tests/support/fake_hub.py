@@ -61,7 +61,7 @@ class FakeHub:
     # ------------------------------------------------------------------------------------------- routes
     # each returns (status, JSON body, extra headers)
 
-    def handle(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any], dict[str, str]]:
+    def handle(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any], dict[str, str]]:  # noqa: PLR0911  (one return per Hub endpoint)
         parts = [unquote(p) for p in path.strip("/").split("/")]
         if parts[:2] == ["api", "validate-yaml"] and method == "POST":
             return self._validate_yaml(json.loads(body))

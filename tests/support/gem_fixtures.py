@@ -8,9 +8,47 @@ from pathlib import Path
 from conftest import save_dense
 
 WORDS = {
-    "code": "def return import class self print for while lambda yield os path join list dict".split(),
-    "legal": "licence hereby granted warranty liability copyright permission software notice terms".split(),
-    "medical": "fracture femur bronchitis diabetes acute chronic cholera kidney virus encounter".split(),
+    "code": [
+        "def",
+        "return",
+        "import",
+        "class",
+        "self",
+        "print",
+        "for",
+        "while",
+        "lambda",
+        "yield",
+        "os",
+        "path",
+        "join",
+        "list",
+        "dict",
+    ],
+    "legal": [
+        "licence",
+        "hereby",
+        "granted",
+        "warranty",
+        "liability",
+        "copyright",
+        "permission",
+        "software",
+        "notice",
+        "terms",
+    ],
+    "medical": [
+        "fracture",
+        "femur",
+        "bronchitis",
+        "diabetes",
+        "acute",
+        "chronic",
+        "cholera",
+        "kidney",
+        "virus",
+        "encounter",
+    ],
 }
 
 

@@ -19,7 +19,7 @@ def _all_tensors(path):
     out = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}
+            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118  (a safetensors handle, not a dict)
     return out
 
 

@@ -68,10 +68,12 @@ def inspect(
     t = Table(title=str(model), show_header=False)
     for k, v in info.items():
         if k in ("total_params", "active_params_per_token"):
-            v = f"{v:,}"
+            shown = f"{v:,}"
         elif k == "size_on_disk_bytes":
-            v = human(v)
-        t.add_row(k, str(v))
+            shown = human(v)
+        else:
+            shown = str(v)
+        t.add_row(k, shown)
     out.print(t)
 
 

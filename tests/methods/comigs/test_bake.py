@@ -46,7 +46,7 @@ def test_bake_parity(trained, tmp_path, user):
 
 
 def test_bake_averaged_baseline(trained, tmp_path):
-    base, fed = trained
+    _base, fed = trained
     r = variant_recipe(fed.recipe, "fedavg")
     c = run_inprocess(prepare(r.model_copy(update={"users": r.users[:1]}), data=user_data(1)), rounds=1).clients[0]
     report = bake(c.model, tmp_path / "mix", ids=c.data.test[:24].reshape(2, 12))

@@ -33,6 +33,7 @@ def test_flower_client_and_simulation(tmp_path):
             str(tmp_path / "r.yaml"),
             str(tmp_path / "out"),
         ],
+        check=False,
         capture_output=True,
         text=True,
         timeout=240,

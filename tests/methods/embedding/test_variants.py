@@ -23,7 +23,7 @@ CASES = {
 
 def make(name: str, **kw: object) -> RoutedEmbedding:
     torch.manual_seed(0)
-    variant = name.split("-")[0]
+    variant = name.split("-", maxsplit=1)[0]
     args = {"n_experts": 4, "top_k": 4} | CASES[name] | kw
     cfg = EmbeddingConfig(
         variant=variant,

@@ -41,7 +41,7 @@ def _load(out: Path):
 
 
 def test_assembly_report_and_reload(built):
-    paths, recipe, out = built
+    paths, _recipe, out = built
     rep = json.loads((out / "gem-report.json").read_text())
     assert rep["assembly_parity"] == {"general": 0.0, "code": 0.0, "legal": 0.0, "medical": 0.0}
     assert rep["router_training"]["frozen_unchanged"] > 0

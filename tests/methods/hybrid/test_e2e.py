@@ -113,7 +113,7 @@ def test_router_export_parity_and_dispatcher(built, tmp_path):
     par = m["router"]["parity"]
     assert par["requests"] == 64 and par["max_abs_score_diff"] < 1e-5 and par["choice_agreement"] == 1.0
     # the router graph alone, fed by hand: same choice as the PyTorch router on the same request
-    meta, router = read_model(built["model"])
+    _meta, router = read_model(built["model"])
     sess = ort.InferenceSession(str(tmp_path / "export" / "router.onnx"), providers=["CPUExecutionProvider"])
     ids = [1, 17, 40, 99, 5, 250, 33]
     scores, choice = sess.run(None, {"input_ids": np.array([ids]), "domain": np.array([[0, 1]], dtype=np.float32)})

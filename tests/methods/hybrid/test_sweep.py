@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from moetool.methods.hybrid.training import RoutingSet, evaluate_choice, oracle_choice, route, train_router
@@ -34,7 +36,7 @@ def _share(data: RoutingSet, **loss) -> tuple[float, float]:
 def test_raising_lambda2_lowers_costly_share_monotonically():
     data = synthetic()
     shares = [_share(data, lambda_penalty=lam)[0] for lam in (0.0, 0.5, 2.0, 8.0)]
-    assert all(a >= b for a, b in zip(shares, shares[1:], strict=False)), shares
+    assert all(a >= b for a, b in itertools.pairwise(shares)), shares
     assert shares[0] > 0.4 and shares[-1] < 0.1, shares  # from ~the oracle's half to almost none
     oracle = evaluate_choice(data, oracle_choice(data, COSTLY), COSTLY)
     assert abs(oracle["costly_share"] - 0.5) < 0.06  # gain > 0 exactly for length < 0.5
@@ -82,5 +84,5 @@ def test_utility_head_learns_the_costly_experts_gain():
         )["costly_share"]
         for tau in (-0.5, 0.0, 0.5, 1.0)
     ]
-    assert all(a >= b for a, b in zip(shares, shares[1:], strict=False)) and shares[0] > shares[-1], shares
+    assert all(a >= b for a, b in itertools.pairwise(shares)) and shares[0] > shares[-1], shares
     assert abs(shares[1] - 0.5) < 0.1  # tau = 0 is the oracle's split (gain > 0)

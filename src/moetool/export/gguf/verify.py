@@ -85,8 +85,6 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-
-
 def load_llama(path: Path, n_ctx: int, lora_path: Path | None = None) -> Any:
     try:
         from llama_cpp import Llama

@@ -147,9 +147,9 @@ def shared_names(model: ComigsForCausalLM, recipe: ComigsRecipe) -> list[str]:
         return []
     out = []
     for name, _ in model.named_parameters():
-        if ".mlp.experts." in name and int(name.split(".mlp.experts.")[1].split(".")[0]) < n_gen:
-            out.append(name)
-        elif recipe.lora.share_attention and ".self_attn." in name and name.endswith((".lora_A", ".lora_B")):
+        if (".mlp.experts." in name and int(name.split(".mlp.experts.")[1].split(".")[0]) < n_gen) or (
+            recipe.lora.share_attention and ".self_attn." in name and name.endswith((".lora_A", ".lora_B"))
+        ):
             out.append(name)
     return out
 

@@ -209,9 +209,9 @@ class ComigsForCausalLM(PreTrainedModel, GenerationMixin):
 
     config_class = ComigsConfig
     base_model_prefix = "lm"
-    _no_split_modules: list[str] = []
+    _no_split_modules: list[str] = []  # noqa: RUF012  (transformers declares these per instance)
     # applied only when the config says tie_word_embeddings (copied from the base config)
-    _tied_weights_keys = {"lm.lm_head.weight": "lm.model.embed_tokens.weight"}
+    _tied_weights_keys = {"lm.lm_head.weight": "lm.model.embed_tokens.weight"}  # noqa: RUF012  (transformers declares these per instance)
 
     def __init__(self, config: ComigsConfig) -> None:
         super().__init__(config)

@@ -55,7 +55,7 @@ def step0_check(model: Any, old: torch.Tensor, ids: torch.Tensor) -> dict[str, f
     from moetool.methods.embedding.router import causal_mask
 
     cfg = model.embed.cfg
-    table, proj, r = svd_seed(old, cfg.seed_dim, on_layernorm_sphere=cfg.variant == "generative")
+    _table, _proj, r = svd_seed(old, cfg.seed_dim, on_layernorm_sphere=cfg.variant == "generative")
     u, s, vh = torch.linalg.svd(old.double(), full_matrices=False)
     approx = ((u[:, :r] * s[:r]) @ vh[:r]).float()
     b, t = ids.shape
@@ -150,7 +150,7 @@ class EmbeddingAssembler:
         output = Path(output)
         check_output(output, force=force)  # before any work, not only at the final move
         torch.manual_seed(recipe.train.seed)
-        log = (lambda m: console.print(m)) if console is not None else None
+        log = (console.print) if console is not None else None
         src, source, tok = load_source_model(recipe.model, recipe_dir)
         old = source.get_input_embeddings().weight.detach().float().clone()
         try:

@@ -81,10 +81,8 @@ class ExportRoutedLM(nn.Module):
             x, k, v = block(x, cos, sin, mask, bpast[2 * i] if bpast else None, bpast[2 * i + 1] if bpast else None)
             present += [k, v]
         h = core.norm(x)
-        if self.tied:  # the seed table through the projection, never materialised as V×D
-            logits = (h @ self.embed.proj.weight) @ self.embed.table.weight.T
-        else:
-            logits = core.lm_head(h)
+        # tied: the seed table through the projection, never materialised as V×D
+        logits = (h @ self.embed.proj.weight) @ self.embed.table.weight.T if self.tied else core.lm_head(h)
         return (logits, *present)
 
     def past_names(self, kind: str) -> list[str]:

@@ -65,7 +65,7 @@ class DecodeState:
 class RoutedEmbeddingForCausalLM(PreTrainedModel):
     config_class = RoutedEmbeddingConfig
     base_model_prefix = "body"
-    _no_split_modules: list[str] = []
+    _no_split_modules: list[str] = []  # noqa: RUF012  (transformers declares these per instance)
 
     def __init__(self, config: RoutedEmbeddingConfig) -> None:
         super().__init__(config)

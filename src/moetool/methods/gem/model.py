@@ -157,7 +157,7 @@ class GemModel(LlamaPreTrainedModel):
 
 class GemForCausalLM(LlamaPreTrainedModel):
     config_class = GemConfig
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # noqa: RUF012  (transformers declares these per instance)
 
     def __init__(self, config: GemConfig) -> None:
         super().__init__(config)

@@ -67,7 +67,7 @@ def resolve_pathways(recipe: GemRecipe, recipe_dir: Path | None) -> Pathways:
     warnings: list[str] = []
     for i, d in enumerate(recipe.domains):
         cfg = cfgs[d.name]
-        for key in FOUNDATION_KEYS + ("intermediate_size",):
+        for key in (*FOUNDATION_KEYS, "intermediate_size"):
             if cfg.get(key) != base.get(key):
                 problems.append(
                     f"domains.{i}.source: {key} is {cfg.get(key)!r} but the general model has "

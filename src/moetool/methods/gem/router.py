@@ -134,8 +134,8 @@ def held_out_probs(
     """P(d|x) on held-out windows: (probs [N, n], true domain [N]); N tokens (token level) or windows (sequence)."""
     body = seq_len - (1 if bos_id is not None else 0)
     probs, labels = [], []
-    for d, ids in enumerate(valid.values()):
-        ids = ids[:max_tokens]
+    for d, stream in enumerate(valid.values()):
+        ids = stream[:max_tokens]
         for s in range(0, len(ids) - body + 1, body):
             w = ids[s : s + body]
             if bos_id is not None:

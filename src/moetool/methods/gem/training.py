@@ -35,8 +35,8 @@ def held_out_ppl(
     out = {}
     body = seq_len - (1 if bos is not None else 0)
     with torch.no_grad():
-        for d, ids in valid.items():
-            ids = ids[:tokens]
+        for d, stream in valid.items():
+            ids = stream[:tokens]
             nll, n = 0.0, 0
             for s in range(0, len(ids) - body + 1, body):
                 w = ids[s : s + body]

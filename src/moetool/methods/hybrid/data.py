@@ -52,7 +52,7 @@ def sample_requests(
         if stream.numel() < max_length:
             raise ValueError(f"domain {d}: {stream.numel()} tokens is fewer than max_length {max_length}")
         for _ in range(per_domain):
-            n = int(round(math.exp(lo + (hi - lo) * float(torch.rand((), generator=g)))))
+            n = round(math.exp(lo + (hi - lo) * float(torch.rand((), generator=g))))
             n = min(max(n, min_length), max_length)
             start = int(torch.randint(0, stream.numel() - n + 2, (), generator=g))
             body = stream[start : start + n - 1]

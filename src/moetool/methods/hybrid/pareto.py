@@ -241,7 +241,7 @@ def sweep(
         parameter,
         baselines,
         rows,
-        timed_requests=int(len(idx)) if measure else 0,
+        timed_requests=len(idx) if measure else 0,
         timing={"repeats": repeats, "threads": threads, "clock": _CLOCK[0], "tolerance": tolerance},
         runtime=run.runtime if measure and run is not None else None,
     )
