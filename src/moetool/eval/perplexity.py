@@ -21,7 +21,8 @@ ModelSpec = str | Path | tuple[Any, Any]
 
 def _model_device(model: Any) -> torch.device:
     try:
-        return next(model.parameters()).device
+        result: torch.device = next(model.parameters()).device
+        return result
     except (AttributeError, StopIteration, TypeError):
         return torch.device("cpu")
 

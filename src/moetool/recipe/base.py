@@ -48,7 +48,8 @@ class RecipeBase(StrictModel):
         """The YAML the recipe was read from, or a dump of it when built in Python."""
         if self._text is not None:
             return self._text
-        return yaml.safe_dump(self.model_dump(mode="json", exclude_unset=True), sort_keys=False)
+        result: str = yaml.safe_dump(self.model_dump(mode="json", exclude_unset=True), sort_keys=False)
+        return result
 
 
 __all__ = ["RecipeBase", "StrictModel"]

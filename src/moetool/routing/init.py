@@ -16,7 +16,8 @@ PromptSet = tuple[Sequence[str], Sequence[str]]  # (positive, negative)
 
 def normalise_rows(v: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """L2-normalise the last dimension. ``v``: ``[..., H]``."""
-    return v / v.norm(dim=-1, keepdim=True).clamp_min(eps)
+    result: torch.Tensor = v / v.norm(dim=-1, keepdim=True).clamp_min(eps)
+    return result
 
 
 def _prompt_texts(tokenizer: Any, prompts: Sequence[str], chat_template: bool) -> list[str]:
@@ -155,7 +156,8 @@ def random_gates(num_layers: int, num_experts: int, hidden: int, *, seed: int) -
         ``[L, E, H]`` float32.
     """
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(num_layers, num_experts, hidden, generator=g) / hidden**0.5
+    result: torch.Tensor = torch.randn(num_layers, num_experts, hidden, generator=g) / hidden**0.5
+    return result
 
 
 def warn_degenerate(gates: torch.Tensor, threshold: float = 0.98) -> None:

@@ -170,7 +170,7 @@ def requantize_k(src: Path, dst: Path, plan: QuantPlan, threads: int = 0) -> Non
             "K-quant types (q2_k … q6_k) need llama.cpp's quantizer: pip install 'moetool[llama]' "
             "(builds llama-cpp-python), or choose a plan of f16/bf16/q8_0/q5_x/q4_x types"
         ) from None
-    Override = llama_cpp.llama_model_tensor_override  # type: ignore[attr-defined]
+    Override = llama_cpp.llama_model_tensor_override
     names = [(a.entry.out_name or a.entry.hf_name, a.type) for a in plan.assignments if len(a.entry.shape) >= 2]
     arr = (Override * (len(names) + 1))()
     keep: list[bytes] = []

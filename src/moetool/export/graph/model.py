@@ -53,7 +53,8 @@ class GatedMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = linear(gate), linear(up), linear(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        result: torch.Tensor = self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return result
 
 
 class DenseMaskedMoE(nn.Module):

@@ -209,7 +209,8 @@ def load_user(model: Path) -> ComigsForCausalLM:
     m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
     if not isinstance(m, ComigsForCausalLM):
         raise MoetoolError(f"{model}: model_type is {m.config.model_type!r}, not moetool_comigs")
-    return m.eval()
+    result: ComigsForCausalLM = m.eval()
+    return result
 
 
 # the parity probe of a bake: code, licence and plain English, so every expert's tokens occur

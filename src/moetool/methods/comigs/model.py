@@ -172,7 +172,8 @@ class ComigsMoE(nn.Module):
         assert isinstance(e, LoRAExpert)
         act = self.base.act_fn
         h = act(gate + self._lora(x, e, "gate_proj")) * (up + self._lora(x, e, "up_proj"))
-        return self.base.down_proj(h) + self._lora(h, e, "down_proj")
+        result: torch.Tensor = self.base.down_proj(h) + self._lora(h, e, "down_proj")
+        return result
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         """Dense routing weights ``[N, n]`` (zero for unchosen experts) for ``x [N, D]``."""
@@ -243,10 +244,12 @@ class ComigsForCausalLM(PreTrainedModel, GenerationMixin):
         return [layer.mlp for layer in self.lm.model.layers]
 
     def get_input_embeddings(self) -> nn.Module:
-        return self.lm.get_input_embeddings()
+        result: torch.nn.Module = self.lm.get_input_embeddings()
+        return result
 
     def get_output_embeddings(self) -> nn.Module:
-        return self.lm.get_output_embeddings()
+        result: torch.nn.Module = self.lm.get_output_embeddings()
+        return result
 
     def router_logits(self) -> list[torch.Tensor]:
         """``[T, n]`` per layer from the last forward (empty without routers)."""

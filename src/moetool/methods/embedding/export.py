@@ -180,7 +180,8 @@ class PrefillLogits(nn.Module):
         self.em = em
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.em(input_ids, position_ids, mask)[0]
+        result: torch.Tensor = self.em(input_ids, position_ids, mask)[0]
+        return result
 
 
 def export_coreml(model: Any, tok: Any, text: str, out_dir: Path, *, text_source: str) -> dict[str, Any]:

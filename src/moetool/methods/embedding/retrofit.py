@@ -164,7 +164,8 @@ def _phase(
             loss = aux["total"]
         if s.distill_weight:
             loss = loss + s.distill_weight * (h - teacher[ids]).pow(2).sum(-1).mean() / norm
-        return loss
+        result: torch.Tensor = loss
+        return result
 
     def after_step(i: int, loss: float) -> None:
         if (offset + i + 1) % s.log_every == 0:

@@ -132,7 +132,8 @@ class RoutedEmbedding(nn.Module):
         e = self.table(input_ids)
         if self.cfg.variant == "selection":
             return self._pool(e)
-        return e
+        result: torch.Tensor = e
+        return result
 
     def _pool(self, x: torch.Tensor) -> torch.Tensor:
         """Average pooling of the last axis in groups: [..., pool_dim] → [..., seed_dim]."""

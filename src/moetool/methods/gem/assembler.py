@@ -140,7 +140,8 @@ def _probe(streams: dict[str, tuple[torch.Tensor, torch.Tensor]], bos: int | Non
 
 def _recipe_yaml(recipe: GemRecipe) -> str:
     """The validated recipe (defaults filled in); ``moetool gem eval`` reads the domains' held-out text from it."""
-    return yaml.safe_dump(recipe.model_dump(mode="json", exclude_none=True), sort_keys=False)
+    result: str = yaml.safe_dump(recipe.model_dump(mode="json", exclude_none=True), sort_keys=False)
+    return result
 
 
 def _meta(recipe: GemRecipe, pw: Pathways) -> dict[str, Any]:

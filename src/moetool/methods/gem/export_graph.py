@@ -95,11 +95,13 @@ class GemGraph(nn.Module):
         x = x + attend(layer.attn, q, k, v, self._mask(i, h, mask))
         h = layer.ffn_norm(x)
         if w is None:
-            return x + layer.mlp(h)
+            result: torch.Tensor = x + layer.mlp(h)
+            return result
         out = w[..., 0:1] * layer.mlp(h)
         for p, ffn in enumerate(layer.pathways):
             out = out + w[..., p + 1 : p + 2] * ffn(h)
-        return x + out
+        mixed: torch.Tensor = x + out
+        return mixed
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor

@@ -76,7 +76,8 @@ class GemMLP(LlamaMLP):
         """x [B, T, D], route [B, T] (0 general, d+1 pathway d; None: all general) → [B, T, D]."""
         general = super().forward
         if route is None:
-            return general(x)
+            result: torch.Tensor = general(x)
+            return result
         flat, r = x.reshape(-1, x.shape[-1]), route.reshape(-1)
         out = torch.zeros_like(flat)
         for p, fn in enumerate([general, *self.pathways]):
@@ -122,7 +123,8 @@ class GemModel(LlamaPreTrainedModel):
             mask = scar_mask(assign_clusters(h, self.scar_centroids[i]), dtype=h.dtype)
         a, _ = layer.self_attn(hidden_states=h, position_embeddings=pe, attention_mask=mask)
         x = x + a
-        return x + layer.mlp(layer.post_attention_layernorm(x), route)
+        result: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x), route)
+        return result
 
     def encode(self, x: torch.Tensor, pe: Any, causal: torch.Tensor) -> torch.Tensor:
         """Router features e [B, T, D]: the general model's first ``encoder_layers`` layers, RMS-normalised."""
@@ -167,7 +169,8 @@ class GemForCausalLM(LlamaPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
-        return self.model.embed_tokens
+        result: torch.nn.Module = self.model.embed_tokens
+        return result
 
     def forward(
         self,

@@ -70,7 +70,8 @@ def fake_quant(w: torch.Tensor, bits: int, block: int = BLOCK) -> torch.Tensor:
     qmax = 2 ** (bits - 1) - 1
     scale = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-12) / qmax
     q = (blocks / scale).round().clamp(-qmax - 1, qmax) * scale
-    return q.reshape(flat.shape)[:, : w.shape[-1]].reshape(w.shape)
+    result: torch.Tensor = q.reshape(flat.shape)[:, : w.shape[-1]].reshape(w.shape)
+    return result
 
 
 def quant_penalty(params: dict[str, nn.Parameter], bits: dict[str, int]) -> torch.Tensor:

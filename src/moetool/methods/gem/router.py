@@ -73,7 +73,8 @@ def domain_streams(
 
 def _logits(router: nn.Linear, e: torch.Tensor, pool: bool) -> torch.Tensor:
     """Token level [B, T, n]; sequence level the mean-pooled [B, n]."""
-    return router(e.mean(1) if pool else e)
+    result: torch.Tensor = router(e.mean(1) if pool else e)
+    return result
 
 
 def train_router(

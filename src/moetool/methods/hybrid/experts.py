@@ -58,7 +58,8 @@ class Expert:
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` → ``[B, T, V]`` float32 logits (right padding is harmless: every expert is causal)."""
         with self._context():
-            return self.model(input_ids=input_ids).logits.float()
+            result: torch.Tensor = self.model(input_ids=input_ids).logits.float()
+            return result
 
     @torch.inference_mode()
     def token_logp(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -70,12 +71,14 @@ class Expert:
     def encode(self, input_ids: torch.Tensor, layers: int = 0) -> torch.Tensor:
         """The cheap encoder: ``[B, T]`` → ``[B, T, H]`` token embeddings, or the hidden state after ``layers``."""
         if layers == 0:
-            return self.model.get_input_embeddings()(input_ids).float()
+            result: torch.Tensor = self.model.get_input_embeddings()(input_ids).float()
+            return result
         with self._context():
             out = self.model(input_ids=input_ids, output_hidden_states=True)
         if layers >= len(out.hidden_states):
             raise MoetoolError(f"router.encoder_layers: {layers} but {self.name} has {len(out.hidden_states) - 1}")
-        return out.hidden_states[layers].float()
+        hidden: torch.Tensor = out.hidden_states[layers].float()
+        return hidden
 
 
 def load_expert(name: str, source: str, *, relative_to: Path | None = None) -> Expert:

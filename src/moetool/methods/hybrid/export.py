@@ -67,7 +67,8 @@ class FeatureRouterGraph(nn.Module):
 
 def self_contained(meta: dict[str, Any]) -> bool:
     rc = meta["router"]
-    return rc["granularity"] == "sequence" and rc["encoder_layers"] == 0 and rc["decision"] == "argmax"
+    result: bool = rc["granularity"] == "sequence" and rc["encoder_layers"] == 0 and rc["decision"] == "argmax"
+    return result
 
 
 def encoder_embedding(meta: dict[str, Any]) -> torch.Tensor | None:

@@ -44,7 +44,8 @@ def _time(fn: Any, repeats: int) -> float:
         t0 = now()
         fn()
         times.append(now() - t0)
-    return min(times)
+    result: float = min(times)
+    return result
 
 
 class Runners:

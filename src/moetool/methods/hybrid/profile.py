@@ -81,7 +81,8 @@ def time_forward(model: Any, input_ids: torch.Tensor, repeats: int, clock_name: 
             t0 = now()
             model(input_ids=input_ids)
             times.append(now() - t0)
-    return min(times)
+    result: float = min(times)
+    return result
 
 
 def fastest_in_rounds(
