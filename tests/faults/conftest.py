@@ -19,12 +19,12 @@ from moetool.cli import app
 def tree_digest(paths: Iterable[Path]) -> dict[str, str]:
     """sha256 of every file under ``paths`` (files or directories), keyed by path; symlinks by their target text."""
     out: dict[str, str] = {}
-    for root in paths:
-        root = Path(root)
+    for given in paths:
+        root = Path(given)
         if not root.exists() and not root.is_symlink():
             out[str(root)] = "<absent>"
             continue
-        files = [root] if not root.is_dir() else sorted(p for p in root.rglob("*"))
+        files = [root] if not root.is_dir() else sorted(root.rglob("*"))
         for p in files:
             if p.is_symlink():
                 out[str(p)] = "link:" + str(p.readlink())

@@ -285,9 +285,9 @@ def test_bad_recipe(env, refused, command, case, edit, expected):
 
 def test_recipe_file_missing_or_a_directory(env, refused):
     for path in (env.work / "nope.yaml", env.models["e1"]):
-        for command in COMMANDS:
+        for command in COMMANDS.values():
             refused(
-                COMMANDS[command](env, path),
+                command(env, path),
                 [str(path), "cannot read recipe" if path.name == "nope.yaml" else "is a directory"],
                 inputs=list(env.models.values()),
                 sandbox=env.root,

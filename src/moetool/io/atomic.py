@@ -13,8 +13,10 @@ Crash safety:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import functools
 import os
 import re
 import secrets
@@ -73,10 +75,7 @@ def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        path.unlink(missing_ok=True)
 
 
 def sweep_leftovers(out: Path) -> list[Path]:
@@ -247,45 +246,47 @@ def check_finished_model_dir(path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # signals and the swap
 
-_depth = 0
-_depth_lock = threading.Lock()
-_saved: dict[int, Any] = {}
-_HANDLED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
+
+class _Handlers:
+    """SIGTERM/SIGHUP handlers installed while at least one atomic write is in progress (main thread only)."""
+
+    signals = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.lock = threading.Lock()
+        self.saved: dict[int, Any] = {}
+
+    @staticmethod
+    def _on_terminate(signum: int, frame: FrameType | None) -> None:
+        raise Terminated(f"terminated by {signal.Signals(signum).name}")
+
+    def install(self) -> None:
+        with self.lock:
+            self.depth += 1
+            if self.depth > 1 or threading.current_thread() is not threading.main_thread():
+                return
+            for s in self.signals:
+                with contextlib.suppress(ValueError, OSError):
+                    prev = signal.getsignal(s)
+                    if prev == signal.SIG_IGN:  # e.g. under nohup: keep ignoring
+                        continue
+                    self.saved[s] = prev
+                    signal.signal(s, self._on_terminate)
+
+    def restore(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth > 0 or threading.current_thread() is not threading.main_thread():
+                return
+            for s, prev in self.saved.items():
+                with contextlib.suppress(ValueError, OSError):
+                    signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+            self.saved.clear()
 
 
-def _on_terminate(signum: int, frame: FrameType | None) -> None:
-    raise Terminated(f"terminated by {signal.Signals(signum).name}")
-
-
-def _install_handlers() -> None:
-    global _depth
-    with _depth_lock:
-        _depth += 1
-        if _depth > 1 or threading.current_thread() is not threading.main_thread():
-            return
-        for s in _HANDLED:
-            try:
-                prev = signal.getsignal(s)
-                if prev in (signal.SIG_IGN,):  # e.g. nohup: keep ignoring
-                    continue
-                _saved[s] = prev
-                signal.signal(s, _on_terminate)
-            except (ValueError, OSError):
-                pass
-
-
-def _restore_handlers() -> None:
-    global _depth
-    with _depth_lock:
-        _depth -= 1
-        if _depth > 0 or threading.current_thread() is not threading.main_thread():
-            return
-        for s, prev in list(_saved.items()):
-            try:
-                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
-            except (ValueError, OSError):
-                pass
-        _saved.clear()
+_handlers = _Handlers()
+_HANDLED = _Handlers.signals
 
 
 @contextmanager
@@ -304,7 +305,18 @@ def _signals_blocked() -> Iterator[None]:
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-_renameat2: Any = None
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """glibc's ``renameat2``, or None (another C library, or glibc < 2.28)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def exchange(a: Path, b: Path) -> bool:
@@ -312,22 +324,10 @@ def exchange(a: Path, b: Path) -> bool:
 
     Returns False where the call is not available (other systems, old C libraries, filesystems without it).
     """
-    global _renameat2
-    if not sys.platform.startswith("linux"):
+    fn = _renameat2() if sys.platform.startswith("linux") else None
+    if fn is None:
         return False
-    if _renameat2 is None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.renameat2
-            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            _renameat2 = fn
-        except (OSError, AttributeError):
-            _renameat2 = False
-    if _renameat2 is False:
-        return False
-    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
@@ -380,7 +380,7 @@ def atomic_dir(out: Path, *, force: bool) -> Iterator[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputPathError(f"output {out}: cannot create {out.parent}: {exc.strerror or exc}") from None
-    _install_handlers()
+    _handlers.install()
     garbage: Path | None = None
     try:
         try:
@@ -399,7 +399,7 @@ def atomic_dir(out: Path, *, force: bool) -> Iterator[Path]:
             if garbage is not None:
                 _remove(garbage)
         finally:
-            _restore_handlers()
+            _handlers.restore()
 
 
 __all__ = [
