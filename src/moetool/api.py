@@ -21,14 +21,21 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from moetool.errors import MoetoolError
-from moetool.export.base import Exporter, ExportRequest
+from moetool.eval.report import evaluate as run
+from moetool.export.base import Exporter, ExportError, ExportRequest
+from moetool.export.gguf.lora import export_adapter, is_adapter
+from moetool.export.resolve import plan_export as plan_standard
+from moetool.io.atomic import check_output
+from moetool.io.sources import resolve_source
 from moetool.methods import get_plugin, plugin_for_model
 from moetool.methods.base import MethodExportPlan, MethodPlugin, Stage, TrainOutcome
+from moetool.package import build_repo
 from moetool.progress import silent
 from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import RecipeBase
 from moetool.recipe.load import load_recipe
 from moetool.recipe.mofe import MoFERecipe
+from moetool.zoo import zoo_domain_text
 
 if TYPE_CHECKING:
     from moetool.export.planning import ArtifactPlan
@@ -116,8 +123,6 @@ def evaluate(
     Held-out text per domain comes from ``data`` (DOMAIN → file) or the zoo; a model's own domain (for GG/DSI) from
     ``own``, else its zoo name or directory name.
     """
-    from moetool.eval.report import evaluate as run
-    from moetool.io.sources import resolve_source
 
     files = data or {}
     texts = {d: (files[d].read_text(encoding="utf-8") if d in files else _zoo_text(d)) for d in domains}
@@ -127,7 +132,6 @@ def evaluate(
 
 
 def _zoo_text(domain: str) -> str:
-    from moetool.zoo import zoo_domain_text
 
     return zoo_domain_text(domain, "valid")
 
@@ -169,9 +173,6 @@ def plan_export(
     ``quant`` is a :class:`~moetool.quant.plan.QuantSpec`, ``--quant`` text, or None for the model's recipe section
     (else f16, or the device's best fitting plan when ``device`` is given).
     """
-    from moetool.export.base import ExportError
-    from moetool.export.resolve import plan_export as plan_standard
-    from moetool.io.sources import resolve_source
 
     model_dir = resolve_source(str(model)).path
     owner = plugin_for_model(model_dir)
@@ -205,8 +206,6 @@ def plan_export(
 
 def adapter_base(adapter: Path, base: str | Path | None) -> Path:
     """The base model of a PEFT adapter: ``base`` if given, else its ``base_model_name_or_path`` (resolved locally)."""
-    from moetool.export.base import ExportError
-    from moetool.io.sources import resolve_source
 
     ref = base or json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not ref:
@@ -227,7 +226,6 @@ def export(
 
     A PEFT adapter directory as ``model`` becomes a GGUF LoRA adapter for ``base``.
     """
-    from moetool.export.gguf.lora import export_adapter, is_adapter
 
     if is_adapter(Path(model)):
         return export_adapter(
@@ -255,7 +253,6 @@ def package(
     force: bool = False,
 ) -> Path:
     """A Hugging Face repo folder: weights, tokenizer, provenance, artifacts, evaluation, model card."""
-    from moetool.package import build_repo
 
     return Path(
         build_repo(Path(source), Path(output), artifacts=artifacts or [], eval_json=eval_json, plots=plots, force=force)
@@ -294,7 +291,6 @@ def build(
 
     ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures there).
     """
-    from moetool.io.atomic import check_output
 
     r = load(recipe)
     out, console = Path(output), console or silent()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool import __version__
+from moetool.io.checkpoint import Checkpoint
 
 _REPO_ID_LIKE = ("hf-cache",)
 
@@ -24,8 +25,6 @@ def provenance(sources: dict[str, Any], recipe_text: str, *, allow_pickle: bool 
     """Sources (reference, resolved path, kind, Hub revision, weight-file hashes) and tool versions."""
     import torch
     import transformers
-
-    from moetool.io.checkpoint import Checkpoint
 
     out: dict[str, Any] = {
         "moetool": __version__,

@@ -12,6 +12,7 @@ import torch
 
 from moetool.eval.gem import gem_metrics
 from moetool.eval.perplexity import load_causal_lm, token_nll
+from moetool.routing.tap import RouterTap
 
 
 def _routing_stats(logits_per_layer: list[list[torch.Tensor]], top_k: int) -> dict[str, list[Any]]:
@@ -42,7 +43,6 @@ def evaluate(
         (MoE models only: ``expert_share[layer][expert]``, ``entropy[layer]``, ``experts``), ``gem[model]``, and the
         settings.
     """
-    from moetool.routing.tap import RouterTap
 
     own_domains = dict(own_domains or {})
     out: dict[str, Any] = {

@@ -13,7 +13,9 @@ from typing import Any
 
 from moetool.export.base import ExportRequest, write_manifest
 from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph, require
-from moetool.export.graph.parity import Decode, Prefill
+from moetool.export.graph.model import load_export_model
+from moetool.export.graph.parity import Decode, Prefill, gate, graph_parity
+from moetool.export.heldout import held_out_text
 
 __all__ = ["GraphExporter", "finish_graph_manifest", "is_float_plan", "runtime_parity"]
 
@@ -31,7 +33,6 @@ class GraphExporter:
         return plan_graph(req, self.name)
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
-        from moetool.export.graph.model import load_export_model
 
         for module in self.runtime_modules:
             require(module, self.requires)
@@ -70,9 +71,6 @@ def runtime_parity(
     ``gate_as`` names the artifact in the error raised when it misses the fp32 gate; None reports without judging.
     """
     from transformers import AutoTokenizer
-
-    from moetool.export.graph.parity import gate, graph_parity
-    from moetool.export.heldout import held_out_text
 
     text, src = held_out_text(req.model_dir, req.eval_text)
     tok = AutoTokenizer.from_pretrained(str(req.model_dir))

@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moetool import __version__
+from moetool.card import sha256_file
 from moetool.export.base import ExportError, ExportRequest
+from moetool.io.checkpoint import Checkpoint
 from moetool.quant.devices import MemoryEstimate, estimate_memory, get_device
 from moetool.quant.plan import QuantPlan, QuantSpec, TensorEntry, resolve
 
@@ -29,9 +32,6 @@ class ArtifactPlan:
 def manifest_base(target: str, plan: ArtifactPlan, files: dict[str, Path], main: str) -> dict[str, Any]:
     """The manifest fields every artifact has: files with sizes and hashes, the source weights' hashes, the device,
     the memory estimate, the plan and its notes. Exporters add their runtime, parity and timing."""
-    from moetool import __version__
-    from moetool.card import sha256_file
-    from moetool.io.checkpoint import Checkpoint
 
     return {
         "format": "moetool-artifact/1",

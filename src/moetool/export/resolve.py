@@ -11,12 +11,12 @@ from typing import Any
 
 from moetool.export.base import TARGETS, Exporter, ExportError, ExportRequest, get_exporter
 from moetool.export.planning import ArtifactPlan
+from moetool.quant.devices import get_device
 from moetool.quant.plan import QuantSpec, parse_quant
 
 
 def resolve_target(device: str | None, target: str | None) -> tuple[str, Any]:
     """The target (given, else the device's first available format, else gguf) and the device profile."""
-    from moetool.quant.devices import get_device
 
     try:
         dev = get_device(device) if device is not None else None

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool.errors import MoetoolError
+from moetool.export.base import read_manifest
 from moetool.io.files import TOKENIZER_FILES
 
 
@@ -66,7 +67,6 @@ def is_model_dir(path: Path) -> bool:
 
 
 def load_artifact(path: Path) -> Artifact:
-    from moetool.export.base import read_manifest
 
     path = Path(path)
     manifest = read_manifest(path)

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from moetool.quant.devices import get_device
 from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import RecipeBase, StrictModel
 from moetool.recipe.export import TargetSpec
@@ -113,7 +114,6 @@ class GemRecipe(RecipeBase):
             if d.name in seen:
                 raise ValueError(f"domains.{i}.name: duplicate domain {d.name!r} (also domains.{seen[d.name]})")
             seen[d.name] = i
-        from moetool.quant.devices import get_device
 
         for i, dev in enumerate(self.devices):
             try:

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 from rich.console import Console
 
+import moetool
 from moetool.errors import MoetoolError
+from moetool.eval.perplexity import perplexity_matrix, render_matrix
 from moetool.io.atomic import atomic_dir, pid_alive
 from moetool.paths import zoo_dir
 from moetool.progress import task
@@ -37,6 +39,7 @@ from moetool.train.loop import derive_seed, train_lm
 from moetool.zoo.config import BASE_NAME, ZOO_FORMAT, ZOO_JSON, ZooConfig, ZooResult
 from moetool.zoo.corpora import DOMAINS, DomainSplit, corpus_stats, make_splits
 from moetool.zoo.store import read_zoo_json
+from moetool.zoo.tokenizer import train_tokenizer
 
 __all__ = ["build_zoo", "quiet_transformers", "remove_stale_builds", "train_zoo_model", "vocab_fields"]
 
@@ -106,8 +109,6 @@ def _save(model: Any, tokenizer: Any, path: Path) -> None:
 def _versions() -> dict[str, str]:
     import tokenizers
     import transformers
-
-    import moetool
 
     return {
         "moetool": moetool.__version__,
@@ -187,7 +188,6 @@ def _tokenize(
     splits: dict[str, DomainSplit], cfg: ZooConfig, console: Console
 ) -> tuple[Any, list[torch.Tensor], dict[str, Any]]:
     """A tokenizer trained on every domain's train text only, each domain's train stream ``[N_d]``, corpus stats."""
-    from moetool.zoo.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(
         [splits[d].train[: cfg.tokenizer_chars_per_domain] for d in DOMAINS],
@@ -252,7 +252,6 @@ def _evaluate(
     tmp: Path, profile: str, cfg: ZooConfig, splits: dict[str, DomainSplit], console: Console
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """The held-out perplexity matrix of the saved models and the expert check."""
-    from moetool.eval.perplexity import perplexity_matrix, render_matrix
 
     with console.status("evaluating held-out perplexity"):
         matrix = perplexity_matrix(

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
+from moetool.export.coreml.stateful import StatefulLM
 from moetool.export.graph.common import GraphPlan
+from moetool.export.graph.model import causal_mask
 from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
 from moetool.io.atomic import atomic_dir
@@ -28,9 +30,6 @@ COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
 
 def convert(model: Any, capacity: int, fp16: bool, compute_units: str) -> Any:
     import coremltools as ct
-
-    from moetool.export.coreml.stateful import StatefulLM
-    from moetool.export.graph.model import causal_mask
 
     wrapper = StatefulLM(model, capacity).eval()
     example = (torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None], causal_mask(8, 0))
@@ -120,7 +119,6 @@ def structure(ml: Any, path: Path) -> dict[str, Any]:
 def _wrapper_runners(wrapper: Any) -> tuple[Prefill, Decode]:
     """Prefill and decode through the converted torch wrapper itself: its KV cache lives in its own buffers (the
     Core ML states), so no past is passed around and prefill starts from an empty cache."""
-    from moetool.export.graph.model import causal_mask
 
     def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         wrapper.k_cache.zero_()
@@ -140,7 +138,6 @@ def _wrapper_runners(wrapper: Any) -> tuple[Prefill, Decode]:
 
 def _wrapper_parity(req: ExportRequest, hf: Any, em: Any, capacity: int) -> dict[str, Any]:
     """Parity of the torch wrapper that was converted (Core ML itself runs on macOS only), held to the fp32 gate."""
-    from moetool.export.coreml.stateful import StatefulLM
 
     prefill, decode = _wrapper_runners(StatefulLM(em, capacity).eval())
     parity = runtime_parity(

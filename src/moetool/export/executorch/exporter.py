@@ -13,6 +13,7 @@ import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
 from moetool.export.graph.common import GraphPlan
+from moetool.export.graph.model import ExportLM, causal_mask, prefill_inputs
 from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
@@ -20,7 +21,6 @@ from moetool.io.atomic import atomic_dir
 
 def export_programs(model: Any) -> Any:
     """torch.export both methods (strict tracing: the non-strict path adds stride guards it then rejects)."""
-    from moetool.export.graph.model import causal_mask, prefill_inputs
 
     seq = torch.export.Dim("seq", min=2, max=4096)
     pre = torch.export.export(
@@ -91,8 +91,6 @@ def _pte_runners(path: Path) -> tuple[Prefill, Decode]:
     """Prefill and decode calls into the program's two methods through ``executorch.runtime``."""
     from executorch.runtime import Runtime
 
-    from moetool.export.graph.model import causal_mask, prefill_inputs
-
     program = Runtime.get().load_program(str(path))
     fwd, step = program.load_method("forward"), program.load_method("decode")
 
@@ -113,7 +111,6 @@ class ExecuTorchExporter(GraphExporter):
     runtime_modules = ("executorch",)
 
     def write(self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float) -> dict[str, Any]:
-        from moetool.export.graph.model import ExportLM
 
         counts, qnotes = quantize_modules(em, plan.precisions())
         buf = lower(em)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest, write_manifest
 from moetool.export.gguf.dequant import artifact_checkpoint
 from moetool.export.gguf.layout import Layout, plan_layout
+from moetool.export.gguf.tokenizer import read_vocab
+from moetool.export.gguf.write import requantize_k, write_gguf
 from moetool.export.heldout import held_out_text, model_name
 from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
 from moetool.io.atomic import atomic_dir
@@ -51,8 +53,6 @@ class GGUFExporter:
         return GGUFPlan(req.model_dir, cfg, c.quant, name, c.device, c.memory, c.context, c.candidates, layout=layout)
 
     def export(self, req: ExportRequest, plan: GGUFPlan, console: Any = None) -> dict[str, Any]:
-        from moetool.export.gguf.tokenizer import read_vocab
-        from moetool.export.gguf.write import requantize_k, write_gguf
 
         vocab = read_vocab(req.model_dir, int(plan.config["vocab_size"]))
         ckpt = Checkpoint(req.model_dir)

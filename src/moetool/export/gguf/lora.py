@@ -21,10 +21,15 @@ import torch
 from moetool import __version__
 from moetool.card import sha256_file
 from moetool.export.base import ExportError, write_manifest
+from moetool.export.gguf.exporter import GATES
 from moetool.export.gguf.layout import plan_layout
 from moetool.export.gguf.names import gguf_name, permute_qk
+from moetool.export.gguf.verify import compare
+from moetool.export.gguf.write import write_gguf
+from moetool.export.heldout import held_out_text, model_name
 from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import Checkpoint
+from moetool.quant.plan import QuantSpec, resolve
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 _UNSUPPORTED = {
@@ -188,11 +193,6 @@ def export_adapter(
     out_type: str = "f32",
 ) -> dict[str, Any]:
     """Write ``output``/{name}.lora.gguf and manifest.json; verify through llama.cpp's ``lora_path``."""
-    from moetool.export.gguf.exporter import GATES
-    from moetool.export.gguf.verify import compare
-    from moetool.export.gguf.write import write_gguf
-    from moetool.export.heldout import held_out_text, model_name
-    from moetool.quant.plan import QuantSpec, resolve
 
     if out_type not in ("f32", "f16"):
         raise ExportError(f"adapter type {out_type!r}: adapters are written f32 or f16")

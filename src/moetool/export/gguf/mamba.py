@@ -15,6 +15,9 @@ from typing import Any
 import numpy as np
 
 from moetool.export.base import ExportError, write_manifest
+from moetool.export.gguf.tokenizer import read_vocab, write_vocab
+from moetool.export.gguf.verify import run_llama
+from moetool.export.heldout import held_out_text
 from moetool.io.atomic import atomic_dir
 
 ARCH = "mamba"
@@ -72,8 +75,6 @@ def write_mamba_gguf(model_dir: Path, path: Path, *, quant: str = "f32") -> dict
     import torch
     from transformers import AutoModelForCausalLM
 
-    from moetool.export.gguf.tokenizer import read_vocab, write_vocab
-
     if quant not in ("f32", "f16"):
         raise ExportError(f"Mamba GGUF: quant {quant!r} is not supported (f32 or f16)")
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -115,8 +116,6 @@ def verify_mamba_gguf(path: Path, model_dir: Path, text: str, seq_lens: tuple[in
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moetool.export.gguf.verify import run_llama
-
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     run = run_llama(path, tok, text, list(seq_lens))
@@ -146,7 +145,6 @@ def export_mamba_gguf(
     Raises:
         ExportError: an unknown tensor, or parity fails (tokenizer differs, top-1 agreement < 0.99 at f32).
     """
-    from moetool.export.heldout import held_out_text
 
     model_dir = Path(model_dir)
     with atomic_dir(Path(output), force=force) as tmp:

@@ -17,6 +17,7 @@ from moetool.export.base import ExportError
 from moetool.export.gguf.layout import GGUFTensor, Layout
 from moetool.export.gguf.names import permute_qk
 from moetool.export.gguf.tokenizer import GGUFVocab, write_vocab
+from moetool.export.gguf.verify import quiet_stderr
 from moetool.io.checkpoint import Checkpoint
 from moetool.quant.plan import QuantPlan
 from moetool.quant.types import TYPES
@@ -185,7 +186,6 @@ def requantize_k(src: Path, dst: Path, plan: QuantPlan, threads: int = 0) -> Non
     params.ftype = 7  # MOSTLY_Q8_0: only a label here, every 2-D tensor has an override
     params.pure = True
     params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(Override))
-    from moetool.export.gguf.verify import quiet_stderr
 
     with quiet_stderr():
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))

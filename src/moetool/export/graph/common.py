@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from moetool.export.base import ExportError, ExportRequest
+from moetool.export.graph.model import ExportLM
 from moetool.export.graph.names import plan_entries
 from moetool.export.graph.precision import graph_precision
 from moetool.export.heldout import model_name
@@ -61,8 +62,6 @@ def onnx_export(
 def meta_export_model(config: dict[str, Any]) -> Any:
     """An ExportLM on the meta device: its parameter names and shapes, no weights read."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from moetool.export.graph.model import ExportLM
 
     cfg = AutoConfig.for_model(**config)
     with torch.device("meta"):

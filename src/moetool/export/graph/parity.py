@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from moetool.export.base import ExportError
+from moetool.export.graph.model import prefill_inputs
 from moetool.export.heldout import agreement, windows
 
 Prefill = Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]]  # ids [1, T] → (logits, present)
@@ -30,7 +32,6 @@ def graph_parity(
 ) -> dict[str, Any]:
     """Figures for the manifest. ``export_model`` (the torch wrapper that was converted) is compared too, so a
     mismatch can be told apart from the conversion's."""
-    from moetool.export.graph.model import prefill_inputs
 
     max_pos = int(getattr(hf.config, "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
@@ -71,7 +72,6 @@ FP32_GATE = 1e-4
 
 def gate(parity: dict[str, Any], what: str, *, limit: float = FP32_GATE) -> None:
     """Raise when the worst logit difference (both prefill lengths and the cached decode) exceeds ``limit``."""
-    from moetool.export.base import ExportError
 
     worst = max([*parity["max_abs_logit_diff"].values(), parity["decode"]["max_abs_logit_diff"]])
     if worst > limit:

@@ -17,6 +17,7 @@ import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
 from moetool.export.graph.common import GraphPlan, onnx_export
+from moetool.export.graph.model import causal_mask, prefill_inputs
 from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
@@ -30,7 +31,6 @@ def _names(n_layers: int, kind: str) -> list[str]:
 
 def export_graphs(model: Any, prefill_path: Path, decode_path: Path) -> None:
     """Trace both graphs with torch.onnx (dynamo); the sequence and past lengths stay dynamic."""
-    from moetool.export.graph.model import causal_mask, prefill_inputs
 
     n = model.n_layers
     seq = torch.export.Dim("seq", min=2, max=4096)
@@ -139,7 +139,6 @@ def _count_ops(path: Path) -> dict[str, int]:
 
 def _ort_runners(ort: Any, prefill_path: Path, decode_path: Path, n_layers: int) -> tuple[Prefill, Decode]:
     """Prefill and decode-step calls into onnxruntime sessions over the two graphs, for :func:`runtime_parity`."""
-    from moetool.export.graph.model import causal_mask
 
     so = ort.SessionOptions()
     so.log_severity_level = 3

@@ -13,7 +13,9 @@ from typing import Any
 from moetool.export.base import ExportError, ExportRequest, write_manifest
 from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
 from moetool.export.graph.parity import gate
+from moetool.export.heldout import held_out_text
 from moetool.export.tflite.runner import REPO, litert_python, run_worker
+from moetool.export.tflite.worker import role_precisions
 from moetool.io.atomic import atomic_dir
 
 __all__ = ["REPO", "TFLiteExporter", "litert_python"]  # REPO, litert_python: kept importable here for older callers
@@ -25,7 +27,6 @@ class TFLiteExporter:
 
     def plan(self, req: ExportRequest) -> GraphPlan:
         plan = plan_graph(req, "tflite")
-        from moetool.export.tflite.worker import role_precisions
 
         try:
             role_precisions(plan.precisions())
@@ -34,7 +35,6 @@ class TFLiteExporter:
         return plan
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
-        from moetool.export.heldout import held_out_text
 
         litert_python()  # no litert-torch: refuse before anything is written
         max_pos = int(plan.config.get("max_position_embeddings", 2048))

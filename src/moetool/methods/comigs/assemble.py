@@ -17,6 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from moetool.arch.families import DENSE_FAMILIES
 from moetool.errors import MoetoolError, PreflightError
+from moetool.export.gguf.lora import module_scaling, read_adapter
+from moetool.io.sources import resolve_source
 from moetool.methods.comigs.model import ComigsConfig, ComigsForCausalLM, LoRAExpert, LoRALinear, rs_scaling
 from moetool.recipe.comigs import ComigsRecipe, LoRAExpertSpec, UserSpec
 
@@ -24,7 +26,6 @@ PARITY_TOL = 1e-5
 
 
 def resolve_base(recipe: ComigsRecipe, recipe_dir: Path | None) -> Path:
-    from moetool.io.sources import resolve_source
 
     try:
         return resolve_source(recipe.base_model, relative_to=recipe_dir).path
@@ -88,7 +89,6 @@ def _load_adapter(
     scaling: float,
     targets: list[str],
 ) -> None:
-    from moetool.export.gguf.lora import module_scaling, read_adapter
 
     path = Path(spec.adapter or "")
     if recipe_dir is not None and not path.is_absolute() and (recipe_dir / path).is_dir():

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from moetool.arch.outputs import MIXTRAL
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
-from moetool.methods.comigs.model import ComigsForCausalLM, LoRAExpert, LoRALinear
+from moetool.methods.comigs.model import ComigsForCausalLM, LoRAExpert, LoRALinear, register
 
 PARITY_TOL = 1e-5
 FLOAT32_TOL = 1e-3  # float32 evaluation of merged vs unmerged weights: summation order only
@@ -44,8 +45,6 @@ def merged_expert(model: ComigsForCausalLM, layer: int, j: int) -> dict[str, tor
 def to_mixtral(model: ComigsForCausalLM) -> Any:
     """An in-memory ``MixtralForCausalLM`` computing the same function as ``model``."""
     from transformers import MixtralConfig, MixtralForCausalLM
-
-    from moetool.arch.outputs import MIXTRAL
 
     cfg = model.config
     dense = cfg.dense_config()
@@ -199,9 +198,6 @@ def load_user(model: Path) -> ComigsForCausalLM:
         MoetoolError: no config.json, or a model of another type.
     """
     from transformers import AutoModelForCausalLM
-
-    from moetool.errors import MoetoolError
-    from moetool.methods.comigs.model import register
 
     register()
     if not (model / "config.json").is_file():

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from moetool.errors import MoetoolError
 from moetool.methods.comigs.assemble import build_user_model, load_dense, shared_names
 from moetool.methods.comigs.bilevel import ClientTrainer, UserData
 from moetool.recipe.comigs import ComigsRecipe, LoRAExpertSpec, UserSpec
+from moetool.train.data import load_source, tokenize_stream
 
 VARIANTS = ("comigs", "2S", "2G", "local", "fedavg", "tr")
 
@@ -68,8 +70,6 @@ def variant_recipe(recipe: ComigsRecipe, variant: str) -> ComigsRecipe:
 
 def load_user_data(recipe: ComigsRecipe, user: UserSpec, tokenizer: Any, recipe_dir: Path | None) -> UserData:
     """Train tokens (offset, capped), their tail ``valid_fraction`` as the router split, held-out text as test."""
-    from moetool.errors import MoetoolError
-    from moetool.train.data import load_source, tokenize_stream
 
     t = recipe.training
     train_text, held = load_source(user.name, user.data, base_dir=recipe_dir, fraction=0.1, seed=t.seed)

@@ -22,6 +22,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from moetool.methods.base import register_causal_lm
+
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MODEL_TYPE = "moetool_comigs"
@@ -287,7 +289,6 @@ def _is_lora_or_router(name: str) -> bool:
 
 def register() -> None:
     """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load ``model_type: moetool_comigs`` checkpoints."""
-    from moetool.methods.base import register_causal_lm
 
     register_causal_lm(ComigsConfig, ComigsForCausalLM)
 

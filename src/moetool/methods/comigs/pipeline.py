@@ -11,9 +11,9 @@ import torch
 import yaml
 
 from moetool.errors import MoetoolError
-from moetool.io.atomic import atomic_dir
+from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.files import copy_tokenizer
-from moetool.methods.comigs.assemble import PARITY_TOL, count_params, load_dense
+from moetool.methods.comigs.assemble import PARITY_TOL, base_config, build_user_model, count_params, load_dense
 from moetool.methods.comigs.bilevel import ClientTrainer
 from moetool.methods.comigs.federated import Federation, prepare, run_inprocess, variant_recipe
 from moetool.recipe.comigs import ComigsRecipe
@@ -44,7 +44,6 @@ def save_user(client: ClientTrainer, out: Path, tokenizer_dir: Path) -> float:
 
 
 def describe(recipe: ComigsRecipe, recipe_dir: Path | None) -> str:
-    from moetool.methods.comigs.assemble import base_config
 
     cfg = base_config(recipe, recipe_dir)
     counts = count_params(recipe, cfg)
@@ -73,7 +72,6 @@ def describe(recipe: ComigsRecipe, recipe_dir: Path | None) -> str:
 
 def assemble(recipe: ComigsRecipe, recipe_dir: Path, output: Path, *, force: bool = False, console: Any = None) -> Path:
     """Untrained per-user models (``output/<user>``); with fresh LoRA each equals the base (checked ≤ 1e-5)."""
-    from moetool.methods.comigs.assemble import build_user_model
 
     dense, _tok, base_path = load_dense(recipe, recipe_dir)
     with atomic_dir(Path(output), force=force) as tmp:
@@ -112,7 +110,6 @@ def train(
     log: Any = None,
 ) -> dict[str, Any]:
     """Federated training in one process; writes ``output/<user>`` models and ``output/comigs-report.json``."""
-    from moetool.io.atomic import check_output
 
     check_output(Path(output), force=force)
     r = variant_recipe(recipe, variant)

@@ -19,9 +19,15 @@ from typing import Any
 import torch
 
 from moetool.errors import MoetoolError, PreflightError
+from moetool.eval.perplexity import perplexity
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.files import copy_tokenizer
+from moetool.io.sources import resolve_source
+from moetool.methods.embedding.retrofit import TrainSettings, retrofit, svd_seed, train_embedding
+from moetool.methods.embedding.router import causal_mask
+from moetool.methods.embedding.variants import EmbeddingConfig, measured_counts, param_counts
 from moetool.recipe.embedding import EmbeddingRecipe
+from moetool.train.data import load_source, sample_batch, tokenize_stream
 
 EVAL_TOKENS = 4096  # held-out tokens per domain for the build's own perplexity figures
 
@@ -29,8 +35,6 @@ EVAL_TOKENS = 4096  # held-out tokens per domain for the build's own perplexity 
 def load_source_model(ref: str, recipe_dir: Path | None) -> tuple[Any, Any, Any]:
     """(resolved source, transformers model in fp32, tokenizer); errors name the ``model`` field."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from moetool.io.sources import resolve_source
 
     try:
         src = resolve_source(ref, relative_to=recipe_dir)
@@ -51,8 +55,6 @@ def load_source_model(ref: str, recipe_dir: Path | None) -> tuple[Any, Any, Any]
 
 def step0_check(model: Any, old: torch.Tensor, ids: torch.Tensor) -> dict[str, float]:
     """Max |h - E_r[x]| of the retrofitted embedding against the rank-r SVD approximation, and against E itself."""
-    from moetool.methods.embedding.retrofit import svd_seed
-    from moetool.methods.embedding.router import causal_mask
 
     cfg = model.embed.cfg
     _table, _proj, r = svd_seed(old, cfg.seed_dim, on_layernorm_sphere=cfg.variant == "generative")
@@ -83,7 +85,6 @@ def cache_check(model: Any, ids: torch.Tensor, prefill: int) -> float:
 
 def batches_for(recipe: EmbeddingRecipe, tok: Any, recipe_dir: Path | None) -> tuple[Any, dict[str, str]]:
     """(step → ids [B, T], held-out text per domain)."""
-    from moetool.train.data import load_source, sample_batch, tokenize_stream
 
     spec = recipe.train
     streams, held = [], {}
@@ -106,9 +107,6 @@ class EmbeddingAssembler:
 
     def describe(self, recipe: Any, *, recipe_dir: Path) -> str:
         from transformers import AutoConfig
-
-        from moetool.io.sources import resolve_source
-        from moetool.methods.embedding.variants import EmbeddingConfig, param_counts
 
         assert isinstance(recipe, EmbeddingRecipe)
         try:
@@ -142,9 +140,6 @@ class EmbeddingAssembler:
         self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None
     ) -> Path:
         import yaml
-
-        from moetool.eval.perplexity import perplexity
-        from moetool.methods.embedding.retrofit import retrofit, train_embedding
 
         assert isinstance(recipe, EmbeddingRecipe)
         output = Path(output)
@@ -198,7 +193,6 @@ class EmbeddingAssembler:
 
 
 def _settings(recipe: EmbeddingRecipe) -> Any:
-    from moetool.methods.embedding.retrofit import TrainSettings
 
     t = recipe.train
     return TrainSettings(
@@ -229,7 +223,6 @@ def _meta(
     history: list[Any],
 ) -> dict[str, Any]:
     """moetool.json: provenance, parameter counts and every check's figure."""
-    from moetool.methods.embedding.variants import measured_counts
 
     v, d = old.shape
     return {

@@ -30,8 +30,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from moetool.export.base import ExportError
-from moetool.io.atomic import atomic_dir
+from moetool.export.base import ExportError, write_manifest
+from moetool.export.graph.common import onnx_export, require
+from moetool.export.graph.model import ExportLM
+from moetool.export.graph.parity import gate, graph_parity
+from moetool.export.heldout import held_out_text, windows
+from moetool.export.tflite.runner import run_worker
+from moetool.io.atomic import atomic_dir, check_output
+from moetool.methods.embedding.model import MODEL_TYPE
+from moetool.methods.embedding.router import causal_mask
+from moetool.methods.embedding.variants import measured_counts
 
 TARGETS = ("onnx", "coreml", "tflite", "gguf")
 GGUF_MESSAGE = (
@@ -46,7 +54,6 @@ class ExportRoutedLM(nn.Module):
 
     def __init__(self, model: Any) -> None:
         super().__init__()
-        from moetool.export.graph.model import ExportLM
 
         body = model.body
         d = body.config.hidden_size
@@ -113,9 +120,6 @@ class ExportRoutedLM(nn.Module):
 
 def export_onnx(model: Any, tok: Any, text: str, out_dir: Path, *, text_source: str) -> dict[str, Any]:
     """Write ``model.onnx`` + ``model-with-past.onnx`` into ``out_dir`` and return the parity figures."""
-    from moetool.export.graph.common import onnx_export, require
-    from moetool.export.graph.parity import gate, graph_parity
-    from moetool.methods.embedding.router import causal_mask
 
     require("onnx", "onnx")
     ort = require("onnxruntime", "onnx")
@@ -188,10 +192,6 @@ def export_coreml(model: Any, tok: Any, text: str, out_dir: Path, *, text_source
     """Write ``model.mlpackage`` (prefill) into ``out_dir``; return the structural check and the wrapper's parity."""
     from collections import Counter
 
-    from moetool.export.graph.common import require
-    from moetool.export.heldout import windows
-    from moetool.methods.embedding.router import causal_mask
-
     ct = require("coremltools", "coreml")
     em = ExportRoutedLM(model).eval()
     wrapper = PrefillLogits(em).eval()
@@ -253,7 +253,6 @@ def export_coreml(model: Any, tok: Any, text: str, out_dir: Path, *, text_source
 
 def export_tflite(model_dir: Path, text: str, out_dir: Path, *, text_source: str) -> dict[str, Any]:
     """Run :mod:`.tflite_worker` in the litert-torch interpreter; returns its figures (parity gated at 1e-4)."""
-    from moetool.export.tflite.runner import run_worker
 
     request = {"model_dir": str(model_dir), "out_dir": str(out_dir), "prefill_len": 128, "eval_text": text}
     result = run_worker("moetool.methods.embedding.tflite_worker", request)
@@ -277,12 +276,6 @@ def export_routed(
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from moetool.export.base import write_manifest
-    from moetool.export.heldout import held_out_text
-    from moetool.io.atomic import check_output
-    from moetool.methods.embedding.model import MODEL_TYPE
-    from moetool.methods.embedding.variants import measured_counts
 
     if target == "gguf":
         raise ExportError(GGUF_MESSAGE)

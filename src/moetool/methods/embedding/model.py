@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from moetool.methods.base import register_causal_lm
 from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import EmbeddingConfig, RoutedEmbedding
 
@@ -171,7 +172,6 @@ class RoutedEmbeddingForCausalLM(PreTrainedModel):
 
 def register() -> None:
     """Make ``AutoConfig``/``AutoModelForCausalLM`` load ``moetool_routed_embedding`` directories."""
-    from moetool.methods.base import register_causal_lm
 
     register_causal_lm(RoutedEmbeddingConfig, RoutedEmbeddingForCausalLM)
 

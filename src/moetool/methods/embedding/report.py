@@ -20,8 +20,11 @@ from typing import Any
 
 import torch
 
+from moetool.methods.embedding.assemble import load_source_model
 from moetool.methods.embedding.retrofit import TrainSettings, retrofit, train_embedding
 from moetool.methods.embedding.variants import EmbeddingConfig, dense_dim_for_budget, measured_counts, param_counts
+from moetool.train.data import sample_batch, tokenize_stream
+from moetool.zoo import DOMAINS, zoo_domain_text
 
 ROUTER = {"width": 64, "layers": 2, "heads": 8, "ff_mult": 2, "n_queries": 8}
 
@@ -85,8 +88,6 @@ class _Corpus:
 
 def _zoo_corpus(tok: Any, *, batch_size: int, seq_len: int, eval_tokens: int, seed: int) -> _Corpus:
     """Training batches over the zoo's three domains; each domain's validation text split in halves."""
-    from moetool.train.data import sample_batch, tokenize_stream
-    from moetool.zoo import DOMAINS, zoo_domain_text
 
     bos = getattr(tok, "bos_token_id", None)
     streams = [tokenize_stream(tok, zoo_domain_text(dm, "train")) for dm in DOMAINS]
@@ -180,7 +181,6 @@ def run_report(
 
     ``eval_tokens`` per domain for LR selection, the next ``eval_tokens`` per domain for the reported figure.
     """
-    from moetool.methods.embedding.assemble import load_source_model
 
     t_start = time.perf_counter()
     _, source, tok = load_source_model(model_ref, None)

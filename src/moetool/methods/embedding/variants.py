@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetool.methods.embedding.router import CausalRouter, RouterConfig, diversity_loss, router_param_count
+from moetool.methods.embedding.router import CausalRouter, RouterConfig, causal_mask, diversity_loss, router_param_count
 from moetool.routing.losses import load_balancing_loss, router_z_loss
 
 Variant = Literal["dense", "selection", "remix", "generative"]
@@ -200,7 +200,6 @@ class RoutedEmbedding(nn.Module):
 
 
 def causal_mask_like(input_ids: torch.Tensor) -> torch.Tensor:
-    from moetool.methods.embedding.router import causal_mask
 
     b, t = input_ids.shape
     return causal_mask(t, 0, b).to(input_ids.device)

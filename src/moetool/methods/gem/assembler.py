@@ -17,11 +17,17 @@ import torch
 import yaml
 from rich.console import Console
 
+from moetool.card import provenance
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.files import copy_tokenizer
-from moetool.methods.gem.pathways import Pathways, resolve_pathways
+from moetool.methods.gem.model import GemForCausalLM
+from moetool.methods.gem.pathways import Pathways, build_token_model, resolve_pathways, token_config, token_parity
+from moetool.methods.gem.qat import gem_plan
+from moetool.methods.gem.router import domain_streams, held_out_probs, hf_encoder, tau_table, train_router
 from moetool.methods.gem.training import digest, fit_scar, print_tau, token_qat, train_token_router
+from moetool.quant.devices import estimate_memory, get_device
+from moetool.quant.plan import TensorEntry, resolve
 from moetool.recipe.gem import GemRecipe
 
 PARITY_LIMIT = 1e-4  # max |Δlogit| of a forced pathway against its source model (float32, same ops)
@@ -30,8 +36,6 @@ BUNDLE = "gem.json"
 
 
 def _meta_model(pw: Pathways, recipe: GemRecipe) -> Any:
-    from moetool.methods.gem.model import GemForCausalLM
-    from moetool.methods.gem.pathways import token_config
 
     with torch.device("meta"):
         return GemForCausalLM(token_config(pw, recipe))
@@ -43,9 +47,6 @@ def memory_table(pw: Pathways, recipe: GemRecipe) -> dict[str, Any]:
     Token level: every pathway is resident. Sequence level: the router's encoder layers plus the largest pathway
     (one pathway is loaded per input); the plan is the recipe's applied to each pathway checkpoint.
     """
-    from moetool.methods.gem.qat import gem_plan
-    from moetool.quant.devices import estimate_memory, get_device
-    from moetool.quant.plan import TensorEntry, resolve
 
     by_role: dict[str, Any]
     if recipe.level == "token":
@@ -145,7 +146,6 @@ def _recipe_yaml(recipe: GemRecipe) -> str:
 
 
 def _meta(recipe: GemRecipe, pw: Pathways) -> dict[str, Any]:
-    from moetool.card import provenance
 
     text = _recipe_yaml(recipe)
     srcs = {"general": pw.general} | dict(pw.domains)
@@ -161,8 +161,6 @@ def _meta(recipe: GemRecipe, pw: Pathways) -> dict[str, Any]:
 
 def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Path, force: bool, console: Any) -> Path:
     """The token-level GEM model: pathways assembled (parity-checked), SCAR, router, QAT; written atomically."""
-    from moetool.methods.gem.pathways import build_token_model, token_parity
-    from moetool.methods.gem.router import domain_streams
 
     model, notes = build_token_model(pw, recipe)
     tok = _tokenizer(pw)
@@ -200,8 +198,6 @@ def assemble_sequence(
 ) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-
-    from moetool.methods.gem.router import domain_streams, held_out_probs, hf_encoder, tau_table, train_router
 
     tok = _tokenizer(pw)
     bos = tok.bos_token_id

@@ -20,6 +20,8 @@ from torch import nn
 
 from moetool.eval.gem import gem_metrics
 from moetool.eval.perplexity import load_causal_lm, token_nll
+from moetool.methods.gem.model import decide
+from moetool.methods.gem.router import hf_encoder
 
 
 class _AtTau(nn.Module):
@@ -45,8 +47,6 @@ class SequenceGem(nn.Module):
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
-        from moetool.methods.gem.router import hf_encoder
-
         spec = json.loads((bundle / "gem.json").read_text())
         self.names = ["general", *spec["domains"]]
         self.tau = spec["tau"] if tau is None else tau
@@ -65,7 +65,6 @@ class SequenceGem(nn.Module):
     @torch.no_grad()
     def route(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(P(d|x) [B, n], route [B]) for each row."""
-        from moetool.methods.gem.model import decide
 
         probs = torch.softmax(self.router(self.featurize(input_ids).mean(1)).float(), -1)
         return probs, decide(probs, self.tau)

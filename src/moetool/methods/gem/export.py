@@ -22,9 +22,15 @@ from typing import Any
 
 import torch
 
+from moetool.card import sha256_file
 from moetool.errors import MoetoolError
+from moetool.export.graph.common import require
+from moetool.export.onnx.exporter import quantize_graph, save_model
+from moetool.export.resolve import plan_export
+from moetool.export.tflite.runner import litert_python, run_worker
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
+from moetool.methods.gem.evaluate import SequenceGem
 from moetool.methods.gem.export_graph import GemGraph, RouterGraph, graph_precisions, trace_onnx
 from moetool.methods.gem.export_parity import (
     PARITY_LIMIT,
@@ -61,7 +67,6 @@ def trace_graph(graph: GemGraph, path: Path) -> None:
 
 def _token_manifest(target: str, path: Path, cfg: Any, fields: dict[str, Any], t0: float) -> dict[str, Any]:
     """What both token-level manifests hold around the target's own ``fields`` (inputs, outputs, parity, …)."""
-    from moetool.card import sha256_file
 
     return {
         "format": FORMAT,
@@ -101,9 +106,6 @@ def export_token_onnx(
     onnxruntime's MatMulNBits; fp32 parity is gated (1e-4), a quantized graph's figures are reported.
     """
     from transformers import AutoTokenizer
-
-    from moetool.export.graph.common import require
-    from moetool.export.onnx.exporter import quantize_graph
 
     require("onnx", "onnx")
     model = _load_token_model(model_dir)
@@ -153,7 +155,6 @@ def export_token_tflite(
     from transformers import AutoConfig, AutoTokenizer
 
     import moetool.methods.gem.model  # noqa: F401  (registers its model class)
-    from moetool.export.tflite.runner import litert_python, run_worker
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
     if cfg.model_type != "moetool_gem":
@@ -189,8 +190,6 @@ def _strip_metadata(path: Path) -> None:
     """Drop trace metadata (stack traces with local paths) and re-save: one file, or external data past 2 GB."""
     import onnx
 
-    from moetool.export.onnx.exporter import save_model
-
     m = onnx.load(str(path))
     for node in m.graph.node:
         del node.metadata_props[:]
@@ -217,7 +216,6 @@ def _export_pathways(
 ) -> dict[str, Any]:
     """Each pathway through the standard exporter for ``target`` into ``out/pathways/<name>``; ``kw``: verify,
     console. Returns the manifest's ``pathways`` entries."""
-    from moetool.export.resolve import plan_export
 
     verify, console = kw["verify"], kw.get("console")
     pathways = {}
@@ -254,8 +252,6 @@ def export_sequence_bundle(
 ) -> dict[str, Any]:
     """``router.onnx`` + ``pathways/<name>/`` (one artifact each via the regular exporter for ``target``) +
     ``gem-manifest.json``, written atomically; the router graph's parity is gated (same decisions, |ΔP| ≤ 1e-5)."""
-    from moetool.export.graph.common import require
-    from moetool.methods.gem.evaluate import SequenceGem
 
     require("onnx", "onnx")
     if quant is None and target != "gguf":

@@ -16,7 +16,11 @@ import torch
 from torch import nn
 
 from moetool.errors import MoetoolError
+from moetool.export.graph.common import onnx_export
 from moetool.export.graph.model import NEG, Attention, GatedMLP, RMSNorm, attend, causal_mask, linear, qkv_rope
+from moetool.export.graph.precision import graph_precision
+from moetool.quant.plan import TensorEntry, parse_quant, resolve
+from moetool.quant.roles import Role
 
 __all__ = ["GemGraph", "RouterGraph", "graph_precisions", "trace_onnx"]
 
@@ -156,9 +160,6 @@ class RouterGraph(nn.Module):
 def graph_precisions(graph: GemGraph, quant: str | None) -> dict[str, str]:
     """GemGraph weight name → fp32 | int8 | int4 under a plan (``--quant`` syntax; roles: pathways are 'experts',
     the router 'router', the general FFN 'ffn'). Graph runtimes pad partial blocks, so no GGUF row fallback."""
-    from moetool.export.graph.precision import graph_precision
-    from moetool.quant.plan import TensorEntry, parse_quant, resolve
-    from moetool.quant.roles import Role
 
     if quant is None:
         return {}
@@ -186,7 +187,6 @@ def graph_precisions(graph: GemGraph, quant: str | None) -> dict[str, str]:
 
 def trace_onnx(graph: nn.Module, path: Path, outputs: list[str]) -> None:
     """A graph taking (input_ids, position_ids, mask) to ONNX with a dynamic sequence length."""
-    from moetool.export.graph.common import onnx_export
 
     seq = torch.export.Dim("seq", min=2, max=4096)
     ids = torch.randint(0, 10, (1, 8))

@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from moetool.export.graph.common import require
 from moetool.export.graph.model import causal_mask
+from moetool.export.heldout import held_out_text, nll
 
 __all__ = [
     "PARITY_LIMIT",
@@ -34,7 +36,6 @@ TokenRun = Callable[[list[int]], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def ort_session(path: Path) -> Any:
-    from moetool.export.graph.common import require
 
     ort = require("onnxruntime", "onnx")
     so = ort.SessionOptions()
@@ -54,7 +55,6 @@ def onnx_feeds(ids: list[int]) -> dict[str, np.ndarray]:
 
 def probe_windows(tok: Any, model_dir: Path, lengths: tuple[int, ...]) -> list[list[int]]:
     """One window per length per domain of held-out text (so routes cover general and every pathway)."""
-    from moetool.export.heldout import held_out_text
 
     texts: list[str] = []
     meta = json.loads((model_dir / "moetool.json").read_text()) if (model_dir / "moetool.json").is_file() else {}
@@ -82,7 +82,6 @@ def route_parity(model: Any, probes: list[list[int]], run: TokenRun, *, runtime:
     """The runtime (``run``) against the PyTorch ``model`` on each probe: max |Δlogit|, max |ΔP|, routes that differ
     (for an fp32 graph a route may only differ where max P is within 1e-5 of tau, where the runtimes round
     differently), top-1 agreement and both perplexities over the probes (what a quantized graph costs)."""
-    from moetool.export.heldout import nll
 
     agree = 0
     nll_ref = nll_got = 0.0

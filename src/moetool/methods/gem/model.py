@@ -32,6 +32,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from moetool.methods.base import register_causal_lm
 from moetool.methods.gem.scar import assign_clusters, scar_mask
 
 MODEL_TYPE = "moetool_gem"
@@ -199,7 +200,6 @@ class GemForCausalLM(LlamaPreTrainedModel):
 
 def register() -> None:
     """Make ``AutoConfig`` / ``AutoModelForCausalLM`` load ``moetool_gem`` checkpoints (idempotent)."""
-    from moetool.methods.base import register_causal_lm
 
     register_causal_lm(GemConfig, GemForCausalLM)
 

@@ -18,6 +18,8 @@ from moetool.arch.families import FOUNDATION_KEYS
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.sources import ResolvedSource, resolve_sources
+from moetool.methods.gem.model import GemConfig, GemForCausalLM
+from moetool.methods.gem.scar import kmeans_cosine
 from moetool.recipe.gem import GemRecipe
 
 TOKEN_FAMILIES = ("llama",)  # the token-level model class is llama-architecture
@@ -84,7 +86,6 @@ def resolve_pathways(recipe: GemRecipe, recipe_dir: Path | None) -> Pathways:
 
 
 def token_config(pw: Pathways, recipe: GemRecipe) -> Any:
-    from moetool.methods.gem.model import GemConfig
 
     keep = {
         k: v
@@ -118,7 +119,6 @@ def build_token_model(pw: Pathways, recipe: GemRecipe) -> tuple[Any, list[str]]:
     Returns the model and notes (e.g. experts whose non-FFN weights differ from the general model's: only their FFNs
     are used, so their own attention changes are dropped).
     """
-    from moetool.methods.gem.model import GemForCausalLM
 
     cfg = token_config(pw, recipe)
     model = GemForCausalLM(cfg).float().eval()
@@ -185,7 +185,6 @@ def fit_scar_centroids(model: Any, windows: list[torch.Tensor], iterations: int,
     Layer i's points are the normed inputs of layer i's attention [N, D] with SCAR already active in layers < i
     (so each layer is fitted on what it will see).
     """
-    from moetool.methods.gem.scar import kmeans_cosine
 
     gm = model.model
     k = model.config.scar_clusters

@@ -23,6 +23,7 @@ from torch import nn
 from moetool.quant.plan import QuantPlan, QuantSpec, TensorEntry, resolve
 from moetool.quant.roles import Role, role_of
 from moetool.quant.types import get_type
+from moetool.train.data import sample_batch
 
 BLOCK = 32
 
@@ -124,7 +125,6 @@ def run_qat(
 
     Returns per-step loss terms (every 5 steps) and the time taken.
     """
-    from moetool.train.data import sample_batch
 
     names = set(trainable_names(model, list(spec.trainable)))
     params = {}

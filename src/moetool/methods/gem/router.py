@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from moetool.methods.gem.model import decide, rms_features
+from moetool.train.data import load_source, sample_batch, tokenize_stream
 
 Featurize = Callable[[torch.Tensor], torch.Tensor]  # ids [B, T] -> e [B, T, D]
 
@@ -62,7 +63,6 @@ def domain_streams(
     recipe: Any, tokenizer: Any, recipe_dir: Path | None
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(train ids [N], held-out ids [M]) per domain, from each domain's ``data`` source."""
-    from moetool.train.data import load_source, tokenize_stream
 
     out = {}
     for d in recipe.domains:
@@ -96,7 +96,6 @@ def train_router(
     The encoder runs under no_grad and nothing else is handed to the optimiser, so every other weight stays
     bit-identical. Returns the loss curve (every 10 steps) and the time taken.
     """
-    from moetool.train.data import sample_batch
 
     opt = torch.optim.Adam(router.parameters(), lr=lr)
     n = len(streams)

@@ -10,8 +10,11 @@ from typing import Any
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.methods.gem.pathways import Pathways
+from moetool.methods.gem.pathways import Pathways, fit_scar_centroids
+from moetool.methods.gem.qat import apply_fake_quant, gem_plan, quant_bits, run_qat, trainable_names
+from moetool.methods.gem.router import gem_encoder, held_out_probs, tau_table, train_router
 from moetool.recipe.gem import GemRecipe
+from moetool.train.data import sample_batch
 
 
 def digest(model: torch.nn.Module, skip: str) -> dict[str, str]:
@@ -50,8 +53,6 @@ def held_out_ppl(
 
 def fit_scar(model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | None) -> dict[str, Any]:
     """SCAR's k-means centroids on a calibration batch per domain."""
-    from moetool.methods.gem.pathways import fit_scar_centroids
-    from moetool.train.data import sample_batch
 
     calib = [
         sample_batch([s[0]], 4, 128, seed=recipe.router.seed, step=i, bos_id=bos)
@@ -65,7 +66,6 @@ def train_token_router(
     model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | None, console: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Train the router with everything else frozen (checked by hash); its held-out table over τ."""
-    from moetool.methods.gem.router import gem_encoder, held_out_probs, tau_table, train_router
 
     before = digest(model, "model.router.")
     router = model.model.router
@@ -107,8 +107,6 @@ def token_qat(
     import copy
 
     from transformers import AutoModelForCausalLM
-
-    from moetool.methods.gem.qat import apply_fake_quant, gem_plan, quant_bits, run_qat, trainable_names
 
     bits = quant_bits(gem_plan(model, recipe.quantization, fit_rows=False))
     teachers = {

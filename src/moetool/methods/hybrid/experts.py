@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from moetool.errors import MoetoolError
+from moetool.io.sources import resolve_source
 
 SSM_TYPES = ("mamba", "mamba2", "falcon_mamba")
 PROBES = (
@@ -88,8 +89,6 @@ def load_expert(name: str, source: str, *, relative_to: Path | None = None) -> E
         SourceError / MoetoolError: the source is missing or not a causal LM, naming the expert.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from moetool.io.sources import resolve_source
 
     path = resolve_source(source, relative_to=relative_to).path
     try:

@@ -19,10 +19,14 @@ import torch
 from torch import nn
 
 from moetool.errors import MoetoolError
-from moetool.export.base import write_manifest
+from moetool.export.base import ExportError, write_manifest
+from moetool.export.graph.common import onnx_export
+from moetool.export.resolve import plan_export
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
-from moetool.methods.hybrid.router import HybridRouter
+from moetool.methods.hybrid.assemble import read_model
+from moetool.methods.hybrid.data import pooled_hidden
+from moetool.methods.hybrid.router import FeatureLayout, HybridRouter, sequence_features
 
 ROUTER_ONNX = "router.onnx"
 DISPATCHER = "dispatch.py"
@@ -86,7 +90,6 @@ def encoder_embedding(meta: dict[str, Any]) -> torch.Tensor | None:
 
 def export_router_onnx(meta: dict[str, Any], router: HybridRouter, path: Path) -> dict[str, Any]:
     """Trace the router graph with torch.onnx (dynamo) to ``path``; returns its input/output description."""
-    from moetool.export.graph.common import onnx_export
 
     if self_contained(meta):
         graph: nn.Module = RouterGraph(router, meta["router"]["layout"], encoder_embedding(meta)).eval()
@@ -113,9 +116,6 @@ def router_parity(
     """onnxruntime vs PyTorch on ``requests`` (token ids incl. BOS, domain id): features built the way training built
     them (router.py / data.py), so this checks the whole graph, not just the MLP."""
     import onnxruntime as ort
-
-    from moetool.methods.hybrid.data import pooled_hidden
-    from moetool.methods.hybrid.router import FeatureLayout, sequence_features
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     lay = meta["router"]["layout"]
@@ -183,7 +183,6 @@ def export_hybrid(
     Raises:
         MoetoolError: the router graph fails parity (max |Δscore| > 1e-4 or any choice differs).
     """
-    from moetool.methods.hybrid.assemble import read_model
 
     meta, router = read_model(model_dir)
     with atomic_dir(Path(output), force=force) as tmp:
@@ -234,8 +233,6 @@ def _export_expert(
     e: dict[str, Any], out: Path, target: str, quant: str | None, verify: bool, console: Any
 ) -> dict[str, Any]:
     """One expert through moetool's exporter for ``target``; the Mamba GGUF writer for Mamba experts."""
-    from moetool.export.base import ExportError
-    from moetool.export.resolve import plan_export
 
     if e["model_type"] == "mamba" and target == "gguf":
         from moetool.export.gguf.mamba import export_mamba_gguf

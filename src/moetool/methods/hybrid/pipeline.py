@@ -17,6 +17,7 @@ from moetool.methods.hybrid.profile import cost_ms, costly_expert, measure_profi
 from moetool.methods.hybrid.router import FeatureLayout
 from moetool.methods.hybrid.training import RoutingSet, build_set
 from moetool.recipe.hybrid import HybridRecipe
+from moetool.train.data import load_source, tokenize_stream
 
 
 @dataclass
@@ -141,7 +142,6 @@ def _token_streams(
     recipe: HybridRecipe, recipe_dir: Path, first: Any, name: str
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
     """Train and held-out token streams per domain (the first expert's tokenizer: they are identical), BOS and pad."""
-    from moetool.train.data import load_source, tokenize_stream
 
     tok = first.tokenizer
     train_streams, valid_streams = [], []

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from moetool.errors import MoetoolError
+from moetool.export.gguf.verify import quiet_stderr
 
 PROFILE_FILE = "latency_profile.json"
 PROFILE_FORMAT = 1
@@ -155,8 +156,6 @@ def timing_llama(path: Path | str, n_ctx: int, threads: int) -> Any:
     kept, and the weights are read in at load (no mmap page-ins while timing)."""
     import llama_cpp
 
-    from moetool.export.gguf.verify import quiet_stderr
-
     with quiet_stderr():
         return llama_cpp.Llama(
             model_path=str(path),
@@ -173,7 +172,6 @@ def timing_llama(path: Path | str, n_ctx: int, threads: int) -> Any:
 def warm_llama(llm: Any, vocab: int, length: int, seconds: float = 4.0) -> None:
     """Evaluate for ``seconds`` (3 runs at least) before timing: llama.cpp's first seconds after loading run up to
     ~100x slower than steady state (measured here: 1.7 s vs 15 ms for 32 tokens)."""
-    from moetool.export.gguf.verify import quiet_stderr
 
     ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(1)).tolist()
     t0, runs = time.perf_counter(), 0
@@ -196,8 +194,6 @@ def measure_gguf_profile(
 ) -> dict[str, Any]:
     """Time each expert's GGUF in llama.cpp (llama-cpp-python): prefill of L tokens, fresh state each run."""
     import llama_cpp
-
-    from moetool.export.gguf.verify import quiet_stderr
 
     g = torch.Generator().manual_seed(0)
     now = clock(clock_name)

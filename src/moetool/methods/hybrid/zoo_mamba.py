@@ -28,8 +28,11 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from moetool.errors import MoetoolError
+from moetool.eval.perplexity import perplexity
+from moetool.io.atomic import atomic_dir
 from moetool.paths import zoo_dir
-from moetool.train.loop import LoopConfig
+from moetool.train.loop import LoopConfig, derive_seed
+from moetool.zoo import BASE_NAME, DOMAINS, quiet_transformers, remove_stale_builds, train_zoo_model, vocab_fields
 
 MAMBA_NAME = "mamba"
 MAMBA_JSON = "mamba.json"
@@ -122,8 +125,6 @@ def check_fast_scan(model: Any, input_ids: torch.Tensor) -> float:
 def mamba_config(cfg: MambaZooConfig, tokenizer: Any) -> Any:
     from transformers import MambaConfig
 
-    from moetool.zoo import vocab_fields
-
     return MambaConfig(
         **vocab_fields(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -142,7 +143,6 @@ def _zoo_texts(zoo: Path, domains: tuple[str, ...]) -> dict[tuple[str, str], str
     Raises:
         MoetoolError: the zoo is not built, or its text is missing.
     """
-    from moetool.zoo import BASE_NAME
 
     if not (zoo / BASE_NAME / "config.json").is_file():
         raise MoetoolError(
@@ -163,10 +163,6 @@ def _train_and_save(
 ) -> dict[str, Any]:
     """Train the Mamba on the zoo's balanced domain mix, evaluate it, save it into ``out``; returns mamba.json."""
     from transformers import AutoTokenizer, MambaForCausalLM
-
-    from moetool.eval.perplexity import perplexity
-    from moetool.train.loop import derive_seed
-    from moetool.zoo import BASE_NAME, DOMAINS, train_zoo_model
 
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(zoo / BASE_NAME))
@@ -231,8 +227,6 @@ def build_zoo_mamba(
     Raises:
         MoetoolError: the zoo is not built, or training diverged.
     """
-    from moetool.io.atomic import atomic_dir
-    from moetool.zoo import DOMAINS, quiet_transformers, remove_stale_builds
 
     cfg = config or MambaZooConfig()
     console = console or Console(stderr=True)

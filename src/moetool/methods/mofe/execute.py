@@ -11,17 +11,19 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from moetool.card import model_card, provenance
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.files import copy_tokenizer
+from moetool.io.writer import ShardedWriter
 from moetool.methods.mofe.plan import DTYPES, MergePlan
 from moetool.progress import silent, task
 from moetool.recipe.mofe import MoFERecipe
+from moetool.routing import init as rinit
 
 
 def compute_router_weights(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Router rows ``[L, E, H]`` and, with a shared expert, its gate rows ``[L, 1, H]`` (float32)."""
-    from moetool.routing import init as rinit
 
     recipe: MoFERecipe = plan.recipe
     n_layers = plan.config["num_hidden_layers"]
@@ -80,7 +82,6 @@ def _stream_tensors(
     plan: MergePlan, tmp: Path, gates: torch.Tensor, shared_gates: torch.Tensor | None, console: Console
 ) -> None:
     """Read, cast and write every planned tensor, one at a time, into shards under ``tmp``."""
-    from moetool.io.writer import ShardedWriter
 
     dtype = DTYPES[plan.dtype]
     ckpts: dict[str, Checkpoint] = {}
@@ -114,7 +115,6 @@ def _stream_tensors(
 
 def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str) -> None:
     """config.json, the base's tokenizer files, the recipe, moetool.json (provenance) and the model card."""
-    from moetool.card import model_card, provenance
 
     recipe: MoFERecipe = plan.recipe
     cfg = dict(plan.config) | {"dtype": plan.dtype}
