@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from moetool.io.atomic import is_finished_model_dir
+from moetool.io.checks import is_finished_model_dir
 
 pytestmark = pytest.mark.slow
 

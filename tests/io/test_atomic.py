@@ -13,15 +13,8 @@ import pytest
 
 from moetool.errors import OutputExistsError, OutputPathError, SourceError
 from moetool.io import atomic
-from moetool.io.atomic import (
-    atomic_dir,
-    check_finished_model_dir,
-    check_output_path,
-    exchange,
-    is_finished_model_dir,
-    leftover_owner,
-    sweep_leftovers,
-)
+from moetool.io.atomic import atomic_dir, exchange, leftover_owner, sweep_leftovers
+from moetool.io.checks import check_finished_model_dir, check_output_path, is_finished_model_dir
 
 ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
 
