@@ -26,6 +26,7 @@ from moetool.export.base import Exporter, ExportError, ExportRequest
 from moetool.export.gguf.lora import export_adapter, is_adapter
 from moetool.export.resolve import plan_export as plan_standard
 from moetool.io.atomic import check_output
+from moetool.io.checks import check_finished_model_dir, check_output_path
 from moetool.io.sources import resolve_source
 from moetool.methods import get_plugin, plugin_for_model
 from moetool.methods.base import MethodExportPlan, MethodPlugin, Stage, TrainOutcome
@@ -33,6 +34,7 @@ from moetool.package import build_repo
 from moetool.progress import silent
 from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import RecipeBase
+from moetool.recipe.inputs import recipe_inputs
 from moetool.recipe.load import load_recipe
 from moetool.recipe.mofe import MoFERecipe
 from moetool.zoo import zoo_domain_text
@@ -52,6 +54,17 @@ def load(recipe: RecipeLike) -> RecipeBase:
 def plugin(recipe: RecipeBase) -> MethodPlugin:
     """The recipe's method plugin (:data:`moetool.registry.METHODS`)."""
     return get_plugin(recipe.method)
+
+
+def check(recipe: RecipeLike) -> list[str]:
+    """Everything knowable without weights (``moetool validate``): the recipe's own validation, then the method's
+    checks against what it names (mofe: every prompt through the base's tokenizer). Returns warnings.
+
+    Raises:
+        MoetoolError: naming the recipe file and the field.
+    """
+    r = load(recipe)
+    return plugin(r).check(r)
 
 
 def plan(recipe: RecipeLike, *, allow_pickle: bool = False) -> MergePlan | str:
@@ -76,6 +89,7 @@ def assemble(
 ) -> Path:
     """Build the recipe's model into ``output`` (atomically; an existing output only with ``force``)."""
     r = load(recipe)
+    check_output_path(output, recipe_inputs(r))  # before any work: never into, over or around an input
     return Path(
         plugin(r).assemble(r, Path(output), force=force, allow_pickle=allow_pickle, console=console or silent())
     )
@@ -97,6 +111,7 @@ def train(
 ) -> TrainOutcome:
     """The method's training (mofe: router tuning of the merged ``model``, resumable; comigs: the federation)."""
     r = load(recipe)
+    check_output_path(output, [*recipe_inputs(r), *([Path(model)] if model is not None else [])])
     return plugin(r).train(
         r,
         Path(model) if model is not None else None,
@@ -175,6 +190,8 @@ def plan_export(
     """
 
     model_dir = resolve_source(str(model)).path
+    check_finished_model_dir(model_dir)  # not a killed run's temp dir or a half-written folder
+    check_output_path(output, [model_dir])
     owner = plugin_for_model(model_dir)
     if owner is None:
         return plan_standard(

@@ -16,10 +16,13 @@ from moetool.errors import MoetoolError
 
 @friendly
 def validate(recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")]) -> None:
-    """Validate a recipe file (no model is read)."""
-    from moetool.api import load
+    """Validate a recipe file, and what it names without reading weights (mofe: every prompt through the base's
+    tokenizer, when the base is available)."""
+    from moetool import api
 
-    r = load(recipe)
+    r = api.load(recipe)
+    for warning in api.check(r):
+        console.print(f"[yellow]warning:[/] {warning}")
     out.print(f"[green]ok[/]: {recipe} (method: {r.method}, name: {r.name})")
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from moetool.export.base import TARGETS, Exporter, ExportError, ExportRequest, get_exporter
 from moetool.export.planning import ArtifactPlan
 from moetool.quant.devices import get_device
@@ -49,8 +51,11 @@ def resolve_quant(model_dir: Path, quant: QuantSpec | str | None, device: str | 
     best fitting plan when a device is given)."""
     try:
         spec = parse_quant(quant) if isinstance(quant, str) else quant
-    except ValueError as exc:  # pydantic's ValidationError included
-        raise ExportError(str(exc)) from None
+    except ValidationError as exc:  # one sentence, not pydantic's dump with its links
+        reasons = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        raise ExportError(f"--quant {quant!r}: {reasons}") from None
+    except ValueError as exc:
+        raise ExportError(f"--quant {quant!r}: {exc}") from None
     if spec is None:
         spec = quant_spec_of_model(model_dir)
     if spec is None:

@@ -101,6 +101,11 @@ class MethodPlugin:
     marker_files: tuple[str, ...] = ()
     export_targets: tuple[str, ...] = ()
 
+    def check(self, recipe: RecipeBase) -> list[str]:
+        """What can be checked without weights beyond the recipe's own validation (``moetool validate``, and the
+        start of every plan): raises a MoetoolError naming file and field; returns warnings."""
+        return []
+
     def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> MergePlan | str:
         """What :meth:`assemble` would build (``moetool merge --dry-run``); reads no weights."""
         raise NotImplementedError

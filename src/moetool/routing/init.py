@@ -45,7 +45,9 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, chat_template: boo
     """
     texts = _prompt_texts(tokenizer, prompts, chat_template)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = [tokenizer(t, add_special_tokens=not chat_template)["input_ids"] for t in texts]
+    limit = getattr(tokenizer, "model_max_length", None)
+    cut = {"truncation": True, "max_length": int(limit)} if isinstance(limit, int) and limit < 10**9 else {}
+    encoded = [tokenizer(t, add_special_tokens=not chat_template, **cut)["input_ids"] for t in texts]
     width = max(len(ids) for ids in encoded)
     ids = torch.full((len(encoded), width), pad_id if pad_id is not None else 0, dtype=torch.long)
     attn = torch.zeros((len(encoded), width), dtype=torch.long)

@@ -22,6 +22,25 @@ class MoFEPlugin(MethodPlugin):
 
     name = "mofe"
 
+    def check(self, recipe: RecipeBase) -> list[str]:
+        """The prompts (and chat template) against the base's tokenizer, when the base is available here."""
+        from moetool.errors import MoetoolError
+        from moetool.io.sources import resolve_source
+        from moetool.methods.mofe.checks import check_prompts
+        from moetool.methods.mofe.planner import load_tokenizer
+
+        assert isinstance(recipe, MoFERecipe)
+        try:
+            base = resolve_source(recipe.base_model, relative_to=recipe.recipe_dir).path
+        except MoetoolError:
+            return [
+                f"base_model {recipe.base_model!r} is not available here: prompts not checked against its tokenizer"
+            ]
+        tok = load_tokenizer(base)
+        if tok is None:
+            return [f"base_model {base} has no tokenizer: prompts not checked"]
+        return check_prompts(recipe, base, tok)
+
     def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> MergePlan:
         from moetool.methods.mofe.planner import plan_mofe
 

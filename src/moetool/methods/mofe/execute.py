@@ -41,6 +41,8 @@ def compute_router_weights(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(base_path))
+    # prompts longer than the base's context count only up to it (the plan warned, naming each one)
+    tok.model_max_length = int(plan.config.get("max_position_embeddings") or tok.model_max_length)
     if recipe.gate_mode == "cheap_embed":
         ck = Checkpoint(base_path, allow_pickle=plan.allow_pickle)
         embed = ck.get("model.embed_tokens.weight")

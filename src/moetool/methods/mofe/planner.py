@@ -15,7 +15,9 @@ from moetool.arch.families import DENSE_FAMILIES, FOUNDATION_KEYS, MLP_PROJS, de
 from moetool.arch.outputs import MoEArch, select_output_arch
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
+from moetool.io.safe import read_json
 from moetool.io.sources import ResolvedSource, resolve_sources
+from moetool.methods.mofe.checks import check_prompts
 from moetool.methods.mofe.plan import MergePlan, TensorOp
 from moetool.recipe.mofe import MoFERecipe
 
@@ -36,13 +38,23 @@ _MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def _tokenizer_signature(path: Path) -> tuple[Any, ...] | None:
-    """What must match between tokenizers: the vocabulary and the special tokens. None if there is no tokenizer."""
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer of a checkpoint directory, or None if it has none; its JSON files are read strictly first, so a
+    malformed one is named (file, line, column) instead of failing inside transformers."""
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    for name, what in (("tokenizer.json", "tokenizer"), ("tokenizer_config.json", "tokenizer config")):
+        if (path / name).is_file():
+            read_json(path / name, what=what, max_bytes=256 * 2**20)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _tokenizer_signature(tok: Any) -> tuple[Any, ...] | None:
+    """What must match between tokenizers: the vocabulary and the special tokens. None if there is no tokenizer."""
+    if tok is None:
+        return None
     return (
         tuple(sorted(tok.get_vocab().items())),
         tok.bos_token,
@@ -63,6 +75,7 @@ def _refs(recipe: MoFERecipe) -> dict[str, tuple[str, str]]:
 
 
 def _base_config(path: Path) -> Any:
+    read_json(path / "config.json", what="model config")  # a malformed one is named before transformers reads it
     try:
         base_cfg = AutoConfig.from_pretrained(str(path))
     except Exception as exc:
@@ -123,7 +136,7 @@ def _check_expert(
                 problems.append(
                     f"{fieldname}: {name} has shape {list(info.shape)}, base has {list(mlp_shapes.get(name, ()))}"
                 )
-    sig = _tokenizer_signature(ck.path)
+    sig = _tokenizer_signature(load_tokenizer(ck.path))
     if sig is None:
         warnings.append(f"{fieldname}: {ck.path} has no tokenizer; vocabulary match not checked")
     elif base_sig is not None and sig != base_sig:
@@ -169,7 +182,8 @@ def plan_mofe(recipe: MoFERecipe, *, allow_pickle: bool = False) -> MergePlan:
             for proj in MLP_PROJS
             if (name := dense_mlp_name(layer, proj)) in base_t
         }
-        base_sig = _tokenizer_signature(sources["base"].path)
+        base_tok = load_tokenizer(sources["base"].path)
+        base_sig = _tokenizer_signature(base_tok)
         for label, ck in ckpts.items():
             if label != "base":
                 _check_expert(
@@ -184,6 +198,8 @@ def plan_mofe(recipe: MoFERecipe, *, allow_pickle: bool = False) -> MergePlan:
                 )
         if problems:
             raise PreflightError("\n".join(problems))
+        if base_tok is not None:
+            warnings += check_prompts(recipe, sources["base"].path, base_tok)
         warnings += _mixture_warnings(recipe, sources)
         shared_inter = None
         if recipe.shared_expert is not None:
