@@ -26,10 +26,10 @@ from moetool.export.base import Exporter, ExportError, ExportRequest
 from moetool.export.gguf.lora import export_adapter, is_adapter
 from moetool.export.resolve import plan_export as plan_standard
 from moetool.io.atomic import check_output
-from moetool.io.checks import check_finished_model_dir, check_output_path
+from moetool.io.checks import check_finished_model_dir, check_output_path, is_moetool_temp
 from moetool.io.sources import resolve_source
 from moetool.methods import get_plugin, plugin_for_model
-from moetool.methods.base import MethodExportPlan, MethodPlugin, Stage, TrainOutcome
+from moetool.methods.base import MethodExportPlan, MethodPlugin, Stage, TrainOptions, TrainOutcome
 from moetool.package import build_repo
 from moetool.progress import silent
 from moetool.quant.plan import QuantSpec
@@ -112,16 +112,8 @@ def train(
     """The method's training (mofe: router tuning of the merged ``model``, resumable; comigs: the federation)."""
     r = load(recipe)
     check_output_path(output, [*recipe_inputs(r), *([Path(model)] if model is not None else [])])
-    return plugin(r).train(
-        r,
-        Path(model) if model is not None else None,
-        Path(output),
-        force=force,
-        resume=resume,
-        preset=preset,
-        console=console or silent(),
-        **options,
-    )
+    opts = TrainOptions(force=force, resume=resume, preset=preset, extra=options)
+    return plugin(r).train(r, Path(model) if model is not None else None, Path(output), opts, console or silent())
 
 
 def evaluate(
@@ -190,9 +182,10 @@ def plan_export(
     """
 
     model_dir = resolve_source(str(model)).path
-    check_finished_model_dir(model_dir)  # not a killed run's temp dir or a half-written folder
     check_output_path(output, [model_dir])
-    owner = plugin_for_model(model_dir)
+    owner = None if is_moetool_temp(model_dir) else plugin_for_model(model_dir)
+    if owner is None:  # a standard model: not a killed run's temp dir, not a half-written folder
+        check_finished_model_dir(model_dir)
     if owner is None:
         return plan_standard(
             model_dir,

@@ -72,9 +72,11 @@ def test_export_serves_every_method(
 ) -> None:
     from moetool.api import plan_export
 
+    model = tmp_path / "model"
+    model.mkdir()
     for name, data in files.items():
-        (tmp_path / name).write_text(json.dumps(data))
-    chosen, _, plan = plan_export(tmp_path, tmp_path / "out", target=target)
+        (model / name).write_text(json.dumps(data))
+    chosen, _, plan = plan_export(model, tmp_path / "out", target=target)
     assert chosen.name == exporter and plan.description
     with pytest.raises(ExportError, match=refusal):
-        plan_export(tmp_path, tmp_path / "out", target="nonsense")
+        plan_export(model, tmp_path / "out", target="nonsense")

@@ -44,6 +44,9 @@ class MethodExportPlan:
     description: str
 
 
+ExportFn = Callable[[ExportRequest, Console], dict[str, Any]]
+
+
 @dataclass
 class FunctionExporter:
     """An :class:`~moetool.export.base.Exporter` over a method's export function ``fn(req, console) -> manifest``."""
@@ -51,7 +54,7 @@ class FunctionExporter:
     name: str
     requires: str
     description: str
-    fn: Callable[[ExportRequest, Console], dict[str, Any]]
+    fn: ExportFn
 
     def plan(self, req: ExportRequest) -> MethodExportPlan:
         return MethodExportPlan(name=req.model_dir.name, target=self.name, description=self.description)
@@ -60,6 +63,17 @@ class FunctionExporter:
         from moetool.progress import silent
 
         return self.fn(req, console if console is not None else silent())
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How to run a method's training: replace an existing output, resume a checkpoint, the mofe freeze preset,
+    and method-specific settings (comigs: ``variant``, ``rounds``)."""
+
+    force: bool = False
+    resume: bool = True
+    preset: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,7 +106,6 @@ class MethodPlugin:
         model_modules: modules whose import registers those classes with transformers' Auto classes.
         marker_files: files that mark an output folder as this method's (a bundle without one config.json).
         export_targets: ``moetool export --target`` values this method's outputs support (first = default).
-        trains: what ``moetool train`` does for this method, for the refusal when it does nothing.
     """
 
     name: str = ""
@@ -117,15 +130,7 @@ class MethodPlugin:
         raise NotImplementedError
 
     def train(
-        self,
-        recipe: RecipeBase,
-        model: Path | None,
-        output: Path,
-        *,
-        force: bool = False,
-        resume: bool = True,
-        preset: str | None = None,
-        console: Console,
+        self, recipe: RecipeBase, model: Path | None, output: Path, options: TrainOptions, console: Console
     ) -> TrainOutcome:
         """Train what the recipe's training section says, from ``model`` (the merged output) into ``output``."""
         raise MoetoolError(
@@ -143,13 +148,43 @@ class MethodPlugin:
         """The exporter of this method's output ``model_dir`` for ``target`` (None: the method's default)."""
         if not self.export_targets:
             raise ExportError(f"{model_dir} is a {self.name} model, which has no exporter")
-        raise ExportError(
-            f"{model_dir} is a {self.name} model: --target {target!r} is not supported "
-            f"(supported: {', '.join(self.export_targets)})"
-        )
+        raise self.refuse_target(model_dir, target)
 
     def refuse_target(self, model_dir: Path, target: str | None) -> ExportError:
         return ExportError(
             f"{model_dir} is a {self.name} model: --target {target!r} is not supported "
             f"(supported: {', '.join(self.export_targets)})"
         )
+
+    def function_exporter(
+        self, model_dir: Path, target: str | None, fn: Callable[[str], ExportFn], describe: Callable[[str], str]
+    ) -> FunctionExporter:
+        """``target`` (default: the first of :attr:`export_targets`) checked, then ``fn(target)`` as its exporter."""
+        chosen = target or self.export_targets[0]
+        if chosen not in self.export_targets:
+            raise self.refuse_target(model_dir, chosen)
+        return FunctionExporter(name=chosen, requires=chosen, description=describe(chosen), fn=fn(chosen))
+
+
+class AssemblerPlugin(MethodPlugin):
+    """A method whose ``moetool merge`` is an assembler object (``describe(recipe, recipe_dir=…)`` and
+    ``assemble(recipe, recipe_dir=…, output=…, force=…, console=…)``), named by :attr:`assembler`."""
+
+    assembler: str = ""  # "module:Class"
+
+    def _assembler(self) -> Any:
+        from moetool import registry
+
+        return registry.load(self.assembler)()
+
+    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> str:
+        text: str = self._assembler().describe(recipe, recipe_dir=recipe.recipe_dir)
+        return text
+
+    def assemble(
+        self, recipe: RecipeBase, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+    ) -> Path:
+        built = self._assembler().assemble(
+            recipe, recipe_dir=recipe.recipe_dir, output=output, force=force, console=console
+        )
+        return Path(built)

@@ -13,7 +13,7 @@ from rich.console import Console
 from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportRequest, get_exporter
-from moetool.methods.base import FunctionExporter, MethodExportPlan, MethodPlugin, TrainOutcome
+from moetool.methods.base import MethodExportPlan, MethodPlugin, TrainOptions, TrainOutcome
 from moetool.recipe.base import RecipeBase
 from moetool.recipe.comigs import ComigsRecipe
 
@@ -66,29 +66,21 @@ class ComigsPlugin(MethodPlugin):
         return assemble(_as_comigs(recipe), recipe.recipe_dir, output, force=force, console=console)
 
     def train(
-        self,
-        recipe: RecipeBase,
-        model: Path | None,
-        output: Path,
-        *,
-        force: bool = False,
-        resume: bool = True,
-        preset: str | None = None,
-        console: Console,
-        variant: str = "comigs",
-        rounds: int | None = None,
-        **_: Any,
+        self, recipe: RecipeBase, model: Path | None, output: Path, options: TrainOptions, console: Console
     ) -> TrainOutcome:
-        """The federation in one process (``moetool comigs train --engine flower`` runs it on Flower)."""
+        """The federation in one process (``moetool comigs train --engine flower`` runs it on Flower); options
+        ``variant`` (comigs or a baseline) and ``rounds``."""
         from moetool.methods.comigs.federated import VARIANTS
         from moetool.methods.comigs.pipeline import train
 
         r = _as_comigs(recipe)
+        variant = options.extra.get("variant", "comigs")
+        rounds = options.extra.get("rounds")
         if variant not in VARIANTS:
             raise MoetoolError(f"--variant: {variant!r} is not one of {', '.join(VARIANTS)}")
         if rounds is not None:
             r = r.model_copy(update={"training": r.training.model_copy(update={"rounds": rounds})})
-        report = train(r, r.recipe_dir, output, variant=variant, force=force, log=console.print)
+        report = train(r, r.recipe_dir, output, variant=variant, force=options.force, log=console.print)
         figures = {
             f"{name} test perplexity": f"{u['test_ppl_before']:.2f} → {u['test_ppl']:.2f}"
             for name, u in report["users"].items()
@@ -96,12 +88,9 @@ class ComigsPlugin(MethodPlugin):
         return TrainOutcome(output=output, figures=figures, detail=report)
 
     def exporter(self, model_dir: Path, target: str | None) -> Exporter[MethodExportPlan]:
-        target = target or "gguf"
-        if target not in self.export_targets:
-            raise self.refuse_target(model_dir, target)
-        return FunctionExporter(
-            name=target,
-            requires=registry.TARGETS[target],
-            description=f"bake the CoMiGS user model into a standard Mixtral (exact), then export it as {target}",
-            fn=lambda req, console: export_baked(req, target, console),
+        return self.function_exporter(
+            model_dir,
+            target or "gguf",
+            lambda t: lambda req, console: export_baked(req, t, console),
+            lambda t: f"bake the CoMiGS user model into a standard Mixtral (exact), then export it as {t}",
         )

@@ -24,8 +24,15 @@ from moetool.io.files import copy_tokenizer
 from moetool.methods.gem.model import GemForCausalLM
 from moetool.methods.gem.pathways import Pathways, build_token_model, resolve_pathways, token_config, token_parity
 from moetool.methods.gem.qat import gem_plan
-from moetool.methods.gem.router import domain_streams, held_out_probs, hf_encoder, tau_table, train_router
-from moetool.methods.gem.training import digest, fit_scar, print_tau, token_qat, train_token_router
+from moetool.methods.gem.router import domain_streams, held_out_probs, hf_encoder, tau_table
+from moetool.methods.gem.training import (
+    digest,
+    fit_scar,
+    print_tau,
+    token_qat,
+    train_recipe_router,
+    train_token_router,
+)
 from moetool.quant.devices import estimate_memory, get_device
 from moetool.quant.plan import TensorEntry, resolve
 from moetool.recipe.gem import GemRecipe
@@ -213,19 +220,7 @@ def assemble_sequence(
     spec = recipe.router
     report: dict[str, Any] = {"level": "sequence", "memory": memory_table(pw, recipe)}
     before = digest(general, "\0")
-    report["router_training"] = train_router(
-        router,
-        featurize,
-        [s[0] for s in streams.values()],
-        steps=spec.steps,
-        lr=spec.learning_rate,
-        batch_size=spec.batch_size,
-        seq_len=spec.seq_len,
-        seed=spec.seed,
-        bos_id=bos,
-        pool=True,
-        log=console.print,
-    )
+    report["router_training"] = train_recipe_router(router, featurize, streams, recipe, bos, console, pool=True)
     if digest(general, "\0") != before:
         raise MoetoolError("router training changed the general model's weights")
     valid = {d: s[1] for d, s in streams.items()}

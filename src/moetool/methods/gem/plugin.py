@@ -11,8 +11,7 @@ from rich.console import Console
 from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportError, ExportRequest
-from moetool.methods.base import FunctionExporter, MethodExportPlan, MethodPlugin
-from moetool.recipe.base import RecipeBase
+from moetool.methods.base import AssemblerPlugin, ExportFn, FunctionExporter, MethodExportPlan
 
 TOKEN_TARGETS = ("onnx", "tflite")
 
@@ -33,7 +32,7 @@ def _token_tflite(req: ExportRequest, console: Console) -> dict[str, Any]:
     return export_token_tflite(req.model_dir, req.output, force=req.force, verify=req.verify)
 
 
-def _sequence(target: str) -> Any:
+def _sequence(target: str) -> ExportFn:
     def run(req: ExportRequest, console: Console) -> dict[str, Any]:
         from moetool.methods.gem.export import export_sequence_bundle
 
@@ -45,41 +44,21 @@ def _sequence(target: str) -> Any:
     return run
 
 
-class GemPlugin(MethodPlugin):
+class GemPlugin(AssemblerPlugin):
     name = "gem"
+    assembler = "moetool.methods.gem.assembler:GemAssembler"
     model_types = ("moetool_gem",)
     model_modules = ("moetool.methods.gem.model",)
     marker_files = ("gem.json",)
     export_targets = (*TOKEN_TARGETS, *(t for t in registry.TARGETS if t not in TOKEN_TARGETS))
 
-    def _assembler(self) -> Any:
-        from moetool.methods.gem.assembler import GemAssembler
-
-        return GemAssembler()
-
-    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> str:
-        text: str = self._assembler().describe(recipe, recipe_dir=recipe.recipe_dir)
-        return text
-
-    def assemble(
-        self, recipe: RecipeBase, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
-    ) -> Path:
-        return Path(
-            self._assembler().assemble(
-                recipe, recipe_dir=recipe.recipe_dir, output=output, force=force, console=console
-            )
-        )
-
     def exporter(self, model_dir: Path, target: str | None) -> Exporter[MethodExportPlan]:
         if (model_dir / "gem.json").is_file():
-            target = target or "gguf"
-            if target not in registry.TARGETS:
-                raise self.refuse_target(model_dir, target)
-            return FunctionExporter(
-                name=target,
-                requires=registry.TARGETS[target],
-                description=f"sequence-level GEM: router.onnx + one {target} artifact per pathway + gem-manifest.json",
-                fn=_sequence(target),
+            return self.function_exporter(
+                model_dir,
+                target or "gguf",
+                _sequence,
+                lambda t: f"sequence-level GEM: router.onnx + one {t} artifact per pathway + gem-manifest.json",
             )
         target = target or "onnx"
         if target == "onnx":

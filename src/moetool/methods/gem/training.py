@@ -62,6 +62,34 @@ def fit_scar(model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | 
     return {"clusters": recipe.scar.clusters, "fitted_on_tokens": sum(c.numel() for c in calib)}
 
 
+def train_recipe_router(
+    router: torch.nn.Linear,
+    featurize: Any,
+    streams: dict[str, Any],
+    recipe: GemRecipe,
+    bos: int | None,
+    console: Any,
+    *,
+    pool: bool = False,
+) -> dict[str, Any]:
+    """The router trained on each domain's train stream as the recipe's ``router`` section says."""
+    spec = recipe.router
+    result: dict[str, Any] = train_router(
+        router,
+        featurize,
+        [s[0] for s in streams.values()],
+        steps=spec.steps,
+        lr=spec.learning_rate,
+        batch_size=spec.batch_size,
+        seq_len=spec.seq_len,
+        seed=spec.seed,
+        bos_id=bos,
+        pool=pool,
+        log=console.print,
+    )
+    return result
+
+
 def train_token_router(
     model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | None, console: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -73,18 +101,7 @@ def train_token_router(
         p.requires_grad_(False)
     router.requires_grad_(True)
     spec = recipe.router
-    training = train_router(
-        router,
-        gem_encoder(model),
-        [s[0] for s in streams.values()],
-        steps=spec.steps,
-        lr=spec.learning_rate,
-        batch_size=spec.batch_size,
-        seq_len=spec.seq_len,
-        seed=spec.seed,
-        bos_id=bos,
-        log=console.print,
-    )
+    training = train_recipe_router(router, gem_encoder(model), streams, recipe, bos, console)
     router.requires_grad_(False)
     moved = [n for n, h in digest(model, "model.router.").items() if before[n] != h]
     if moved:

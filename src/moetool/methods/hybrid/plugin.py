@@ -10,52 +10,34 @@ from rich.console import Console
 
 from moetool import registry
 from moetool.export.base import Exporter, ExportRequest
-from moetool.methods.base import FunctionExporter, MethodExportPlan, MethodPlugin
-from moetool.recipe.base import RecipeBase
+from moetool.methods.base import AssemblerPlugin, ExportFn, MethodExportPlan
 
 
-def _export(target: str) -> Any:
+def _export(target: str) -> ExportFn:
     def run(req: ExportRequest, console: Console) -> dict[str, Any]:
         from moetool.methods.hybrid.export import export_hybrid
 
         return export_hybrid(
-            req.model_dir, req.output, expert_target=target, quant=req.options.get("quant"), force=req.force,
-            verify=req.verify, experts=req.options.get("experts", True), console=console,
-        )  # fmt: skip
+            req.model_dir,
+            req.output,
+            expert_target=target,
+            quant=req.options.get("quant"),
+            force=req.force,
+            verify=req.verify,
+            experts=req.options.get("experts", True),
+            console=console,
+        )
 
     return run
 
 
-class HybridPlugin(MethodPlugin):
+class HybridPlugin(AssemblerPlugin):
     name = "hybrid"
+    assembler = "moetool.methods.hybrid.assemble:HybridAssembler"
     marker_files = ("hybrid.json",)
     export_targets = tuple(registry.TARGETS)
 
-    def _assembler(self) -> Any:
-        from moetool.methods.hybrid.assemble import HybridAssembler
-
-        return HybridAssembler()
-
-    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> str:
-        text: str = self._assembler().describe(recipe, recipe_dir=recipe.recipe_dir)
-        return text
-
-    def assemble(
-        self, recipe: RecipeBase, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
-    ) -> Path:
-        return Path(
-            self._assembler().assemble(
-                recipe, recipe_dir=recipe.recipe_dir, output=output, force=force, console=console
-            )
-        )
-
     def exporter(self, model_dir: Path, target: str | None) -> Exporter[MethodExportPlan]:
-        target = target or "gguf"
-        if target not in self.export_targets:
-            raise self.refuse_target(model_dir, target)
-        return FunctionExporter(
-            name=target,
-            requires=registry.TARGETS[target],
-            description=f"hybrid: router.onnx (onnxruntime parity) + each expert as {target} + manifest + dispatcher",
-            fn=_export(target),
+        return self.function_exporter(
+            model_dir, target, _export, lambda t: f"hybrid: router.onnx + each expert as {t} + manifest + dispatcher"
         )

@@ -7,11 +7,10 @@ routers, one streamed tensor at a time, atomic output) → optional router tunin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
-from moetool.methods.base import MethodPlugin, TrainOutcome
+from moetool.methods.base import MethodPlugin, TrainOptions, TrainOutcome
 from moetool.methods.mofe.plan import MergePlan, TensorOp
 from moetool.recipe.base import RecipeBase
 from moetool.recipe.mofe import MoFERecipe
@@ -56,23 +55,23 @@ class MoFEPlugin(MethodPlugin):
         return execute(plan, output, force=force, recipe_text=recipe.text, console=console)
 
     def train(
-        self,
-        recipe: RecipeBase,
-        model: Path | None,
-        output: Path,
-        *,
-        force: bool = False,
-        resume: bool = True,
-        preset: str | None = None,
-        console: Console,
-        **kw: Any,
+        self, recipe: RecipeBase, model: Path | None, output: Path, options: TrainOptions, console: Console
     ) -> TrainOutcome:
         from moetool.errors import MoetoolError
         from moetool.train.router_tuning import train_router
 
         if model is None:
             raise MoetoolError("--model: router tuning needs the merged MoE (moetool merge RECIPE -o DIR)")
-        res = train_router(recipe, model, output, force=force, resume=resume, console=console, preset=preset, **kw)
+        res = train_router(
+            recipe,
+            model,
+            output,
+            force=options.force,
+            resume=options.resume,
+            console=console,
+            preset=options.preset,
+            **options.extra,
+        )
         figures = {
             "steps": f"{res.steps} in {res.seconds:.0f} s",
             "trainable": f"{res.freeze.trainable_params:,} parameters ({res.freeze.frozen_params:,} frozen)",
