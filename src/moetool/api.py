@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from rich.console import Console
 
@@ -24,6 +24,7 @@ from moetool.errors import MoetoolError
 from moetool.eval.report import evaluate as run
 from moetool.export.base import Exporter, ExportError, ExportRequest
 from moetool.export.gguf.lora import export_adapter, is_adapter
+from moetool.export.resolve import ExportOptions
 from moetool.export.resolve import plan_export as plan_standard
 from moetool.io.atomic import check_output
 from moetool.io.checks import check_finished_model_dir, check_output_path, is_moetool_temp
@@ -164,51 +165,28 @@ def write_report(report: dict[str, Any], json_file: Path | None, plots: Path | N
 
 
 def plan_export(
-    model: str | Path,
-    output: str | Path,
-    *,
-    target: str | None = None,
-    quant: QuantSpec | str | None = None,
-    device: str | None = None,
-    force: bool = False,
-    verify: bool = True,
-    eval_text: str | None = None,
-    context: int | None = None,
+    model: str | Path, output: str | Path, **opts: Unpack[ExportOptions]
 ) -> tuple[Exporter[Any], ExportRequest, ArtifactPlan | MethodExportPlan]:
-    """(exporter, request, plan) for ``model`` without writing; a method's own output gets its method's exporter.
-
-    ``quant`` is a :class:`~moetool.quant.plan.QuantSpec`, ``--quant`` text, or None for the model's recipe section
-    (else f16, or the device's best fitting plan when ``device`` is given).
-    """
-
+    """(exporter, request, plan) for ``model`` without writing (options: :class:`~moetool.export.resolve.ExportOptions`);
+    a method's own output gets its method's exporter."""
     model_dir = resolve_source(str(model)).path
     check_output_path(output, [model_dir])
     owner = None if is_moetool_temp(model_dir) else plugin_for_model(model_dir)
     if owner is None:  # a standard model: not a killed run's temp dir, not a half-written folder
         check_finished_model_dir(model_dir)
-    if owner is None:
-        return plan_standard(
-            model_dir,
-            output,
-            target=target,
-            quant=quant,
-            device=device,
-            force=force,
-            verify=verify,
-            eval_text=eval_text,
-            context=context,
-        )
-    if device is not None:
+        return plan_standard(model_dir, output, **opts)
+    if opts.get("device") is not None:
         raise ExportError(f"{model_dir} is a {owner.name} model: --device applies to standard MoE models; use --target")
-    exporter = owner.exporter(model_dir, target)
+    exporter = owner.exporter(model_dir, opts.get("target"))
+    quant = opts.get("quant")
     req = ExportRequest(
         model_dir=model_dir,
         output=Path(output),
         quant=QuantSpec(preset="f16"),
-        verify=verify,
-        force=force,
-        eval_text=eval_text,
-        context=context,
+        verify=opts.get("verify", True),
+        force=opts.get("force", False),
+        eval_text=opts.get("eval_text"),
+        context=opts.get("context"),
         options={"quant": quant if isinstance(quant, str) else None},
     )
     return exporter, req, exporter.plan(req)

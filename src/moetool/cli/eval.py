@@ -11,21 +11,13 @@ from moetool.cli.console import friendly, out
 
 
 def run_eval(
-    models: list[str],
-    *,
-    domains: list[str],
-    data: dict[str, Path] | None = None,
-    own: dict[str, str] | None = None,
-    seq_len: int = 256,
-    max_tokens: int = 32768,
-    json_file: Path | None = None,
-    plots: Path | None = None,
+    models: list[str], *, json_file: Path | None = None, plots: Path | None = None, **options: Any
 ) -> dict[str, Any]:
-    """Evaluate, print the tables, write the report and plots."""
+    """Evaluate (options: :func:`moetool.api.evaluate`'s), print the tables, write the report and plots."""
     from moetool import api
     from moetool.cli.render import print_report
 
-    report = api.evaluate(models, domains=domains, data=data, own=own, seq_len=seq_len, max_tokens=max_tokens)
+    report = api.evaluate(models, **options)
     print_report(report)
     for path in api.write_report(report, json_file, plots):
         out.print(f"wrote {path}")

@@ -7,7 +7,7 @@ hybrid expert) through the standard exporters.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from pydantic import ValidationError
 
@@ -63,30 +63,34 @@ def resolve_quant(model_dir: Path, quant: QuantSpec | str | None, device: str | 
     return spec
 
 
+class ExportOptions(TypedDict, total=False):
+    """What ``moetool export`` takes besides the model and the output (every key optional)."""
+
+    target: str | None  # gguf, onnx, …; default: the device's first available format, else gguf
+    quant: QuantSpec | str | None  # a QuantSpec or --quant text; default: the model's recipe section, else f16
+    device: str | None  # a device profile: its format and the best plan that fits its budget
+    force: bool  # replace an existing output
+    verify: bool  # check the artifact in its runtime (default True)
+    eval_text: str | None  # held-out text for the parity check
+    context: int | None  # context length for the memory estimate
+
+
 def plan_export(
-    model_dir: Path,
-    output: str | Path,
-    *,
-    target: str | None = None,
-    quant: QuantSpec | str | None = None,
-    device: str | None = None,
-    force: bool = False,
-    verify: bool = True,
-    eval_text: str | None = None,
-    context: int | None = None,
+    model_dir: Path, output: str | Path, **opts: Unpack[ExportOptions]
 ) -> tuple[Exporter[ArtifactPlan], ExportRequest, ArtifactPlan]:
     """(exporter, request, plan) for a standard transformers model in ``model_dir``; writes nothing."""
-    target, _ = resolve_target(device, target)
-    spec = resolve_quant(Path(model_dir), quant, device)
+    device = opts.get("device")
+    target, _ = resolve_target(device, opts.get("target"))
+    spec = resolve_quant(Path(model_dir), opts.get("quant"), device)
     exporter = get_exporter(target)
     req = ExportRequest(
         model_dir=Path(model_dir),
         output=Path(output),
         quant=spec,
         device=device,
-        verify=verify,
-        force=force,
-        eval_text=eval_text,
-        context=context,
+        verify=opts.get("verify", True),
+        force=opts.get("force", False),
+        eval_text=opts.get("eval_text"),
+        context=opts.get("context"),
     )
     return exporter, req, exporter.plan(req)
