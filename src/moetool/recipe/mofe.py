@@ -76,11 +76,6 @@ class MoFERecipe(RecipeBase):
 
     @model_validator(mode="after")
     def _check(self) -> MoFERecipe:
-        if len(self.experts) < 2:
-            raise ValueError(
-                f"experts: a mixture needs at least 2 experts, got {len(self.experts)}; a one-expert MoE computes "
-                "exactly that expert's FFN behind a router with nothing to choose (use the expert directly)"
-            )
         seen: dict[str, int] = {}
         for i, e in enumerate(self.experts):
             if e.name in seen:

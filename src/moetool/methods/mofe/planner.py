@@ -149,6 +149,11 @@ def _check_expert(
 def _mixture_warnings(recipe: MoFERecipe, sources: dict[str, ResolvedSource]) -> list[str]:
     warnings = []
     n_exp = len(recipe.experts)
+    if n_exp < 2:
+        warnings.append(
+            "experts: 1 expert; a one-expert mixture computes exactly that expert's FFN behind a router with nothing "
+            "to choose (use the expert directly, or add at least 2)"
+        )
     if n_exp & (n_exp - 1):
         warnings.append(
             f"{n_exp} experts is not a power of two; some inference stacks (older llama.cpp builds, fused "
