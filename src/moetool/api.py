@@ -22,12 +22,13 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.eval.report import evaluate as run
-from moetool.export.base import Exporter, ExportError, ExportRequest
+from moetool.export.base import Exporter, ExportError, ExportRequest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
 from moetool.export.resolve import ExportOptions
 from moetool.export.resolve import plan_export as plan_standard
 from moetool.io.atomic import check_output
 from moetool.io.checks import check_finished_model_dir, check_output_path, is_moetool_temp
+from moetool.io.safe import read_json
 from moetool.io.sources import resolve_source
 from moetool.methods import get_plugin, plugin_for_model
 from moetool.methods.base import MethodExportPlan, MethodPlugin, Stage, TrainOptions, TrainOutcome
@@ -170,6 +171,7 @@ def plan_export(
     """(exporter, request, plan) for ``model`` without writing (options: :class:`~moetool.export.resolve.ExportOptions`);
     a method's own output gets its method's exporter."""
     model_dir = resolve_source(str(model)).path
+    check_artifact_dir(output)
     check_output_path(output, [model_dir])
     owner = None if is_moetool_temp(model_dir) else plugin_for_model(model_dir)
     if owner is None:  # a standard model: not a killed run's temp dir, not a half-written folder
@@ -195,8 +197,9 @@ def plan_export(
 def adapter_base(adapter: Path, base: str | Path | None) -> Path:
     """The base model of a PEFT adapter: ``base`` if given, else its ``base_model_name_or_path`` (resolved locally)."""
 
-    ref = base or json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not ref:
+    config = Path(adapter) / "adapter_config.json"
+    ref = base or read_json(config, what="PEFT adapter config", error=ExportError).get("base_model_name_or_path")
+    if not isinstance(ref, str | Path) or not str(ref):
         raise ExportError(f"{adapter}: the adapter names no base model; pass --base")
     return resolve_source(str(ref), relative_to=Path(adapter)).path
 
@@ -216,6 +219,7 @@ def export(
     """
 
     if is_adapter(Path(model)):
+        check_artifact_dir(output)
         return export_adapter(
             Path(model),
             adapter_base(Path(model), base),

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from moetool.io.checkpoint import Checkpoint
+from moetool.io.safe import read_json
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.")
 _FUSED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -19,7 +19,7 @@ def inspect_model(path: str | Path) -> dict[str, Any]:
     ck = Checkpoint(Path(path))
     cfg = ck.config
     meta_file = Path(path) / "moetool.json"
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    meta = read_json(meta_file, what="moetool metadata") if meta_file.is_file() else {}
     n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     top_k = cfg.get("num_experts_per_tok") or 0
     total = 0

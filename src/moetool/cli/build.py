@@ -58,8 +58,11 @@ def demo(
 ) -> None:
     """Zoo → merge → router tuning (two presets) → evaluation with a verdict → verified GGUF for a Raspberry Pi →
     HF repo folder."""
+    from rich.markup import escape
+
     from moetool import api
     from moetool.cli.render import acceptance
+    from moetool.extras import install_hint
     from moetool.zoo import build_zoo
 
     build_zoo("default", console=console)
@@ -67,7 +70,7 @@ def demo(
     verify = importlib.util.find_spec("llama_cpp") is not None
     if not verify:
         console.print(
-            "[yellow]llama-cpp-python is not installed (bash scripts/setup.sh --llama): the GGUF is written but "
+            f"[yellow]llama-cpp-python is not installed ({escape(install_hint('llama'))}): the GGUF is written but "
             "not checked in llama.cpp[/]"
         )
     res = api.build(

@@ -12,6 +12,7 @@ import torch
 
 from moetool.eval.gem import gem_metrics
 from moetool.eval.perplexity import load_causal_lm, token_nll
+from moetool.io.safe import read_json
 from moetool.routing.tap import RouterTap
 
 
@@ -78,9 +79,7 @@ def evaluate(
             meta = Path(path) / "moetool.json"
             experts = None
             if meta.is_file():
-                import json
-
-                experts = json.loads(meta.read_text()).get("experts")
+                experts = read_json(meta, what="moetool metadata").get("experts")
             out["routing"][name] = {"experts": experts, "per_domain": routing}
         out["gem"][name] = gem_metrics({d: 1.0 / p for d, p in ppl.items()}, own_domains.get(name))
         del model, tok

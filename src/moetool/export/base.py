@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from moetool import registry
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, OutputPathError
+from moetool.io.safe import read_json
 from moetool.quant.plan import QuantSpec
 
 if TYPE_CHECKING:  # planning imports this module: the plan type is for annotations only
@@ -69,6 +70,27 @@ def get_exporter(target: str) -> Exporter[ArtifactPlan]:
 
 
 MANIFEST = "manifest.json"
+# names of artifact files (and Core ML's package folder): an output named like one is a mistaken file name
+ARTIFACT_SUFFIXES = (".gguf", ".onnx", ".tflite", ".pte", ".mlpackage")
+
+
+def check_artifact_dir(output: Path | str) -> None:
+    """Refuse ``-o medical.gguf``: an export's output is a directory that receives the artifact and its manifest.
+
+    A directory of that name that holds a previous export (its ``manifest.json``) is accepted, so re-exporting
+    into it with ``--force`` keeps working.
+
+    Raises:
+        OutputPathError: the name ends in an artifact suffix and is not a previous export's directory.
+    """
+    out = Path(output)
+    suffix = out.suffix.lower()
+    if suffix not in ARTIFACT_SUFFIXES or (out.is_dir() and (out / MANIFEST).is_file()):
+        return
+    raise OutputPathError(
+        f"-o {output}: -o takes a directory, which receives the artifact and {MANIFEST} (the file is named by the "
+        f"exporter); a name ending in {suffix} would become a directory. Pass e.g. -o {out.with_suffix('')}"
+    )
 
 
 def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
@@ -81,5 +103,5 @@ def read_manifest(artifact_dir: Path) -> dict[str, Any]:
     path = Path(artifact_dir) / MANIFEST
     if not path.is_file():
         raise ExportError(f"{artifact_dir}: no {MANIFEST}; not a moetool export")
-    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    data: dict[str, Any] = read_json(path, what="export manifest", error=ExportError)
     return data

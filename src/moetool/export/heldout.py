@@ -3,7 +3,6 @@ log-likelihood, top-1 agreement and perplexity."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 
 from moetool import registry
 from moetool.export.base import ExportError
+from moetool.io.safe import read_json
 
 SAMPLE_TEXT = (
     "The parser reads each line, strips comments and splits the remaining tokens on whitespace. "
@@ -27,7 +27,7 @@ SAMPLE_TEXT = (
 def model_name(model_dir: Path) -> str:
     info = model_dir / "moetool.json"
     if info.is_file():
-        with_name = json.loads(info.read_text()).get("name")
+        with_name = read_json(info, what="moetool metadata").get("name")
         if with_name:
             return str(with_name)
     return model_dir.resolve().name
@@ -44,8 +44,13 @@ def held_out_text(model_dir: Path, override: str | None = None) -> tuple[str, st
     info = model_dir / "moetool.json"
     zoo = False
     if info.is_file():
-        srcs = json.loads(info.read_text()).get("provenance", {}).get("sources", {})
-        zoo = bool(srcs) and all(s.get("kind") == "zoo" for s in srcs.values())
+        prov = read_json(info, what="moetool metadata").get("provenance")
+        srcs = prov.get("sources") if isinstance(prov, dict) else None
+        zoo = (
+            isinstance(srcs, dict)
+            and bool(srcs)
+            and all(isinstance(s, dict) and s.get("kind") == "zoo" for s in srcs.values())
+        )
     if not zoo and (model_dir.resolve().parent / "zoo.json").is_file():  # a zoo model itself
         zoo = True
     if zoo:

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from moetool.export.base import ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph, require
+from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
 from moetool.export.graph.model import load_export_model
 from moetool.export.graph.parity import Decode, Prefill, gate, graph_parity
 from moetool.export.heldout import held_out_text
+from moetool.extras import require
 
 __all__ = ["GraphExporter", "finish_graph_manifest", "is_float_plan", "runtime_parity"]
 
@@ -35,7 +36,7 @@ class GraphExporter:
     def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
 
         for module in self.runtime_modules:
-            require(module, self.requires)
+            require(module, self.requires, why=f"--target {self.name}")
         self.check(req)
         hf, em = load_export_model(req.model_dir)
         return self.write(req, plan, hf, em, started=time.perf_counter())

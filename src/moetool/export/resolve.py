@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from moetool.export.base import TARGETS, Exporter, ExportError, ExportRequest, get_exporter
 from moetool.export.planning import ArtifactPlan
+from moetool.io.safe import read_yaml
 from moetool.quant.devices import get_device
 from moetool.quant.plan import QuantSpec, parse_quant
 
@@ -37,13 +38,27 @@ def resolve_target(device: str | None, target: str | None) -> tuple[str, Any]:
 
 def quant_spec_of_model(model_dir: Path) -> QuantSpec | None:
     """The ``quantization:`` section of the recipe a model was merged from (kept as moetool-recipe.yaml), if any."""
-    import yaml
-
     path = Path(model_dir) / "moetool-recipe.yaml"
     if not path.is_file():
         return None
-    section = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("quantization")
-    return None if section is None else QuantSpec.model_validate(section)
+    data = read_yaml(path, what="the model's recipe", error=ExportError) or {}
+    if not isinstance(data, dict):
+        raise ExportError(f"{path}: the model's recipe is not a YAML mapping")
+    section = data.get("quantization")
+    if section is None:
+        return None
+    try:
+        return QuantSpec.model_validate(section)
+    except ValidationError as exc:  # one sentence naming the key, not pydantic's dump
+        reasons = "; ".join(_reason(e) for e in exc.errors())
+        raise ExportError(f"{path}: quantization: {reasons}") from None
+
+
+def _reason(error: Any) -> str:
+    """One pydantic error as ``field.path: message``."""
+    loc = ".".join(str(p) for p in error.get("loc", ()))
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg
 
 
 def resolve_quant(model_dir: Path, quant: QuantSpec | str | None, device: str | None) -> QuantSpec:

@@ -293,6 +293,8 @@ def parse_yaml(
     except YamlRefused as exc:
         where = f"{path}:{exc.mark.line + 1}" if exc.mark is not None else str(path)
         raise _fail(error, f"{where}: {exc}") from None
+    except MoetoolError:  # _walk's own refusals (duplicate keys, alias expansion) already name file and line
+        raise
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)

@@ -8,7 +8,6 @@ Stages take the validated recipe object (:class:`moetool.recipe.base.RecipeBase`
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportError, ExportRequest
+from moetool.io.safe import read_json
 from moetool.recipe.base import RecipeBase
 
 if TYPE_CHECKING:  # the mofe plan imports torch; the CLI imports this module at start-up
@@ -90,10 +90,7 @@ def config_model_type(model_dir: Path) -> str | None:
     cfg = Path(model_dir) / "config.json"
     if not cfg.is_file():
         return None
-    try:
-        value = json.loads(cfg.read_text(encoding="utf-8")).get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        raise MoetoolError(f"{cfg}: not a valid JSON object") from None
+    value = read_json(cfg, what="model config").get("model_type")
     return value if isinstance(value, str) else None
 
 

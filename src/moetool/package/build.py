@@ -7,11 +7,11 @@ sha256) and against the packaged weights (the manifest's ``weights_sha256``) bef
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from pathlib import Path
 
 from moetool.io.atomic import atomic_dir
+from moetool.io.safe import read_json
 from moetool.package.card import render_card
 from moetool.package.inputs import Artifact, Inputs, PackageError, model_files, read_eval, resolve_inputs, text_of
 
@@ -87,7 +87,7 @@ def build_repo(
         for p in pngs:
             _copy(p, tmp / "eval" / "plots" / p.name)
         card = render_card(
-            meta=json.loads((inp.model / "moetool.json").read_text(encoding="utf-8")),
+            meta=read_json(inp.model / "moetool.json", what="moetool metadata", error=PackageError),
             model=inp.model,
             recipe=text_of(inp.model / "moetool-recipe.yaml"),
             train_recipe=text_of(inp.model / "moetool-train-recipe.yaml"),

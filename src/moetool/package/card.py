@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moetool.package.inputs import REPO_ID_PLACEHOLDER, Artifact
+from moetool.io.safe import parse_yaml
+from moetool.package.inputs import REPO_ID_PLACEHOLDER, Artifact, PackageError
 
 
 def _size(n: float) -> str:
@@ -21,14 +22,19 @@ def _fence(text: str, lang: str) -> str:
     return f"{fence}{lang}\n{text.rstrip()}\n{fence}\n"
 
 
-def front_matter(meta: dict[str, Any], artifacts: list[Artifact], recipe: str | None) -> str:
-    """YAML the Hub reads. Only Hub repo ids go into ``base_model``: zoo and local sources are not on the Hub."""
-    import yaml
+def front_matter(
+    meta: dict[str, Any], artifacts: list[Artifact], recipe: str | None, recipe_path: Path = Path("moetool-recipe.yaml")
+) -> str:
+    """YAML the Hub reads. Only Hub repo ids go into ``base_model``: zoo and local sources are not on the Hub.
+
+    ``recipe`` is the text of ``recipe_path`` (named in errors), read strictly for its ``license``.
+    """
     from huggingface_hub import ModelCardData
 
     sources = meta.get("provenance", {}).get("sources", {})
     hub = list(dict.fromkeys(s["ref"] for s in sources.values() if s.get("kind") == "hf-cache"))
-    license_ = (yaml.safe_load(recipe) or {}).get("license") if recipe else None
+    parsed = parse_yaml(recipe, recipe_path, what="the model's recipe", error=PackageError)[0] if recipe else None
+    license_ = parsed.get("license") if isinstance(parsed, dict) else None
     tags = ["moe", "moetool", "merge", meta.get("method"), meta.get("architecture")]
     if any(a.target == "gguf" for a in artifacts):
         tags += ["gguf", "llama-cpp"]
@@ -245,4 +251,4 @@ def render_card(
         body += "## Recipe\n\n" + _fence(recipe, "yaml") + "\n"
     if train_recipe:
         body += "## Training recipe\n\n" + _fence(train_recipe, "yaml") + "\n"
-    return front_matter(meta, artifacts, recipe) + "\n" + body.rstrip() + "\n"
+    return front_matter(meta, artifacts, recipe, model / "moetool-recipe.yaml") + "\n" + body.rstrip() + "\n"

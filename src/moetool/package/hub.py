@@ -6,14 +6,12 @@ or the token saved by ``hf auth login``; error messages are built here and scrub
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from moetool import __version__
 from moetool.errors import MoetoolError
+from moetool.io.safe import decode_utf8, parse_yaml, read_bytes, read_json
 
 
 class PushError(MoetoolError):
@@ -21,14 +19,14 @@ class PushError(MoetoolError):
 
 
 def _front_matter(readme: Path) -> dict[str, Any]:
-    text = readme.read_text(encoding="utf-8")
+    text = decode_utf8(
+        read_bytes(readme, what="model card", error=PushError), readme, what="model card", error=PushError
+    )
     head, sep, _ = text.removeprefix("---\n").partition("\n---")
     if not text.startswith("---\n") or not sep:
         raise PushError(f"{readme}: no YAML front matter (write the folder with `moetool package`)")
-    try:
-        data = yaml.safe_load(head)
-    except yaml.YAMLError as exc:
-        raise PushError(f"{readme}: front matter is not valid YAML ({exc})") from None
+    # line numbers in errors count from the README's first line: the front matter starts on its second
+    data, _ = parse_yaml("\n" + head, readme, what="front matter", error=PushError)
     if not isinstance(data, dict):
         raise PushError(f"{readme}: front matter is not a YAML mapping")
     return data
@@ -37,10 +35,10 @@ def _front_matter(readme: Path) -> dict[str, Any]:
 def _has_artifact(folder: Path) -> bool:
     for manifest in folder.glob("*/*/manifest.json"):
         try:
-            name = json.loads(manifest.read_text(encoding="utf-8")).get("file")
-        except (OSError, ValueError):
+            name = read_json(manifest, what="export manifest", error=PushError).get("file")
+        except PushError:
             continue
-        if name and (manifest.parent / name).is_file():
+        if isinstance(name, str) and name and (manifest.parent / name).is_file():
             return True
     return False
 

@@ -5,7 +5,6 @@ Nothing here reads more than JSON and file listings; hashes are checked while co
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 from moetool.errors import MoetoolError
 from moetool.export.base import read_manifest
 from moetool.io.files import TOKENIZER_FILES
+from moetool.io.safe import decode_utf8, read_bytes, read_json
 
 
 class PackageError(MoetoolError):
@@ -73,6 +73,8 @@ def load_artifact(path: Path) -> Artifact:
     for key in ("target", "file", "model", "artifact"):
         if key not in manifest:
             raise PackageError(f"{path / 'manifest.json'}: no {key!r}; not a moetool export manifest")
+    if not isinstance(manifest["model"], dict):
+        raise PackageError(f"{path / 'manifest.json'}: model: not a JSON object; not a moetool export manifest")
     art = Artifact(path, manifest)
     for rel in art.files():
         if not (path / rel).is_file():
@@ -132,7 +134,10 @@ def model_files(model: Path) -> tuple[list[Path], list[Path]]:
         raise PackageError(f"{model}: no *.safetensors weights (moetool packages safetensors checkpoints only)")
     index = model / "model.safetensors.index.json"
     if index.is_file():
-        missing = sorted(set(json.loads(index.read_text())["weight_map"].values()) - {w.name for w in weights})
+        weight_map = read_json(index, what="safetensors index", error=PackageError).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise PackageError(f"{index}: weight_map: missing or not a JSON object")
+        missing = sorted({str(v) for v in weight_map.values()} - {w.name for w in weights})
         if missing:
             raise PackageError(f"{index}: names shards that are missing: {', '.join(missing)}")
     if not (model / "moetool.json").is_file():
@@ -142,16 +147,16 @@ def model_files(model: Path) -> tuple[list[Path], list[Path]]:
 
 
 def text_of(path: Path) -> str | None:
-    return path.read_text(encoding="utf-8") if path.is_file() else None
+    """A text file of the model directory (a recipe), UTF-8 checked, or None when there is none."""
+    if not path.is_file():
+        return None
+    return decode_utf8(read_bytes(path, what=path.name, error=PackageError), path, what=path.name, error=PackageError)
 
 
 def read_eval(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise PackageError(f"{path}: no such evaluation report")
-    try:
-        report: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise PackageError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(report, dict) or not {"domains", "perplexity"} <= set(report):
+    report: dict[str, Any] = read_json(path, what="evaluation report", error=PackageError)
+    if not {"domains", "perplexity"} <= set(report):
         raise PackageError(f"{path}: not a `moetool eval --json` report (no domains/perplexity)")
     return report

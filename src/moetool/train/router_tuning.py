@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.files import copy_tokenizer
+from moetool.io.safe import read_json
 from moetool.progress import silent, task
 from moetool.recipe.train import TrainSpec
 from moetool.routing.losses import expert_load, routing_entropy, routing_losses
@@ -108,7 +109,10 @@ def _save_checkpoint(
 def _load_checkpoint(
     ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, fingerprint: str
 ) -> tuple[int, list[dict[str, Any]]]:
-    state = json.loads((ckpt / "state.json").read_text())
+    try:
+        state = read_json(ckpt / "state.json", what="router-tuning checkpoint state", error=MoetoolError)
+    except MoetoolError as exc:
+        raise MoetoolError(f"{exc}; pass --no-resume to start over") from None
     if state.get("format") != CHECKPOINT_FORMAT or state.get("fingerprint") != fingerprint:
         raise MoetoolError(
             f"{ckpt} belongs to a different run (recipe, model or freeze changed); pass --no-resume to start over"
@@ -349,7 +353,7 @@ def _write_output(
             if (model_dir / f).is_file():
                 shutil.copy2(model_dir / f, tmp / f)
         meta_path = model_dir / "moetool.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        meta = read_json(meta_path, what="moetool metadata") if meta_path.is_file() else {}
         meta["training"] = {
             "source_model": str(model_dir.resolve()),
             "steps": recipe.train.steps,

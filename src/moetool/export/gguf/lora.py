@@ -7,7 +7,6 @@ alpha is written as 0 (llama.cpp then applies the user's ``lora_scale`` alone), 
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile
@@ -29,6 +28,7 @@ from moetool.export.gguf.write import write_gguf
 from moetool.export.heldout import held_out_text, model_name
 from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import Checkpoint
+from moetool.io.safe import read_json
 from moetool.quant.plan import QuantSpec, resolve
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
@@ -48,7 +48,7 @@ def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, tuple[tor
     Raises:
         ExportError: unsupported adapter features, naming them.
     """
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    cfg = read_json(adapter_dir / "adapter_config.json", what="PEFT adapter config", error=ExportError)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ExportError(f"{adapter_dir}: peft_type {cfg.get('peft_type')!r}; only LORA adapters convert")
     for key, what in _UNSUPPORTED.items():

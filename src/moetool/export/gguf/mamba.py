@@ -7,7 +7,6 @@ SSM's small tensors (conv, x/dt projections, A, D) stay f32 whatever the chosen 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from moetool.export.gguf.tokenizer import read_vocab, write_vocab
 from moetool.export.gguf.verify import run_llama
 from moetool.export.heldout import held_out_text
 from moetool.io.atomic import atomic_dir
+from moetool.io.safe import read_json
 
 ARCH = "mamba"
 # (HF regex, GGUF name, transform)
@@ -77,7 +77,7 @@ def write_mamba_gguf(model_dir: Path, path: Path, *, quant: str = "f32") -> dict
 
     if quant not in ("f32", "f16"):
         raise ExportError(f"Mamba GGUF: quant {quant!r} is not supported (f32 or f16)")
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = read_json(model_dir / "config.json", what="model config", error=ExportError)
     if cfg.get("model_type") != "mamba":
         raise ExportError(f"{model_dir}: model_type {cfg.get('model_type')!r} is not mamba")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

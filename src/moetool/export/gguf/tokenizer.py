@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool.export.base import ExportError
+from moetool.io.safe import read_json
 
 # tokenizer.json Split regexes (followed by ByteLevel without its own regex) → llama.cpp pre-tokenizer name
 _SPLIT_PRE: dict[str, str] = {
@@ -74,7 +75,7 @@ def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ExportError(f"{model_dir}: no tokenizer.json (a fast tokenizer is needed for GGUF metadata)")
-    tj = json.loads(path.read_text(encoding="utf-8"))
+    tj = read_json(path, what="tokenizer", error=ExportError)
     model = tj.get("model", {})
     if model.get("type") != "BPE":
         raise ExportError(f"{path}: tokenizer model {model.get('type')!r}; only byte-level BPE is supported")

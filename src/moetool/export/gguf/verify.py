@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from moetool.export.base import ExportError
 from moetool.export.heldout import Agreement, agreement, windows
+from moetool.extras import require
 
 TOKENIZER_PROBES: tuple[str, ...] = (
     "Hello world",
@@ -86,13 +86,9 @@ def quiet_stderr() -> Iterator[None]:
 
 
 def load_llama(path: Path, n_ctx: int, lora_path: Path | None = None) -> Any:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        raise ExportError(
-            "verifying a GGUF needs llama-cpp-python: pip install 'moetool[llama]' (it compiles llama.cpp, "
-            "about 12 minutes), or pass --no-verify to write an unverified artifact"
-        ) from None
+    Llama = require(
+        "llama_cpp", "llama", why="verifying a GGUF", otherwise="pass --no-verify to write an unverified artifact"
+    ).Llama
     with quiet_stderr():
         return Llama(
             model_path=str(path),

@@ -18,6 +18,7 @@ from moetool.export.gguf.layout import GGUFTensor, Layout
 from moetool.export.gguf.names import permute_qk
 from moetool.export.gguf.tokenizer import GGUFVocab, write_vocab
 from moetool.export.gguf.verify import quiet_stderr
+from moetool.extras import require
 from moetool.io.checkpoint import Checkpoint
 from moetool.quant.plan import QuantPlan
 from moetool.quant.types import TYPES
@@ -160,17 +161,17 @@ def requantize_k(src: Path, dst: Path, plan: QuantPlan, threads: int = 0) -> Non
     """Let llama.cpp quantize the K-type tensors of ``src`` (written f32) into ``dst``; all others are copied.
 
     Raises:
-        ExportError: llama-cpp-python is missing, or llama.cpp's quantizer failed.
+        MissingExtraError: llama-cpp-python is missing.
+        ExportError: llama.cpp's quantizer failed.
     """
-    try:
-        import ctypes
+    import ctypes
 
-        import llama_cpp
-    except ImportError:
-        raise ExportError(
-            "K-quant types (q2_k … q6_k) need llama.cpp's quantizer: pip install 'moetool[llama]' "
-            "(builds llama-cpp-python), or choose a plan of f16/bf16/q8_0/q5_x/q4_x types"
-        ) from None
+    llama_cpp = require(
+        "llama_cpp",
+        "llama",
+        why="writing K-quant types (q2_k … q6_k) with llama.cpp's quantizer",
+        otherwise="choose a plan of f16/bf16/q8_0/q5_x/q4_x types",
+    )
     Override = llama_cpp.llama_model_tensor_override
     names = [(a.entry.out_name or a.entry.hf_name, a.type) for a in plan.assignments if len(a.entry.shape) >= 2]
     arr = (Override * (len(names) + 1))()

@@ -3,7 +3,6 @@ optional-dependency check and the manifest."""
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,6 @@ class GraphPlan(ArtifactPlan):
     def precisions(self) -> dict[str, str]:
         """Export parameter name → fp32 | int8 | int4."""
         return {str(a.entry.out_name): graph_precision(a.type) for a in self.quant.assignments}
-
-
-def require(module: str, extra: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ExportError(
-            f"this target needs {module}: pip install 'moetool[{extra}]' (or setup.sh --{extra})"
-        ) from None
 
 
 def onnx_export(

@@ -171,7 +171,7 @@ def _ort_runners(ort: Any, prefill_path: Path, decode_path: Path, n_layers: int)
 class ONNXExporter(GraphExporter):
     name = "onnx"
     requires = "onnx"
-    runtime_modules = ("onnx", "onnxruntime")
+    runtime_modules = ("onnx", "onnxscript", "onnxruntime")  # onnxscript: torch.onnx's dynamo exporter
 
     def write(self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float) -> dict[str, Any]:
         import onnxruntime as ort

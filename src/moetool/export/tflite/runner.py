@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from moetool.export.base import ExportError
+from moetool.extras import missing
 
 __all__ = ["REPO", "litert_python", "padded_feeds", "run_worker", "signature_outputs", "worker_main"]
 
@@ -37,7 +38,7 @@ def litert_python() -> str:
     ``.venv-litert``.
 
     Raises:
-        ExportError: none has it, saying how to make one.
+        MissingExtraError: none has it, saying how to make one.
     """
     env = os.environ.get("MOETOOL_LITERT_PYTHON")
     if env:
@@ -47,10 +48,7 @@ def litert_python() -> str:
     venv = REPO / ".venv-litert" / "bin" / "python"
     if venv.is_file():
         return str(venv)
-    raise ExportError(
-        "TFLite export needs litert-torch, kept in its own venv: bash scripts/setup.sh --tflite (makes .venv-litert), "
-        "or set MOETOOL_LITERT_PYTHON to a python that has it"
-    )
+    raise missing("litert-torch", "tflite", why="TFLite export")
 
 
 def run_worker(module: str, request: dict[str, Any], *, what: str = "TFLite conversion") -> dict[str, Any]:

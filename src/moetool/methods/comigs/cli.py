@@ -18,16 +18,13 @@ app = typer.Typer(no_args_is_help=True, help="CoMiGS: federated generalist + spe
 
 
 def _flower(recipe: Path, output: Path, *, variant: str, rounds: int | None, force: bool) -> dict[str, Any]:
-    from moetool.errors import MoetoolError
+    from moetool.extras import require
     from moetool.io.atomic import atomic_dir, check_output
 
-    try:
-        from moetool.methods.comigs.flower import simulate
-    except ImportError:
-        raise MoetoolError(
-            "--engine flower: flwr is not installed in this environment; run `bash scripts/setup_comigs.sh` and "
-            "use .venv-flwr/bin/moetool (Flower pins protobuf/typer/rich below the main environment's)"
-        ) from None
+    # flower.py imports flwr at module level: check the extra first, so a missing one is one sentence
+    require("flwr", "comigs", why="--engine flower")
+    from moetool.methods.comigs.flower import simulate
+
     check_output(output, force=force)
     with atomic_dir(output, force=force) as tmp:
         report: dict[str, Any] = simulate(recipe, tmp, variant=variant, rounds=rounds)

@@ -31,11 +31,12 @@ import torch
 from torch import nn
 
 from moetool.export.base import ExportError, write_manifest
-from moetool.export.graph.common import onnx_export, require
+from moetool.export.graph.common import onnx_export
 from moetool.export.graph.model import ExportLM
 from moetool.export.graph.parity import gate, graph_parity
 from moetool.export.heldout import held_out_text, windows
 from moetool.export.tflite.runner import run_worker
+from moetool.extras import require
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.methods.embedding.model import MODEL_TYPE
 from moetool.methods.embedding.router import causal_mask
@@ -121,8 +122,9 @@ class ExportRoutedLM(nn.Module):
 def export_onnx(model: Any, tok: Any, text: str, out_dir: Path, *, text_source: str) -> dict[str, Any]:
     """Write ``model.onnx`` + ``model-with-past.onnx`` into ``out_dir`` and return the parity figures."""
 
-    require("onnx", "onnx")
-    ort = require("onnxruntime", "onnx")
+    for module in ("onnx", "onnxscript"):  # onnxscript: torch.onnx's dynamo exporter
+        require(module, "onnx", why="ONNX export")
+    ort = require("onnxruntime", "onnx", why="ONNX export")
     em = ExportRoutedLM(model).eval()
     pre, dec = out_dir / "model.onnx", out_dir / "model-with-past.onnx"
     max_pos = int(model.embed.cfg.max_positions)
@@ -192,7 +194,7 @@ def export_coreml(model: Any, tok: Any, text: str, out_dir: Path, *, text_source
     """Write ``model.mlpackage`` (prefill) into ``out_dir``; return the structural check and the wrapper's parity."""
     from collections import Counter
 
-    ct = require("coremltools", "coreml")
+    ct = require("coremltools", "coreml", why="Core ML export")
     em = ExportRoutedLM(model).eval()
     wrapper = PrefillLogits(em).eval()
     max_pos = int(model.embed.cfg.max_positions)

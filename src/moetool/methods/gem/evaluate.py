@@ -9,7 +9,6 @@ routed once and scored by the chosen pathway.
 from __future__ import annotations
 
 import gc
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +19,7 @@ from torch import nn
 
 from moetool.eval.gem import gem_metrics
 from moetool.eval.perplexity import load_causal_lm, token_nll
+from moetool.io.safe import read_json
 from moetool.methods.gem.model import decide
 from moetool.methods.gem.router import hf_encoder
 
@@ -47,7 +47,7 @@ class SequenceGem(nn.Module):
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
-        spec = json.loads((bundle / "gem.json").read_text())
+        spec = read_json(bundle / "gem.json", what="GEM bundle spec")
         self.names = ["general", *spec["domains"]]
         self.tau = spec["tau"] if tau is None else tau
         self.pathways = nn.ModuleList(

@@ -24,12 +24,13 @@ import torch
 
 from moetool.card import sha256_file
 from moetool.errors import MoetoolError
-from moetool.export.graph.common import require
 from moetool.export.onnx.exporter import quantize_graph, save_model
 from moetool.export.resolve import plan_export
 from moetool.export.tflite.runner import litert_python, run_worker
+from moetool.extras import require
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
+from moetool.io.safe import read_json
 from moetool.methods.gem.evaluate import SequenceGem
 from moetool.methods.gem.export_graph import GemGraph, RouterGraph, graph_precisions, trace_onnx
 from moetool.methods.gem.export_parity import (
@@ -58,6 +59,13 @@ __all__ = [
 MANIFEST = "gem-manifest.json"
 FORMAT = "moetool-gem-artifact/1"
 RULE = "routes = argmax+1 where max router_probs > tau (strict) else 0 (general); inside the graph"
+
+
+def require_onnx(why: str, *, verify: bool) -> None:
+    """Refuse once, before any model is loaded, when the ONNX extra is missing: tracing needs onnx and onnxscript
+    (torch.onnx's dynamo exporter), the parity check onnxruntime."""
+    for module in ("onnx", "onnxscript", *(("onnxruntime",) if verify else ())):
+        require(module, "onnx", why=why)
 
 
 def trace_graph(graph: GemGraph, path: Path) -> None:
@@ -107,7 +115,7 @@ def export_token_onnx(
     """
     from transformers import AutoTokenizer
 
-    require("onnx", "onnx")
+    require_onnx("the token-level GEM ONNX export", verify=verify)
     model = _load_token_model(model_dir)
     graph = GemGraph(model).eval()
     precisions = graph_precisions(graph, quant)
@@ -253,10 +261,12 @@ def export_sequence_bundle(
     """``router.onnx`` + ``pathways/<name>/`` (one artifact each via the regular exporter for ``target``) +
     ``gem-manifest.json``, written atomically; the router graph's parity is gated (same decisions, |ΔP| ≤ 1e-5)."""
 
-    require("onnx", "onnx")
+    # the router is router.onnx whatever --target the pathways take: without the extra no pathway is written either
+    # (a bundle without its router cannot dispatch), so refuse once, up front, saying why
+    require_onnx(f"the sequence-level GEM router (router.onnx, written beside the {target} pathways)", verify=verify)
     if quant is None and target != "gguf":
         quant = "f32"  # plan_export's default for a plain checkpoint is f16, which the graph targets do not store
-    spec = json.loads((bundle / "gem.json").read_text())
+    spec = read_json(bundle / "gem.json", what="GEM bundle spec")
     seq = SequenceGem(bundle)
     graph = RouterGraph(seq.pathways[0], spec["encoder"]["layers"], seq.router.weight, seq.router.bias, seq.tau).eval()
     t0 = time.perf_counter()

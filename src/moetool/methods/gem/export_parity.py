@@ -3,7 +3,6 @@ probabilities and routes that every runtime (onnxruntime, the LiteRT interpreter
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -12,9 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetool.export.graph.common import require
 from moetool.export.graph.model import causal_mask
 from moetool.export.heldout import held_out_text, nll
+from moetool.extras import require
+from moetool.io.safe import read_json
 
 __all__ = [
     "PARITY_LIMIT",
@@ -37,7 +37,7 @@ TokenRun = Callable[[list[int]], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 def ort_session(path: Path) -> Any:
 
-    ort = require("onnxruntime", "onnx")
+    ort = require("onnxruntime", "onnx", why="checking a GEM ONNX graph")
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = 1
@@ -57,7 +57,8 @@ def probe_windows(tok: Any, model_dir: Path, lengths: tuple[int, ...]) -> list[l
     """One window per length per domain of held-out text (so routes cover general and every pathway)."""
 
     texts: list[str] = []
-    meta = json.loads((model_dir / "moetool.json").read_text()) if (model_dir / "moetool.json").is_file() else {}
+    info = model_dir / "moetool.json"
+    meta = read_json(info, what="moetool metadata") if info.is_file() else {}
     try:
         from moetool.zoo import zoo_domain_text
 

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
+from moetool.io.safe import read_json
 from moetool.methods.hybrid.pareto import train_recipe_router
 from moetool.methods.hybrid.pipeline import Prepared, prepare
 from moetool.methods.hybrid.profile import PROFILE_FILE
@@ -161,7 +162,7 @@ def read_model(path: Path) -> tuple[dict[str, Any], HybridRouter]:
     meta_path = Path(path) / HYBRID_JSON
     if not meta_path.is_file():
         raise MoetoolError(f"{path}: not a hybrid model ({HYBRID_JSON} missing; build one with `moetool merge`)")
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    meta = read_json(meta_path, what="hybrid model metadata")
     rc = meta["router"]
     router = HybridRouter(rc["in_features"], rc["hidden_size"], len(meta["experts"]), rc["utility_head"])
     router.load_state_dict(load_file(str(Path(path) / ROUTER_FILE)))

@@ -9,7 +9,6 @@ the embedding table, standardisation and MLP are inside. Otherwise it takes the 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,13 @@ import torch
 from torch import nn
 
 from moetool.errors import MoetoolError
-from moetool.export.base import ExportError, write_manifest
+from moetool.export.base import ExportError, check_artifact_dir, write_manifest
 from moetool.export.graph.common import onnx_export
 from moetool.export.resolve import plan_export
+from moetool.extras import require
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
+from moetool.io.safe import read_json
 from moetool.methods.hybrid.assemble import read_model
 from moetool.methods.hybrid.data import pooled_hidden
 from moetool.methods.hybrid.router import FeatureLayout, HybridRouter, sequence_features
@@ -181,9 +182,15 @@ def export_hybrid(
     manifest.json. An expert the chosen exporter cannot handle is recorded with the reason, not silently skipped.
 
     Raises:
+        MissingExtraError: the onnx extra is missing (checked before anything is read or written).
         MoetoolError: the router graph fails parity (max |Δscore| > 1e-4 or any choice differs).
     """
 
+    check_artifact_dir(output)
+    # the router is always an ONNX graph checked in onnxruntime, whatever the experts' target; onnxscript is what
+    # torch.onnx's dynamo exporter traces with
+    for module in ("onnx", "onnxscript", "onnxruntime"):
+        require(module, "onnx", why="the hybrid router's ONNX export (router.onnx)")
     meta, router = read_model(model_dir)
     with atomic_dir(Path(output), force=force) as tmp:
         graph = export_router_onnx(meta, router, tmp / ROUTER_ONNX)
@@ -252,5 +259,19 @@ def _export_expert(
 
 
 def load_export(path: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
+    """The manifest of a ``moetool hybrid export`` folder.
+
+    Raises:
+        ExportError: no such folder, no manifest.json, or a manifest that is not a hybrid export's, naming the file
+            and the command that writes one.
+    """
+    manifest = Path(path) / "manifest.json"
+    writes_it = "`moetool hybrid export MODEL -o DIR` writes it"
+    if not Path(path).is_dir():
+        raise ExportError(f"{path}: no such directory; a hybrid export folder is expected ({writes_it})")
+    if not manifest.is_file():
+        raise ExportError(f"{manifest}: missing; {path} is not a hybrid export folder ({writes_it})")
+    data: dict[str, Any] = read_json(manifest, what="hybrid export manifest", error=ExportError)
+    if data.get("format") != "moetool-hybrid-export" or not isinstance(data.get("experts"), list):
+        raise ExportError(f"{manifest}: format is {data.get('format')!r}, not a hybrid export manifest ({writes_it})")
     return data

@@ -1,0 +1,141 @@
+"""Malformed files inside a model or artifact directory, through the commands that read them (issue 20).
+
+Every JSON or YAML file of a model directory (``moetool.json``, ``moetool-recipe.yaml``, ``tokenizer.json``, a PEFT
+``adapter_config.json``, an export's ``manifest.json``) is read strictly: exit code 2, one line naming the file (and
+its line or key), no traceback, nothing written, no input changed. Also the documented commands that used to crash:
+``moetool profile --gguf`` on a folder without a manifest, and ``-o NAME.gguf`` on ``moetool export``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+def _copy(env, name: str = "m") -> Path:
+    model = env.root / "models" / name
+    shutil.copytree(env.models["base"], model)
+    return model
+
+
+def test_inspect_refuses_duplicate_keys_in_moetool_json(env, refused):
+    model = _copy(env)
+    (model / "moetool.json").write_text('{"name": "a", "name": "b"}')
+    refused(["inspect", str(model)], ["moetool.json", "'name' twice"], inputs=[model], sandbox=env.root)
+
+
+def test_inspect_refuses_a_garbage_config_json(env, refused):
+    model = _copy(env)
+    (model / "config.json").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    refused(["inspect", str(model)], ["config.json", "not UTF-8"], inputs=[model], sandbox=env.root)
+
+
+# moetool-recipe.yaml is the recipe a model was merged from; export reads its quantization section
+RECIPES = [
+    ("syntax", "quantization: [\n", ["moetool-recipe.yaml:2:", "not valid YAML"]),
+    (
+        "duplicate-key",
+        "quantization: {preset: q8_0}\nquantization: {preset: f16}\n",
+        ["moetool-recipe.yaml:2:", "duplicate key 'quantization'"],
+    ),
+    (
+        "bad-preset",
+        "quantization: {preset: q9_9}\n",
+        ["moetool-recipe.yaml: quantization: preset:", "unknown preset 'q9_9'"],
+    ),
+    ("not-a-mapping", "- quantization\n", ["moetool-recipe.yaml: the model's recipe is not a YAML mapping"]),
+    ("latin-1", "name: caf\xe9\n".encode("latin-1"), ["moetool-recipe.yaml:1:", "not UTF-8"]),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), [(t, e) for _, t, e in RECIPES], ids=[i for i, _, _ in RECIPES])
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "write"])
+def test_export_refuses_a_malformed_model_recipe(env, refused, text, expected, dry_run):
+    model = _copy(env)
+    (model / "moetool-recipe.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
+    args = ["export", str(model), "-o", str(env.outs / "gguf"), *(["--dry-run"] if dry_run else [])]
+    refused(args, expected, inputs=[model], sandbox=env.root)
+
+
+def test_gguf_export_refuses_a_malformed_tokenizer_json(env, refused):
+    model = _copy(env)
+    (model / "tokenizer.json").write_text('{"model": {"type": "BPE"')
+    args = ["export", str(model), "-o", str(env.outs / "gguf"), "--quant", "f32", "--no-verify"]
+    refused(args, ["tokenizer.json:", "tokenizer is not valid JSON"], inputs=[model], sandbox=env.root)
+
+
+def test_adapter_export_refuses_a_malformed_adapter_config(env, refused):
+    adapter = env.root / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "x",}')
+    args = ["export", str(adapter), "-o", str(env.outs / "lora")]
+    refused(
+        args, ["adapter_config.json:1:", "PEFT adapter config is not valid JSON"], inputs=[adapter], sandbox=env.root
+    )
+
+
+@pytest.mark.parametrize("name", ["medical.gguf", "m.onnx", "m.TFLITE", "m.pte", "m.mlpackage"])
+def test_export_output_named_like_an_artifact_is_refused(env, refused, name):
+    model = env.models["base"]
+    for extra in (["--dry-run"], []):
+        refused(
+            ["export", str(model), "-o", str(env.outs / name), *extra],
+            [f"-o {env.outs / name}: -o takes a directory", f"-o {env.outs / Path(name).stem}"],
+            inputs=[model],
+            sandbox=env.root,
+        )
+
+
+def test_export_into_a_previous_export_named_like_an_artifact_is_allowed(env, cli):
+    """A folder that already holds an export (its manifest.json) keeps working, whatever its name."""
+    out = env.outs / "old.gguf"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    res = cli(["export", str(env.models["base"]), "-o", str(out), "--dry-run"])
+    assert res.exit_code == 0, res.output
+
+
+def test_hybrid_export_refuses_an_output_named_like_an_artifact(env, refused):
+    out = env.outs / "router.onnx"
+    refused(["hybrid", "export", str(env.models["base"]), "-o", str(out)], ["-o takes a directory"], inputs=[], sandbox=env.root)  # fmt: skip
+
+
+def _fake_hybrid(path: Path) -> Path:
+    """The two files ``moetool profile`` reads of a hybrid model: hybrid.json and the router's weights."""
+    from safetensors.torch import save_file
+
+    from moetool.methods.hybrid.router import HybridRouter
+
+    path.mkdir(parents=True)
+    save_file(HybridRouter(3, 4, 2).state_dict(), str(path / "router.safetensors"))
+    meta = {
+        "experts": [{"name": "small"}, {"name": "large"}],
+        "tokenizer": {"vocab_size": 320},
+        "router": {"in_features": 3, "hidden_size": 4, "utility_head": False, "layout": {"max_length": 64}},
+        "costly": "large",
+    }
+    (path / "hybrid.json").write_text(json.dumps(meta))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["no-manifest", "no-folder", "other-manifest", "garbage-manifest"])
+def test_profile_gguf_needs_a_hybrid_export_folder(env, refused, kind):
+    model = _fake_hybrid(env.root / "hybrid")
+    folder = env.root / "not-an-export"
+    if kind != "no-folder":
+        folder.mkdir()
+    if kind == "other-manifest":
+        (folder / "manifest.json").write_text('{"format": "moetool-gguf", "file": "model.gguf"}')
+    if kind == "garbage-manifest":
+        (folder / "manifest.json").write_text("{")
+    expected = {
+        "no-manifest": [f"{folder / 'manifest.json'}: missing", "`moetool hybrid export MODEL -o DIR` writes it"],
+        "no-folder": [f"{folder}: no such directory", "`moetool hybrid export MODEL -o DIR` writes it"],
+        "other-manifest": ["manifest.json: format is 'moetool-gguf', not a hybrid export manifest"],
+        "garbage-manifest": ["manifest.json:1:2: hybrid export manifest is not valid JSON"],
+    }[kind]
+    inputs = [model, *([folder] if folder.exists() else [])]
+    refused(["profile", str(model), "--gguf", str(folder)], expected, inputs=inputs, sandbox=env.root)
