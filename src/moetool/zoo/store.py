@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from moetool.errors import MoetoolError
 from moetool.paths import zoo_dir
-from moetool.zoo.config import ZOO_JSON
+from moetool.zoo.config import NAMED_PROFILES, ZOO_JSON
 from moetool.zoo.corpora import DOMAINS
 
 
@@ -30,7 +30,8 @@ def zoo_models(profile: str = "default") -> list[str]:
     if not root.is_dir():
         return []
     meta = read_zoo_json(root)
-    on_disk = sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
+    # hidden names: a build's temporary directories (io.atomic), never a finished model
+    on_disk = sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and (p / "config.json").is_file())
     if meta is not None and meta.get("models"):
         # zoo.json's models first, then models trained into the zoo later (e.g. `moetool hybrid zoo-mamba`)
         listed = [m for m in meta["models"] if m in on_disk]
@@ -43,18 +44,39 @@ def build_hint(profile: str) -> str:
     return "`moetool zoo build`" if profile == "default" else f"`moetool zoo build --profile {profile}`"
 
 
+def split_zoo_name(name: str) -> tuple[str, str]:
+    """``(profile, model)`` of a ``zoo:NAME`` reference: ``smollm2-code`` -> ``("smollm2", "code")`` for the real
+    profiles, anything else -> ``("default", name)``."""
+    for profile in NAMED_PROFILES:
+        if name.startswith(f"{profile}-"):
+            return profile, name[len(profile) + 1 :]
+    return "default", name
+
+
+def zoo_ref(profile: str, model: str) -> str | None:
+    """The ``zoo:NAME`` reference of ``model`` in ``profile`` (None for a profile ``zoo:`` does not reach)."""
+    if profile == "default":
+        return f"zoo:{model}"
+    return f"zoo:{profile}-{model}" if profile in NAMED_PROFILES else None
+
+
 def resolve_zoo_model(name: str, profile: str = "default") -> Path:
-    """Directory of zoo model ``name`` (``base`` or a domain) of ``profile``.
+    """Directory of zoo model ``name`` (``base`` or a domain) of ``profile``; with the default profile, a real
+    profile's model by its prefixed name (``smollm2-base``, see :func:`split_zoo_name`).
 
     Raises:
         MoetoolError: the zoo is not built, or has no model of that name.
     """
+    shown = name
+    if profile == "default":
+        profile, name = split_zoo_name(name)
     path = zoo_dir(profile) / name
     if name and "/" not in name and (path / "config.json").is_file():
         return path
-    available = zoo_models(profile)
+    prefix = f"{profile}-" if profile in NAMED_PROFILES and shown != name else ""
+    available = [prefix + m for m in zoo_models(profile)]
     listing = f"available: {', '.join(available)}" if available else f"the {profile!r} zoo is not built"
-    raise MoetoolError(f"zoo model {name!r} not found; run {build_hint(profile)} ({listing})")
+    raise MoetoolError(f"zoo model {shown!r} not found; run {build_hint(profile)} ({listing})")
 
 
 def zoo_domain_text(domain: str, split: Literal["train", "valid"] = "valid", profile: str = "default") -> str:
