@@ -37,19 +37,19 @@ class MethodEntry:
 METHODS: dict[str, MethodEntry] = {
     "mofe": MethodEntry("moetool.recipe.mofe:MoFERecipe", "moetool.methods.mofe:PLUGIN"),
     "comigs": MethodEntry(
-        "moetool.recipe.comigs:ComigsRecipe", "moetool.methods.comigs:PLUGIN", "moetool.methods.comigs.cli:app"
+        "moetool.recipe.comigs:ComigsRecipe", "moetool.methods.comigs:PLUGIN", "moetool.cli.methods.comigs:app"
     ),
     "embedding": MethodEntry(
         "moetool.recipe.embedding:EmbeddingRecipe",
         "moetool.methods.embedding:PLUGIN",
-        "moetool.methods.embedding.cli:app",
+        "moetool.cli.methods.embedding:app",
     ),
-    "gem": MethodEntry("moetool.recipe.gem:GemRecipe", "moetool.methods.gem:PLUGIN", "moetool.methods.gem.cli:app"),
+    "gem": MethodEntry("moetool.recipe.gem:GemRecipe", "moetool.methods.gem:PLUGIN", "moetool.cli.methods.gem:app"),
     "hybrid": MethodEntry(
         "moetool.recipe.hybrid:HybridRecipe",
         "moetool.methods.hybrid:PLUGIN",
-        "moetool.methods.hybrid.cli:app",
-        commands=(("profile", "moetool.methods.hybrid.cli:profile_cmd"),),
+        "moetool.cli.methods.hybrid:app",
+        commands=(("profile", "moetool.cli.methods.hybrid:profile_cmd"),),
     ),
 }
 

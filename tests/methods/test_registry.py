@@ -14,14 +14,10 @@ from moetool import registry
 from moetool.export import ExportError
 
 
-def test_cli_starts_without_loading_torch_or_method_models() -> None:
-    code = (
-        "import sys, moetool.cli; "
-        "print(any(m.startswith('moetool.methods.') and m.endswith(('.model', '.assemble', '.export')) "
-        "for m in sys.modules), 'torch' in sys.modules, 'transformers' in sys.modules)"
-    )
+def test_cli_starts_without_loading_methods() -> None:
+    code = "import sys, moetool.cli; print(any(m.startswith('moetool.methods.') for m in sys.modules), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "False", "False"], "moetool --help must not import torch or the methods' models"
+    assert out == ["False", "False"], "moetool --help must not import the method packages or torch"
 
 
 def test_every_registered_method_has_a_plugin_and_a_recipe() -> None:
