@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import gc
 import math
 from collections.abc import Mapping
@@ -46,7 +51,7 @@ def _windows(ids: list[int], seq_len: int, bos_id: int | None) -> list[list[int]
 @torch.inference_mode()
 def token_nll(
     model: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     text: str,
     *,
     seq_len: int = 256,
@@ -96,7 +101,7 @@ def token_nll(
 
 def perplexity(
     model: Any,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     text: str,
     *,
     seq_len: int = 256,

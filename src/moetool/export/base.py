@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from rich.console import Console
+
 from moetool import registry
 from moetool.errors import MoetoolError, OutputPathError
 from moetool.io.safe import read_json
@@ -50,7 +52,7 @@ class Exporter(Protocol[PlanT]):
         """Resolve the quantization plan (no writes)."""
         ...
 
-    def export(self, req: ExportRequest, plan: PlanT, console: Any = None) -> dict[str, Any]:
+    def export(self, req: ExportRequest, plan: PlanT, console: Console | None = None) -> dict[str, Any]:
         """Write the artifact and its manifest into ``req.output`` atomically; return the manifest."""
         ...
 

@@ -3,6 +3,11 @@ log-likelihood, top-1 agreement and perplexity."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +69,9 @@ def held_out_text(model_dir: Path, override: str | None = None) -> tuple[str, st
     return SAMPLE_TEXT, "builtin-sample"
 
 
-def windows(tok: Any, text: str, seq_lens: list[int], n_windows: int) -> tuple[list[list[int]], list[list[int]]]:
+def windows(
+    tok: PreTrainedTokenizerBase, text: str, seq_lens: list[int], n_windows: int
+) -> tuple[list[list[int]], list[list[int]]]:
     """Token windows: one per probe length (for logit diffs) and ``n_windows`` of the longest (for perplexity)."""
     tok.model_max_length = 10**9  # windows are cut below; silence the "longer than the maximum" warning
     ids = tok(text, add_special_tokens=False).input_ids

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from moetool.export.base import ExportRequest, write_manifest
 from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
 from moetool.export.graph.model import load_export_model
@@ -33,7 +35,7 @@ class GraphExporter:
     def plan(self, req: ExportRequest) -> GraphPlan:
         return plan_graph(req, self.name)
 
-    def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
+    def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> dict[str, Any]:
 
         for module in self.runtime_modules:
             require(module, self.requires, why=f"--target {self.name}")

@@ -59,7 +59,7 @@ class FunctionExporter:
     def plan(self, req: ExportRequest) -> MethodExportPlan:
         return MethodExportPlan(name=req.model_dir.name, target=self.name, description=self.description)
 
-    def export(self, req: ExportRequest, plan: MethodExportPlan, console: Any = None) -> dict[str, Any]:
+    def export(self, req: ExportRequest, plan: MethodExportPlan, console: Console | None = None) -> dict[str, Any]:
         from moetool.progress import silent
 
         return self.fn(req, console if console is not None else silent())

@@ -5,6 +5,11 @@ Every function returns raw router rows; a row's dot product with the router inpu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -20,18 +25,22 @@ def normalise_rows(v: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return result
 
 
-def _prompt_texts(tokenizer: Any, prompts: Sequence[str], chat_template: bool) -> list[str]:
+def _prompt_texts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], chat_template: bool) -> list[str]:
     if not chat_template:
         return list(prompts)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat_template: true, but the base tokenizer has no chat template")
     return [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=False)
+        str(
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=False)
+        )
         for p in prompts
     ]
 
 
-def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, chat_template: bool = False) -> dict[str, torch.Tensor]:
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *, chat_template: bool = False
+) -> dict[str, torch.Tensor]:
     """Tokenize prompts right-padded, with ``content_mask`` marking the tokens that count.
 
     Padding and special tokens (BOS, template markers) are excluded: their states are shared by every prompt and
@@ -64,7 +73,12 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, chat_template: boo
 
 @torch.inference_mode()
 def mlp_input_means(
-    model: Any, tokenizer: Any, prompts: Sequence[str], *, chat_template: bool = False, batch_size: int = 16
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    *,
+    chat_template: bool = False,
+    batch_size: int = 16,
 ) -> torch.Tensor:
     """Mean router input per layer over prompts.
 
@@ -99,7 +113,7 @@ def mlp_input_means(
 
 
 def hidden_gates(
-    model: Any, tokenizer: Any, prompt_sets: Sequence[PromptSet], *, chat_template: bool = False
+    model: Any, tokenizer: PreTrainedTokenizerBase, prompt_sets: Sequence[PromptSet], *, chat_template: bool = False
 ) -> torch.Tensor:
     """MoFE router rows from the router's own inputs: mean(positive) − mean(negative), L2-normalised per layer.
 
@@ -119,7 +133,7 @@ def hidden_gates(
 
 def cheap_embed_gates(
     embed: torch.Tensor,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     prompt_sets: Sequence[PromptSet],
     num_layers: int,
     *,

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import json
 import random
 from pathlib import Path
@@ -65,7 +70,7 @@ def load_source(name: str, src: DataSource, *, base_dir: Path | None, fraction: 
     return _split_docs(docs, fraction, seed)
 
 
-def tokenize_stream(tokenizer: Any, text: str) -> torch.Tensor:
+def tokenize_stream(tokenizer: PreTrainedTokenizerBase, text: str) -> torch.Tensor:
     """The whole text as one token stream ``[N]`` (no special tokens; windows get BOS at sampling time)."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)

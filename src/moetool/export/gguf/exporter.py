@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.console import Console
+
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest, write_manifest
 from moetool.export.gguf.dequant import artifact_checkpoint
 from moetool.export.gguf.layout import Layout, plan_layout
@@ -52,7 +54,7 @@ class GGUFExporter:
         c = choose_plan(req, entries, cfg, "gguf", cannot=_ROUTER_K)
         return GGUFPlan(req.model_dir, cfg, c.quant, name, c.device, c.memory, c.context, c.candidates, layout=layout)
 
-    def export(self, req: ExportRequest, plan: GGUFPlan, console: Any = None) -> dict[str, Any]:
+    def export(self, req: ExportRequest, plan: GGUFPlan, console: Console | None = None) -> dict[str, Any]:
 
         vocab = read_vocab(req.model_dir, int(plan.config["vocab_size"]))
         ckpt = Checkpoint(req.model_dir)

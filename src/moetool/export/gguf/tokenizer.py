@@ -6,6 +6,11 @@ knows: we recognise the forms below and refuse anything else rather than write a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +112,7 @@ def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
 
     from transformers import AutoTokenizer
 
-    tok: Any = AutoTokenizer.from_pretrained(str(model_dir))
+    tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
     probe = tok("a").input_ids
     plain = tok("a", add_special_tokens=False).input_ids
     add_bos = tok.bos_token_id is not None and len(probe) > len(plain) and probe[0] == tok.bos_token_id

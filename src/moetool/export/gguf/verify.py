@@ -7,6 +7,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import contextlib
 import os
 from collections.abc import Iterator
@@ -113,7 +118,7 @@ def llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
     return np.array(llm.scores[: len(ids)], dtype=np.float32)
 
 
-def check_tokenizer(llm: Any, tok: Any) -> list[dict[str, Any]]:
+def check_tokenizer(llm: Any, tok: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
     """Strings where llama.cpp's ids differ from the HF tokenizer's (empty when they all agree)."""
     bad = []
     for s in TOKENIZER_PROBES:
@@ -142,7 +147,7 @@ class LlamaRun:
 
 def run_llama(
     gguf_path: Path,
-    tok: Any,
+    tok: PreTrainedTokenizerBase,
     text: str,
     seq_lens: list[int],
     *,

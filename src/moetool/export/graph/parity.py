@@ -3,6 +3,11 @@ the KV cache, and top-1 agreement and perplexity on held-out windows."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +25,7 @@ Decode = Callable[[np.ndarray, int, list[np.ndarray]], tuple[np.ndarray, list[np
 def graph_parity(
     hf: Any,
     export_model: Any,
-    tok: Any,
+    tok: PreTrainedTokenizerBase,
     text: str,
     prefill: Prefill,
     decode: Decode | None,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich.console import Console
+
 from moetool.export.base import ExportError, ExportRequest, write_manifest
 from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
 from moetool.export.graph.parity import gate
@@ -34,7 +36,7 @@ class TFLiteExporter:
             raise ExportError(str(exc)) from None
         return plan
 
-    def export(self, req: ExportRequest, plan: GraphPlan, console: Any = None) -> dict[str, Any]:
+    def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> dict[str, Any]:
 
         litert_python()  # no litert-torch: refuse before anything is written
         max_pos = int(plan.config.get("max_position_embeddings", 2048))

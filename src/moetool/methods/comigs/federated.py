@@ -6,6 +6,11 @@ a Flower ClientApp/ServerApp, and :func:`run_inprocess` runs them in one process
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +73,9 @@ def variant_recipe(recipe: ComigsRecipe, variant: str) -> ComigsRecipe:
     )
 
 
-def load_user_data(recipe: ComigsRecipe, user: UserSpec, tokenizer: Any, recipe_dir: Path | None) -> UserData:
+def load_user_data(
+    recipe: ComigsRecipe, user: UserSpec, tokenizer: PreTrainedTokenizerBase, recipe_dir: Path | None
+) -> UserData:
     """Train tokens (offset, capped), their tail ``valid_fraction`` as the router split, held-out text as test."""
 
     t = recipe.training
@@ -93,14 +100,19 @@ class Federation:
     """Everything one run needs: the recipe, the base, and one trainer per user (in recipe order)."""
 
     recipe: ComigsRecipe
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     base_path: Path
     clients: list[ClientTrainer]
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def make_client(
-    recipe: ComigsRecipe, index: int, dense: Any, tokenizer: Any, recipe_dir: Path | None, data: UserData | None = None
+    recipe: ComigsRecipe,
+    index: int,
+    dense: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    recipe_dir: Path | None,
+    data: UserData | None = None,
 ) -> ClientTrainer:
     user = recipe.users[index]
     model = build_user_model(recipe, user, dense, recipe_dir)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import yaml
+from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
@@ -70,7 +71,9 @@ def describe(recipe: ComigsRecipe, recipe_dir: Path | None) -> str:
     return "\n".join(lines)
 
 
-def assemble(recipe: ComigsRecipe, recipe_dir: Path, output: Path, *, force: bool = False, console: Any = None) -> Path:
+def assemble(
+    recipe: ComigsRecipe, recipe_dir: Path, output: Path, *, force: bool = False, console: Console | None = None
+) -> Path:
     """Untrained per-user models (``output/<user>``); with fresh LoRA each equals the base (checked ≤ 1e-5)."""
 
     dense, _tok, base_path = load_dense(recipe, recipe_dir)

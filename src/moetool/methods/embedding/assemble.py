@@ -12,11 +12,17 @@ Checks written to ``moetool.json`` (and failing the build when a hard one fails)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from moetool.errors import MoetoolError, PreflightError
 from moetool.eval.perplexity import perplexity
@@ -83,7 +89,9 @@ def cache_check(model: Any, ids: torch.Tensor, prefill: int) -> float:
     return worst
 
 
-def batches_for(recipe: EmbeddingRecipe, tok: Any, recipe_dir: Path | None) -> tuple[Any, dict[str, str]]:
+def batches_for(
+    recipe: EmbeddingRecipe, tok: PreTrainedTokenizerBase, recipe_dir: Path | None
+) -> tuple[Any, dict[str, str]]:
     """(step → ids [B, T], held-out text per domain)."""
 
     spec = recipe.train
@@ -137,7 +145,7 @@ class EmbeddingAssembler:
         return "\n".join(lines)
 
     def assemble(
-        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None
+        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
     ) -> Path:
         import yaml
 

@@ -20,6 +20,11 @@ body's (k, v [B, kv_heads, P, head_dim] per layer). One mask serves the router a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import copy
 import time
 from pathlib import Path
@@ -119,7 +124,9 @@ class ExportRoutedLM(nn.Module):
         return tuple(router + [{2: dim} for _ in range(2 * self.n_layers)])
 
 
-def export_onnx(model: Any, tok: Any, text: str, out_dir: Path, *, text_source: str) -> dict[str, Any]:
+def export_onnx(
+    model: Any, tok: PreTrainedTokenizerBase, text: str, out_dir: Path, *, text_source: str
+) -> dict[str, Any]:
     """Write ``model.onnx`` + ``model-with-past.onnx`` into ``out_dir`` and return the parity figures."""
 
     for module in ("onnx", "onnxscript"):  # onnxscript: torch.onnx's dynamo exporter
@@ -190,7 +197,9 @@ class PrefillLogits(nn.Module):
         return result
 
 
-def export_coreml(model: Any, tok: Any, text: str, out_dir: Path, *, text_source: str) -> dict[str, Any]:
+def export_coreml(
+    model: Any, tok: PreTrainedTokenizerBase, text: str, out_dir: Path, *, text_source: str
+) -> dict[str, Any]:
     """Write ``model.mlpackage`` (prefill) into ``out_dir``; return the structural check and the wrapper's parity."""
     from collections import Counter
 

@@ -12,6 +12,11 @@ no routing), the plain same-width table, and the full-width table trained the sa
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import math
 import time
 from collections.abc import Callable
@@ -86,7 +91,7 @@ class _Corpus:
     test: dict[str, torch.Tensor]  # domain → windows [N, seq_len] for the reported figure
 
 
-def _zoo_corpus(tok: Any, *, batch_size: int, seq_len: int, eval_tokens: int, seed: int) -> _Corpus:
+def _zoo_corpus(tok: PreTrainedTokenizerBase, *, batch_size: int, seq_len: int, eval_tokens: int, seed: int) -> _Corpus:
     """Training batches over the zoo's three domains; each domain's validation text split in halves."""
 
     bos = getattr(tok, "bos_token_id", None)

@@ -123,7 +123,7 @@ class GemAssembler:
         return "\n".join(lines)
 
     def assemble(
-        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None
+        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
     ) -> Path:
         assert isinstance(recipe, GemRecipe)
         console = console or Console(stderr=True)
@@ -166,7 +166,9 @@ def _meta(recipe: GemRecipe, pw: Pathways) -> dict[str, Any]:
     }
 
 
-def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Path, force: bool, console: Any) -> Path:
+def assemble_token(
+    recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Path, force: bool, console: Console
+) -> Path:
     """The token-level GEM model: pathways assembled (parity-checked), SCAR, router, QAT; written atomically."""
 
     model, notes = build_token_model(pw, recipe)
@@ -201,7 +203,7 @@ def assemble_token(recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Pa
 
 
 def assemble_sequence(
-    recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Path, force: bool, console: Any
+    recipe: GemRecipe, pw: Pathways, recipe_dir: Path, output: Path, force: bool, console: Console
 ) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM

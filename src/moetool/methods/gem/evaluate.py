@@ -8,6 +8,11 @@ routed once and scored by the chosen pathway.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import gc
 import math
 from collections.abc import Mapping
@@ -78,7 +83,9 @@ class SequenceGem(nn.Module):
         return CausalLMOutput(logits=torch.cat(rows))
 
 
-def _ppl_row(model: Any, tok: Any, texts: Mapping[str, str], seq_len: int, max_tokens: int) -> dict[str, float]:
+def _ppl_row(
+    model: Any, tok: PreTrainedTokenizerBase, texts: Mapping[str, str], seq_len: int, max_tokens: int
+) -> dict[str, float]:
     out = {}
     for d, text in texts.items():
         nll, n = token_nll(model, tok, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=8)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from moetool.card import sha256_file
 from moetool.errors import MoetoolError
@@ -256,7 +257,7 @@ def export_sequence_bundle(
     quant: str | None = None,
     force: bool = False,
     verify: bool = True,
-    console: Any = None,
+    console: Console | None = None,
 ) -> dict[str, Any]:
     """``router.onnx`` + ``pathways/<name>/`` (one artifact each via the regular exporter for ``target``) +
     ``gem-manifest.json``, written atomically; the router graph's parity is gated (same decisions, |ΔP| ≤ 1e-5)."""

@@ -3,6 +3,11 @@ probabilities and routes that every runtime (onnxruntime, the LiteRT interpreter
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -53,7 +58,7 @@ def onnx_feeds(ids: list[int]) -> dict[str, np.ndarray]:
     }
 
 
-def probe_windows(tok: Any, model_dir: Path, lengths: tuple[int, ...]) -> list[list[int]]:
+def probe_windows(tok: PreTrainedTokenizerBase, model_dir: Path, lengths: tuple[int, ...]) -> list[list[int]]:
     """One window per length per domain of held-out text (so routes cover general and every pathway)."""
 
     texts: list[str] = []

@@ -7,6 +7,11 @@ are ours). Token level labels every token of a window with its domain; sequence 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,7 +65,7 @@ def gem_encoder(model: Any) -> Featurize:
 
 
 def domain_streams(
-    recipe: Any, tokenizer: Any, recipe_dir: Path | None
+    recipe: Any, tokenizer: PreTrainedTokenizerBase, recipe_dir: Path | None
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(train ids [N], held-out ids [M]) per domain, from each domain's ``data`` source."""
 
@@ -178,7 +183,9 @@ def tau_table(probs: torch.Tensor, labels: torch.Tensor, taus: list[float], name
 
 
 @torch.no_grad()
-def log_decisions(model: Any, tokenizer: Any, text: str, tau: float | None = None) -> list[dict[str, Any]]:
+def log_decisions(
+    model: Any, tokenizer: PreTrainedTokenizerBase, text: str, tau: float | None = None
+) -> list[dict[str, Any]]:
     """Per-token routing decisions of a ``moetool_gem`` model on ``text``: token, pathway, max P and all P."""
     ids = tokenizer(text, return_tensors="pt").input_ids
     out = model(ids, tau=tau)

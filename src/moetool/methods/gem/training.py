@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.methods.gem.pathways import Pathways, fit_scar_centroids
@@ -68,7 +69,7 @@ def train_recipe_router(
     streams: dict[str, Any],
     recipe: GemRecipe,
     bos: int | None,
-    console: Any,
+    console: Console,
     *,
     pool: bool = False,
 ) -> dict[str, Any]:
@@ -91,7 +92,7 @@ def train_recipe_router(
 
 
 def train_token_router(
-    model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | None, console: Any
+    model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | None, console: Console
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Train the router with everything else frozen (checked by hash); its held-out table over τ."""
 
@@ -117,7 +118,7 @@ def train_token_router(
 
 
 def token_qat(
-    model: Any, recipe: GemRecipe, pw: Pathways, streams: dict[str, Any], bos: int | None, console: Any
+    model: Any, recipe: GemRecipe, pw: Pathways, streams: dict[str, Any], bos: int | None, console: Console
 ) -> dict[str, Any]:
     """QAT with the domains' experts as teachers; held-out perplexity (float and fake-quantized) before and after,
     printed as labelled lines; weights outside the trainable groups unchanged (checked by hash)."""
@@ -164,7 +165,7 @@ def token_qat(
     }
 
 
-def print_tau(console: Any, table: dict[str, Any]) -> None:
+def print_tau(console: Console, table: dict[str, Any]) -> None:
     console.print(f"router held-out argmax accuracy {table['argmax_accuracy']:.3f} over {table['items']} items")
     for row in table["by_tau"]:
         acc = "-" if row["routed_accuracy"] is None else f"{row['routed_accuracy']:.3f}"

@@ -97,7 +97,7 @@ class HybridAssembler:
         return "\n".join(lines)
 
     def assemble(
-        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Any = None
+        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
     ) -> Path:
         r: HybridRecipe = recipe
         console = console or Console(stderr=True)

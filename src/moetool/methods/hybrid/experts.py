@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moetool.errors import MoetoolError
 from moetool.io.sources import resolve_source
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SSM_TYPES = ("mamba", "mamba2", "falcon_mamba")
 PROBES = (
@@ -34,7 +37,7 @@ class Expert:
     name: str
     path: Path
     model: Any
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
 
     @property
     def model_type(self) -> str:

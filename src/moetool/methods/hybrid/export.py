@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from rich.console import Console
 from torch import nn
 
 from moetool.errors import MoetoolError
@@ -176,7 +177,7 @@ def export_hybrid(
     verify: bool = True,
     experts: bool = True,
     parity_requests: int = 64,
-    console: Any = None,
+    console: Console | None = None,
 ) -> dict[str, Any]:
     """Write ``output``: router.onnx, experts/<name>/ (each via moetool's exporters), tokenizer, dispatch.py and
     manifest.json. An expert the chosen exporter cannot handle is recorded with the reason, not silently skipped.
@@ -237,7 +238,7 @@ def export_hybrid(
 
 
 def _export_expert(
-    e: dict[str, Any], out: Path, target: str, quant: str | None, verify: bool, console: Any
+    e: dict[str, Any], out: Path, target: str, quant: str | None, verify: bool, console: Console | None
 ) -> dict[str, Any]:
     """One expert through moetool's exporter for ``target``; the Mamba GGUF writer for Mamba experts."""
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from moetool.io.atomic import atomic_dir
 from moetool.methods.hybrid.pipeline import Prepared
@@ -203,7 +204,7 @@ def sweep(
     repeats: int = 5,
     tolerance: float = 0.03,
     threads: int = 1,
-    console: Any = None,
+    console: Console | None = None,
 ) -> dict[str, Any]:
     """Train one router per value and evaluate everything on the held-out requests."""
     r = p.recipe

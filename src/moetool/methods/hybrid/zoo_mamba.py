@@ -14,6 +14,11 @@ to transformers' own scan on every build.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import contextlib
 import json
 import math
@@ -122,7 +127,7 @@ def check_fast_scan(model: Any, input_ids: torch.Tensor) -> float:
     return diff
 
 
-def mamba_config(cfg: MambaZooConfig, tokenizer: Any) -> Any:
+def mamba_config(cfg: MambaZooConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
     from transformers import MambaConfig
 
     return MambaConfig(

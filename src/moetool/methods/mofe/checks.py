@@ -7,8 +7,12 @@ a second rather than after minutes of router computation.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 from pathlib import Path
-from typing import Any
 
 from moetool.errors import PreflightError
 from moetool.io.safe import read_json
@@ -28,7 +32,7 @@ def _prompt_fields(recipe: MoFERecipe) -> list[tuple[str, str]]:
     return out
 
 
-def check_prompts(recipe: MoFERecipe, base: Path, tokenizer: Any = None) -> list[str]:
+def check_prompts(recipe: MoFERecipe, base: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> list[str]:
     """Tokenize every prompt with the base's tokenizer (and chat template); returns warnings.
 
     Raises:

@@ -5,6 +5,11 @@ Preflight reads configs, tensor headers and tokenizers only; nothing is written 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import re
 from pathlib import Path
 from typing import Any
@@ -51,7 +56,7 @@ def load_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def _tokenizer_signature(tok: Any) -> tuple[Any, ...] | None:
+def _tokenizer_signature(tok: PreTrainedTokenizerBase) -> tuple[Any, ...] | None:
     """What must match between tokenizers: the vocabulary and the special tokens. None if there is no tokenizer."""
     if tok is None:
         return None
