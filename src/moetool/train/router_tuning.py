@@ -25,6 +25,7 @@ from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.files import copy_tokenizer
 from moetool.io.safe import read_json
 from moetool.progress import silent, task
+from moetool.recipe.mofe import MoFERecipe
 from moetool.recipe.train import TrainSpec
 from moetool.routing.losses import expert_load, routing_entropy, routing_losses
 from moetool.routing.tap import RouterTap
@@ -133,7 +134,7 @@ def _load_checkpoint(
     return int(state["step"]), list(state["history"])
 
 
-def _card_section(recipe: Any, report: FreezeReport, history: list[dict[str, Any]], steps: int) -> str:
+def _card_section(recipe: MoFERecipe, report: FreezeReport, history: list[dict[str, Any]], steps: int) -> str:
     spec: TrainSpec = recipe.train
     last = history[-1] if history else {}
     return (
@@ -165,7 +166,7 @@ class _Run:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _setup(recipe: Any, model_dir: Path, console: Console) -> _Run:
+def _setup(recipe: MoFERecipe, model_dir: Path, console: Console) -> _Run:
     """Load the MoE, apply the freeze spec, tokenize the training data, make the optimizer and schedule."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -284,7 +285,7 @@ def _loop(
 
 
 def train_router(
-    recipe: Any,
+    recipe: MoFERecipe,
     model_dir: str | Path,
     output: str | Path,
     *,
@@ -337,7 +338,7 @@ def _write_output(
     model: Any,
     model_dir: Path,
     output: Path,
-    recipe: Any,
+    recipe: MoFERecipe,
     report: FreezeReport,
     history: list[dict[str, Any]],
     seconds: float,

@@ -32,6 +32,7 @@ from moetool.io.sources import resolve_source
 from moetool.methods.embedding.retrofit import TrainSettings, retrofit, svd_seed, train_embedding
 from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import EmbeddingConfig, measured_counts, param_counts
+from moetool.recipe.base import RecipeBase
 from moetool.recipe.embedding import EmbeddingRecipe
 from moetool.train.data import load_source, sample_batch, tokenize_stream
 
@@ -113,7 +114,7 @@ class EmbeddingAssembler:
 
     name = "embedding"
 
-    def describe(self, recipe: Any, *, recipe_dir: Path) -> str:
+    def describe(self, recipe: RecipeBase, *, recipe_dir: Path) -> str:
         from transformers import AutoConfig
 
         assert isinstance(recipe, EmbeddingRecipe)
@@ -145,7 +146,7 @@ class EmbeddingAssembler:
         return "\n".join(lines)
 
     def assemble(
-        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
+        self, recipe: RecipeBase, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
     ) -> Path:
         import yaml
 

@@ -35,6 +35,7 @@ from moetool.methods.gem.training import (
 )
 from moetool.quant.devices import estimate_memory, get_device
 from moetool.quant.plan import TensorEntry, resolve
+from moetool.recipe.base import RecipeBase
 from moetool.recipe.gem import GemRecipe
 
 PARITY_LIMIT = 1e-4  # max |Δlogit| of a forced pathway against its source model (float32, same ops)
@@ -100,7 +101,7 @@ class GemAssembler:
 
     name = "gem"
 
-    def describe(self, recipe: Any, *, recipe_dir: Path) -> str:
+    def describe(self, recipe: RecipeBase, *, recipe_dir: Path) -> str:
         assert isinstance(recipe, GemRecipe)
         pw = resolve_pathways(recipe, recipe_dir)
         mem = memory_table(pw, recipe)
@@ -123,7 +124,7 @@ class GemAssembler:
         return "\n".join(lines)
 
     def assemble(
-        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
+        self, recipe: RecipeBase, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
     ) -> Path:
         assert isinstance(recipe, GemRecipe)
         console = console or Console(stderr=True)

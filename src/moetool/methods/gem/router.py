@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from moetool.methods.gem.model import decide, rms_features
+from moetool.recipe.gem import GemRecipe
 from moetool.train.data import load_source, sample_batch, tokenize_stream
 
 Featurize = Callable[[torch.Tensor], torch.Tensor]  # ids [B, T] -> e [B, T, D]
@@ -65,7 +66,7 @@ def gem_encoder(model: Any) -> Featurize:
 
 
 def domain_streams(
-    recipe: Any, tokenizer: PreTrainedTokenizerBase, recipe_dir: Path | None
+    recipe: GemRecipe, tokenizer: PreTrainedTokenizerBase, recipe_dir: Path | None
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(train ids [N], held-out ids [M]) per domain, from each domain's ``data`` source."""
 

@@ -26,6 +26,7 @@ from moetool.methods.hybrid.pipeline import Prepared, prepare
 from moetool.methods.hybrid.profile import PROFILE_FILE
 from moetool.methods.hybrid.router import HybridRouter, router_param_count
 from moetool.methods.hybrid.training import evaluate_choice, oracle_choice, route, soft_nll
+from moetool.recipe.base import RecipeBase
 from moetool.recipe.hybrid import HybridRecipe
 
 HYBRID_JSON = "hybrid.json"
@@ -79,8 +80,9 @@ def _router_config(p: Prepared) -> dict[str, Any]:
 class HybridAssembler:
     name = "hybrid"
 
-    def describe(self, recipe: Any, *, recipe_dir: Path) -> str:
-        r: HybridRecipe = recipe
+    def describe(self, recipe: RecipeBase, *, recipe_dir: Path) -> str:
+        assert isinstance(recipe, HybridRecipe)
+        r = recipe
         width_note = "the encoder's hidden size" if "hidden" in r.router.features else "0"
         lines = [
             f"hybrid '{r.name}': experts {', '.join(f'{e.name} ({e.source})' for e in r.experts)}",
@@ -97,9 +99,10 @@ class HybridAssembler:
         return "\n".join(lines)
 
     def assemble(
-        self, recipe: Any, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
+        self, recipe: RecipeBase, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
     ) -> Path:
-        r: HybridRecipe = recipe
+        assert isinstance(recipe, HybridRecipe)
+        r = recipe
         console = console or Console(stderr=True)
         check_output(Path(output), force=force)
         p = prepare(r, recipe_dir, console)

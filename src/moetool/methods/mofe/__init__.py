@@ -60,6 +60,7 @@ class MoFEPlugin(MethodPlugin):
         from moetool.errors import MoetoolError
         from moetool.train.router_tuning import train_router
 
+        assert isinstance(recipe, MoFERecipe)
         if model is None:
             raise MoetoolError("--model: router tuning needs the merged MoE (moetool merge RECIPE -o DIR)")
         res = train_router(

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 
 from moetool.io.sources import ResolvedSource
+from moetool.recipe.mofe import MoFERecipe
 
 OpKind = Literal["copy", "expert", "shared", "router", "shared_gate", "zeros"]
 
@@ -47,7 +48,7 @@ class TensorOp:
 class MergePlan:
     """A complete, weight-free description of a merge (what ``--dry-run`` prints)."""
 
-    recipe: Any
+    recipe: MoFERecipe
     arch: Any
     config: dict[str, Any]
     ops: list[TensorOp]
