@@ -61,7 +61,16 @@ def set_verbosity(verbose: bool) -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("ORT_LOGGING_LEVEL", "3")
     logging.getLogger().setLevel(logging.WARNING)
-    for name in ("onnxruntime", "onnxscript", "torch", "torch.onnx", "torch._dynamo", "coremltools", "accelerate"):
+    for name in (
+        "onnxruntime",
+        "onnxscript",
+        "torch",
+        "torch.onnx",
+        "torch._dynamo",
+        "coremltools",
+        "accelerate",
+        "torchao",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
     for module in ("torch", "transformers", "onnxscript", "onnxruntime", "coremltools", "torchao", "accelerate"):
         warnings.filterwarnings("ignore", module=module)

@@ -114,25 +114,46 @@ def print_quant_plan(plan: Any, title: str) -> None:
         out.print(f"  plan {label}: {human(total)} {mark}{'  ← chosen' if label == q.label else ''}")
 
 
+_STANDARD_PARITY = ("runtime", "reference", "top1_agreement", "ppl_reference", "ppl_artifact", "ppl_change")
+
+
 def print_parity(p: Any) -> None:
-    if isinstance(p, dict):
-        diffs = ", ".join(f"seq {k}: {v:.2e}" for k, v in p["max_abs_logit_diff"].items())
-        line = (
-            f"parity ({p['runtime']} vs {p['reference']}, {p.get('text', '?')} text): max |Δlogit| {diffs}; top-1 "
-            f"agreement {p['top1_agreement']:.4f}; perplexity {p['ppl_reference']:.3f} → {p['ppl_artifact']:.3f} "
-            f"({100 * p['ppl_change']:+.2f}%)"
+    """The parity figures of a manifest: the standard exporters' per-length layout, or any method's own fields."""
+    if not isinstance(p, dict):
+        out.print(f"[yellow]{escape(str(p))}[/]")
+        return
+    if not (all(k in p for k in _STANDARD_PARITY) and isinstance(p.get("max_abs_logit_diff"), dict)):
+        out.print(f"parity: {_flat(p)}", highlight=False)
+        return
+    diffs = ", ".join(f"seq {k}: {v:.2e}" for k, v in p["max_abs_logit_diff"].items())
+    line = (
+        f"parity ({p['runtime']} vs {p['reference']}, {p.get('text', '?')} text): max |Δlogit| {diffs}; top-1 "
+        f"agreement {p['top1_agreement']:.4f}; perplexity {p['ppl_reference']:.3f} → {p['ppl_artifact']:.3f} "
+        f"({100 * p['ppl_change']:+.2f}%)"
+    )
+    if "conversion" in p:
+        conv = p["conversion"]
+        worst = max(conv["max_abs_logit_diff"].values())
+        line += (
+            f"; conversion alone (artifact's own weights): max |Δlogit| {worst:.2e}, top-1 {conv['top1_agreement']:.4f}"
         )
-        if "conversion" in p:
-            conv = p["conversion"]
-            worst = max(conv["max_abs_logit_diff"].values())
-            line += f"; conversion alone (artifact's own weights): max |Δlogit| {worst:.2e}, top-1 {conv['top1_agreement']:.4f}"
-        if "decode" in p:
-            line += f"; decode with KV cache: max |Δlogit| {p['decode']['max_abs_logit_diff']:.2e}"
-        if "tokenizer_match" in p:
-            line += f"; tokenizer {'matches' if p['tokenizer_match'] else 'DIFFERS'} on {p['tokenizer_probes']} probes"
-        out.print(line, highlight=False)
-    else:
-        out.print(f"[yellow]{p}[/]")
+    if "decode" in p:
+        line += f"; decode with KV cache: max |Δlogit| {p['decode']['max_abs_logit_diff']:.2e}"
+    if "tokenizer_match" in p:
+        line += f"; tokenizer {'matches' if p['tokenizer_match'] else 'DIFFERS'} on {p['tokenizer_probes']} probes"
+    out.print(line, highlight=False)
+
+
+def _flat(value: Any, prefix: str = "") -> str:
+    """``a 1.20e-05; b.c 0.9310`` for nested figures (numbers compact, lists by length)."""
+    if isinstance(value, dict):
+        return "; ".join(_flat(v, f"{prefix}{k}.") for k, v in value.items())
+    key = prefix.rstrip(".")
+    if isinstance(value, float):
+        return f"{key} {value:.4g}"
+    if isinstance(value, list):
+        return f"{key} [{len(value)} values]"
+    return f"{key} {value}"
 
 
 def print_description(text: str) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moetool.errors import MoetoolError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -37,11 +39,23 @@ ROUTER = {"width": 64, "layers": 2, "heads": 8, "ff_mult": 2, "n_queries": 8}
 def default_arms(vocab: int, d_model: int, seed_dim: int = 32, max_positions: int = 512) -> dict[str, dict[str, Any]]:
     """Arm name → embedding kwargs. The params-matched dense width is computed from the generative arm's count."""
     gen: dict[str, Any] = {"variant": "generative", "seed_dim": seed_dim, "router": ROUTER}
-    budget = param_counts(EmbeddingConfig(vocab_size=vocab, d_model=d_model, max_positions=max_positions, **gen))
+    try:
+        budget = param_counts(EmbeddingConfig(vocab_size=vocab, d_model=d_model, max_positions=max_positions, **gen))
+    except ValueError as exc:  # a table too small for the report's fixed router and seed width
+        raise MoetoolError(
+            f"embedding report: a {vocab}×{d_model} embedding table is too small for its arms: {exc}"
+        ) from None
+    dense_dim = dense_dim_for_budget(budget["total"], vocab, d_model)
+    if not 1 <= dense_dim <= d_model or seed_dim > d_model:
+        raise MoetoolError(
+            f"embedding report: a {vocab}×{d_model} embedding table is too small for the report's arms (seed width "
+            f"{seed_dim}, params-matched dense width {dense_dim}, both at most the hidden size {d_model}); use a model "
+            "with a wider embedding"
+        )
     return {
         "generative": gen,
         "remix": {"variant": "remix", "seed_dim": seed_dim, "n_experts": 4, "top_k": 4, "router": ROUTER},
-        "dense-same-params": {"variant": "dense", "seed_dim": dense_dim_for_budget(budget["total"], vocab, d_model)},
+        "dense-same-params": {"variant": "dense", "seed_dim": dense_dim},
         "dense-same-depth": {"variant": "dense", "seed_dim": seed_dim, "depth": ROUTER["layers"], "router": ROUTER},
         "dense-same-width": {"variant": "dense", "seed_dim": seed_dim},
         "dense-full-width": {"variant": "dense", "seed_dim": d_model},
