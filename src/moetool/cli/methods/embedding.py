@@ -31,10 +31,11 @@ def embedding_export_cmd(
 ) -> None:
     """Export a routed-embedding model (router and body as standard ops) and check it in its runtime."""
     from moetool.errors import MoetoolError
-    from moetool.methods.embedding.export import export_routed
 
     if not (model / "config.json").is_file():  # a local folder: never a Hub lookup for a mistyped path
         raise MoetoolError(f"{model}: not a routed-embedding model directory (no config.json)")
+    from moetool.methods.embedding.export import export_routed
+
     text = eval_text.read_text(encoding="utf-8") if eval_text is not None else None
     m = export_routed(model, target, output, force=force, eval_text=text)
     p = m["parity"]
