@@ -111,7 +111,6 @@ SYNOPSIS = "a synopsis with placeholders; the commands below run it for real"
 REFERENCE = "a reference to the command in prose; the concrete commands run elsewhere in this table"
 # src/moetool/cli/render.py print_parity reads parity.max_abs_logit_diff as {length: value}; a token-level GEM
 # manifest (methods/gem/export_parity.py) holds one float, so printing it raises after the artifact is written
-GEM_PRINT = "moetool gem export: AttributeError in cli/render.py print_parity on the GEM manifest's parity (a float)"
 SETUP = "installs packages into .venv (set-up, not a command to test here); the script and flag must exist"
 BENCH = "a benchmark of minutes on the real zoo; its --help and the options named must work"
 FLOWER = "Flower's deployment mode across machines (long-running servers), documented but not run on one machine"
