@@ -5,17 +5,29 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from rich.console import Console
 
 from moetool import registry
 from moetool.errors import MoetoolError, OutputPathError
 from moetool.io.safe import read_json
-from moetool.quant.plan import QuantSpec
+from moetool.quant.devices import MemoryEstimate
+from moetool.quant.plan import QuantPlan, QuantSpec
 
-if TYPE_CHECKING:  # planning imports this module: the plan type is for annotations only
-    from moetool.export.planning import ArtifactPlan
+
+@dataclass
+class ArtifactPlan:
+    """What an exporter decided before writing: the model, its precision plan and the memory estimate."""
+
+    model_dir: Path
+    config: dict[str, Any]
+    quant: QuantPlan
+    name: str
+    device: str | None = None
+    memory: MemoryEstimate | None = None
+    context: int = 2048
+    candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits) when --device
 
 
 class ExportError(MoetoolError):

@@ -9,24 +9,10 @@ from typing import Any
 
 from moetool import __version__
 from moetool.card import sha256_file
-from moetool.export.base import ExportError, ExportRequest
+from moetool.export.base import ArtifactPlan, ExportError, ExportRequest
 from moetool.io.checkpoint import Checkpoint
 from moetool.quant.devices import MemoryEstimate, estimate_memory, get_device
 from moetool.quant.plan import QuantPlan, QuantSpec, TensorEntry, resolve
-
-
-@dataclass
-class ArtifactPlan:
-    """What an exporter decided before writing: the model, its precision plan and the memory estimate."""
-
-    model_dir: Path
-    config: dict[str, Any]
-    quant: QuantPlan
-    name: str
-    device: str | None = None
-    memory: MemoryEstimate | None = None
-    context: int = 2048
-    candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits) when --device
 
 
 def manifest_base(target: str, plan: ArtifactPlan, files: dict[str, Path], main: str) -> dict[str, Any]:
