@@ -11,6 +11,9 @@ from moetool.errors import MoetoolError
 from moetool.io.sources import resolve_source
 from moetool.recipe.base import RecipeBase
 
+# fields that hold text, never a path: a prompt that happens to match a folder name is not an input
+FREE_TEXT = frozenset({"name", "positive_prompts", "negative_prompts"})
+
 
 def recipe_inputs(recipe: RecipeBase) -> list[Path]:
     """Every local file or folder the recipe reads: its own file, the models it names (``zoo:``, dirs, cached repo
@@ -20,7 +23,8 @@ def recipe_inputs(recipe: RecipeBase) -> list[Path]:
     def walk(value: object) -> None:
         if isinstance(value, BaseModel):
             for name in type(value).model_fields:
-                walk(getattr(value, name))
+                if name not in FREE_TEXT:
+                    walk(getattr(value, name))
         elif isinstance(value, list | tuple):
             for item in value:
                 walk(item)
