@@ -25,8 +25,7 @@ class MoFEPlugin(MethodPlugin):
         """The prompts (and chat template) against the base's tokenizer, when the base is available here."""
         from moetool.errors import MoetoolError
         from moetool.io.sources import resolve_source
-        from moetool.methods.mofe.checks import check_prompts
-        from moetool.methods.mofe.planner import load_tokenizer
+        from moetool.methods.mofe.checks import check_prompts, load_tokenizer
 
         assert isinstance(recipe, MoFERecipe)
         try:

@@ -7,17 +7,17 @@ a second rather than after minutes of router computation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moetool.errors import PreflightError
 from moetool.io.safe import read_json
 from moetool.recipe.mofe import MoFERecipe
 from moetool.routing.init import encode_prompts
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 def _prompt_fields(recipe: MoFERecipe) -> list[tuple[str, str]]:
@@ -32,7 +32,20 @@ def _prompt_fields(recipe: MoFERecipe) -> list[tuple[str, str]]:
     return out
 
 
-def check_prompts(recipe: MoFERecipe, base: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> list[str]:
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of a checkpoint directory, or None if it has none; its JSON files are read strictly first, so a
+    malformed one is named (file, line, column) instead of failing inside transformers."""
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    for name, what in (("tokenizer.json", "tokenizer"), ("tokenizer_config.json", "tokenizer config")):
+        if (path / name).is_file():
+            read_json(path / name, what=what, max_bytes=256 * 2**20)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def check_prompts(recipe: MoFERecipe, base: Path, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """Tokenize every prompt with the base's tokenizer (and chat template); returns warnings.
 
     Raises:
@@ -42,19 +55,21 @@ def check_prompts(recipe: MoFERecipe, base: Path, tokenizer: PreTrainedTokenizer
     if recipe.gate_mode == "random":
         return []
     where = recipe.path or recipe.name
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(base))
-    tokenizer.model_max_length = 10**30  # count every token: a prompt past the context is reported, not cut here
     if recipe.chat_template and not getattr(tokenizer, "chat_template", None):
         raise PreflightError(f"{where}: chat_template: true, but the base tokenizer ({base}) has no chat template")
     context = _context(base)
     problems, warnings = [], []
-    for field, prompt in _prompt_fields(recipe):
-        try:
-            enc = encode_prompts(tokenizer, [prompt], chat_template=recipe.chat_template)
-        except ValueError:
+    limit = tokenizer.model_max_length
+    tokenizer.model_max_length = 10**30  # count every token: a prompt past the context is reported, not cut here
+    try:
+        encoded = [
+            (field, prompt, _encode(tokenizer, prompt, recipe.chat_template))
+            for field, prompt in _prompt_fields(recipe)
+        ]
+    finally:
+        tokenizer.model_max_length = limit
+    for field, prompt, enc in encoded:
+        if enc is None:
             problems.append(f"{where}: {field}: prompt {prompt[:60]!r} has no tokens other than special tokens")
             continue
         n = int(enc["attention_mask"].sum())
@@ -65,6 +80,14 @@ def check_prompts(recipe: MoFERecipe, base: Path, tokenizer: PreTrainedTokenizer
     if problems:
         raise PreflightError("\n".join(problems))
     return warnings
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: bool) -> dict[str, torch.Tensor] | None:
+    """The prompt's encoding, or None when it has no tokens but special ones."""
+    try:
+        return encode_prompts(tokenizer, [prompt], chat_template=chat_template)
+    except ValueError:
+        return None
 
 
 def _context(base: Path) -> int | None:

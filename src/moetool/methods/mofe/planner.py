@@ -22,7 +22,7 @@ from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.safe import read_json
 from moetool.io.sources import ResolvedSource, resolve_sources
-from moetool.methods.mofe.checks import check_prompts
+from moetool.methods.mofe.checks import check_prompts, load_tokenizer
 from moetool.methods.mofe.plan import MergePlan, TensorOp
 from moetool.recipe.mofe import MoFERecipe
 
@@ -43,20 +43,7 @@ _MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def load_tokenizer(path: Path) -> Any:
-    """The tokenizer of a checkpoint directory, or None if it has none; its JSON files are read strictly first, so a
-    malformed one is named (file, line, column) instead of failing inside transformers."""
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    for name, what in (("tokenizer.json", "tokenizer"), ("tokenizer_config.json", "tokenizer config")):
-        if (path / name).is_file():
-            read_json(path / name, what=what, max_bytes=256 * 2**20)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def _tokenizer_signature(tok: PreTrainedTokenizerBase) -> tuple[Any, ...] | None:
+def _tokenizer_signature(tok: PreTrainedTokenizerBase | None) -> tuple[Any, ...] | None:
     """What must match between tokenizers: the vocabulary and the special tokens. None if there is no tokenizer."""
     if tok is None:
         return None
