@@ -28,6 +28,8 @@ def _printer(name: str, value: Any) -> None:
         print_export_plan(exporter, plan, f"{exporter.name} plan '{plan.quant.label}' for {plan.name} ({dir_name})")
     elif name == "exported":
         print_manifest(*value)
+    elif name == "answered":
+        out.print(f"[green]answered[/] {len(value)} questions (answers.json)")
     elif name == "packaged":
         out.print(f"[green]wrote[/] {value} (push with: moetool push {value} --repo-id YOU/NAME)")
 
@@ -50,23 +52,41 @@ def build(
     api.build(recipe, output, tune=train, max_tokens=max_tokens, force=force, console=console, on_stage=_printer)
 
 
+_DEMO_RECIPES = {"smollm2": "recipes/real-mofe.yaml", "default": "recipes/demo-mofe.yaml"}
+
+
 @friendly
 def demo(
     output: Annotated[Path, typer.Option(help="Directory for the demo's models and report.")] = Path("out/demo"),
-    recipe: Annotated[Path, typer.Option(help="Recipe to merge and tune.")] = Path("recipes/demo-mofe.yaml"),
-    max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain in the evaluation.")] = 16384,
+    profile: Annotated[
+        str,
+        typer.Option(help="smollm2: the real SmolLM2-135M zoo (default); tiny: the 1.3M-parameter toy zoo (fast)."),
+    ] = "smollm2",
+    recipe: Annotated[
+        Path | None,
+        typer.Option(help="Recipe to merge and tune (default: recipes/real-mofe.yaml, or demo-mofe.yaml for tiny)."),
+    ] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Held-out tokens per domain in the evaluation.")] = None,
 ) -> None:
-    """Zoo → merge → router tuning (two presets) → evaluation with a verdict → verified GGUF for a Raspberry Pi →
-    HF repo folder."""
+    """Zoo → merge → router tuning → evaluation with a verdict → verified GGUF for a Raspberry Pi → HF repo folder →
+    one question per domain, answered by the MoE in transformers and by the GGUF in llama.cpp."""
     from rich.markup import escape
 
     from moetool import api
-    from moetool.cli.render import acceptance
+    from moetool.cli.render import acceptance, print_answers
+    from moetool.errors import MoetoolError
     from moetool.extras import install_hint
-    from moetool.zoo import build_zoo
+    from moetool.zoo import SMOLLM2, build_zoo
+    from moetool.zoo.smollm2 import build_smollm2
 
-    build_zoo("default", console=console)
-    r: Any = api.load(recipe)
+    real = profile == SMOLLM2
+    if profile not in (SMOLLM2, "tiny", "default"):
+        raise MoetoolError(f"--profile: unknown profile {profile!r} (smollm2, or tiny for the toy zoo)")
+    if real:
+        build_smollm2(console=console)
+    else:
+        build_zoo("default", console=console)  # the toy zoo the demo recipes name (zoo:base, zoo:code, ...)
+    r: Any = api.load(recipe or Path(_DEMO_RECIPES[SMOLLM2 if real else "default"]))
     verify = importlib.util.find_spec("llama_cpp") is not None
     if not verify:
         console.print(
@@ -74,12 +94,15 @@ def demo(
             "not checked in llama.cpp[/]"
         )
     res = api.build(
-        r, output, presets=["router_only", "mofe"], compare=["zoo:base", *[e.source for e in r.experts]],
-        devices=["raspberry-pi-4"], max_tokens=max_tokens, force=True, verify=verify, console=console,
+        r, output, presets=["mofe"] if real else ["router_only", "mofe"],
+        compare=[r.base_model, *[e.source for e in r.experts]], devices=["raspberry-pi-4"],
+        max_tokens=max_tokens or (4096 if real else 16384), force=True, verify=verify, console=console,
         on_stage=_printer,
     )  # fmt: skip
     if res.report is not None:
         acceptance(res.report, [str(res.merged), *[str(p) for p in res.tuned.values()]])
+    if res.answers:
+        print_answers(res.answers)
 
 
 def register(app: typer.Typer) -> None:

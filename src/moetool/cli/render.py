@@ -195,3 +195,19 @@ def _summary(value: Any) -> str:
             f"{len(value)} ({', '.join(str(v.get('name', v.get('dir', '?'))) for v in value if isinstance(v, dict))})"
         )
     return str(value)
+
+
+def print_answers(answers: list[Any]) -> None:
+    """The closing table: each question, the MoE's answer in transformers, each GGUF's in llama.cpp, the expert
+    shares behind the transformers answer."""
+    t = Table(title="questions: greedy answers through the chat template")
+    for col in ("domain", "question", "runtime", "answer", "experts (share of routing choices)"):
+        t.add_column(col, overflow="fold")
+    for q in answers:
+        a = q.answer
+        shares = ", ".join(f"{n} {v:.0%}" for n, v in sorted(a.shares.items(), key=lambda kv: -kv[1]))
+        t.add_row(a.label, escape(a.question), "transformers", escape(a.text), shares)
+        for name, g in q.gguf.items():
+            same = "same tokens" if g.matches else f"first {g.same_prefix} tokens the same"
+            t.add_row("", "", f"llama.cpp {name}", escape(g.text) + f"\n[dim]({same})[/]", "")
+    out.print(t)

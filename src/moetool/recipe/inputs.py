@@ -12,7 +12,7 @@ from moetool.io.sources import resolve_source
 from moetool.recipe.base import RecipeBase
 
 # fields that hold text, never a path: a prompt that happens to match a folder name is not an input
-FREE_TEXT = frozenset({"name", "positive_prompts", "negative_prompts"})
+FREE_TEXT = frozenset({"name", "positive_prompts", "negative_prompts", "questions"})
 
 
 def recipe_inputs(recipe: RecipeBase) -> list[Path]:

@@ -73,6 +73,11 @@ class MoFERecipe(RecipeBase):
         default=None, description="Precision per tensor for `moetool export` (overridden by --quant)."
     )
     targets: list[TargetSpec] = Field(default_factory=list, description="Artifacts `moetool build` exports.")
+    questions: dict[str, Prompt] = Field(
+        default_factory=dict,
+        description="Label → a question `moetool build` asks the finished MoE through the chat template: the answer "
+        "from transformers and from each GGUF in llama.cpp, and the expert shares behind it, go in the report.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> MoFERecipe:

@@ -38,6 +38,7 @@ from moetool.progress import task
 from moetool.train.loop import derive_seed, train_lm
 from moetool.zoo.config import BASE_NAME, ZOO_FORMAT, ZOO_JSON, ZooConfig, ZooResult
 from moetool.zoo.corpora import DOMAINS, DomainSplit, corpus_stats, make_splits
+from moetool.zoo.pins import pin_id
 from moetool.zoo.store import read_zoo_json
 from moetool.zoo.tokenizer import train_tokenizer
 
@@ -158,7 +159,8 @@ def _reuse(root: Path, cfg_json: dict[str, Any], *, force: bool, console: Consol
     """
     existing = read_zoo_json(root)
     if existing is not None and not force:
-        if existing.get("config") == cfg_json and existing.get("check", {}).get("passed"):
+        same = existing.get("config") == cfg_json and existing.get("corpus_pins") == pin_id()
+        if same and existing.get("check", {}).get("passed"):
             console.print(f"[green]zoo[/] {root} is up to date (--force rebuilds it)")
             return ZooResult(
                 root=root,
@@ -167,18 +169,20 @@ def _reuse(root: Path, cfg_json: dict[str, Any], *, force: bool, console: Consol
                 cached=True,
                 models=list(existing.get("models", [])),
             )
-        reason = "its config differs" if existing.get("config") != cfg_json else "its expert check failed"
+        reason = "its config or corpus pins differ" if not same else "its expert check failed"
         console.print(f"[yellow]rebuilding zoo[/] {root}: {reason}")
     elif existing is None and root.exists() and (not root.is_dir() or any(root.iterdir())) and not force:
         raise MoetoolError(f"{root} exists and is not a moetool zoo; remove it or pass force")
     return None
 
 
-def _write_corpora(tmp: Path, cfg: ZooConfig) -> dict[str, DomainSplit]:
+def _write_corpora(tmp: Path, cfg: ZooConfig, console: Console) -> dict[str, DomainSplit]:
     splits: dict[str, DomainSplit] = make_splits(
         cfg.seed, cfg.max_chars_per_domain, cfg.valid_fraction, max_valid_chars=cfg.max_valid_chars
     )
     for d, s in splits.items():
+        if s.corpus is not None and s.corpus.warning:
+            console.print(f"[yellow]warning[/]: {s.corpus.warning}")
         (tmp / "data" / d).mkdir(parents=True)
         (tmp / "data" / d / "train.txt").write_text(s.train, encoding="utf-8")
         (tmp / "data" / d / "valid.txt").write_text(s.valid, encoding="utf-8")
@@ -271,7 +275,7 @@ def _evaluate(
 def _build_into(tmp: Path, profile: str, cfg: ZooConfig, console: Console, t_start: float) -> dict[str, Any]:
     """Everything of the zoo into ``tmp``; returns what zoo.json records."""
     torch.manual_seed(cfg.seed)
-    splits = _write_corpora(tmp, cfg)
+    splits = _write_corpora(tmp, cfg, console)
     tokenizer, streams, stats = _tokenize(splits, cfg, console)
     training, n_params = _train_models(tmp, cfg, tokenizer, streams, console)
     matrix, check = _evaluate(tmp, profile, cfg, splits, console)
@@ -288,6 +292,8 @@ def _build_into(tmp: Path, profile: str, cfg: ZooConfig, console: Console, t_sta
         "check": check,
         "training": training,
         "corpus": stats,
+        "corpus_pins": pin_id(),
+        "corpus_documents": {d: s.corpus.to_json() for d, s in splits.items() if s.corpus is not None},
         "model": {"architecture": "LlamaForCausalLM", "parameters": n_params},
         "versions": tool_versions(),
         "platform": {"machine": platform.machine(), "torch_threads": torch.get_num_threads()},

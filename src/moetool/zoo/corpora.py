@@ -18,11 +18,13 @@ import hashlib
 import json
 import random
 import re
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from moetool.errors import MoetoolError
+from moetool.zoo.pins import PinStatus, digest, pinned, select
 
 DOMAINS: tuple[str, ...] = ("code", "legal", "medical")
 
@@ -39,6 +41,7 @@ __all__ = [
     "load_domain_documents",
     "make_splits",
     "normalize_whitespace",
+    "pinned_documents",
 ]
 
 
@@ -53,6 +56,7 @@ class DomainSplit:
     valid: str
     train_docs: tuple[str, ...] = ()
     valid_docs: tuple[str, ...] = ()
+    corpus: PinStatus | None = None
 
 
 def normalize_whitespace(text: str) -> str:
@@ -98,13 +102,17 @@ def _is_license_file(rel: str) -> bool:
     return False
 
 
-def _license_files() -> list[Path]:
+def _license_files(dists: Collection[str] | None = None) -> list[Path]:
+    """Debian's common licences and the licence files of the installed distributions (only ``dists``, by
+    normalised name, when given)."""
     files: list[Path] = []
     if COMMON_LICENSES_DIR.is_dir():
         for entry in COMMON_LICENSES_DIR.iterdir():
             if entry.is_file():  # follows symlinks, skips directories and dangling links
                 files.append(entry)
     for dist in metadata.distributions():
+        if dists is not None and _dist_key(dist.metadata["Name"]) not in dists:
+            continue
         for f in dist.files or ():
             if _is_license_file(str(f)):
                 path = Path(str(dist.locate_file(f)))
@@ -113,9 +121,15 @@ def _license_files() -> list[Path]:
     return files
 
 
-def _legal_documents() -> list[str]:
+def _dist_key(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _legal_documents(accept: Callable[[str], bool] | None = None, dists: Collection[str] | None = None) -> list[str]:
+    """Licence texts, de-duplicated; with ``accept``, only the files whose cleaned text it accepts (the pinned ones,
+    chosen before de-duplication so that no unpinned file can displace a pinned one)."""
     by_hash: dict[str, tuple[str, str]] = {}
-    for path in _license_files():
+    for path in _license_files(dists):
         try:
             raw = path.read_bytes()
         except OSError:
@@ -123,6 +137,8 @@ def _legal_documents() -> list[str]:
         if b"\x00" in raw[:4096]:
             continue  # binary
         text = _clean(raw.decode("utf-8", errors="replace"))
+        if accept is not None and not accept(text):
+            continue
         norm = normalize_whitespace(text)
         if len(norm) < _MIN_DOC_CHARS:
             continue
@@ -192,7 +208,7 @@ _HOW_TO_GET = {
 
 
 def load_domain_documents(domain: str) -> list[str]:
-    """All documents of ``domain`` found on this machine, in a deterministic order.
+    """All documents of ``domain`` found on this machine, in a deterministic order (pinned or not).
 
     Raises:
         MoetoolError: ``domain`` is unknown, or no text for it is present on this machine.
@@ -203,6 +219,25 @@ def load_domain_documents(domain: str) -> list[str]:
     if not docs:
         raise MoetoolError(f"domain {domain!r} has no text on this machine; {_HOW_TO_GET[domain]}.")
     return docs
+
+
+def pinned_documents(domain: str) -> tuple[list[str], PinStatus]:
+    """``domain``'s documents as :mod:`moetool.zoo.pins` fixes them, and how this machine's text compares.
+
+    Raises:
+        MoetoolError: ``domain`` is unknown, has no text, or too much of its pinned text is missing.
+    """
+    if domain not in _LOADERS:
+        raise MoetoolError(f"unknown zoo domain {domain!r}; known domains: {', '.join(DOMAINS)}")
+    pins = pinned(domain)
+    if domain == "legal" and pins is not None:
+        docs = _legal_documents(accept=lambda text: digest(text) in pins)
+    else:
+        docs = _LOADERS[domain]()
+    docs, status = select(domain, docs, _HOW_TO_GET[domain])
+    if not docs:
+        raise MoetoolError(f"domain {domain!r} has no text on this machine; {_HOW_TO_GET[domain]}.")
+    return docs, status
 
 
 def _truncate(doc: str, limit: int) -> str:
@@ -222,6 +257,7 @@ def _split_documents(
     valid_fraction: float,
     max_valid_chars: int | None,
     max_doc_chars: int,
+    status: PinStatus | None = None,
 ) -> DomainSplit:
     order = list(range(len(docs)))
     # A stable per-domain seed: hash() of a str is salted per process, so derive it with sha256.
@@ -263,6 +299,7 @@ def _split_documents(
         valid="\n\n".join(valid_docs),
         train_docs=tuple(train_docs),
         valid_docs=tuple(valid_docs),
+        corpus=status,
     )
 
 
@@ -289,9 +326,11 @@ def make_splits(
         raise MoetoolError(f"valid_fraction must be between 0 and 1, got {valid_fraction}")
     if max_chars_per_domain < 8 * _MIN_DOC_CHARS:
         raise MoetoolError(f"max_chars_per_domain is too small: {max_chars_per_domain}")
+    found = {d: pinned_documents(d) for d in domains}
     return {
         d: _split_documents(
-            load_domain_documents(d),
+            found[d][0],
+            status=found[d][1],
             seed=seed,
             domain=d,
             max_chars=max_chars_per_domain,

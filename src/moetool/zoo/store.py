@@ -79,13 +79,24 @@ def resolve_zoo_model(name: str, profile: str = "default") -> Path:
     raise MoetoolError(f"zoo model {shown!r} not found; run {build_hint(profile)} ({listing})")
 
 
-def zoo_domain_text(domain: str, split: Literal["train", "valid"] = "valid", profile: str = "default") -> str:
-    """The ``train`` or held-out (``valid``) text of ``domain`` that the zoo of ``profile`` was built with."""
+def zoo_domain_text(domain: str, split: Literal["train", "valid"] = "valid", profile: str | None = None) -> str:
+    """The ``train`` or held-out (``valid``) text of ``domain`` that a zoo was built with.
+
+    ``domain`` is a domain (``code``) or a profile's domain (``smollm2-code``). With no profile named, the ``default``
+    profile's text, or else the ``smollm2`` profile's: both split the same corpora with the same settings, so either
+    is the same text (the ``tiny`` profile splits differently and is only used when named).
+    """
     if split not in ("train", "valid"):
         raise MoetoolError(f"split must be 'train' or 'valid', got {split!r}")
+    named, domain = split_zoo_name(domain)
     if domain not in DOMAINS:
         raise MoetoolError(f"unknown zoo domain {domain!r}; known domains: {', '.join(DOMAINS)}")
-    path = zoo_dir(profile) / "data" / domain / f"{split}.txt"
-    if not path.is_file():
-        raise MoetoolError(f"zoo text {path} not found; run {build_hint(profile)}")
-    return path.read_text(encoding="utf-8")
+    if profile is None and named != "default":
+        profile = named
+    candidates = [profile] if profile is not None else ["default", *NAMED_PROFILES]
+    for p in candidates:
+        path = zoo_dir(p) / "data" / domain / f"{split}.txt"
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    first = zoo_dir(candidates[0]) / "data" / domain / f"{split}.txt"
+    raise MoetoolError(f"zoo text {first} not found; run {build_hint(candidates[0])}")

@@ -63,11 +63,11 @@ def _build_experts(
     streams: list[torch.Tensor] = []  # tokenized on first need: not at all when every expert is built
     training, reused = {}, []
     for d in DOMAINS:
-        meta = None if force else cached_expert(root / d, fingerprint(cfg, d, base.meta))
+        meta = None if force else cached_expert(root / d, fingerprint(cfg, d, base.meta, splits[d].train))
         reused.append(meta is not None)
         if meta is None:
             streams = streams or domain_streams(splits, AutoTokenizer.from_pretrained(str(base.path)), cfg)
-            meta = train_expert(root, d, streams, cfg, base.meta, console)
+            meta = train_expert(root, d, streams, cfg, base.meta, console, train_text=splits[d].train)
         else:
             console.print(f"{SMOLLM2}-{d}: {root / d} is up to date", highlight=False)
         training[d] = meta["training"]

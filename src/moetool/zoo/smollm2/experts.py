@@ -11,6 +11,7 @@ settings and its base are the same.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from moetool.train.loop import LoopConfig, derive_seed
 from moetool.zoo.build import train_zoo_model
 from moetool.zoo.config import SMOLLM2, ZooConfig
 from moetool.zoo.corpora import DOMAINS, DomainSplit, make_splits
+from moetool.zoo.pins import pin_id
 from moetool.zoo.smollm2.card import LICENCE, ORIGIN_MODEL
 
 EXPERT_FORMAT = 1
@@ -79,6 +81,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def write_data(root: Path, cfg: Smollm2Config, console: Console) -> dict[str, DomainSplit]:
     """``root/data/<domain>/{train,valid}.txt`` (cached while the split settings are the same)."""
     settings = {
+        "corpus_pins": pin_id(),
         "seed": cfg.seed,
         "max_chars_per_domain": cfg.max_chars_per_domain,
         "valid_fraction": cfg.valid_fraction,
@@ -103,16 +106,21 @@ def write_data(root: Path, cfg: Smollm2Config, console: Console) -> dict[str, Do
             (tmp / d / "train.txt").write_text(s.train, encoding="utf-8")
             (tmp / d / "valid.txt").write_text(s.valid, encoding="utf-8")
         (tmp / "data.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    for s in splits.values():
+        if s.corpus is not None and s.corpus.warning:
+            console.print(f"[yellow]warning[/]: {s.corpus.warning}")
     chars = ", ".join(f"{d} {len(s.train) / 1e3:.0f}K/{len(s.valid) / 1e3:.0f}K" for d, s in splits.items())
     console.print(f"corpora (train/held-out chars): {chars}", highlight=False)
     return splits
 
 
-def fingerprint(cfg: Smollm2Config, domain: str, base_meta: dict[str, Any]) -> dict[str, Any]:
-    """What an expert's weights depend on: its settings, its domain and its base (pinned GGUF, dtype)."""
+def fingerprint(cfg: Smollm2Config, domain: str, base_meta: dict[str, Any], train_text: str) -> dict[str, Any]:
+    """What an expert's weights depend on: its settings, its domain, its training text and its base (pinned GGUF,
+    dtype)."""
     return {
         "format": EXPERT_FORMAT,
         "domain": domain,
+        "train_text_sha256": hashlib.sha256(train_text.encode("utf-8")).hexdigest(),
         "config": cfg.training_dict(),
         "base": {"gguf_sha256": base_meta["source"]["gguf_sha256"], "dtype": base_meta["dtype"]},
     }
@@ -147,13 +155,15 @@ def train_expert(
     cfg: Smollm2Config,
     base_meta: dict[str, Any],
     console: Console,
+    *,
+    train_text: str,
 ) -> dict[str, Any]:
     """``root/<domain>``: the base continued on ``streams[DOMAINS.index(domain)]`` (the streams of every domain, in
-    :data:`DOMAINS` order); returns its moetool.json."""
+    :data:`DOMAINS` order, ``train_text`` the domain's text they came from); returns its moetool.json."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out, base_dir, name = root / domain, root / "base", f"{SMOLLM2}-{domain}"
-    fp = fingerprint(cfg, domain, base_meta)
+    fp = fingerprint(cfg, domain, base_meta, train_text)
     torch.manual_seed(derive_seed(cfg.seed, f"expert:{domain}"))
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     for pname, p in model.named_parameters():

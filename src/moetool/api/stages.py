@@ -1,45 +1,30 @@
-"""The pipeline: recipe → plan → assemble → train → evaluate → export → package, one function per stage.
-
-Every stage takes the validated recipe object (:func:`load` reads a file once; a path is accepted at these entry
-points for convenience and loaded here, never again further down). Stages report through a rich console
-(:mod:`moetool.progress`): silent unless one is passed. ``moetool build`` and ``moetool demo`` are :func:`build`;
-the CLI only parses arguments and prints.
-
-    recipe = api.load("recipes/demo-mofe.yaml")
-    merged = api.assemble(recipe, "out/merged")
-    tuned = api.train(recipe, "out/tuned", model=merged).output
-    manifest = api.export(tuned, "out/gguf", device="raspberry-pi-4")
-"""
+"""The pipeline's stages, one function each (:mod:`moetool.api` re-exports them)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
 from rich.console import Console
 
-from moetool.errors import MoetoolError
 from moetool.eval.report import evaluate as run
 from moetool.export.base import Exporter, ExportError, ExportRequest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
 from moetool.export.resolve import ExportOptions
 from moetool.export.resolve import plan_export as plan_standard
-from moetool.io.atomic import check_output
 from moetool.io.checks import check_finished_model_dir, check_output_path, is_moetool_temp
 from moetool.io.safe import read_json
 from moetool.io.sources import resolve_source
 from moetool.methods import get_plugin, plugin_for_model
-from moetool.methods.base import MethodExportPlan, MethodPlugin, Stage, TrainOptions, TrainOutcome
+from moetool.methods.base import MethodExportPlan, MethodPlugin, TrainOptions, TrainOutcome
 from moetool.package import build_repo
 from moetool.progress import silent
 from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import RecipeBase
 from moetool.recipe.inputs import recipe_inputs
 from moetool.recipe.load import load_recipe
-from moetool.recipe.mofe import MoFERecipe
-from moetool.zoo import zoo_domain_text
+from moetool.zoo import split_zoo_name, zoo_domain_text
 
 if TYPE_CHECKING:
     from moetool.export.planning import ArtifactPlan
@@ -147,7 +132,7 @@ def _zoo_text(domain: str) -> str:
 
 def _own_domain(ref: str, path: Path, domains: list[str]) -> str | None:
     """An expert's own domain: ``zoo:DOMAIN`` or a directory named after a domain."""
-    name = ref.removeprefix("zoo:") if ref.startswith("zoo:") else path.name
+    name = split_zoo_name(ref.removeprefix("zoo:"))[1] if ref.startswith("zoo:") else path.name
     return name if name in domains else None
 
 
@@ -249,106 +234,3 @@ def package(
     return Path(
         build_repo(Path(source), Path(output), artifacts=artifacts or [], eval_json=eval_json, plots=plots, force=force)
     )
-
-
-@dataclass
-class BuildResult:
-    """What :func:`build` wrote: the merged and tuned models, the evaluation, each artifact's manifest, the repo."""
-
-    merged: Path
-    model: Path
-    tuned: dict[str, Path] = field(default_factory=dict)
-    report: dict[str, Any] | None = None
-    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
-    repo: Path | None = None
-
-
-def build(
-    recipe: RecipeLike,
-    output: str | Path,
-    *,
-    tune: bool | None = None,
-    presets: list[str] | None = None,
-    compare: list[str] | None = None,
-    devices: list[str] | None = None,
-    max_tokens: int = 8192,
-    force: bool = False,
-    verify: bool = True,
-    console: Console | None = None,
-    on_stage: Stage | None = None,
-) -> BuildResult:
-    """The recipe's whole pipeline: assemble → tune (``tune``, default: when the recipe has ``train:``; once per preset) → evaluate
-    (the merged and tuned models beside ``compare``) → export every ``targets:`` entry (or only ``devices``) →
-    package.
-
-    ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures there).
-    """
-
-    r = load(recipe)
-    out, console = Path(output), console or silent()
-    stage: Stage = on_stage or (lambda name, value: None)
-    if not isinstance(r, MoFERecipe):
-        raise MoetoolError(
-            f"{r.path or r.name}: moetool build runs the mofe pipeline; for method: {r.method} run `moetool merge "
-            f"RECIPE -o DIR` and then `moetool {r.method} --help` for its training, evaluation and export commands "
-            f"(docs/{r.method}.md)"
-        )
-    check_output(out, force=force)
-    console.rule("merge")
-    merged = assemble(r, out / "merged", force=force, console=console)
-    result = BuildResult(merged=merged, model=merged)
-    stage("merged", merged)
-    if tune if tune is not None else "train" in r.model_fields_set:
-        for preset in [*presets] if presets else [None]:
-            console.rule(f"router tuning{f', freeze preset {preset}' if preset else ''}")
-            path = out / (f"tuned-{preset}" if presets else "tuned")
-            outcome = train(r, path, model=merged, force=force, resume=False, preset=preset, console=console)
-            result.tuned[preset or "tuned"] = result.model = outcome.output
-            stage("trained", (preset, outcome))
-    result.report = _build_eval(r, out, result, compare or [], max_tokens, console, stage)
-    for t in r.targets:
-        if devices is not None and t.device not in devices:
-            continue
-        console.rule(f"export {t.dir_name}")
-        exporter, req, the_plan = plan_export(
-            result.model,
-            out / "exports" / t.dir_name,
-            target=t.target,
-            quant=t.quant,
-            device=t.device,
-            context=t.context,
-            force=force,
-            verify=verify,
-        )
-        stage("export_plan", (t.dir_name, exporter, the_plan))
-        with console.status(f"writing and verifying {exporter.name} …"):
-            result.manifests[t.dir_name] = exporter.export(req, the_plan, console=console)
-        stage("exported", (req.output, result.manifests[t.dir_name]))
-    console.rule("Hugging Face repo folder")
-    has_report = result.report is not None
-    result.repo = package(
-        result.model,
-        out / "hf-repo",
-        artifacts=[out / "exports" / n for n in result.manifests],
-        eval_json=out / "eval.json" if has_report else None,
-        plots=out / "plots" if has_report else None,
-        force=True,
-    )
-    stage("packaged", result.repo)
-    return result
-
-
-def _build_eval(
-    r: MoFERecipe, out: Path, result: BuildResult, compare: list[str], max_tokens: int, console: Console, stage: Stage
-) -> dict[str, Any] | None:
-    """Evaluate the merged and tuned models (beside ``compare``) on the recipe's zoo domains, if it has any."""
-    domains = [d for d, src in r.train.data.items() if src.zoo]
-    if not domains:
-        console.print("[yellow]no zoo domains in train.data: evaluation skipped (use moetool eval --data)[/]")
-        return None
-    console.rule("evaluation")
-    names = [*compare, str(result.merged), *[str(p) for p in result.tuned.values()]]
-    report = evaluate(names, domains=domains, max_tokens=max_tokens)
-    write_report(report, out / "eval.json", out / "plots")
-    stage("evaluated", report)
-    return report

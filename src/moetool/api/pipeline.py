@@ -1,0 +1,153 @@
+"""``build``: every stage of a recipe in order, the CLI's ``moetool build`` and ``moetool demo``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from moetool.api.ask import AskedQuestion, ask
+from moetool.api.stages import (
+    RecipeLike,
+    assemble,
+    evaluate,
+    load,
+    package,
+    plan_export,
+    train,
+    write_report,
+)
+from moetool.errors import MoetoolError
+from moetool.io.atomic import check_output
+from moetool.methods.base import Stage
+from moetool.progress import silent
+from moetool.recipe.mofe import MoFERecipe
+
+
+@dataclass
+class BuildResult:
+    """What :func:`build` wrote: the merged and tuned models, the evaluation, each artifact's manifest, the repo."""
+
+    merged: Path
+    model: Path
+    tuned: dict[str, Path] = field(default_factory=dict)
+    report: dict[str, Any] | None = None
+    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    repo: Path | None = None
+    answers: list[AskedQuestion] = field(default_factory=list)
+
+
+def build(
+    recipe: RecipeLike,
+    output: str | Path,
+    *,
+    tune: bool | None = None,
+    presets: list[str] | None = None,
+    compare: list[str] | None = None,
+    devices: list[str] | None = None,
+    max_tokens: int = 8192,
+    force: bool = False,
+    verify: bool = True,
+    console: Console | None = None,
+    on_stage: Stage | None = None,
+) -> BuildResult:
+    """The recipe's whole pipeline: assemble → tune (``tune``, default: when the recipe has ``train:``; once per preset) → evaluate
+    (the merged and tuned models beside ``compare``) → export every ``targets:`` entry (or only ``devices``) →
+    package. The recipe's ``questions:`` are asked of the final model and of each GGUF written (``answers.json``).
+
+    ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures there).
+    """
+
+    r = load(recipe)
+    out, console = Path(output), console or silent()
+    stage: Stage = on_stage or (lambda name, value: None)
+    if not isinstance(r, MoFERecipe):
+        raise MoetoolError(
+            f"{r.path or r.name}: moetool build runs the mofe pipeline; for method: {r.method} run `moetool merge "
+            f"RECIPE -o DIR` and then `moetool {r.method} --help` for its training, evaluation and export commands "
+            f"(docs/{r.method}.md)"
+        )
+    check_output(out, force=force)
+    console.rule("merge")
+    merged = assemble(r, out / "merged", force=force, console=console)
+    result = BuildResult(merged=merged, model=merged)
+    stage("merged", merged)
+    if tune if tune is not None else "train" in r.model_fields_set:
+        for preset in [*presets] if presets else [None]:
+            console.rule(f"router tuning{f', freeze preset {preset}' if preset else ''}")
+            path = out / (f"tuned-{preset}" if presets else "tuned")
+            outcome = train(r, path, model=merged, force=force, resume=False, preset=preset, console=console)
+            result.tuned[preset or "tuned"] = result.model = outcome.output
+            stage("trained", (preset, outcome))
+    result.report = _build_eval(r, out, result, compare or [], max_tokens, console, stage)
+    for t in r.targets:
+        if devices is not None and t.device not in devices:
+            continue
+        console.rule(f"export {t.dir_name}")
+        exporter, req, the_plan = plan_export(
+            result.model,
+            out / "exports" / t.dir_name,
+            target=t.target,
+            quant=t.quant,
+            device=t.device,
+            context=t.context,
+            force=force,
+            verify=verify,
+        )
+        stage("export_plan", (t.dir_name, exporter, the_plan))
+        with console.status(f"writing and verifying {exporter.name} …"):
+            result.manifests[t.dir_name] = exporter.export(req, the_plan, console=console)
+        stage("exported", (req.output, result.manifests[t.dir_name]))
+    _build_answers(r, out, result, console, stage)
+    console.rule("Hugging Face repo folder")
+    has_report = result.report is not None
+    result.repo = package(
+        result.model,
+        out / "hf-repo",
+        artifacts=[out / "exports" / n for n in result.manifests],
+        eval_json=out / "eval.json" if has_report else None,
+        plots=out / "plots" if has_report else None,
+        force=True,
+    )
+    stage("packaged", result.repo)
+    return result
+
+
+def _build_eval(
+    r: MoFERecipe, out: Path, result: BuildResult, compare: list[str], max_tokens: int, console: Console, stage: Stage
+) -> dict[str, Any] | None:
+    """Evaluate the merged and tuned models (beside ``compare``) on the recipe's zoo domains, if it has any."""
+    domains = [d for d, src in r.train.data.items() if src.zoo]
+    if not domains:
+        console.print("[yellow]no zoo domains in train.data: evaluation skipped (use moetool eval --data)[/]")
+        return None
+    console.rule("evaluation")
+    names = [*compare, str(result.merged), *[str(p) for p in result.tuned.values()]]
+    report = evaluate(names, domains=domains, max_tokens=max_tokens)
+    write_report(report, out / "eval.json", out / "plots")
+    stage("evaluated", report)
+    return report
+
+
+def _build_answers(r: MoFERecipe, out: Path, result: BuildResult, console: Console, stage: Stage) -> None:
+    """Ask the recipe's questions (if any) of the final model and of every GGUF exported; writes ``answers.json``."""
+    if not r.questions:
+        return
+    console.rule("questions")
+    ggufs = {
+        name: out / "exports" / name / str(m["file"])
+        for name, m in result.manifests.items()
+        if m.get("target") == "gguf" and m.get("file")
+    }
+    if ggufs and importlib.util.find_spec("llama_cpp") is None:
+        console.print("[yellow]llama-cpp-python is not installed: questions are answered by transformers only[/]")
+        ggufs = {}
+    with console.status("answering the recipe's questions …"):
+        result.answers = ask(result.model, dict(r.questions), ggufs=ggufs)
+    doc = {"model": str(result.model), "answers": [a.to_json() for a in result.answers]}
+    (out / "answers.json").write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    stage("answered", result.answers)

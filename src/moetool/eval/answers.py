@@ -1,0 +1,132 @@
+"""Ask a model questions through its chat template: the greedy answer and, for an MoE, which experts produced it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.eval.perplexity import load_causal_lm
+from moetool.io.safe import read_json
+from moetool.routing.tap import RouterTap
+
+__all__ = ["Answer", "answer_shares", "ask", "chat_prompt_ids"]
+
+
+@dataclass
+class Answer:
+    """One question's greedy answer.
+
+    ``prompt_ids``: the chat-templated question; ``ids``: the answer's tokens (EOS excluded); ``shares``: expert name →
+    share of the top-k routing choices made while producing the answer (every layer, every answer token; empty for a
+    dense model); ``tokens_per_s``: generation speed; ``stop_ids``: the tokens that end an answer.
+    """
+
+    label: str
+    question: str
+    text: str
+    prompt_ids: list[int]
+    ids: list[int]
+    shares: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+    stop_ids: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "question": self.question,
+            "answer": self.text,
+            "tokens": len(self.ids),
+            "expert_shares": self.shares,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }
+
+
+def chat_prompt_ids(tokenizer: Any, question: str) -> list[int]:
+    """``question`` as one user turn of the tokenizer's chat template, ready for the assistant's reply.
+
+    Raises:
+        MoetoolError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise MoetoolError("the model's tokenizer has no chat template: questions are asked as chat turns")
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def _expert_names(path: Path, n: int) -> list[str]:
+    meta = path / "moetool.json"
+    names = read_json(meta, what="moetool metadata").get("experts") if meta.is_file() else None
+    return [str(x) for x in names] if isinstance(names, list) and len(names) == n else [f"expert{i}" for i in range(n)]
+
+
+def answer_shares(model: torch.nn.Module, prompt_ids: list[int], ids: list[int], names: list[str]) -> dict[str, float]:
+    """Expert name → share of the routing choices at the positions that predicted ``ids`` (one forward pass)."""
+    tap = RouterTap(model)
+    try:
+        with torch.no_grad():
+            model(torch.tensor([prompt_ids + ids[:-1]]) if ids else torch.tensor([prompt_ids]))
+    finally:
+        tap.remove()
+    config: Any = model.config
+    k = int(config.num_experts_per_tok)
+    counts = torch.zeros(len(names))
+    start = len(prompt_ids) - 1
+    for logits in tap.logits:  # [T, E] per layer
+        chosen = logits.float()[start:].topk(k, dim=-1).indices.flatten()
+        counts += torch.bincount(chosen, minlength=len(names))[: len(names)].float()
+    total = float(counts.sum()) or 1.0
+    return {name: round(float(c) / total, 4) for name, c in zip(names, counts, strict=True)}
+
+
+def ask(path: str | Path, questions: dict[str, str], *, max_new_tokens: int = 48) -> list[Answer]:
+    """Each question's greedy answer from the model at ``path`` (transformers, float32), with its expert shares."""
+    path = Path(path)
+    model, tok = load_causal_lm(path)
+    routers = RouterTap.find_routers(model) if _is_moe(model) else []
+    names = _expert_names(path, int(model.config.num_local_experts)) if routers else []
+    stop = _stop_ids(model, tok)
+    answers = []
+    for label, question in questions.items():
+        prompt = chat_prompt_ids(tok, question)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=stop,
+                pad_token_id=stop[0] if stop else None,
+            )
+        seconds = time.perf_counter() - start
+        ids = [int(i) for i in out[0, len(prompt) :]]
+        while ids and ids[-1] in stop:
+            ids.pop()
+        shares = answer_shares(model, prompt, ids, names) if routers else {}
+        text = tok.decode(ids, skip_special_tokens=True).strip()
+        answers.append(Answer(label, question, text, prompt, ids, shares, len(ids) / max(seconds, 1e-9), stop))
+    return answers
+
+
+def _is_moe(model: Any) -> bool:
+    return any(hasattr(layer.mlp, "experts") for layer in getattr(model.model, "layers", []))
+
+
+def _stop_ids(model: Any, tok: Any) -> list[int]:
+    """EOS ids of the generation config and the tokenizer (ChatML's ``<|im_end|>`` among them)."""
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), tok.eos_token_id):
+        for i in value if isinstance(value, list) else [value]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
