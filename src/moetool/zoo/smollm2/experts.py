@@ -78,15 +78,20 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def write_data(root: Path, cfg: Smollm2Config, console: Console) -> dict[str, DomainSplit]:
-    """``root/data/<domain>/{train,valid}.txt`` (cached while the split settings are the same)."""
-    settings = {
+def data_settings(cfg: Smollm2Config) -> dict[str, Any]:
+    """What the domain text depends on (``data/data.json``): the corpus pins and the split settings."""
+    return {
         "corpus_pins": pin_id(),
         "seed": cfg.seed,
         "max_chars_per_domain": cfg.max_chars_per_domain,
         "valid_fraction": cfg.valid_fraction,
         "max_valid_chars": cfg.max_valid_chars,
     }
+
+
+def write_data(root: Path, cfg: Smollm2Config, console: Console) -> dict[str, DomainSplit]:
+    """``root/data/<domain>/{train,valid}.txt`` (cached while the split settings are the same)."""
+    settings = data_settings(cfg)
     out = root / "data"
     if _read_json(out / "data.json") == settings:
         return {

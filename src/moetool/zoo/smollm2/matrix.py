@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -48,13 +49,13 @@ def evaluate(
     Raises:
         MoetoolError: an expert is not ``cfg.min_gain`` better than the base on its own domain (after writing).
     """
-    with console.status("evaluating held-out perplexity"):
-        matrix = perplexity_matrix(
-            {n: root / n for n in (BASE_NAME, *DOMAINS)},
-            {d: splits[d].valid for d in DOMAINS},
-            seq_len=cfg.eval_seq_len,
-            max_tokens=cfg.eval_max_tokens,
-        )
+    matrix: dict[str, dict[str, float]] = {}
+    texts = {d: splits[d].valid for d in DOMAINS}
+    for n in (BASE_NAME, *DOMAINS):  # a line per model: the matrix takes minutes and must show it is moving
+        start = time.perf_counter()
+        matrix |= perplexity_matrix({n: root / n}, texts, seq_len=cfg.eval_seq_len, max_tokens=cfg.eval_max_tokens)
+        shown = ", ".join(f"{d} {v:.2f}" for d, v in matrix[n].items())
+        console.print(f"held-out perplexity of {SMOLLM2}-{n}: {shown} ({time.perf_counter() - start:.0f} s)")
     check = check_gains(matrix, cfg.min_gain)
     console.print(render_matrix(matrix, f"held-out perplexity, zoo '{SMOLLM2}'"))
     gains = ", ".join(f"{d} {100 * g:+.1f}%" for d, g in check["relative_improvement"].items())
