@@ -197,7 +197,7 @@ def _summary(value: Any) -> str:
     return str(value)
 
 
-def _flat(text: str, limit: int = 160) -> str:
+def _one_line(text: str, limit: int = 160) -> str:
     """An answer on one line (whitespace runs collapsed), cut at ``limit`` characters."""
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
@@ -213,8 +213,8 @@ def print_answers(answers: list[Any]) -> None:
         a = q.answer
         shares = ", ".join(f"{n} {v:.0%}" for n, v in sorted(a.shares.items(), key=lambda kv: -kv[1]))
         t.add_row(f"[bold]{escape(a.label)}[/]", "question", escape(a.question), "")
-        t.add_row("", "transformers", escape(_flat(a.text)), shares)
+        t.add_row("", "transformers", escape(_one_line(a.text)), shares)
         for name, g in q.gguf.items():
             same = "same tokens" if g.matches else f"first {g.same_prefix} tokens the same"
-            t.add_row("", f"llama.cpp ({escape(name)})", escape(_flat(g.text)) + f" [dim]({same})[/]", "")
+            t.add_row("", f"llama.cpp ({escape(name)})", escape(_one_line(g.text)) + f" [dim]({same})[/]", "")
     out.print(t)
