@@ -127,12 +127,13 @@ COMMANDS: list[Cmd] = [
     notrun("bash scripts/setup.sh --dev", SETUP),
     notrun(".venv/bin/python -m pytest -q", "the whole test suite, of which this test is a part"),
     run("moetool zoo build", why="finds the stand-in zoo up to date; a real build trains for about 6 minutes"),
-    run("moetool merge recipes/demo-mofe.yaml --output out/demo/merged --force"),
-    run("moetool train recipes/demo-mofe.yaml --model out/demo/merged --output out/demo/tuned-mofe"),
+    helponly("moetool demo --profile tiny", "the toy zoo's demo: the same pipeline as `moetool demo`, run above"),
+    run("moetool merge recipes/real-mofe.yaml --output out/demo/merged --force"),
+    run("moetool train recipes/real-mofe.yaml --model out/demo/merged --output out/demo/tuned-mofe"),
     run(
-        "moetool eval zoo:base zoo:code zoo:legal zoo:medical out/demo/merged out/demo/tuned-…",
-        run="moetool eval zoo:base zoo:code zoo:legal zoo:medical out/demo/merged out/demo/tuned-mofe",
-        why="`tuned-…` is the tuned model written above",
+        "moetool eval zoo:smollm2-base zoo:smollm2-code zoo:smollm2-legal zoo:smollm2-medical out/demo/merged "
+        "out/demo/tuned-mofe",
+        why="the stand-in smollm2 profile",
     ),
     run(
         "moetool export out/demo/tuned-mofe --device raspberry-pi-4 --output out/demo/exports/raspberry-pi-4",
