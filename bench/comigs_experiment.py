@@ -57,8 +57,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--tr", action="store_true", help="Also run CoMiGS-1G1S-tr (routers on the train split).")
     ap.add_argument("--eval-tokens", type=int, default=8192, help="Test tokens per user (train: 4096).")
+    ap.add_argument("--variants", default="", help="Comma-separated subset of the runs (e.g. CoMiGS-2S,CoMiGS-1G1S).")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is an idle core's time).")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     recipe = load_recipe(args.recipe)
     assert isinstance(recipe, ComigsRecipe)
     if args.rounds:
@@ -74,6 +76,12 @@ def main() -> None:
     }
     if args.tr:
         runs["CoMiGS-1G1S-tr"] = variant_recipe(base_1g1s, "tr")
+    if args.variants:
+        wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = [v for v in wanted if v not in runs]
+        if unknown:
+            raise SystemExit(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(runs)})")
+        runs = {name: runs[name] for name in wanted}
     t_start, c_start = time.perf_counter(), time.process_time()
     fed0 = prepare(base_1g1s, args.recipe.parent)
     data = [c.data for c in fed0.clients]  # tokenized once, shared by every method
