@@ -172,7 +172,7 @@ def main() -> None:
             "",
             "## mean generalist routing weight per layer (test tokens)",
             *share,
-            f"\ntotal {total_cpu:.0f} s CPU on 1 thread ({total:.0f} s wall)",
+            f"\ntotal {total_cpu:.0f} s CPU on {args.threads} thread(s) ({total:.0f} s wall)",
         ]
     )
     (args.out / "comigs_experiment.md").write_text(md + "\n")
