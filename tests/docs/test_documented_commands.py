@@ -113,6 +113,9 @@ REFERENCE = "a reference to the command in prose; the concrete commands run else
 # manifest (methods/gem/export_parity.py) holds one float, so printing it raises after the artifact is written
 SETUP = "installs packages into .venv (set-up, not a command to test here); the script and flag must exist"
 BENCH = "a benchmark of minutes on the real zoo; its --help and the options named must work"
+REAL_DEFAULT = (
+    "the real default (SmolLM2, minutes to tens of minutes); the demo recipes run the same commands in this table"
+)
 FLOWER = "Flower's deployment mode across machines (long-running servers), documented but not run on one machine"
 
 COMMANDS: list[Cmd] = [
@@ -243,6 +246,11 @@ COMMANDS: list[Cmd] = [
         FLOWER,
     ),
     helponly(".venv/bin/python bench/comigs_experiment.py --tr", BENCH),
+    helponly(
+        ".venv/bin/python bench/comigs_experiment.py --recipe recipes/real-comigs.yaml --out out/bench/real-comigs "
+        "--variants CoMiGS-2S,CoMiGS-2G,CoMiGS-1G1S --threads 2 --eval-tokens 4096",
+        BENCH,
+    ),
     helponly("moetool comigs train ... --rounds 2", REFERENCE),
     helponly("moetool comigs bake", REFERENCE),
     helponly("moetool export … --target gguf --quant f16", REFERENCE),
@@ -279,6 +287,9 @@ COMMANDS: list[Cmd] = [
     run("moetool gem export out/gem-seq -o out/gem-seq-export --target gguf", extra="onnx"),
     notrun("bash scripts/setup.sh --onnx", SETUP),
     helponly(".venv/bin/python bench/gem_experiment.py", BENCH),
+    helponly("moetool merge recipes/real-gem.yaml -o out/real-gem", REAL_DEFAULT),
+    helponly("moetool gem eval out/real-gem --max-tokens 2048", REAL_DEFAULT),
+    helponly("moetool merge recipes/real-embedding.yaml -o out/real-embedding", REAL_DEFAULT),
     helponly(".venv/bin/python bench/gem_scar.py", BENCH),
     helponly("moetool gem eval", REFERENCE),
     helponly("moetool gem export", REFERENCE),
