@@ -468,6 +468,7 @@ def stand_in_zoo(root: Path) -> None:
     from moetool.methods.hybrid.zoo_mamba import MAMBA_JSON, MambaZooConfig
     from moetool.zoo import DOMAINS, ZooConfig
     from moetool.zoo.config import ZOO_JSON
+    from moetool.zoo.pins import pin_id
 
     base = save_llama(root / "base", 0)
     for i, domain in enumerate(DOMAINS, 1):
@@ -477,7 +478,7 @@ def stand_in_zoo(root: Path) -> None:
         (root / "data" / domain / "valid.txt").write_text(domain_text(domain, docs=10, seed=1))
     save_mamba(root / "mamba")
     (root / "mamba" / MAMBA_JSON).write_text(json.dumps({"config": dataclasses.asdict(MambaZooConfig())}))
-    meta = {"config": ZooConfig.for_profile("default").to_dict(), "check": {"passed": True}}
+    meta = {"config": ZooConfig.for_profile("default").to_dict(), "check": {"passed": True}, "corpus_pins": pin_id()}
     (root / ZOO_JSON).write_text(json.dumps(meta | {"models": ["base", *DOMAINS], "perplexity": {}}))
 
 
