@@ -20,14 +20,18 @@ def pin_file(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
-def test_this_machine_holds_every_pinned_document(domain):
+def test_this_machine_holds_the_pinned_documents(domain):
+    """Every document used is pinned, and what is missing stays under the refusal bar. Not "nothing missing": an
+    install resolved on another day may carry a package whose licence file changed (only torch is pinned), and
+    that is what the warning is for."""
     docs, status = pinned_documents(domain)
     want = pins.pinned(domain)
     assert want is not None and status.mode == "pinned"
-    assert status.missing == 0 and status.warning is None
-    assert status.used == len(want) == len(docs)
-    assert {pins.digest(d) for d in docs} == set(want)
-    assert sum(len(d) for d in docs) == sum(want.values())
+    assert {pins.digest(d) for d in docs} <= set(want) and len(docs) == status.used
+    assert status.used + status.missing == len(want)
+    assert sum(len(d) for d in docs) + status.missing_chars == sum(want.values()) == status.pinned_chars
+    assert status.missing_chars <= pins.MAX_MISSING * status.pinned_chars
+    assert (status.warning is None) == (status.missing == 0)
 
 
 def test_unpinned_documents_are_left_out_and_missing_ones_reported(pin_file):
