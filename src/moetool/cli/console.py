@@ -67,6 +67,7 @@ def set_verbosity(verbose: bool) -> None:
         "torch",
         "torch.onnx",
         "torch._dynamo",
+        "torch.utils._pytree",  # torchao's enum registration warns on every start (torch's own handler)
         "coremltools",
         "accelerate",
         "torchao",
