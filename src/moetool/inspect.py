@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from moetool.arch.outputs import expert_count
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.safe import read_json
 
@@ -20,7 +21,7 @@ def inspect_model(path: str | Path) -> dict[str, Any]:
     cfg = ck.config
     meta_file = Path(path) / "moetool.json"
     meta = read_json(meta_file, what="moetool metadata") if meta_file.is_file() else {}
-    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    n_exp = expert_count(cfg)
     top_k = cfg.get("num_experts_per_tok") or 0
     total = 0
     expert_params = 0

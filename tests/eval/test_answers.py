@@ -82,3 +82,19 @@ def test_a_dense_model_answers_without_shares(tiny_models, tmp_path):
     tok.save_pretrained(str(base))
     (a,) = ask(base, {"q": "hello"}, max_new_tokens=4)
     assert a.shares == {} and len(a.ids) <= 4
+
+
+def test_a_qwen2_moe_answers_with_its_expert_names(tiny_models, tmp_path):
+    """Qwen MoE configs count experts as ``num_experts`` (Mixtral: ``num_local_experts``)."""
+    m = tiny_models("qwen2")
+    text = (
+        f"name: askq\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\nexperts:\n"
+        f"  - {{name: code, source: {m['e1']}, positive_prompts: ['def main():']}}\n"
+        f"  - {{name: legal, source: {m['e2']}, positive_prompts: ['Permission is hereby granted']}}\n"
+    )
+    out = merge(write_recipe(tmp_path / "r.yaml", text), tmp_path / "moe")
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(out))
+    (a,) = ask(out, {"q": "def main():"}, max_new_tokens=4)
+    assert set(a.shares) == {"code", "legal"} and sum(a.shares.values()) == pytest.approx(1.0, abs=1e-3)

@@ -6,7 +6,7 @@ llama.cpp's ``convert_hf_to_gguf.py`` maps (it cannot map the fused ``experts.ga
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,12 @@ _COMMON_KEYS = (
     "attention_dropout",
     "initializer_range",
 )
+
+
+def expert_count(cfg: Mapping[str, Any]) -> int:
+    """Routed experts per MoE layer of a config dict: ``num_local_experts`` (Mixtral) or ``num_experts`` (Qwen
+    MoE); 0 for a dense model."""
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
 
 
 def _common(base: Any) -> dict[str, Any]:

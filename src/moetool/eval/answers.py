@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from moetool.arch.outputs import expert_count
 from moetool.errors import MoetoolError
 from moetool.eval.perplexity import load_causal_lm
 from moetool.io.safe import read_json
@@ -92,7 +93,7 @@ def ask(path: str | Path, questions: dict[str, str], *, max_new_tokens: int = 48
     path = Path(path)
     model, tok = load_causal_lm(path)
     routers = RouterTap.find_routers(model) if _is_moe(model) else []
-    names = _expert_names(path, int(model.config.num_local_experts)) if routers else []
+    names = _expert_names(path, expert_count(model.config.to_dict())) if routers else []
     stop = _stop_ids(model, tok)
     answers = []
     for label, question in questions.items():

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from moetool.arch.outputs import expert_count
 from moetool.export.base import ExportError
 from moetool.export.gguf.names import ARCHS, gguf_name
 from moetool.quant.plan import TensorEntry
@@ -44,7 +45,7 @@ class Layout:
 
 
 def _moe_facts(cfg: dict[str, Any]) -> tuple[int, int, bool]:
-    n = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    n = expert_count(cfg)
     k = int(cfg.get("num_experts_per_tok") or 0)
     norm = bool(cfg.get("norm_topk_prob", True)) if cfg["model_type"] != "mixtral" else True
     return n, k, norm
