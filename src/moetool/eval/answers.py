@@ -12,8 +12,8 @@ import torch
 from moetool.arch.outputs import expert_count
 from moetool.errors import MoetoolError
 from moetool.eval.perplexity import load_causal_lm
-from moetool.io.safe import read_json
-from moetool.routing.tap import RouterTap
+from moetool.eval.report import expert_names
+from moetool.routing.tap import RouterTap, has_moe_layers
 
 __all__ = ["Answer", "answer_shares", "ask", "chat_prompt_ids"]
 
@@ -64,9 +64,8 @@ def chat_prompt_ids(tokenizer: Any, question: str) -> list[int]:
 
 
 def _expert_names(path: Path, n: int) -> list[str]:
-    meta = path / "moetool.json"
-    names = read_json(meta, what="moetool metadata").get("experts") if meta.is_file() else None
-    return [str(x) for x in names] if isinstance(names, list) and len(names) == n else [f"expert{i}" for i in range(n)]
+    names = expert_names(path)
+    return names if names is not None and len(names) == n else [f"expert{i}" for i in range(n)]
 
 
 def answer_shares(model: torch.nn.Module, prompt_ids: list[int], ids: list[int], names: list[str]) -> dict[str, float]:
@@ -92,8 +91,8 @@ def ask(path: str | Path, questions: dict[str, str], *, max_new_tokens: int = 48
     """Each question's greedy answer from the model at ``path`` (transformers, float32), with its expert shares."""
     path = Path(path)
     model, tok = load_causal_lm(path)
-    routers = RouterTap.find_routers(model) if _is_moe(model) else []
-    names = _expert_names(path, expert_count(model.config.to_dict())) if routers else []
+    moe = has_moe_layers(model)
+    names = _expert_names(path, expert_count(model.config.to_dict())) if moe else []
     stop = _stop_ids(model, tok)
     answers = []
     for label, question in questions.items():
@@ -112,14 +111,10 @@ def ask(path: str | Path, questions: dict[str, str], *, max_new_tokens: int = 48
         ids = [int(i) for i in out[0, len(prompt) :]]
         while ids and ids[-1] in stop:
             ids.pop()
-        shares = answer_shares(model, prompt, ids, names) if routers else {}
+        shares = answer_shares(model, prompt, ids, names) if moe else {}
         text = tok.decode(ids, skip_special_tokens=True).strip()
         answers.append(Answer(label, question, text, prompt, ids, shares, len(ids) / max(seconds, 1e-9), stop))
     return answers
-
-
-def _is_moe(model: Any) -> bool:
-    return any(hasattr(layer.mlp, "experts") for layer in getattr(model.model, "layers", []))
 
 
 def _stop_ids(model: Any, tok: Any) -> list[int]:

@@ -13,7 +13,14 @@ import torch
 from moetool.eval.gem import gem_metrics
 from moetool.eval.perplexity import load_causal_lm, token_nll
 from moetool.io.safe import read_json
-from moetool.routing.tap import RouterTap
+from moetool.routing.tap import RouterTap, has_moe_layers
+
+
+def expert_names(path: str | Path) -> list[str] | None:
+    """The expert names a merged model records in its ``moetool.json`` (None where it records none)."""
+    meta = Path(path) / "moetool.json"
+    names = read_json(meta, what="moetool metadata").get("experts") if meta.is_file() else None
+    return [str(x) for x in names] if isinstance(names, list) else None
 
 
 def _routing_stats(logits_per_layer: list[list[torch.Tensor]], top_k: int) -> dict[str, list[Any]]:
@@ -56,7 +63,7 @@ def evaluate(
     }
     for name, path in models.items():
         model, tok = load_causal_lm(path)
-        is_moe = any(hasattr(layer.mlp, "experts") for layer in getattr(model.model, "layers", []))
+        is_moe = has_moe_layers(model)
         tap = RouterTap(model) if is_moe else None
         out["models"][name] = {"path": str(path), "moe": is_moe, "own_domain": own_domains.get(name)}
         ppl, routing = {}, {}
@@ -76,11 +83,7 @@ def evaluate(
                 tap.remove()
         out["perplexity"][name] = ppl
         if routing:
-            meta = Path(path) / "moetool.json"
-            experts = None
-            if meta.is_file():
-                experts = read_json(meta, what="moetool metadata").get("experts")
-            out["routing"][name] = {"experts": experts, "per_domain": routing}
+            out["routing"][name] = {"experts": expert_names(path), "per_domain": routing}
         out["gem"][name] = gem_metrics({d: 1.0 / p for d, p in ppl.items()}, own_domains.get(name))
         del model, tok
         gc.collect()

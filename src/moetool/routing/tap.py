@@ -9,6 +9,11 @@ import torch
 from moetool.errors import MoetoolError
 
 
+def has_moe_layers(model: torch.nn.Module) -> bool:
+    """True when any decoder layer's MLP holds experts (a merged MoE, any moetool output arch)."""
+    return any(hasattr(layer.mlp, "experts") for layer in getattr(model.model, "layers", []))
+
+
 class RouterTap:
     """Forward hooks on every MoE layer's router: collect its logits ``[T, E]``; optionally jitter its input."""
 
