@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,7 +83,7 @@ def ask(
     stop = answers[0].answer.stop_ids
     n_ctx = max(len(q.answer.prompt_ids) for q in answers) + max_new_tokens + 8
     for name, file in ggufs.items():
-        gen = GgufGenerator(Path(os.fspath(file)), n_ctx=n_ctx)
+        gen = GgufGenerator(file, n_ctx=n_ctx)
         try:
             for q in answers:
                 ids, speed = gen.greedy(q.answer.prompt_ids, max_new_tokens, stop)

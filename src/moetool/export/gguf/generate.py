@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moetool.export.gguf.verify import quiet_stderr
-from moetool.extras import require
+from moetool.export.gguf.verify import load_llama, quiet_stderr
 
 __all__ = ["GgufGenerator"]
 
@@ -24,17 +22,10 @@ class GgufGenerator:
     """
 
     def __init__(self, path: str | Path, n_ctx: int = 512) -> None:
-        llama = require("llama_cpp", "llama", why="answering with a GGUF in llama.cpp").Llama
         self.n_ctx = n_ctx
-        with quiet_stderr():
-            self.llm: Any = llama(
-                model_path=str(path),
-                n_ctx=n_ctx,
-                n_batch=n_ctx,
-                logits_all=True,  # llama-cpp-python keeps logits rows only with it
-                n_threads=max(1, min(4, os.cpu_count() or 1)),
-                verbose=False,
-            )
+        self.llm: Any = load_llama(
+            Path(path), n_ctx, f32_kv=False, why="answering with a GGUF in llama.cpp", otherwise=""
+        )
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, stop: list[int]) -> tuple[list[int], float]:
         """The argmax continuation of ``prompt_ids`` (stop tokens excluded) and its tokens per second."""

@@ -90,10 +90,20 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def load_llama(path: Path, n_ctx: int, lora_path: Path | None = None) -> Any:
-    Llama = require(
-        "llama_cpp", "llama", why="verifying a GGUF", otherwise="pass --no-verify to write an unverified artifact"
-    ).Llama
+def load_llama(
+    path: Path,
+    n_ctx: int,
+    lora_path: Path | None = None,
+    *,
+    f32_kv: bool = True,
+    why: str = "verifying a GGUF",
+    otherwise: str = "pass --no-verify to write an unverified artifact",
+) -> Any:
+    """``path`` in llama-cpp-python with logits kept for every position; ``f32_kv=False`` keeps llama.cpp's default
+    f16 KV cache (as users run it)."""
+    Llama = require("llama_cpp", "llama", why=why, otherwise=otherwise).Llama
+    # an f16 KV cache (llama.cpp's default) alone moves logits by ~5e-3; the parity check is of the weights
+    kv = {"type_k": 0, "type_v": 0} if f32_kv else {}
     with quiet_stderr():
         return Llama(
             model_path=str(path),
@@ -104,9 +114,7 @@ def load_llama(path: Path, n_ctx: int, lora_path: Path | None = None) -> Any:
             n_threads=max(1, min(4, os.cpu_count() or 1)),
             verbose=False,
             lora_path=str(lora_path) if lora_path else None,
-            # an f16 KV cache (llama.cpp's default) alone moves logits by ~5e-3; the check is of the weights
-            type_k=0,
-            type_v=0,
+            **kv,
         )
 
 
