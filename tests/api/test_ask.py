@@ -5,28 +5,16 @@ from __future__ import annotations
 
 import llama_cpp  # noqa: F401  (the dev extra installs it; a missing runtime must fail, not skip)
 import pytest
-from transformers import AutoTokenizer
+from chat_fixtures import chat_moe
 
-from conftest import write_recipe
-from moetool.api import ask, export, merge
+from moetool.api import ask, export
 from moetool.export.gguf.generate import GgufGenerator
-
-TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
 
 
 @pytest.fixture(scope="module")
 def moe_and_gguf(tiny_models, tmp_path_factory):
-    m = tiny_models("llama")
     tmp = tmp_path_factory.mktemp("askg")
-    text = (
-        f"name: askg\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\nexperts:\n"
-        f"  - {{name: code, source: {m['e1']}, positive_prompts: ['def main():']}}\n"
-        f"  - {{name: legal, source: {m['e2']}, positive_prompts: ['Permission is hereby granted']}}\n"
-    )
-    out = merge(write_recipe(tmp / "r.yaml", text), tmp / "moe")
-    tok = AutoTokenizer.from_pretrained(str(out))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(out))
+    out = chat_moe(tiny_models("llama"), tmp, ("code", "legal"))
     manifest = export(out, tmp / "gguf", quant="f32")
     return out, tmp / "gguf" / manifest["file"]
 

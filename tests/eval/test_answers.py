@@ -5,32 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from chat_fixtures import add_chat_template, chat_moe
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import write_recipe
-from moetool.api import merge
 from moetool.errors import MoetoolError
 from moetool.eval.answers import answer_shares, ask, chat_prompt_ids
 from moetool.routing.tap import RouterTap
 
-TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
-
 
 @pytest.fixture(scope="module")
 def moe(tiny_models, tmp_path_factory):
-    m = tiny_models("llama")
-    tmp = tmp_path_factory.mktemp("ask")
-    text = (
-        f"name: askme\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\nexperts:\n"
-        f"  - {{name: code, source: {m['e1']}, positive_prompts: ['def main():']}}\n"
-        f"  - {{name: legal, source: {m['e2']}, positive_prompts: ['Permission is hereby granted']}}\n"
-        f"  - {{name: medical, source: {m['e3']}, positive_prompts: ['acute bronchitis']}}\n"
-    )
-    out = merge(write_recipe(tmp / "r.yaml", text), tmp / "moe")
-    tok = AutoTokenizer.from_pretrained(str(out))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(out))
-    return out
+    return chat_moe(tiny_models("llama"), tmp_path_factory.mktemp("ask"))
 
 
 def _argmax_loop(model, prompt, n, stop):
@@ -76,25 +61,13 @@ def test_a_tokenizer_without_chat_template_is_refused(tiny_models):
 def test_a_dense_model_answers_without_shares(tiny_models, tmp_path):
     import shutil
 
-    base = shutil.copytree(tiny_models("llama")["base"], tmp_path / "base")
-    tok = AutoTokenizer.from_pretrained(str(base))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(base))
+    base = add_chat_template(shutil.copytree(tiny_models("llama")["base"], tmp_path / "base"))
     (a,) = ask(base, {"q": "hello"}, max_new_tokens=4)
     assert a.shares == {} and len(a.ids) <= 4
 
 
 def test_a_qwen2_moe_answers_with_its_expert_names(tiny_models, tmp_path):
     """Qwen MoE configs count experts as ``num_experts`` (Mixtral: ``num_local_experts``)."""
-    m = tiny_models("qwen2")
-    text = (
-        f"name: askq\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\nexperts:\n"
-        f"  - {{name: code, source: {m['e1']}, positive_prompts: ['def main():']}}\n"
-        f"  - {{name: legal, source: {m['e2']}, positive_prompts: ['Permission is hereby granted']}}\n"
-    )
-    out = merge(write_recipe(tmp_path / "r.yaml", text), tmp_path / "moe")
-    tok = AutoTokenizer.from_pretrained(str(out))
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(out))
+    out = chat_moe(tiny_models("qwen2"), tmp_path, ("code", "legal"))
     (a,) = ask(out, {"q": "def main():"}, max_new_tokens=4)
     assert set(a.shares) == {"code", "legal"} and sum(a.shares.values()) == pytest.approx(1.0, abs=1e-3)
