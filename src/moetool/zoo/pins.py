@@ -42,21 +42,26 @@ def _load(path: Path) -> dict[str, dict[str, int]]:
     return {d: {h: int(n) for h, n in docs.items()} for d, docs in data["domains"].items()}
 
 
+def _mode() -> str:
+    """``pinned`` (default) or ``machine``, from :data:`ENV`."""
+    mode = os.environ.get(ENV, "pinned")
+    if mode not in ("pinned", "machine"):
+        raise MoetoolError(f"{ENV}={mode!r}: use 'pinned' (default) or 'machine'")
+    return mode
+
+
 def pin_id() -> str:
     """What the corpora are: ``machine`` (as found) or the sha256 of the pin file (a zoo built with other pins is
     rebuilt)."""
-    if os.environ.get(ENV, "pinned") == "machine":
+    if _mode() == "machine":
         return "machine"
     return hashlib.sha256(PIN_FILE.read_bytes()).hexdigest()
 
 
 def pinned(domain: str) -> dict[str, int] | None:
     """``domain``'s pinned documents (sha256 -> characters), or None when ``MOETOOL_CORPUS=machine``."""
-    mode = os.environ.get(ENV, "pinned")
-    if mode == "machine":
+    if _mode() == "machine":
         return None
-    if mode != "pinned":
-        raise MoetoolError(f"{ENV}={mode!r}: use 'pinned' (default) or 'machine'")
     pins = _load(PIN_FILE)
     if domain not in pins:
         raise MoetoolError(f"{PIN_FILE} pins no documents for domain {domain!r}")
