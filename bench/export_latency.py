@@ -42,24 +42,12 @@ def _prefill_decode(prefill, decode, ids: np.ndarray) -> tuple[float, float]:  #
 
 
 def bench_onnx(d: Path, ids: np.ndarray, n_layers: int) -> tuple[float, float]:
-    import onnxruntime as ort
+    import json
 
-    from moetool.export.graph.model import causal_mask
+    from moetool.export.onnx.runner import ort_runners, ort_session
 
-    pre = ort.InferenceSession(str(d / "model.onnx"), providers=["CPUExecutionProvider"])
-    dec = ort.InferenceSession(str(d / "model-with-past.onnx"), providers=["CPUExecutionProvider"])
-    names = [f"past.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-
-    def prefill(x):  # type: ignore[no-untyped-def]
-        t = x.shape[1]
-        out = pre.run(None, {"input_ids": x, "position_ids": np.arange(t)[None], "mask": causal_mask(t, 0).numpy()})
-        return out[0], out[1:]
-
-    def decode(x, pos, past):  # type: ignore[no-untyped-def]
-        feeds = {"input_ids": x, "position_ids": np.array([[pos]]), "mask": causal_mask(1, pos).numpy()}
-        out = dec.run(None, feeds | dict(zip(names, past, strict=True)))
-        return out[0], out[1:]
-
+    dec = json.loads((d / "genai_config.json").read_text())["model"]["decoder"]
+    prefill, decode = ort_runners(ort_session(d / "model.onnx"), n_layers, dec["num_key_value_heads"], dec["head_size"])
     return _prefill_decode(prefill, decode, ids)
 
 

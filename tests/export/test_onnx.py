@@ -41,19 +41,21 @@ def test_mixtral_fp32_two_lengths_and_decode(mixtral, tmp_path):
     assert p["decode"]["max_abs_logit_diff"] <= 1e-4 and p["decode"]["steps"] == 8
     assert max(p["export_model_vs_transformers"].values()) <= 1e-5
     assert p["top1_agreement"] == 1.0
-    assert set(man["files"]) == {"model.onnx", "model-with-past.onnx"}
+    assert {"model.onnx", "genai_config.json", "tokenizer.json", "config.json"} <= set(man["files"])
     assert "TopK" in _ops(tmp_path / "o" / "model.onnx")
+    # onnxruntime-genai drives the folder as it is and generates transformers' greedy tokens
+    assert man["generation"]["tokens_equal"] and man["generation"]["new_tokens"] == 16
 
 
 def test_mixtral_mixed_precision_quantizes_experts(mixtral, tmp_path):
     f32 = export(mixtral, tmp_path / "f32", target="onnx", quant="f32", verify=False)
     man = export(mixtral, tmp_path / "q", target="onnx", quant="experts=q4_0,router=f32,*=q8_0")
-    # 2 layers × 3 experts × 3 projections at 4 bits; attention (4 × 2) and head at 8 bits; onnxruntime quantizes
-    # the embedding Gather only at 4 bits, and the manifest says so
-    assert man["quantized_nodes"] == {"int4": 18, "int8": 9}
-    assert any("node_embedding planned int8 but left fp32" in n for n in man["notes"])
+    # 2 layers × 3 experts × 3 projections at 4 bits; attention (4 × 2), head and embedding at 8 bits (the
+    # embedding as int8 rows and block scales: two Gathers)
+    assert man["quantized_nodes"] == {"int4": 18, "int8": 10}
+    assert not any("left fp32" in n for n in man["notes"])
     ops = _ops(tmp_path / "q" / "model.onnx")
-    assert ops["MatMulNBits"] == 27 and ops["Gather"] == 1
+    assert ops["MatMulNBits"] == 27 and ops["Gather"] == 2
     four = export(mixtral, tmp_path / "q4", target="onnx", quant="experts=q4_0,embeddings=q4_0,router=f32,*=q8_0")
     assert _ops(tmp_path / "q4" / "model.onnx")["GatherBlockQuantized"] == 1 and four["quantized_nodes"]["int4"] == 19
     # left in fp32: the routers (2) and attention's activation×activation products (2 per layer)
@@ -73,3 +75,50 @@ def test_qwen2_moe_shared_expert(tiny_models, tmp_path):
 def test_unsupported_precision_names_what_is_supported(mixtral, tmp_path):
     with pytest.raises(ExportError, match="graph targets take f32, 8-bit or 4-bit weights"):
         plan_export(mixtral, tmp_path / "o", target="onnx", quant="f16")
+
+
+def test_default_plan_is_one_the_graph_targets_accept(mixtral, tmp_path):
+    # no --quant, no recipe section, no device: gguf's default (f16) is not storable in a graph runtime
+    for target in ("onnx", "tflite", "coreml", "executorch"):
+        _, req, plan = plan_export(mixtral, tmp_path / target, target=target)
+        assert req.quant.preset == "f32" and set(plan.precisions().values()) == {"fp32"}
+    _, req, _ = plan_export(mixtral, tmp_path / "g", target="gguf")
+    assert req.quant.preset == "f16"
+
+
+def test_runner_convention_batch_left_padding_and_empty_past(mixtral, tmp_path):
+    """One graph serves prefill (empty past) and decode, batch 2 with the second row left-padded, each row equal to
+    transformers on its own unpadded tokens."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    export(mixtral, tmp_path / "o", target="onnx", quant="f32", verify=False)
+    graph = onnx.load(str(tmp_path / "o" / "model.onnx")).graph
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    assert dims["attention_mask"] == ["batch_size", "total_sequence_length"]
+    assert dims["past_key_values.1.value"][::2] == ["batch_size", "past_sequence_length"]
+    s = ort.InferenceSession(str(tmp_path / "o" / "model.onnx"), providers=["CPUExecutionProvider"])
+    hf = AutoModelForCausalLM.from_pretrained(str(mixtral), dtype=torch.float32).eval()
+    n, kv, hd = hf.config.num_hidden_layers, hf.config.num_key_value_heads, hf.config.head_dim
+    names = [f"past_key_values.{i}.{k}" for i in range(n) for k in ("key", "value")]
+    ids = torch.randint(4, hf.config.vocab_size, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": pos.numpy()}
+    out = s.run(None, feeds | {k: np.zeros((2, kv, 0, hd), np.float32) for k in names})
+    nxt = torch.randint(4, hf.config.vocab_size, (2, 1))
+    feeds = {
+        "input_ids": nxt.numpy(),
+        "attention_mask": torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1).numpy(),
+        "position_ids": (pos[:, -1:] + 1).numpy(),
+    }
+    step = s.run(None, feeds | dict(zip(names, out[1:], strict=True)))
+    assert step[1].shape == (2, kv, 13, hd)
+    with torch.no_grad():
+        for row, start in ((0, 0), (1, 5)):
+            ref = hf(torch.cat([ids[row : row + 1, start:], nxt[row : row + 1]], 1)).logits[0].numpy()
+            assert np.abs(out[0][row, start:] - ref[:-1]).max() < 1e-4
+            assert np.abs(step[0][row, -1] - ref[-1]).max() < 1e-4

@@ -60,6 +60,9 @@ def set_verbosity(verbose: bool) -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("ORT_LOGGING_LEVEL", "3")
+    # torch resets its registered loggers' levels when it is imported; "-onnx" keeps the exporter's at ERROR
+    # ("torchvision is not installed. Skipping torchvision::nms" ×4 per graph otherwise)
+    os.environ.setdefault("TORCH_LOGS", "-onnx")
     logging.getLogger().setLevel(logging.WARNING)
     for name in (
         "onnxruntime",
@@ -75,3 +78,5 @@ def set_verbosity(verbose: bool) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for module in ("torch", "transformers", "onnxscript", "onnxruntime", "coremltools", "torchao", "accelerate"):
         warnings.filterwarnings("ignore", module=module)
+    # raised from copyreg while torch.export pickles its tree specs: no module of torch's to match
+    warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec", category=FutureWarning)

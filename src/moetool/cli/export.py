@@ -28,7 +28,7 @@ def export_cmd(
         str | None,
         typer.Option(
             help="Preset (gem, moe-q4, …), type (q8_0, …) or rules 'experts=q4_k,attention=q8_0,*=q8_0'. "
-            "Default: the recipe's quantization section, else f16."
+            "Default: the recipe's quantization section, else f16 for gguf and f32 for the graph targets."
         ),
     ] = None,
     device: Annotated[

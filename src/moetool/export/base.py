@@ -59,6 +59,7 @@ class Exporter(Protocol[PlanT]):
 
     name: str
     requires: str  # the pip extra that provides the runtime used for verification
+    default_quant: str  # the plan when neither --quant, the model's recipe nor --device gives one
 
     def plan(self, req: ExportRequest) -> PlanT:
         """Resolve the quantization plan (no writes)."""

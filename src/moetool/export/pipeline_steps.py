@@ -31,6 +31,7 @@ class GraphExporter:
     name: str
     requires: str  # the pip extra that provides the runtime used for verification
     runtime_modules: tuple[str, ...] = ()  # what that extra installs and the target imports
+    default_quant = "f32"  # graph runtimes store fp32, int8 or int4 weights; fp32 is the exact one
 
     def plan(self, req: ExportRequest) -> GraphPlan:
         return plan_graph(req, self.name)

@@ -61,9 +61,11 @@ def _reason(error: Any) -> str:
     return f"{loc}: {msg}" if loc else msg
 
 
-def resolve_quant(model_dir: Path, quant: QuantSpec | str | None, device: str | None) -> QuantSpec:
-    """``quant`` as given (``--quant`` text parsed), else the model's recipe section, else f16 (or the device's
-    best fitting plan when a device is given)."""
+def resolve_quant(
+    model_dir: Path, quant: QuantSpec | str | None, device: str | None, default: str = "f16"
+) -> QuantSpec:
+    """``quant`` as given (``--quant`` text parsed), else the model's recipe section, else the device's best
+    fitting plan when a device is given, else ``default`` (the target's own default plan)."""
     try:
         spec = parse_quant(quant) if isinstance(quant, str) else quant
     except ValidationError as exc:  # one sentence, not pydantic's dump with its links
@@ -74,7 +76,7 @@ def resolve_quant(model_dir: Path, quant: QuantSpec | str | None, device: str | 
     if spec is None:
         spec = quant_spec_of_model(model_dir)
     if spec is None:
-        spec = QuantSpec() if device is not None else QuantSpec(preset="f16")
+        spec = QuantSpec() if device is not None else QuantSpec(preset=default)
     return spec
 
 
@@ -82,7 +84,7 @@ class ExportOptions(TypedDict, total=False):
     """What ``moetool export`` takes besides the model and the output (every key optional)."""
 
     target: str | None  # gguf, onnx, …; default: the device's first available format, else gguf
-    quant: QuantSpec | str | None  # a QuantSpec or --quant text; default: the model's recipe section, else f16
+    quant: QuantSpec | str | None  # a QuantSpec or --quant text; default: the model's recipe section, else the target's
     device: str | None  # a device profile: its format and the best plan that fits its budget
     force: bool  # replace an existing output
     verify: bool  # check the artifact in its runtime (default True)
@@ -96,8 +98,8 @@ def plan_export(
     """(exporter, request, plan) for a standard transformers model in ``model_dir``; writes nothing."""
     device = opts.get("device")
     target, _ = resolve_target(device, opts.get("target"))
-    spec = resolve_quant(Path(model_dir), opts.get("quant"), device)
     exporter = get_exporter(target)
+    spec = resolve_quant(Path(model_dir), opts.get("quant"), device, exporter.default_quant)
     req = ExportRequest(
         model_dir=Path(model_dir),
         output=Path(output),

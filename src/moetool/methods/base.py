@@ -55,6 +55,7 @@ class FunctionExporter:
     requires: str
     description: str
     fn: ExportFn
+    default_quant: str = "f16"  # unused: a method's export function decides its own precision
 
     def plan(self, req: ExportRequest) -> MethodExportPlan:
         return MethodExportPlan(name=req.model_dir.name, target=self.name, description=self.description)

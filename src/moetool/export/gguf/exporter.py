@@ -43,6 +43,7 @@ class GGUFPlan(ArtifactPlan):
 class GGUFExporter:
     name = "gguf"
     requires = "llama"
+    default_quant = "f16"
 
     def plan(self, req: ExportRequest) -> GGUFPlan:
         ckpt = Checkpoint(req.model_dir)

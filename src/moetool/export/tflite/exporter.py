@@ -26,6 +26,7 @@ __all__ = ["REPO", "TFLiteExporter", "litert_python"]  # REPO, litert_python: ke
 class TFLiteExporter:
     name = "tflite"
     requires = "tflite"
+    default_quant = "f32"
 
     def plan(self, req: ExportRequest) -> GraphPlan:
         plan = plan_graph(req, "tflite")

@@ -25,7 +25,7 @@ from rich.console import Console
 
 from moetool.card import sha256_file
 from moetool.errors import MoetoolError
-from moetool.export.onnx.exporter import quantize_graph, save_model
+from moetool.export.onnx.quantize import quantize_graph, save_model
 from moetool.export.resolve import plan_export
 from moetool.export.tflite.runner import litert_python, run_worker
 from moetool.extras import require
