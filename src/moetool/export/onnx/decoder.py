@@ -130,7 +130,7 @@ def genai_config(model_dir: Path, em: ExportLM, filename: str, context: int) -> 
     eos = _token_ids(gen.get("eos_token_id", cfg.get("eos_token_id")))
     pad = gen.get("pad_token_id", cfg.get("pad_token_id"))
     kind = GENAI_TYPES.get(cfg["model_type"], cfg["model_type"])
-    attn = em.layers[0].attn
+    attn: Any = em.layers[0].attn
     return {
         "model": {
             "bos_token_id": gen.get("bos_token_id", cfg.get("bos_token_id")),

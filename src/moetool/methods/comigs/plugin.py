@@ -38,7 +38,9 @@ def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str,
             highlight=False,
         )
         exporter = get_exporter(target)
-        sub = replace(req, model_dir=baked, quant=resolve_quant(baked, req.options.get("quant"), None, exporter.default_quant))
+        sub = replace(
+            req, model_dir=baked, quant=resolve_quant(baked, req.options.get("quant"), None, exporter.default_quant)
+        )
         manifest = exporter.export(sub, exporter.plan(sub), console=console)
     manifest["baked_from"] = {
         "comigs_user": str(req.model_dir),
