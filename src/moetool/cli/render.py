@@ -182,6 +182,14 @@ def print_manifest(output: Any, manifest: dict[str, Any]) -> None:
         out.print(f"bake: from {b['comigs_user']}, max |Δlogit| {b['parity_max_abs_logit_diff']:.2e}", highlight=False)
     if "parity" in manifest:
         print_parity(manifest["parity"])
+    gen = manifest.get("generation")
+    if isinstance(gen, dict):
+        verdict = (
+            "equal to transformers' (float32)"
+            if gen["tokens_equal"]
+            else f"first difference from transformers' (float32) at token {gen['first_difference']}"
+        )
+        out.print(f"generation in {gen['runner']}: {gen['new_tokens']} greedy tokens, {verdict}", highlight=False)
     for part in ("router", "pathways", "experts"):
         if part in manifest:
             out.print(f"{part}: {_summary(manifest[part])}", highlight=False)
