@@ -8,7 +8,10 @@ wall clock and reading each child's peak RSS from ``wait4``. It then compares th
 - with mergekit's router weights copied into moetool's output, logits must match (≤ 1e-5): the MoEs are the same;
 - as produced, logits differ because the gate definitions differ (see the printed notes).
 
+The I/O floor (read every input once, write and fsync an output of the merged size) is timed in the same loop.
+
 Run:  bash scripts/setup.sh --bench && .venv/bin/python bench/merge_vs_mergekit.py [--reps 2] [--experts 4]
+      [--size 130m|150m] [--no-mergekit]
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ PROMPTS = [
 ]
 
 
-def make_models(root: Path, n_experts: int) -> dict[str, Path]:
+SIZES = {
+    # ~130 MB fp32 per model
+    "130m": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8},
+    # the 150M family of issue 17: ~466 MB fp32 per model, a 1.5 GB Mixtral out with 4 experts
+    "150m": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12},
+}
+
+
+def make_models(root: Path, n_experts: int, size: str = "130m") -> dict[str, Path]:
     from pydoc_data.topics import topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -58,10 +69,7 @@ def make_models(root: Path, n_experts: int) -> dict[str, Path]:
     )
     cfg = LlamaConfig(
         vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
+        **SIZES[size],
         num_key_value_heads=4,
         bos_token_id=1,
         eos_token_id=2,
@@ -143,6 +151,35 @@ def run(cmd: list[str]) -> tuple[float, float]:
     return float(wall), float(rss)
 
 
+_FLOOR = """
+import os, sys, time
+from pathlib import Path
+inputs, out_bytes, out = [Path(p) for p in sys.argv[1:-2]], int(sys.argv[-2]), Path(sys.argv[-1])
+t0 = time.perf_counter()
+for d in inputs:
+    for f in sorted(d.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+buf = bytes(64 << 20)
+with open(out, "wb") as fh:
+    left = out_bytes
+    while left > 0:
+        left -= fh.write(buf[: min(left, len(buf))])
+    fh.flush()
+    os.fsync(fh.fileno())
+out.unlink()
+print(time.perf_counter() - t0)
+"""
+
+
+def io_floor(inputs: list[Path], out_bytes: int, scratch: Path) -> float:
+    """Seconds to read every input checkpoint once and write (and fsync) an output of ``out_bytes``: what any merge
+    must do at least. The page cache is as warm as for the tools (they run right before and after)."""
+    cmd = [sys.executable, "-S", "-c", _FLOOR, *map(str, inputs), str(out_bytes), str(scratch)]
+    return float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+
+
 def compare(mk_out: Path, mt_out: Path) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
@@ -174,55 +211,71 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--modes", default="random,cheap_embed,hidden")
+    ap.add_argument("--size", choices=sorted(SIZES), default="130m")
+    ap.add_argument("--no-mergekit", action="store_true", help="moetool against the I/O floor only")
     args = ap.parse_args()
-    mergekit = shutil.which("mergekit-moe", path=str(BIN)) or shutil.which("mergekit-moe")
-    if not mergekit:
-        sys.exit("mergekit-moe not found: bash scripts/setup.sh --bench")
+    mergekit = None
+    if not args.no_mergekit:
+        mergekit = shutil.which("mergekit-moe", path=str(BIN)) or shutil.which("mergekit-moe")
+        if not mergekit:
+            sys.exit("mergekit-moe not found: bash scripts/setup.sh --bench (or --no-mergekit)")
     moetool = str(BIN / "moetool")
     root = Path(tempfile.mkdtemp(prefix="moetool-bench-"))
     try:
-        paths = make_models(root, args.experts)
+        paths = make_models(root, args.experts, args.size)
         size = sum(f.stat().st_size for f in paths["base"].glob("*.safetensors")) / 1e6
         print(f"models: base + {args.experts} experts, {size:.0f} MB each (fp32); {os.cpu_count()} CPUs")
         print(f"{'mode':<12} {'tool':<9} {'wall s':>8} {'peak RSS MB':>12}")
         rows = []
+        tools = ["floor", "moetool", *(["mergekit"] if mergekit else [])]
         for mode in args.modes.split(","):
             mk_cfg, mt_cfg = write_configs(root, paths, mode, args.experts)
-            res: dict[str, list[tuple[float, float]]] = {"mergekit": [], "moetool": []}
-            for _ in range(args.reps):  # interleaved, so machine noise hits both alike
-                res["mergekit"].append(run([mergekit, str(mk_cfg), str(root / f"mk-out-{mode}"), "--random-seed", "0"]))
-                res["moetool"].append(
-                    run([moetool, "merge", str(mt_cfg), "--output", str(root / f"mt-out-{mode}"), "--force"])
-                )
+            res: dict[str, list[tuple[float, float]]] = {t: [] for t in tools}
+            for _ in range(args.reps):  # interleaved, so machine noise hits every tool alike
+                mt_out = root / f"mt-out-{mode}"
+                res["moetool"].append(run([moetool, "merge", str(mt_cfg), "--output", str(mt_out), "--force"]))
+                out_bytes = sum(f.stat().st_size for f in mt_out.glob("*.safetensors"))
+                inputs = [paths["base"], *(paths[f"expert{i}"] for i in range(args.experts))]
+                res["floor"].append((io_floor(inputs, out_bytes, root / "floor.bin"), 0.0))
+                if mergekit:
+                    mk = [mergekit, str(mk_cfg), str(root / f"mk-out-{mode}"), "--random-seed", "0"]
+                    res["mergekit"].append(run(mk))
             med = {t: (statistics.median(w for w, _ in r), max(m for _, m in r)) for t, r in res.items()}
             for tool, (w, m) in med.items():
-                print(f"{mode:<12} {tool:<9} {w:>8.2f} {m:>12.0f}")
-            cmp = compare(root / f"mk-out-{mode}", root / f"mt-out-{mode}")
-            rows.append((mode, med["moetool"][0] / med["mergekit"][0], med["moetool"][1] / med["mergekit"][1], cmp))
-        print("\nratios moetool / mergekit (lower is better) and output comparison")
-        print(
-            f"{'mode':<12} {'wall':>6} {'RSS':>6} {'non-router Δ':>13} {'Δlogit same router':>19} "
-            f"{'Δlogit as built':>16} {'router cos':>11}"
-        )
-        for mode, w, m, c in rows:
-            print(
-                f"{mode:<12} {w:>6.2f} {m:>6.2f} {c['non_router_max_abs']:>13.1e} {c['logits_same_router']:>19.1e} "
-                f"{c['logits_as_built']:>16.2e} {c['router_cosine']:>11.3f}"
-            )
-        print(
-            "\nWhy the routers differ:\n"
-            "- random: mergekit draws N(0, 1) unscaled; moetool N(0, 1/H) (nn.Linear's scale). Top-k routing only\n"
-            "  depends on the ordering of logits, but the softmax weights differ.\n"
-            "- cheap_embed: mergekit sums embeddings over all tokens including BOS, normalises positives and\n"
-            "  negatives separately, then their difference; moetool averages over content tokens (BOS excluded),\n"
-            "  per prompt, subtracts, then normalises.\n"
-            "- hidden: mergekit takes the residual stream entering each layer at the last token, in bf16;\n"
-            "  moetool takes what the router receives (the post-attention RMSNorm output) averaged over each\n"
-            "  prompt's content tokens, in fp32.\n"
-            "With mergekit's router copied in, the logits match: both tools build the same MoE otherwise."
-        )
+                print(f"{mode:<12} {tool:<9} {w:>8.2f} {m if tool != 'floor' else float('nan'):>12.0f}")
+            cmp = compare(root / f"mk-out-{mode}", root / f"mt-out-{mode}") if mergekit else None
+            rows.append((mode, med, cmp))
+        print("\nratios (lower is better): moetool wall / I/O floor, and against mergekit when it ran")
+        print(f"{'mode':<12} {'÷ floor':>8} {'÷ mergekit wall':>16} {'÷ mergekit RSS':>15}")
+        for mode, med, _ in rows:
+            mk_w = f"{med['moetool'][0] / med['mergekit'][0]:.2f}" if mergekit else "-"
+            mk_m = f"{med['moetool'][1] / med['mergekit'][1]:.2f}" if mergekit else "-"
+            print(f"{mode:<12} {med['moetool'][0] / med['floor'][0]:>8.2f} {mk_w:>16} {mk_m:>15}")
+        if mergekit:
+            print_comparison([(mode, c) for mode, _, c in rows if c is not None])
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def print_comparison(rows: list[tuple[str, dict[str, float]]]) -> None:
+    print(f"\n{'mode':<12} {'non-router Δ':>13} {'Δlogit same router':>19} {'Δlogit as built':>16} {'router cos':>11}")
+    for mode, c in rows:
+        print(
+            f"{mode:<12} {c['non_router_max_abs']:>13.1e} {c['logits_same_router']:>19.1e} "
+            f"{c['logits_as_built']:>16.2e} {c['router_cosine']:>11.3f}"
+        )
+    print(
+        "\nWhy the routers differ:\n"
+        "- random: mergekit draws N(0, 1) unscaled; moetool N(0, 1/H) (nn.Linear's scale). Top-k routing only\n"
+        "  depends on the ordering of logits, but the softmax weights differ.\n"
+        "- cheap_embed: mergekit sums embeddings over all tokens including BOS, normalises positives and\n"
+        "  negatives separately, then their difference; moetool averages over content tokens (BOS excluded),\n"
+        "  per prompt, subtracts, then normalises.\n"
+        "- hidden: mergekit takes the residual stream entering each layer at the last token, in bf16;\n"
+        "  moetool takes what the router receives (the post-attention RMSNorm output) averaged over each\n"
+        "  prompt's content tokens, in fp32.\n"
+        "With mergekit's router copied in, the logits match: both tools build the same MoE otherwise."
+    )
 
 
 if __name__ == "__main__":

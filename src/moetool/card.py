@@ -21,8 +21,22 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def provenance(sources: dict[str, Any], recipe_text: str, *, allow_pickle: bool = False) -> dict[str, Any]:
-    """Sources (reference, resolved path, kind, Hub revision, weight-file hashes) and tool versions."""
+def source_hashes(sources: dict[str, Any], *, allow_pickle: bool = False) -> dict[Path, str]:
+    """sha256 of every weight file of every source (each file once). Reading and hashing release the GIL, so a merge
+    runs this in a thread beside its tensor stream (:func:`provenance` takes the result)."""
+    files = {f for src in sources.values() for f in Checkpoint(src.path, allow_pickle=allow_pickle).weight_files}
+    return {f: sha256_file(f) for f in sorted(files)}
+
+
+def provenance(
+    sources: dict[str, Any],
+    recipe_text: str,
+    *,
+    allow_pickle: bool = False,
+    hashes: dict[Path, str] | None = None,
+) -> dict[str, Any]:
+    """Sources (reference, resolved path, kind, Hub revision, weight-file hashes) and tool versions; ``hashes`` from
+    :func:`source_hashes` when they were computed already."""
     import torch
     import transformers
 
@@ -41,7 +55,7 @@ def provenance(sources: dict[str, Any], recipe_text: str, *, allow_pickle: bool 
             "kind": src.kind,
             "path": str(src.path),
             "revision": src.revision,
-            "files": {f.name: sha256_file(f) for f in files},
+            "files": {f.name: hashes[f] if hashes and f in hashes else sha256_file(f) for f in files},
         }
     return out
 

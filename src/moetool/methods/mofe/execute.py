@@ -5,13 +5,14 @@ from __future__ import annotations
 import gc
 import json
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from moetool.card import model_card, provenance
+from moetool.card import model_card, provenance, source_hashes
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.files import copy_tokenizer
@@ -115,7 +116,7 @@ def _stream_tensors(
             c.close()
 
 
-def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str) -> None:
+def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str, hashes: dict[Path, str] | None = None) -> None:
     """config.json, the base's tokenizer files, the recipe, moetool.json (provenance) and the model card."""
 
     recipe: MoFERecipe = plan.recipe
@@ -132,7 +133,7 @@ def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str) -> None:
         "shared_expert": recipe.shared_expert is not None,
         "experts_per_token": recipe.experts_per_token,
         "gate_mode": recipe.gate_mode,
-        "provenance": provenance(plan.sources, recipe_text, allow_pickle=plan.allow_pickle),
+        "provenance": provenance(plan.sources, recipe_text, allow_pickle=plan.allow_pickle, hashes=hashes),
     }
     (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
     card = model_card(
@@ -159,8 +160,14 @@ def execute(
     console = console if console is not None else silent()
     out = Path(out)
     check_output(out, force=force)
-    gates, shared_gates = _notes(console, plan)
-    with atomic_dir(out, force=force) as tmp:
-        _stream_tensors(plan, tmp, gates, shared_gates, console)
-        _write_metadata(plan, tmp, recipe_text)
+    # the sources' hashes (a full read of every input) overlap the router computation and the tensor stream
+    pool = ThreadPoolExecutor(1, thread_name_prefix="moetool-hash")
+    try:
+        hashes = pool.submit(source_hashes, plan.sources, allow_pickle=plan.allow_pickle)
+        gates, shared_gates = _notes(console, plan)
+        with atomic_dir(out, force=force) as tmp:
+            _stream_tensors(plan, tmp, gates, shared_gates, console)
+            _write_metadata(plan, tmp, recipe_text, hashes.result())
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return out
