@@ -306,6 +306,16 @@ COMMANDS: list[Cmd] = [
     run('python out/hybrid-export/dispatch.py out/hybrid-export "Permission is hereby granted" --domain legal'),
     run("moetool hybrid pareto recipes/demo-hybrid.yaml -o out/hybrid-pareto"),
     helponly(".venv/bin/python bench/hybrid_pareto.py", BENCH),
+    helponly("moetool hybrid zoo-mamba --profile smollm2", REAL_DEFAULT),
+    helponly("moetool merge recipes/real-hybrid.yaml -o out/real-hybrid", REAL_DEFAULT),
+    helponly(
+        "moetool hybrid pareto recipes/real-hybrid.yaml -o out/real-hybrid-pareto --timed-requests 12", REAL_DEFAULT
+    ),
+    helponly(
+        ".venv/bin/python bench/seeds.py recipes/real-hybrid.yaml -o out/seeds-hybrid --seeds 0,1,2 "
+        "--set loss.lambda_penalty=0 --metric …",
+        BENCH,
+    ),
     helponly("moetool profile --from", REFERENCE),
     helponly("moetool merge --dry-run", REFERENCE),
 ]
