@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--quant", default="f32,q8_0")
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--targets", default="onnx,executorch,tflite,gguf", help="gguf (llama.cpp) is the reference")
+    ap.add_argument("--onnx-moe", default="sparse,dense", help="ONNX MoE kernels to time (--moe-kernel)")
     ap.add_argument("--litert", default=None, help=argparse.SUPPRESS)  # internal: DIR, run in the LiteRT venv
     args = ap.parse_args()
     ids = (np.arange(args.prompt, dtype=np.int64)[None] * 7 + 11) % 1000 + 4
@@ -148,9 +150,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="moetool-lat-") as tmp:
         for q in args.quant.split(","):
             rows = []
-            for target in ("onnx", "executorch", "tflite", "gguf"):
-                out = Path(tmp) / f"{target}-{q}"
-                man = export(model, out, target=target, quant=q, verify=False)
+            runs = [
+                (f"onnx-{k}" if t == "onnx" else t, t, {"moe_kernel": k} if t == "onnx" else {})
+                for t in args.targets.split(",")
+                for k in (args.onnx_moe.split(",") if t == "onnx" else [""])
+            ]
+            if "gguf" not in args.targets.split(","):
+                runs.append(("gguf", "gguf", {}))
+            for label, target, options in runs:
+                out = Path(tmp) / f"{label}-{q}"
+                man = export(model, out, target=target, quant=q, verify=False, options=options)
                 if target == "onnx":
                     res = bench_onnx(out, ids, n_layers)
                 elif target == "executorch":
@@ -165,8 +174,8 @@ def main() -> None:
                     res = tuple(json.loads(proc.stdout.strip().splitlines()[-1]))
                 else:
                     res = bench_gguf(out / man["file"], ids)
-                rows.append((target, res, man["artifact"]["bytes"]))
-                print(f"{target:22} {q:6} {res[0]:14.0f} {res[1]:16.2f} {man['artifact']['bytes'] / 1e6:12.2f}")
+                rows.append((label, res, man["artifact"]["bytes"]))
+                print(f"{label:22} {q:6} {res[0]:14.0f} {res[1]:16.2f} {man['artifact']['bytes'] / 1e6:12.2f}")
             base = next(r for r in rows if r[0] == "gguf")
             for target, res, _ in rows:
                 print(

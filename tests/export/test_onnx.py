@@ -42,21 +42,25 @@ def test_mixtral_fp32_two_lengths_and_decode(mixtral, tmp_path):
     assert max(p["export_model_vs_transformers"].values()) <= 1e-5
     assert p["top1_agreement"] == 1.0
     assert {"model.onnx", "genai_config.json", "tokenizer.json", "config.json"} <= set(man["files"])
-    assert "TopK" in _ops(tmp_path / "o" / "model.onnx")
+    # the routed experts as one onnxruntime MoE node per layer: no expert MatMul left in the graph
+    assert _ops(tmp_path / "o" / "model.onnx")["MoE"] == 2 and man["moe_kernel"]["kind"] == "sparse"
     # onnxruntime-genai drives the folder as it is and generates transformers' greedy tokens
     assert man["generation"]["tokens_equal"] and man["generation"]["new_tokens"] == 16
 
 
 def test_mixtral_mixed_precision_quantizes_experts(mixtral, tmp_path):
-    f32 = export(mixtral, tmp_path / "f32", target="onnx", quant="f32", verify=False)
-    man = export(mixtral, tmp_path / "q", target="onnx", quant="experts=q4_0,router=f32,*=q8_0")
+    dense = {"moe_kernel": "dense"}  # every expert a MatMul the node quantizer reaches (the sparse form: below)
+    f32 = export(mixtral, tmp_path / "f32", target="onnx", quant="f32", verify=False, options=dense)
+    man = export(mixtral, tmp_path / "q", target="onnx", quant="experts=q4_0,router=f32,*=q8_0", options=dense)
     # 2 layers × 3 experts × 3 projections at 4 bits; attention (4 × 2), head and embedding at 8 bits (the
     # embedding as int8 rows and block scales: two Gathers)
     assert man["quantized_nodes"] == {"int4": 18, "int8": 10}
     assert not any("left fp32" in n for n in man["notes"])
     ops = _ops(tmp_path / "q" / "model.onnx")
     assert ops["MatMulNBits"] == 27 and ops["Gather"] == 2
-    four = export(mixtral, tmp_path / "q4", target="onnx", quant="experts=q4_0,embeddings=q4_0,router=f32,*=q8_0")
+    four = export(
+        mixtral, tmp_path / "q4", target="onnx", quant="experts=q4_0,embeddings=q4_0,router=f32,*=q8_0", options=dense
+    )
     assert _ops(tmp_path / "q4" / "model.onnx")["GatherBlockQuantized"] == 1 and four["quantized_nodes"]["int4"] == 19
     # left in fp32: the routers (2) and attention's activation×activation products (2 per layer)
     assert ops["MatMul"] == 2 + 4
@@ -122,3 +126,56 @@ def test_runner_convention_batch_left_padding_and_empty_past(mixtral, tmp_path):
             ref = hf(torch.cat([ids[row : row + 1, start:], nxt[row : row + 1]], 1)).logits[0].numpy()
             assert np.abs(out[0][row, start:] - ref[:-1]).max() < 1e-4
             assert np.abs(step[0][row, -1] - ref[-1]).max() < 1e-4
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sparse_moe_op_equals_the_dense_masked_block(normalize):
+    """moetool::sparse_moe (what the ONNX MoE node computes) against the dense-masked block every graph target uses."""
+    import torch
+
+    from moetool.export.graph.model import DenseMaskedMoE, GatedMLP
+
+    torch.manual_seed(0)
+    experts = [GatedMLP(torch.randn(24, 16), torch.randn(24, 16), torch.randn(16, 24)) for _ in range(4)]
+    block = DenseMaskedMoE(torch.randn(4, 16), experts, top_k=2, norm_topk=normalize)
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        dense = block(x)
+        block.make_sparse()
+        sparse = block(x)
+    assert torch.allclose(dense, sparse, atol=1e-4, rtol=1e-5)
+
+
+def _fake_quant_rows(w, bits):
+    """Symmetric per-row round-to-nearest, as QMoE stores 8-bit experts and 4-bit ones whose widths are not
+    multiples of 32 (this model's 48-wide down projections)."""
+    scale = w.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)
+    return (w / scale).round() * scale
+
+
+@pytest.mark.parametrize(("quant", "bits"), [("experts=q8_0,*=f32", 8), ("experts=q4_0,*=f32", 4)])
+def test_qmoe_computes_the_planned_expert_weights(mixtral, tmp_path, quant, bits):
+    """A plan that quantizes the experts gives QMoE nodes whose logits equal transformers' with those experts
+    fake-quantized the same way: the op's weight layout, packing, scales and routing are what moetool writes."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    man = export(mixtral, tmp_path / "o", target="onnx", quant=quant, verify=False)
+    assert _ops(tmp_path / "o" / "model.onnx")["QMoE"] == 2
+    assert man["moe_kernel"]["experts_quantized"][f"int{bits}"] == 6
+    hf = AutoModelForCausalLM.from_pretrained(str(mixtral), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            ex = layer.mlp.experts
+            ex.gate_up_proj.copy_(_fake_quant_rows(ex.gate_up_proj, bits))
+            ex.down_proj.copy_(_fake_quant_rows(ex.down_proj, bits))
+    from moetool.export.onnx.runner import ort_runners, ort_session
+
+    cfg = hf.config
+    prefill, _ = ort_runners(ort_session(tmp_path / "o" / "model.onnx"), cfg.num_hidden_layers, 2, cfg.head_dim)
+    ids = torch.randint(4, cfg.vocab_size, (1, 24))
+    got = prefill(ids.numpy())[0]
+    with torch.no_grad():
+        ref = hf(ids).logits.numpy()
+    assert np.abs(got - ref).max() < 1e-4

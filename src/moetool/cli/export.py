@@ -43,6 +43,13 @@ def export_cmd(
     compute_units: Annotated[
         str, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE.")
     ] = "CPU_AND_NE",
+    moe_kernel: Annotated[
+        str,
+        typer.Option(
+            help="ONNX: sparse (onnxruntime's MoE/QMoE operators, only each token's top-k experts run) or dense "
+            "(every expert as standard MatMuls, for ONNX runtimes other than onnxruntime)."
+        ),
+    ] = "sparse",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     base: Annotated[
         str | None,
@@ -74,6 +81,7 @@ def export_cmd(
         context=context,
     )  # fmt: skip
     req.options["compute_units"] = compute_units
+    req.options["moe_kernel"] = moe_kernel
     print_export_plan(exporter, plan, f"{exporter.name} plan '{getattr(getattr(plan, 'quant', None), 'label', '')}' "
                       f"for {plan.name}")  # fmt: skip
     if dry_run:

@@ -32,6 +32,7 @@ def onnx_export(
     inputs: list[str],
     outputs: list[str],
     dynamic_shapes: Any,
+    custom_translation_table: dict[Any, Any] | None = None,
 ) -> None:
     """Trace ``module`` on ``args`` to ONNX at ``path`` the way every moetool graph is traced: the dynamo exporter
     (symbolic shapes from ``dynamic_shapes``), graph optimisation on, trace metadata (module scopes) kept for
@@ -46,6 +47,7 @@ def onnx_export(
         input_names=inputs,
         output_names=outputs,
         dynamic_shapes=dynamic_shapes,
+        custom_translation_table=custom_translation_table,
     )
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetool.export.graph.sparse import fuse_experts, sparse_moe
+
 NEG = -1e9  # additive mask value: finite, so a fully masked row stays finite in every runtime
 
 
@@ -75,8 +77,29 @@ class DenseMaskedMoE(nn.Module):
         self.top_k, self.norm_topk = top_k, norm_topk
         self.shared = shared
         self.shared_gate = None if shared_gate is None else linear(shared_gate)
+        self.sparse = False
+
+    def make_sparse(self) -> None:
+        """Route through ``moetool::sparse_moe`` (lowered to a runtime's sparse MoE kernel) from now on; the fused
+        expert weights it reads are buffers, so the per-expert Linears drop out of a traced graph."""
+        experts: list[Any] = list(self.experts)
+        fc1, fc2 = fuse_experts(
+            [e.gate_proj.weight for e in experts],
+            [e.up_proj.weight for e in experts],
+            [e.down_proj.weight for e in experts],
+        )
+        self.register_buffer("fc1", fc1, persistent=False)
+        self.register_buffer("fc2", fc2, persistent=False)
+        self.sparse = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sparse:
+            flat = x.reshape(-1, x.shape[-1])
+            fc1: torch.Tensor = self.fc1  # type: ignore[assignment]
+            fc2: torch.Tensor = self.fc2  # type: ignore[assignment]
+            routed: torch.Tensor = sparse_moe(flat, self.router(flat), fc1, fc2, self.top_k, self.norm_topk)
+            out = routed.reshape(x.shape)
+            return out + self._shared(x) if self.shared is not None else out
         probs = torch.softmax(self.router(x).float(), dim=-1)  # [B, T, E]
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
@@ -86,11 +109,16 @@ class DenseMaskedMoE(nn.Module):
         for e, expert in enumerate(self.experts):
             out = out + weights[..., e : e + 1] * expert(x)
         if self.shared is not None:
-            s = self.shared(x)
-            if self.shared_gate is not None:
-                s = torch.sigmoid(self.shared_gate(x)) * s
-            out = out + s
-        return out
+            out = out + self._shared(x)
+        result: torch.Tensor = out
+        return result
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.shared is not None
+        s: torch.Tensor = self.shared(x)
+        if self.shared_gate is not None:
+            s = torch.sigmoid(self.shared_gate(x)) * s
+        return s
 
 
 def rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:
@@ -249,8 +277,18 @@ class ExportLM(nn.Module):
         self.lm_head = linear(hf.lm_head.weight)
         self.register_buffer("inv_freq", inner.rotary_emb.inv_freq.detach().clone().float(), persistent=False)
         self.n_layers = len(blocks)
+        self.sparse_moe_layers = 0
         self.n_kv = blocks[0].attn.n_kv
         self.head_dim = blocks[0].attn.head_dim
+
+    def make_sparse(self) -> int:
+        """Every MoE block through ``moetool::sparse_moe`` (see :meth:`DenseMaskedMoE.make_sparse`); returns how many."""
+        for block in self.layers:
+            mlp = block.mlp
+            if isinstance(mlp, DenseMaskedMoE) and not mlp.sparse:
+                mlp.make_sparse()
+                self.sparse_moe_layers += 1
+        return self.sparse_moe_layers
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, *past: torch.Tensor

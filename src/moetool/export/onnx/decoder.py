@@ -21,6 +21,7 @@ from torch import nn
 
 from moetool.export.graph.common import onnx_export
 from moetool.export.graph.model import NEG, ExportLM
+from moetool.export.onnx.quantize import save_model
 
 # files a runner reads beside the graph: the tokenizer (onnxruntime-extensions reads tokenizer.json and its config),
 # the chat template, and the configs optimum and people look for
@@ -63,7 +64,7 @@ class OnnxDecoder(nn.Module):
         return out
 
 
-def export_decoder(em: ExportLM, path: Path) -> None:
+def export_decoder(em: ExportLM, path: Path, custom_translation_table: dict[Any, Any] | None = None) -> None:
     """Trace :class:`OnnxDecoder` with every batch and length dimension dynamic (an example past of 3 positions, so
     none is specialised to 0 or 1 and an empty past runs too), then name the dimensions as runners expect."""
     import onnx
@@ -87,10 +88,12 @@ def export_decoder(em: ExportLM, path: Path) -> None:
             {0: auto, 1: auto},
             tuple({0: auto, 2: auto} for _ in past),
         ),
+        custom_translation_table=custom_translation_table,
     )
+
     model = onnx.load(str(path))
     name_dims(model)
-    onnx.save(model, str(path))
+    save_model(model, path)
 
 
 def name_dims(model: Any) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moetool.export.base import NOT_VERIFIED, ExportRequest
+from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.graph.common import GraphPlan
 from moetool.export.heldout import held_out_text
 from moetool.export.onnx.decoder import SCOPE, export_decoder, write_runner_files
+from moetool.export.onnx.moe_op import to_qmoe, translation_table
 from moetool.export.onnx.quantize import quantize_graph
 from moetool.export.onnx.runner import genai_check, ort_runners, ort_session
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
@@ -38,18 +39,41 @@ def _genai_prompt(req: ExportRequest, n: int = 16) -> list[int]:
     return ids[:n]
 
 
+MOE_KERNELS = ("sparse", "dense")
+
+
+def moe_kernel(req: ExportRequest) -> str:
+    """``--moe-kernel``: sparse (onnxruntime's MoE/QMoE: only the top-k experts run) or dense (standard ops)."""
+    kind = str(req.options.get("moe_kernel") or "sparse")
+    if kind not in MOE_KERNELS:
+        raise ExportError(f"--moe-kernel {kind!r}: choose {' or '.join(MOE_KERNELS)}")
+    return kind
+
+
 class ONNXExporter(GraphExporter):
     name = "onnx"
     requires = "onnx"
     runtime_modules = ("onnx", "onnxscript", "onnxruntime")  # onnxscript: torch.onnx's dynamo exporter
 
+    def check(self, req: ExportRequest) -> None:
+        moe_kernel(req)
+
     def write(self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float) -> dict[str, Any]:
         import onnxruntime as ort
 
+        precisions = plan.precisions()
+        sparse = moe_kernel(req) == "sparse" and em.make_sparse() > 0
+        qmoe: dict[str, int] = {}
+
+        def experts_to_qmoe(model: Any) -> list[str]:
+            done, notes = to_qmoe(model, precisions, SCOPE)
+            qmoe.update(done)
+            return notes
+
         with atomic_dir(req.output, force=req.force) as tmp:
             path = tmp / "model.onnx"
-            export_decoder(em, path)
-            counts, qnotes = quantize_graph(path, plan.precisions(), scope=SCOPE)
+            export_decoder(em, path, translation_table() if sparse else None)
+            counts, qnotes = quantize_graph(path, precisions, SCOPE, before=experts_to_qmoe if sparse else None)
             context = min(plan.context, int(plan.config.get("max_position_embeddings", plan.context)))
             side = write_runner_files(req.model_dir, tmp, em, path.name, context)
             parity: dict[str, Any] | str = NOT_VERIFIED
@@ -71,6 +95,14 @@ class ONNXExporter(GraphExporter):
                     "runner_files": side,
                 },
                 "quantized_nodes": counts,
+                "moe_kernel": {
+                    "kind": "sparse" if sparse else "dense-masked",
+                    "op": ("QMoE" if any(qmoe.values()) else "MoE") + " (com.microsoft, onnxruntime only)"
+                    if sparse
+                    else "every expert as standard MatMuls, unchosen ones weighted 0 (any ONNX runtime)",
+                    "layers": em.sparse_moe_layers,
+                    "experts_quantized": qmoe,
+                },
                 "ops": _count_ops(path),
                 "generation": generation,
             }

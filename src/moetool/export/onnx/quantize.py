@@ -5,6 +5,7 @@ with a per-block scale (standard ops; onnxruntime's quantizer stores Gather tabl
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ BLOCK = 32
 _QUANTIZABLE = ("MatMul", "Gather")
 
 
-def _module_of(node: Any) -> str | None:
+def module_of(node: Any) -> str | None:
     """The ExportLM module a node was traced from (the dynamo exporter records its name scopes)."""
     for prop in node.metadata_props:
         if prop.key == "pkg.torch.onnx.name_scopes":
@@ -27,16 +28,22 @@ def _planned(model: Any, precisions: dict[str, str], scope: str) -> dict[str, li
     groups: dict[str, list[Any]] = {"int8": [], "int4": []}
     for node in model.graph.node:
         if node.op_type in _QUANTIZABLE:
-            module = _module_of(node)
+            module = module_of(node)
             p = precisions.get(f"{module.removeprefix(scope)}.weight") if module else None
             if p in groups:
                 groups[p].append(node)
     return groups
 
 
-def quantize_graph(path: Path, precisions: dict[str, str], scope: str = "") -> tuple[dict[str, int], list[str]]:
+def quantize_graph(
+    path: Path,
+    precisions: dict[str, str],
+    scope: str = "",
+    before: Callable[[Any], list[str]] | None = None,
+) -> tuple[dict[str, int], list[str]]:
     """Quantize MatMul/Gather weights in place per ``precisions`` (export parameter name → fp32 | int8 | int4);
-    ``scope`` is the traced module's prefix before those names (``em.`` for a wrapper whose ``em`` is ExportLM).
+    ``scope`` is the traced module's prefix before those names (``em.`` for a wrapper whose ``em`` is ExportLM);
+    ``before(model)`` runs first, while the trace metadata is there, and returns notes (the sparse MoE's QMoE).
 
     Returns nodes quantized per precision, and notes on planned nodes left in fp32 (a weight that is not a constant
     table, or one onnxruntime's quantizer declined).
@@ -45,6 +52,7 @@ def quantize_graph(path: Path, precisions: dict[str, str], scope: str = "") -> t
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     model = onnx.load(str(path))
+    first = before(model) if before is not None else []
     groups = _planned(model, precisions, scope)
     names = {k: [n.name for n in v] for k, v in groups.items()}
     own8 = {n.name for n in groups["int8"] if n.op_type == "Gather"}
@@ -72,7 +80,7 @@ def quantize_graph(path: Path, precisions: dict[str, str], scope: str = "") -> t
     notes = [
         f"{n} planned {k} but left fp32 by onnxruntime's quantizer" for k, v in names.items() for n in v if n in left
     ]
-    return done, notes
+    return done, first + notes
 
 
 def gather_int8(model: Any, node_names: set[str]) -> set[str]:

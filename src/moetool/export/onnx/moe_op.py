@@ -1,0 +1,138 @@
+"""``moetool::sparse_moe`` in ONNX: onnxruntime's ``com.microsoft.MoE`` (fp32 experts) and, for a plan that
+quantizes a layer's experts, ``com.microsoft.QMoE`` (8 bits per row, or 4 bits in blocks of 32), both run by its CPU
+provider with only each token's top-k experts computed.
+
+What onnxruntime 1.31 computes (checked against the torch op in tests): ``router_probs`` takes the logits (the op
+applies the softmax); ``activation_type=swiglu`` with ``swiglu_fusion=1`` needs gate and up rows interleaved in fc1
+and, with alpha 1, beta 0 and no limit, is exactly ``silu(g) * u``; the CPU provider accepts no other SwiGLU layout.
+QMoE ignores ``normalize_routing_weights=0`` unless ``router_weights`` is given, so the softmax of the logits is
+always passed there. QMoE's 8-bit block-wise form quantizes activations too, so 8-bit experts are quantized per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from moetool.export.onnx.quantize import BLOCK, module_of
+
+_SWIGLU = {"activation_type": "swiglu", "swiglu_fusion": 1}
+
+
+def register_moe_schema() -> None:
+    """Make ``com.microsoft.MoE`` known to onnx (onnxscript looks ops up there while the exporter traces)."""
+    import onnx
+    from onnx.defs import OpSchema
+
+    if onnx.defs.has("MoE", 1, "com.microsoft"):
+        return
+    opt = OpSchema.FormalParameterOption.Optional
+    param = OpSchema.FormalParameter
+    onnx.defs.register_schema(
+        OpSchema(
+            "MoE",
+            "com.microsoft",
+            1,
+            inputs=[
+                param("input", "T"),
+                param("router_probs", "T"),
+                param("fc1_experts_weights", "T"),
+                param("fc1_experts_bias", "T", param_option=opt),
+                param("fc2_experts_weights", "T"),
+            ],
+            outputs=[param("output", "T")],
+            type_constraints=[("T", ["tensor(float)"], "fp32 activations and weights")],
+            attributes=[
+                OpSchema.Attribute("k", OpSchema.AttrType.INT, "experts per token"),
+                OpSchema.Attribute("activation_type", OpSchema.AttrType.STRING, "swiglu"),
+                OpSchema.Attribute("swiglu_fusion", OpSchema.AttrType.INT, "1: gate and up interleaved in fc1"),
+                OpSchema.Attribute("normalize_routing_weights", OpSchema.AttrType.INT, "renormalise the top-k"),
+            ],
+        )
+    )
+
+
+def translation_table() -> dict[Any, Callable[..., Any]]:
+    """``custom_translation_table`` for ``torch.onnx.export``: the sparse op as one MoE node."""
+    import onnxscript
+    import torch
+
+    from moetool.export.graph import sparse  # noqa: F401  (registers the op)
+
+    register_moe_schema()
+    msft = onnxscript.values.Opset("com.microsoft", 1)
+
+    def moe(x: Any, logits: Any, fc1: Any, fc2: Any, k: int, normalize: bool) -> Any:
+        return msft.MoE(x, logits, fc1, None, fc2, k=k, normalize_routing_weights=int(normalize), **_SWIGLU)
+
+    return {torch.ops.moetool.sparse_moe.default: moe}
+
+
+def _quantize(w: np.ndarray, bits: int, block: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric, zero point 2^(bits−1) (QMoE's default): ``w`` [E, N, K] → (uint8 [E, N, K·bits/8], 4-bit element 2i
+    in the low nibble; scales [E, N] per row or [E, N, K/block])."""
+    e, n, k = w.shape
+    size = k if block is None else block
+    wb = w.reshape(e, n, k // size, size)
+    scale = (np.abs(wb).max(-1) / (2 ** (bits - 1) - 1)).astype(np.float32)
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    q = np.clip(np.rint(wb / scale[..., None]) + 2 ** (bits - 1), 0, 2**bits - 1).astype(np.uint8).reshape(e, n, k)
+    if bits == 4:
+        q = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    return q, (scale[..., 0] if block is None else scale)
+
+
+def to_qmoe(model: Any, precisions: dict[str, str], scope: str) -> tuple[dict[str, int], list[str]]:
+    """Turn each MoE node whose layer's experts the plan quantizes into a QMoE with those weights; returns experts
+    quantized per precision and notes (a layer whose experts the plan mixes takes the widest of them)."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    done = {"int8": 0, "int4": 0}
+    notes: list[str] = []
+    for node in list(graph.node):
+        if node.op_type != "MoE" or node.domain != "com.microsoft":
+            continue
+        layer = (module_of(node) or "").removeprefix(scope)  # "layers.N.mlp"
+        wanted = {p for name, p in precisions.items() if name.startswith(f"{layer}.experts.")}
+        if not wanted or wanted == {"fp32"}:
+            continue
+        precision = "fp32" if "fp32" in wanted else "int8" if "int8" in wanted else "int4"
+        if len(wanted) > 1:
+            notes.append(f"{layer}: experts planned {sorted(wanted)}; QMoE takes one precision per layer: {precision}")
+        if precision == "fp32":
+            continue
+        fc1 = numpy_helper.to_array(inits[node.input[2]])
+        fc2 = numpy_helper.to_array(inits[node.input[4]])
+        bits = 8 if precision == "int8" else 4
+        block = BLOCK if bits == 4 and fc1.shape[2] % BLOCK == 0 and fc2.shape[2] % BLOCK == 0 else None
+        if bits == 4 and block is None:
+            notes.append(f"{layer}: widths not multiples of {BLOCK}: 4-bit experts with one scale per row")
+        new_inits = []
+        names = []
+        for tag, w in (("fc1", fc1), ("fc2", fc2)):
+            q, s = _quantize(w, bits, block)
+            names += [f"{node.name}.{tag}.q", f"{node.name}.{tag}.scale"]
+            new_inits += [numpy_helper.from_array(q, names[-2]), numpy_helper.from_array(s, names[-1])]
+        graph.initializer.extend(new_inits)
+        k = next(a.i for a in node.attribute if a.name == "k")
+        norm = next(a.i for a in node.attribute if a.name == "normalize_routing_weights")
+        attrs: dict[str, Any] = {"k": k, "normalize_routing_weights": norm, "expert_weight_bits": bits, **_SWIGLU}
+        if block is not None:
+            attrs["block_size"] = block
+        probs = f"{node.name}.router_weights"
+        x, logits = node.input[0], node.input[1]
+        inputs = [x, logits, names[0], names[1], "", names[2], names[3], "", "", "", "", "", "", "", probs]
+        at = list(graph.node).index(node)
+        graph.node.remove(node)
+        graph.node.insert(at, helper.make_node("Softmax", [logits], [probs], name=f"{node.name}.softmax", axis=-1))
+        qmoe = helper.make_node("QMoE", inputs, list(node.output), name=node.name, domain="com.microsoft", **attrs)
+        graph.node.insert(at + 1, qmoe)
+        for name in (node.input[2], node.input[4]):
+            if not any(name in n.input for n in graph.node):
+                graph.initializer.remove(inits[name])
+        done[precision] += fc1.shape[0]
+    return done, notes
