@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from moetool.export.onnx import quantize
 from moetool.export.onnx.quantize import BLOCK, module_of
 
 _SWIGLU = {"activation_type": "swiglu", "swiglu_fusion": 1}
@@ -121,6 +122,7 @@ def to_qmoe(model: Any, precisions: dict[str, str], scope: str) -> tuple[dict[st
         k = next(a.i for a in node.attribute if a.name == "k")
         norm = next(a.i for a in node.attribute if a.name == "normalize_routing_weights")
         attrs: dict[str, Any] = {"k": k, "normalize_routing_weights": norm, "expert_weight_bits": bits, **_SWIGLU}
+        attrs["accuracy_level"] = quantize.ACCURACY_LEVEL
         if block is not None:
             attrs["block_size"] = block
         probs = f"{node.name}.router_weights"
