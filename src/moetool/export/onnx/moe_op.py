@@ -6,7 +6,8 @@ What onnxruntime 1.31 computes (checked against the torch op in tests): ``router
 applies the softmax); ``activation_type=swiglu`` with ``swiglu_fusion=1`` needs gate and up rows interleaved in fc1
 and, with alpha 1, beta 0 and no limit, is exactly ``silu(g) * u``; the CPU provider accepts no other SwiGLU layout.
 QMoE ignores ``normalize_routing_weights=0`` unless ``router_weights`` is given, so the softmax of the logits is
-always passed there. QMoE's 8-bit block-wise form quantizes activations too, so 8-bit experts are quantized per row.
+always passed there. QMoE's 8-bit block-wise form quantizes activations (as MatMulNBits does at accuracy level 4,
+moetool's default), so 8-bit experts are stored in blocks of 32 then, and per row (exact) at level 0.
 """
 
 from __future__ import annotations
@@ -109,9 +110,12 @@ def to_qmoe(model: Any, precisions: dict[str, str], scope: str) -> tuple[dict[st
         fc1 = numpy_helper.to_array(inits[node.input[2]])
         fc2 = numpy_helper.to_array(inits[node.input[4]])
         bits = 8 if precision == "int8" else 4
-        block = BLOCK if bits == 4 and fc1.shape[2] % BLOCK == 0 and fc2.shape[2] % BLOCK == 0 else None
-        if bits == 4 and block is None:
-            notes.append(f"{layer}: widths not multiples of {BLOCK}: 4-bit experts with one scale per row")
+        divisible = fc1.shape[2] % BLOCK == 0 and fc2.shape[2] % BLOCK == 0
+        # 8-bit blocks take onnxruntime's int8-activation kernel (fast, not exact); per row is exact but slow, so
+        # 8-bit experts are per row only when activations stay fp32 (accuracy level 0)
+        block = BLOCK if divisible and (bits == 4 or quantize.ACCURACY_LEVEL > 0) else None
+        if block is None and not divisible:
+            notes.append(f"{layer}: widths not multiples of {BLOCK}: {bits}-bit experts with one scale per row")
         new_inits = []
         names = []
         for tag, w in (("fc1", fc1), ("fc2", fc2)):
