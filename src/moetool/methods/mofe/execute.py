@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,10 @@ from moetool.progress import silent, task
 from moetool.recipe.mofe import MoFERecipe
 from moetool.routing import init as rinit
 
+Routers = tuple[torch.Tensor, torch.Tensor | None]
 
-def compute_router_weights(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+
+def compute_router_weights(plan: MergePlan) -> Routers:
     """Router rows ``[L, E, H]`` and, with a shared expert, its gate rows ``[L, 1, H]`` (float32)."""
 
     recipe: MoFERecipe = plan.recipe
@@ -61,40 +63,46 @@ def compute_router_weights(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor 
     shared_gate = (
         rinit.hidden_gates(model, tok, shared_sets, chat_template=recipe.chat_template) if shared_sets else None
     )
-    # freed before tensors stream, so peak memory is the base or one tensor, not both
+    # freed as soon as the rows exist: the stream beside it holds one tensor at a time, so the peak is the base
+    # model plus one tensor
     del model
     gc.collect()
     return gates, shared_gate
 
 
-def _notes(console: Console, plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Print the plan's warnings and compute the routers, passing on their own warnings as labelled lines."""
-    for note in plan.warnings:
-        console.print(f"[yellow]warning:[/] {note}")
-    console.print(f"computing routers ({plan.recipe.gate_mode}) …")
+def _routers_and_warnings(plan: MergePlan) -> tuple[Routers, list[str]]:
+    """:func:`compute_router_weights` with the warnings it raises about the router rows, for the caller to print
+    (it runs in a worker thread)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        gates, shared_gates = compute_router_weights(plan)
-    for w in caught:
-        if issubclass(w.category, UserWarning) and "router rows" in str(w.message):
-            console.print(f"[yellow]warning:[/] {w.message}")
-    return gates, shared_gates
+        routers = compute_router_weights(plan)
+    notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "router rows" in str(w.message)]
+    return routers, notes
 
 
-def _stream_tensors(
-    plan: MergePlan, tmp: Path, gates: torch.Tensor, shared_gates: torch.Tensor | None, console: Console
-) -> None:
-    """Read, cast and write every planned tensor, one at a time, into shards under ``tmp``."""
+_ROUTING = ("router", "shared_gate")
+
+
+def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, list[str]]], console: Console) -> None:
+    """Read, cast and write every planned tensor, one at a time, into shards under ``tmp``. Router rows are written
+    last, so the copies stream while ``routers`` is still being computed."""
 
     dtype = DTYPES[plan.dtype]
     ckpts: dict[str, Checkpoint] = {}
-    layout = [(op.out, dtype, op.shape) for op in plan.ops]
+    ops = [op for op in plan.ops if op.kind not in _ROUTING] + [op for op in plan.ops if op.kind in _ROUTING]
+    gates: torch.Tensor | None = None
+    shared_gates: torch.Tensor | None = None
+    layout = [(op.out, dtype, op.shape) for op in ops]
     try:
         with (
             task(console, "writing tensors", len(plan.ops), unit="tensors") as advance,
             ShardedWriter(tmp, layout, plan.recipe.max_shard_size) as writer,
         ):
-            for op in plan.ops:
+            for op in ops:
+                if op.kind in _ROUTING and gates is None:
+                    (gates, shared_gates), notes = routers.result()
+                    for note in notes:
+                        console.print(f"[yellow]warning:[/] {note}")
                 if op.kind in ("copy", "expert", "shared"):
                     assert op.source is not None and op.src is not None
                     if op.source not in ckpts:
@@ -103,6 +111,7 @@ def _stream_tensors(
                 elif op.kind == "zeros":
                     t = torch.zeros(op.shape)
                 elif op.kind == "router":
+                    assert gates is not None
                     t = gates[int(op.out.split(".")[2])]
                 else:  # shared_gate
                     layer = int(op.out.split(".")[2])
@@ -160,13 +169,17 @@ def execute(
     console = console if console is not None else silent()
     out = Path(out)
     check_output(out, force=force)
-    # the sources' hashes (a full read of every input) overlap the router computation and the tensor stream
-    pool = ThreadPoolExecutor(1, thread_name_prefix="moetool-hash")
+    # the router computation (a base forward pass for hidden gates) and the sources' hashes (a full read of every
+    # input) run beside the tensor stream: torch, file reads and hashing release the GIL
+    for note in plan.warnings:
+        console.print(f"[yellow]warning:[/] {note}")
+    console.print(f"computing routers ({plan.recipe.gate_mode}) …")
+    pool = ThreadPoolExecutor(2, thread_name_prefix="moetool-merge")
     try:
+        routers = pool.submit(_routers_and_warnings, plan)
         hashes = pool.submit(source_hashes, plan.sources, allow_pickle=plan.allow_pickle)
-        gates, shared_gates = _notes(console, plan)
         with atomic_dir(out, force=force) as tmp:
-            _stream_tensors(plan, tmp, gates, shared_gates, console)
+            _stream_tensors(plan, tmp, routers, console)
             _write_metadata(plan, tmp, recipe_text, hashes.result())
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
