@@ -39,9 +39,9 @@ targets:
     onnx = json.loads((run / "exports" / "onnx" / "manifest.json").read_text())
     assert onnx["target"] == "onnx" and onnx["plan"]["label"] == "q8_0"
     assert (run / "hf-repo" / "gguf" / "raspberry-pi-4" / gg["file"]).is_file()
-    # multi-file artifacts arrive whole: both ONNX graphs, the Core ML package directory
-    assert (run / "hf-repo" / "onnx" / "onnx" / "model.onnx").is_file()
-    assert (run / "hf-repo" / "onnx" / "onnx" / "model-with-past.onnx").is_file()
+    # multi-file artifacts arrive whole: the ONNX graph with the files its runner reads, the Core ML package directory
+    for name in ("model.onnx", "genai_config.json", "tokenizer.json"):
+        assert (run / "hf-repo" / "onnx" / "onnx" / name).is_file()
     cm = json.loads((run / "exports" / "iphone-13" / "manifest.json").read_text())
     assert (
         cm["target"] == "coreml"
