@@ -110,8 +110,12 @@ def test_legacy_names_without_pid_are_left_alone(tmp_path):
 
 SIGTERM_SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     from pathlib import Path
+    # as from a terminal: a suite run under nohup or as a background job hands its children SIGHUP and SIGINT
+    # ignored, which atomic_dir rightly keeps ignoring
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     from moetool.io.atomic import atomic_dir
     with atomic_dir(Path(sys.argv[1]), force=True) as tmp:
         (tmp / "partial").write_bytes(b"x" * 1000)
@@ -127,7 +131,10 @@ def test_sigterm_removes_the_temp_dir_like_sigint(tmp_path, sig):
     out.mkdir()
     (out / "old").write_text("old")
     proc = subprocess.Popen(
-        [sys.executable, "-c", SIGTERM_SCRIPT, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", SIGTERM_SCRIPT, str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     tmp = Path(proc.stdout.readline().strip())
