@@ -5,6 +5,8 @@ Each seed gets a copy of the recipe with ``train.seed`` (or ``--seed-key``) set,
 overrides (dotted keys, YAML values), merged with ``moetool merge`` into ``OUT/seed-N``. Figures are read from a JSON
 file the merge writes, as ``FILE:dotted.path`` (list indices as numbers).
 
+``--then`` runs a command on each output (an evaluation that writes the JSON the figures come from).
+
 Run:  .venv/bin/python bench/seeds.py recipes/real-hybrid.yaml -o out/seeds-hybrid --seeds 0,1,2 \
         --set loss.lambda_penalty=0 \
         --metric hybrid.json:held_out.rows.router.perplexity \
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -35,7 +38,8 @@ def set_path(doc: dict[str, Any], key: str, value: Any) -> None:
 
 
 def get_path(doc: Any, path: str) -> float:
-    for part in path.split("."):
+    """``a.b.0.c``, or ``a/b c (x=0.7)/d`` when a key holds dots."""
+    for part in path.split("/" if "/" in path else "."):
         doc = doc[int(part)] if isinstance(doc, list) else doc[part]
     return float(doc)
 
@@ -45,7 +49,8 @@ def main() -> None:
     ap.add_argument("recipe", type=Path)
     ap.add_argument("-o", "--out", type=Path, required=True)
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--seed-key", default="train.seed")
+    ap.add_argument("--seed-key", default="train.seed", help="dotted key(s) set to the seed, comma-separated")
+    ap.add_argument("--then", default=None, help="a command run after each merge; {out} is the merge's output")
     ap.add_argument("--set", action="append", default=[], help="dotted.key=yaml-value, applied to every seed")
     ap.add_argument("--metric", action="append", required=True, help="FILE:dotted.path in the merge's output")
     ap.add_argument("--reuse", action="store_true", help="read outputs already there instead of merging again")
@@ -59,7 +64,8 @@ def main() -> None:
         for item in args.set:
             key, _, value = item.partition("=")
             set_path(doc, key, yaml.safe_load(value))
-        set_path(doc, args.seed_key, seed)
+        for key in args.seed_key.split(","):
+            set_path(doc, key, seed)
         doc["name"] = f"{base['name']}-seed{seed}"
         recipe = args.out / f"{doc['name']}.yaml"
         recipe.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -67,14 +73,18 @@ def main() -> None:
         if not (args.reuse and out.is_dir()):
             cmd = [str(BIN / "moetool"), "merge", str(recipe), "-o", str(out), "--force"]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            if args.then:
+                then = [w.replace("{out}", str(out)) for w in shlex.split(args.then)]
+                then[0] = str(BIN / then[0]) if (BIN / then[0]).exists() else then[0]
+                subprocess.run(then, check=True, stdout=subprocess.DEVNULL)
         for m in args.metric:
             file, _, path = m.partition(":")
             rows[m].append(get_path(json.loads((out / file).read_text()), path))
-        print(f"seed {seed}: " + "; ".join(f"{m.split(':')[1]} {v[-1]:.4g}" for m, v in rows.items()), flush=True)
+        print(f"seed {seed}: " + "; ".join(f"{m.split(':', 1)[1]} {v[-1]:.4g}" for m, v in rows.items()), flush=True)
     print(f"{len(seeds)} seeds ({args.seeds}), mean ± half-range:")
     for m, v in rows.items():
         print(
-            f"  {m.split(':')[1]}: {statistics.mean(v):.4g} ± {(max(v) - min(v)) / 2:.2g}  ({', '.join(f'{x:.4g}' for x in v)})"
+            f"  {m.split(':', 1)[1]}: {statistics.mean(v):.4g} ± {(max(v) - min(v)) / 2:.2g}  ({', '.join(f'{x:.4g}' for x in v)})"
         )
 
 

@@ -316,6 +316,15 @@ COMMANDS: list[Cmd] = [
         "--set loss.lambda_penalty=0 --metric …",
         BENCH,
     ),
+    helponly(
+        ".venv/bin/python bench/seeds.py recipes/real-gem.yaml -o out/seeds-gem --seeds 0,1,2 --seed-key "
+        "router.seed,qat.seed --then CMD --metric …",
+        BENCH,
+    ),
+    helponly(
+        "moetool gem eval {out} --json {out}/gem-eval.json --max-tokens 2048",
+        "the command bench/seeds.py runs on each seed's output ({out}); `moetool gem eval out/gem --json …` runs",
+    ),
     helponly("moetool profile --from", REFERENCE),
     helponly("moetool merge --dry-run", REFERENCE),
 ]
