@@ -65,6 +65,28 @@ def speed(gguf: Path, prompt: list[int], gen: int, reps: int = 3) -> tuple[float
     return statistics.median(pre), statistics.median(dec)
 
 
+def active_bytes(gguf: Path, top_k: int) -> tuple[int, int]:
+    """(bytes a token reads, bytes in the file's tensors): every tensor once, an expert bank (``*_exps``) k/E of it.
+    The token embedding is a row lookup, not a full read, unless it is also the output head (tied: no
+    ``output.weight``)."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(str(gguf)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    read = total = 0
+    for t in tensors:
+        n = int(t.n_bytes)
+        total += n
+        if t.name == "token_embd.weight" and not tied:
+            continue
+        if "_exps" in t.name:
+            experts = int(t.shape[-1]) if len(t.shape) == 3 else 1
+            read += n * top_k // experts
+        else:
+            read += n
+    return read, total
+
+
 def perplexity(gguf: Path, windows: list[list[int]]) -> float:
     llm = load_llama(gguf, n_ctx=max(len(w) for w in windows))
     try:
@@ -83,9 +105,12 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--windows", type=int, default=8, help="256-token windows per domain for perplexity")
     ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--dense", default="code", help="the dense peer: a zoo name (code, smollm2-code) or a folder")
+    ap.add_argument("--quants", default="f16,q8_0,q4_0", help="plans for the speed table")
+    ap.add_argument("--speed-only", action="store_true", help="skip the quality-vs-size table")
     args = ap.parse_args()
     moe = model_dir(args.model)
-    dense = resolve_zoo_model("code")
+    dense = Path(args.dense) if Path(args.dense).is_dir() else resolve_zoo_model(args.dense)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(moe))
@@ -102,15 +127,26 @@ def main() -> None:
             m = export(model, out, quant=quant, verify=False)
             return out / m["file"], m
 
-        print(f"MoE: {moe} | dense: zoo:code ({dense}) | llama.cpp via llama-cpp-python, 2 threads max\n")
-        print("speed (tokens/s, median of 3)")
+        print(f"MoE: {moe} | dense: {args.dense} ({dense}) | llama.cpp via llama-cpp-python, 2 threads max\n")
+        print("speed (tokens/s, median of 3); ceiling = dense bytes read per token ÷ the MoE's (top-k of each bank)")
         print(
-            f"{'plan':8} {'MoE prefill':>12} {'dense prefill':>14} {'ratio':>6} {'MoE gen':>9} {'dense gen':>10} {'ratio':>6}"
+            f"{'plan':8} {'MoE prefill':>12} {'dense prefill':>14} {'ratio':>6} {'MoE gen':>9} {'dense gen':>10} "
+            f"{'ratio':>6} {'ceiling':>8} {'prefill/ceil':>12} {'gen/ceil':>9}"
         )
-        for q in ("f16", "q8_0", "q4_0"):
-            mp, md = speed(art(moe, q, f"moe-{q}")[0], prompt, args.gen)
-            dp, dd = speed(art(dense, q, f"dense-{q}")[0], prompt, args.gen)
-            print(f"{q:8} {mp:12.0f} {dp:14.0f} {mp / dp:6.2f} {md:9.0f} {dd:10.0f} {md / dd:6.2f}")
+        import json
+
+        top_k = int(json.loads((moe / "config.json").read_text())["num_experts_per_tok"])
+        for q in args.quants.split(","):
+            moe_gguf, dense_gguf = art(moe, q, f"moe-{q}")[0], art(dense, q, f"dense-{q}")[0]
+            mp, md = speed(moe_gguf, prompt, args.gen)
+            dp, dd = speed(dense_gguf, prompt, args.gen)
+            ceiling = active_bytes(dense_gguf, 1)[0] / active_bytes(moe_gguf, top_k)[0]
+            print(
+                f"{q:8} {mp:12.0f} {dp:14.0f} {mp / dp:6.2f} {md:9.0f} {dd:10.0f} {md / dd:6.2f} {ceiling:8.2f} "
+                f"{mp / dp / ceiling:12.2f} {md / dd / ceiling:9.2f}"
+            )
+        if args.speed_only:
+            return
 
         print(f"\nquality vs size ({len(windows)} windows × 256 tokens of held-out text, {len(DOMAINS)} domains)")
         print(f"{'plan':58} {'kind':8} {'bytes':>10} {'bpw':>6} {'ppl':>8}")
