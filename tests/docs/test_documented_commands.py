@@ -322,6 +322,11 @@ COMMANDS: list[Cmd] = [
         BENCH,
     ),
     helponly(
+        ".venv/bin/python bench/seeds.py recipes/real-embedding.yaml -o out/seeds-embedding --seeds 0,1,2 "
+        "--metric moetool.json:embedding.heldout_perplexity.code.retrofitted …",
+        BENCH,
+    ),
+    helponly(
         "moetool gem eval {out} --json {out}/gem-eval.json --max-tokens 2048",
         "the command bench/seeds.py runs on each seed's output ({out}); `moetool gem eval out/gem --json …` runs",
     ),
