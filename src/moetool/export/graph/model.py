@@ -277,7 +277,6 @@ class ExportLM(nn.Module):
         self.lm_head = linear(hf.lm_head.weight)
         self.register_buffer("inv_freq", inner.rotary_emb.inv_freq.detach().clone().float(), persistent=False)
         self.n_layers = len(blocks)
-        self.sparse_moe_layers = 0
         self.n_kv = blocks[0].attn.n_kv
         self.head_dim = blocks[0].attn.head_dim
 
@@ -287,8 +286,10 @@ class ExportLM(nn.Module):
             mlp = block.mlp
             if isinstance(mlp, DenseMaskedMoE) and not mlp.sparse:
                 mlp.make_sparse()
-                self.sparse_moe_layers += 1
-        return self.sparse_moe_layers
+        return self.sparse_moe_layers()
+
+    def sparse_moe_layers(self) -> int:
+        return sum(isinstance(b.mlp, DenseMaskedMoE) and bool(b.mlp.sparse) for b in self.layers)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, *past: torch.Tensor

@@ -21,7 +21,6 @@ from torch import nn
 
 from moetool.export.graph.common import onnx_export
 from moetool.export.graph.model import NEG, ExportLM
-from moetool.export.onnx.quantize import save_model
 
 # files a runner reads beside the graph: the tokenizer (onnxruntime-extensions reads tokenizer.json and its config),
 # the chat template, and the configs optimum and people look for
@@ -66,9 +65,8 @@ class OnnxDecoder(nn.Module):
 
 def export_decoder(em: ExportLM, path: Path, custom_translation_table: dict[Any, Any] | None = None) -> None:
     """Trace :class:`OnnxDecoder` with every batch and length dimension dynamic (an example past of 3 positions, so
-    none is specialised to 0 or 1 and an empty past runs too), then name the dimensions as runners expect."""
-    import onnx
-
+    none is specialised to 0 or 1 and an empty past runs too). The exporter names the dimensions (:func:`name_dims`)
+    in the one pass that loads, quantizes and saves the graph."""
     n = em.n_layers
     b, t, p = 2, 4, 3
     ids = torch.randint(0, 10, (b, t))
@@ -90,10 +88,6 @@ def export_decoder(em: ExportLM, path: Path, custom_translation_table: dict[Any,
         ),
         custom_translation_table=custom_translation_table,
     )
-
-    model = onnx.load(str(path))
-    name_dims(model)
-    save_model(model, path)
 
 
 def name_dims(model: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.graph.common import GraphPlan
 from moetool.export.heldout import held_out_text
-from moetool.export.onnx.decoder import SCOPE, export_decoder, write_runner_files
+from moetool.export.onnx.decoder import SCOPE, export_decoder, name_dims, write_runner_files
 from moetool.export.onnx.moe_op import to_qmoe, translation_table
 from moetool.export.onnx.quantize import quantize_graph
 from moetool.export.onnx.runner import genai_check, ort_runners, ort_session
@@ -65,7 +65,10 @@ class ONNXExporter(GraphExporter):
         sparse = moe_kernel(req) == "sparse" and em.make_sparse() > 0
         qmoe: dict[str, int] = {}
 
-        def experts_to_qmoe(model: Any) -> list[str]:
+        def before_quantizing(model: Any) -> list[str]:
+            name_dims(model)
+            if not sparse:
+                return []
             done, notes = to_qmoe(model, precisions, SCOPE)
             qmoe.update(done)
             return notes
@@ -73,7 +76,7 @@ class ONNXExporter(GraphExporter):
         with atomic_dir(req.output, force=req.force) as tmp:
             path = tmp / "model.onnx"
             export_decoder(em, path, translation_table() if sparse else None)
-            counts, qnotes = quantize_graph(path, precisions, SCOPE, before=experts_to_qmoe if sparse else None)
+            counts, qnotes = quantize_graph(path, precisions, SCOPE, before=before_quantizing)
             context = min(plan.context, int(plan.config.get("max_position_embeddings", plan.context)))
             side = write_runner_files(req.model_dir, tmp, em, path.name, context)
             parity: dict[str, Any] | str = NOT_VERIFIED
@@ -100,7 +103,7 @@ class ONNXExporter(GraphExporter):
                     "op": ("QMoE" if any(qmoe.values()) else "MoE") + " (com.microsoft, onnxruntime only)"
                     if sparse
                     else "every expert as standard MatMuls, unchosen ones weighted 0 (any ONNX runtime)",
-                    "layers": em.sparse_moe_layers,
+                    "layers": em.sparse_moe_layers(),
                     "experts_quantized": qmoe,
                 },
                 "ops": _count_ops(path),
