@@ -251,3 +251,10 @@ def test_non_finite_tensors_are_refused_on_read(tmp_path, value, monkeypatch):
     with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'w' has \d NaN and \d Inf values \(of 25\)"):
         ck.get("w")
     assert not torch.isfinite(Checkpoint(tmp_path, check_finite=False).get("w")).all()
+
+
+def test_finite_values_whose_sum_overflows_are_accepted(tmp_path):
+    """The finite check sums a chunk first; a sum that overflows to Inf from finite values is not an error."""
+    w = torch.full((4,), 3e38, dtype=torch.float32)
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    assert torch.equal(Checkpoint(tmp_path).get("w"), w)
