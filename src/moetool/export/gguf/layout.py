@@ -9,6 +9,7 @@ from typing import Any
 from moetool.arch.outputs import expert_count
 from moetool.export.base import ExportError
 from moetool.export.gguf.names import ARCHS, gguf_name
+from moetool.export.gguf.rope import ROPE_TENSORS, plan_rope
 from moetool.quant.plan import TensorEntry
 
 # a zero-width Qwen2-MoE shared expert is written this wide (all zeros: it adds exactly nothing)
@@ -29,6 +30,8 @@ class GGUFTensor:
         if len(self.sources) > 1:
             hf = re.sub(r"\.experts\.\d+\.", ".experts.*.", hf)
         role = "shared_expert" if self.zeros and "shexp" in self.name else None
+        if self.name in ROPE_TENSORS:  # llama.cpp's own rope factors: no HF name to read a role from
+            role = "attention"
         return TensorEntry(hf_name=hf, shape=self.shape, out_name=self.name, role=role)  # type: ignore[arg-type]
 
 
@@ -62,6 +65,9 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     arch, permute, notes = _choose_arch(cfg)
     n, k, _ = _moe_facts(cfg)
     out = _map_tensors(cfg, tensor_shapes, permute)
+    rope = plan_rope(cfg, arch)  # scaled rope's keys and factor tensors; refuses what llama.cpp cannot compute
+    out |= {nm: GGUFTensor(nm, [], arr.shape) for nm, arr in rope.tensors.items()}
+    notes += rope.notes
     shared_ff = cfg.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
     if arch == "qwen2moe" and not shared_ff:
         shared_ff = _pad_shared_expert(out, cfg)
@@ -93,10 +99,6 @@ def _choose_arch(cfg: dict[str, Any]) -> tuple[str, bool, list[str]]:
     arch, permute = ARCHS[mt]
     if cfg.get("hidden_act", "silu") != "silu":
         raise ExportError(f"hidden_act {cfg.get('hidden_act')!r}: llama.cpp's {arch} uses SiLU")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ExportError(f"rope_type {rope_type!r}: only unscaled rope is exported so far")
     n, k, norm = _moe_facts(cfg)
     notes: list[str] = []
     if mt == "qwen2_moe":

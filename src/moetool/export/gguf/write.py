@@ -16,6 +16,7 @@ import numpy as np
 from moetool.export.base import ExportError
 from moetool.export.gguf.layout import GGUFTensor, Layout
 from moetool.export.gguf.names import permute_qk
+from moetool.export.gguf.rope import plan_rope, write_rope_metadata
 from moetool.export.gguf.tokenizer import GGUFVocab, write_vocab
 from moetool.export.gguf.verify import quiet_stderr
 from moetool.extras import require
@@ -93,6 +94,7 @@ def _metadata(w: Any, cfg: dict[str, Any], layout: Layout, name: str, file_type:
     w.add_head_count_kv(int(cfg.get("num_key_value_heads") or heads))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    write_rope_metadata(w, plan_rope(cfg, layout.arch))
     w.add_rope_dimension_count(head_dim)
     if head_dim * heads != hidden:
         w.add_key_length(head_dim)
@@ -145,12 +147,14 @@ def write_gguf(
         else:
             byte_shape = (*t.shape[:-1], t.shape[-1] // spec.block * spec.block_bytes)
             w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), spec.nbytes(t.shape), raw_dtype=_ggml(ty))
+    rope_tensors = plan_rope(cfg, layout.arch).tensors
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for t in layout.tensors:
         ty = "f32" if t.name in k_types else types[t.name]
-        data, _ = encode(load_tensor(ckpt, t), ty)
+        arr = rope_tensors[t.name] if t.name in rope_tensors else load_tensor(ckpt, t)
+        data, _ = encode(arr, ty)
         w.write_tensor_data(data)
         if progress is not None:
             progress()
