@@ -1,4 +1,5 @@
-"""``moetool train``: the recipe method's training (mofe: router tuning of the merged MoE, resumable)."""
+"""``moetool train``: the recipe method's training (mofe: router tuning of the merged MoE, resumable; runs under
+``accelerate launch``, see examples/accelerate/)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def train(
     from moetool import api
 
     res = api.train(recipe, output, model=model, force=force, resume=not no_resume, preset=preset, console=console)
+    if not getattr(res.detail, "main_process", True):
+        return  # another process of a multi-process launch: the main one reports
     for label, value in res.figures.items():
         figure(label, value)
     out.print(f"[green]wrote[/] {res.output}")

@@ -1,14 +1,16 @@
 """``moetool train``: brief tuning of an assembled MoE with its experts frozen (MoFE), on accelerate.
 
 init → setup (model, freeze, data, optimizer) → train (resumable) → save (atomic, same format as merge).
-The same code runs on CPU, one GPU, or several under ``accelerate launch``.
+The same code runs on CPU, one GPU, or several data-parallel processes under ``accelerate launch`` / ``torchrun``
+(:mod:`moetool.train.distributed`: the global batch is split, never repeated, and the result does not depend on the
+process count beyond float summation order). Checkpoints (:mod:`moetool.train.checkpoint`) and the output
+(:mod:`moetool.train.output`) are written once, by the main process.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -18,21 +20,21 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from safetensors.torch import load_file, save_file
 
 from moetool.errors import MoetoolError
-from moetool.io.atomic import atomic_dir, check_output
-from moetool.io.files import copy_tokenizer
-from moetool.io.safe import read_json
+from moetool.io.atomic import check_output
 from moetool.progress import silent, task
 from moetool.recipe.mofe import MoFERecipe
 from moetool.recipe.train import TrainSpec
 from moetool.routing.losses import expert_load, routing_entropy, routing_losses
 from moetool.routing.tap import RouterTap
+from moetool.train.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from moetool.train.data import load_source, sample_batch, tokenize_stream
+from moetool.train.distributed import local_micro_batches, make_accelerator, reduce_sum, single_cpu_launch
 from moetool.train.freeze import FreezeReport, apply_freeze
+from moetool.train.output import write_output
 
-CHECKPOINT_FORMAT = 1
+__all__ = ["TrainResult", "checkpoint_dir", "make_optimizer", "train_router"]
 
 
 @dataclass
@@ -43,6 +45,7 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     resumed_from: int = 0
+    main_process: bool = True  # False in the other processes of a multi-process launch (they write nothing)
 
 
 def _lr_lambda(spec: TrainSpec) -> Callable[[int], float]:
@@ -70,87 +73,9 @@ def make_optimizer(model: torch.nn.Module, spec: TrainSpec) -> torch.optim.AdamW
     return torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=spec.weight_decay)
 
 
-def checkpoint_dir(output: Path) -> Path:
-    """Where a run writing ``output`` keeps its resumable state (removed after success)."""
-    return output.parent / f".{output.name}.moetool-train"
-
-
-def _save_checkpoint(
-    ckpt: Path,
-    step: int,
-    model: torch.nn.Module,
-    opt: torch.optim.Optimizer,
-    sched: Any,
-    history: list[dict[str, Any]],
-    fingerprint: str,
-) -> None:
-    """Trainable tensors and AdamW moments as safetensors, counters as JSON; no pickle. Written atomically."""
-    tmp = ckpt.with_name(ckpt.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    names = {p: n for n, p in model.named_parameters() if p.requires_grad}
-    save_file({n: p.detach().cpu().contiguous() for p, n in names.items()}, str(tmp / "trainable.safetensors"))
-    moments: dict[str, torch.Tensor] = {}
-    for p, n in names.items():
-        for k, v in opt.state.get(p, {}).items():
-            moments[f"{n}::{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu().contiguous()
-    save_file(moments, str(tmp / "optimizer.safetensors"))
-    state = {
-        "format": CHECKPOINT_FORMAT,
-        "step": step,
-        "scheduler": sched.state_dict(),
-        "history": history,
-        "fingerprint": fingerprint,
-    }
-    (tmp / "state.json").write_text(json.dumps(state))
-    shutil.rmtree(ckpt, ignore_errors=True)
-    tmp.rename(ckpt)
-
-
-def _load_checkpoint(
-    ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, fingerprint: str
-) -> tuple[int, list[dict[str, Any]]]:
-    try:
-        state = read_json(ckpt / "state.json", what="router-tuning checkpoint state", error=MoetoolError)
-    except MoetoolError as exc:
-        raise MoetoolError(f"{exc}; pass --no-resume to start over") from None
-    if state.get("format") != CHECKPOINT_FORMAT or state.get("fingerprint") != fingerprint:
-        raise MoetoolError(
-            f"{ckpt} belongs to a different run (recipe, model or freeze changed); pass --no-resume to start over"
-        )
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for n, t in load_file(str(ckpt / "trainable.safetensors")).items():
-            params[n].copy_(t)
-    moments = load_file(str(ckpt / "optimizer.safetensors"))
-    for n, p in params.items():
-        st = {k.split("::", 1)[1]: v.to(p.device) for k, v in moments.items() if k.split("::", 1)[0] == n}
-        if st:
-            opt.state[p] = st
-    sched.load_state_dict(state["scheduler"])
-    # the scheduler writes the lr into the optimizer only when it steps; restore the lr it last set
-    for group, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
-        group["lr"] = lr
-    return int(state["step"]), list(state["history"])
-
-
-def _card_section(recipe: MoFERecipe, report: FreezeReport, history: list[dict[str, Any]], steps: int) -> str:
-    spec: TrainSpec = recipe.train
-    last = history[-1] if history else {}
-    return (
-        "## Router tuning\n\n"
-        f"Tuned with `moetool train` for {steps} steps (lr {spec.learning_rate}, {spec.schedule} schedule, batch "
-        f"{spec.batch_size}×{spec.seq_len} tokens × {spec.grad_accum} accumulation) on domains "
-        f"{', '.join(spec.data)}; freeze preset `{recipe.freeze.preset}`: {report.trainable_params:,} trainable and "
-        f"{report.frozen_params:,} frozen parameters. Losses: LM + {spec.load_balancing_coef}·load-balancing + "
-        f"{spec.z_loss_coef}·z-loss (router jitter {spec.router_jitter}). "
-        f"Final training loss {last.get('loss', float('nan')):.4f}.\n\n"
-    )
-
-
 @dataclass
 class _Run:
-    """Everything one tuning run holds: model, data, optimizer and where it resumes."""
+    """Everything one tuning run holds: model, data, optimizer, this process's micro-batches and where it resumes."""
 
     accelerator: Any
     model: Any
@@ -162,26 +87,29 @@ class _Run:
     report: FreezeReport
     bos: int | None
     fingerprint: str
+    micro: range
     start: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _setup(recipe: MoFERecipe, model_dir: Path, console: Console) -> _Run:
+def _setup(recipe: MoFERecipe, model_dir: Path, accelerator: Any, console: Console) -> _Run:
     """Load the MoE, apply the freeze spec, tokenize the training data, make the optimizer and schedule."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec: TrainSpec = recipe.train
-    accelerator = Accelerator(gradient_accumulation_steps=spec.grad_accum)
     set_seed(spec.seed)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     report = apply_freeze(model, recipe.freeze.preset, recipe.freeze.trainable, recipe.freeze.frozen)
-    if accelerator.is_main_process:
+    console.print(
+        f"parameters: [bold]{report.trainable_params:,}[/] trainable, {report.frozen_params:,} frozen "
+        f"({len(report.trainable)} trainable tensors; preset {recipe.freeze.preset})"
+    )
+    if accelerator.num_processes > 1:
         console.print(
-            f"parameters: [bold]{report.trainable_params:,}[/] trainable, {report.frozen_params:,} frozen "
-            f"({len(report.trainable)} trainable tensors; preset {recipe.freeze.preset})"
+            f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value}), "
+            f"{spec.grad_accum // accelerator.num_processes} of the {spec.grad_accum} micro-batches of a step each"
         )
     streams = []
     for name, src in spec.data.items():
@@ -190,6 +118,7 @@ def _setup(recipe: MoFERecipe, model_dir: Path, console: Console) -> _Run:
         )
         streams.append(tokenize_stream(tok, train_text))
     opt = make_optimizer(model, spec)
+    # no process count in it: a checkpoint resumes under any count
     fingerprint = json.dumps([recipe.train.model_dump(), recipe.freeze.model_dump(), str(model_dir.resolve())])
     return _Run(
         accelerator=accelerator,
@@ -202,42 +131,64 @@ def _setup(recipe: MoFERecipe, model_dir: Path, console: Console) -> _Run:
         report=report,
         bos=tok.bos_token_id,
         fingerprint=fingerprint,
+        micro=local_micro_batches(spec.grad_accum, accelerator.process_index, accelerator.num_processes),
     )
 
 
-def _step(run: _Run, prepared: Any, spec: TrainSpec, step: int, top_k: int) -> tuple[dict[str, float], int]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns the mean losses and the tokens seen."""
+def _step(run: _Run, model: Any, opt: Any, spec: TrainSpec, step: int, observe: bool) -> torch.Tensor:
+    """One optimizer step; this process runs its micro-batches of the step's ``grad_accum``.
+
+    Returns this process's share of the step's figures, ``[5 + E]``: mean ce, lb, z (each summed here over its
+    micro-batches ÷ ``grad_accum``), tokens, then (when ``observe``) routing entropy and the ``E`` expert loads,
+    means likewise. Summed over processes, they are the figures of the whole global batch.
+    """
     acc = run.accelerator
-    agg = {"ce": 0.0, "lb": 0.0, "z": 0.0}
-    tokens = 0
-    for micro in range(spec.grad_accum):
-        seed = spec.seed + 7919 * acc.process_index
-        batch = sample_batch(
-            run.streams, spec.batch_size, spec.seq_len, seed=seed, step=step * spec.grad_accum + micro, bos_id=run.bos
-        ).to(acc.device)
-        run.tap.generator.manual_seed(seed * 31 + step * spec.grad_accum + micro)
+    top_k = run.model.config.num_experts_per_tok
+    n_experts = run.tap.routers[0].weight.shape[0]
+    figures = torch.zeros(5 + n_experts, dtype=torch.float64)
+    for micro in run.micro:
+        # the micro-batch's index in the whole run picks its rows and its jitter: the same under any process count
+        index = step * spec.grad_accum + micro
+        batch = sample_batch(run.streams, spec.batch_size, spec.seq_len, seed=spec.seed, step=index, bos_id=run.bos).to(
+            acc.device
+        )
+        run.tap.generator.manual_seed(spec.seed * 31 + index)
         run.tap.logits.clear()
-        with acc.accumulate(prepared.model):
-            out = prepared.model(input_ids=batch, labels=batch, use_cache=False)
+        with acc.accumulate(model):
+            out = model(input_ids=batch, labels=batch, use_cache=False)
             lb, z = routing_losses(run.tap.logits, top_k)
             loss = out.loss + spec.load_balancing_coef * lb + spec.z_loss_coef * z
             acc.backward(loss)
             if acc.sync_gradients:
                 acc.clip_grad_norm_(run.params, spec.max_grad_norm)
-            prepared.opt.step()
-            prepared.opt.zero_grad()
-        agg["ce"] += out.loss.item() / spec.grad_accum
-        agg["lb"] += lb.item() / spec.grad_accum
-        agg["z"] += z.item() / spec.grad_accum
-        tokens += batch.numel()
+            opt.step()
+            opt.zero_grad()
+        figures[:3] += torch.tensor([out.loss.item(), lb.item(), z.item()], dtype=torch.float64) / spec.grad_accum
+        figures[3] += batch.numel()
+        if observe:
+            with torch.no_grad():
+                figures[4] += float(torch.stack([routing_entropy(x) for x in run.tap.logits]).mean()) / spec.grad_accum
+                load = torch.stack([expert_load(x, top_k) for x in run.tap.logits]).mean(0)
+                figures[5:] += load.cpu().double() / spec.grad_accum
     run.sched.step()
-    return agg, tokens
+    return figures
 
 
-@dataclass
-class _Prepared:
-    model: Any
-    opt: Any
+def _metrics(figures: torch.Tensor, spec: TrainSpec, done: int, lr: float, observe: bool) -> dict[str, Any]:
+    """A step's log record from its figures summed over processes (:func:`_step`)."""
+    ce, lb, z = (float(x) for x in figures[:3])
+    metrics: dict[str, Any] = {
+        "step": done,
+        "loss": ce + spec.load_balancing_coef * lb + spec.z_loss_coef * z,
+        "ce": ce,
+        "lb": lb,
+        "z": z,
+        "lr": lr,
+    }
+    if observe:
+        metrics["entropy"] = float(figures[4])
+        metrics["load"] = figures[5:].tolist()
+    return metrics
 
 
 def _loop(
@@ -250,35 +201,25 @@ def _loop(
     """Steps from ``run.start`` to ``spec.steps``: metrics every ``log_every``, checkpoints every ``checkpoint_every``."""
     acc = run.accelerator
     model, opt = acc.prepare(run.model, run.opt)
-    prepared = _Prepared(model, opt)
     model.train()
-    top_k = run.model.config.num_experts_per_tok
-    t0, tokens = time.perf_counter(), 0
-    shown = console if acc.is_main_process else Console(quiet=True)
-    with task(shown, "router tuning", spec.steps, unit="steps") as advance:
+    t0, tokens = time.perf_counter(), 0.0
+    with task(console, "router tuning", spec.steps, unit="steps") as advance:
         advance(run.start)
         for step in range(run.start, spec.steps):
-            agg, n = _step(run, prepared, spec, step, top_k)
-            tokens += n
             done = step + 1
-            metrics: dict[str, Any] = {
-                "step": done,
-                "loss": agg["ce"] + spec.load_balancing_coef * agg["lb"] + spec.z_loss_coef * agg["z"],
-                **agg,
-                "lr": run.sched.get_last_lr()[0],
-            }
-            info = f"loss {metrics['loss']:.3f} ce {agg['ce']:.3f} lb {agg['lb']:.3f}"
-            if done % spec.log_every == 0 or done == spec.steps:
-                with torch.no_grad():
-                    metrics["entropy"] = float(torch.stack([routing_entropy(x) for x in run.tap.logits]).mean())
-                    metrics["load"] = torch.stack([expert_load(x, top_k) for x in run.tap.logits]).mean(0).tolist()
+            observe = done % spec.log_every == 0 or done == spec.steps
+            figures = reduce_sum(acc, _step(run, model, opt, spec, step, observe))
+            tokens += float(figures[3])
+            metrics = _metrics(figures, spec, done, float(run.sched.get_last_lr()[0]), observe)
+            info = f"loss {metrics['loss']:.3f} ce {metrics['ce']:.3f} lb {metrics['lb']:.3f}"
+            if observe:
                 metrics["tokens_per_s"] = tokens / max(1e-9, time.perf_counter() - t0)
                 run.history.append(metrics)
                 load = " ".join(f"{x:.2f}" for x in metrics["load"])
                 info += f" | {metrics['tokens_per_s']:.0f} tok/s | H {metrics['entropy']:.2f} | load {load}"
             advance(1, info)
             if acc.is_main_process and (done % spec.checkpoint_every == 0 and done < spec.steps):
-                _save_checkpoint(ckpt, done, acc.unwrap_model(model), run.opt, run.sched, run.history, run.fingerprint)
+                save_checkpoint(ckpt, done, acc.unwrap_model(model), run.opt, run.sched, run.history, run.fingerprint)
             if callback is not None:
                 callback(done, metrics)
     return model, time.perf_counter() - t0
@@ -297,14 +238,19 @@ def train_router(
 ) -> TrainResult:
     """Tune an assembled MoE as the recipe's ``freeze:`` and ``train:`` sections say; write it to ``output``.
 
+    Under a multi-process launch every process calls this; the main one prints, checkpoints and writes ``output``,
+    and all return once it is written.
+
     Args:
         recipe: the validated recipe (:func:`moetool.recipe.load_recipe`) with ``freeze:`` and ``train:``.
-        callback: called after every optimizer step with (step, metrics); raising from it interrupts the run
-            (the last checkpoint remains, and the next call resumes from it).
+        callback: called after every optimizer step with (step, metrics reduced over processes); raising from it
+            interrupts the run (the last checkpoint remains, and the next call resumes from it, under any process
+            count).
         preset: overrides the recipe's ``freeze.preset``.
 
     Raises:
-        MoetoolError: bad model, data or freeze patterns; an existing output without ``force``.
+        MoetoolError: bad model, data or freeze patterns; an existing output without ``force``; a process count
+            that does not divide ``train.grad_accum``.
     """
     console = console if console is not None else silent()
     model_dir, output = Path(model_dir), Path(output)
@@ -316,61 +262,29 @@ def train_router(
     check_output(output, force=force)
     if not (model_dir / "config.json").is_file():
         raise MoetoolError(f"--model: {model_dir} is not a checkpoint directory")
-    run = _setup(recipe, model_dir, console)
+    acc = make_accelerator(spec.grad_accum)
+    console = console if acc.is_main_process else silent()
+    if single_cpu_launch():
+        console.print(
+            "note: `accelerate launch --cpu` started this one process (without MPI it starts no more); for several "
+            "CPU processes see examples/accelerate/README.md. One process gives the same result, only slower."
+        )
+    run = _setup(recipe, model_dir, acc, console)
     ckpt = checkpoint_dir(output)
     if ckpt.exists() and resume:
-        run.start, run.history = _load_checkpoint(ckpt, run.model, run.opt, run.sched, run.fingerprint)
+        run.start, run.history = load_checkpoint(ckpt, run.model, run.opt, run.sched, run.fingerprint)
         console.print(f"resuming from step {run.start} ({ckpt})")
-    elif ckpt.exists():
+    acc.wait_for_everyone()  # every process has read the checkpoint before the main one may remove or replace it
+    if ckpt.exists() and not resume and acc.is_main_process:
         shutil.rmtree(ckpt)
     prepared_model, seconds = _loop(run, spec, ckpt, console, callback)
     run.tap.remove()
-    run.accelerator.wait_for_everyone()
-    result = TrainResult(output, spec.steps, run.report, run.history, seconds, run.start)
-    if run.accelerator.is_main_process:
-        model = run.accelerator.unwrap_model(prepared_model)
-        _write_output(model, model_dir, output, recipe, run.report, run.history, seconds, force)
+    acc.wait_for_everyone()
+    result = TrainResult(output, spec.steps, run.report, run.history, seconds, run.start, acc.is_main_process)
+    if acc.is_main_process:
+        model = acc.unwrap_model(prepared_model)
+        args = (model, model_dir, output, recipe, run.report, run.history, seconds, force)
+        write_output(*args, processes=acc.num_processes)
         shutil.rmtree(ckpt, ignore_errors=True)
+    acc.wait_for_everyone()  # the others return once the output exists
     return result
-
-
-def _write_output(
-    model: Any,
-    model_dir: Path,
-    output: Path,
-    recipe: MoFERecipe,
-    report: FreezeReport,
-    history: list[dict[str, Any]],
-    seconds: float,
-    force: bool,
-) -> None:
-    model.eval()
-    with atomic_dir(output, force=force) as tmp:
-        # transformers re-saves a model loaded from per-expert tensors in that same per-expert layout
-        model.save_pretrained(str(tmp), max_shard_size="2GB")
-        copy_tokenizer(model_dir, tmp, overwrite=False)
-        (tmp / "moetool-train-recipe.yaml").write_text(recipe.text, encoding="utf-8")
-        for f in ("moetool-recipe.yaml",):
-            if (model_dir / f).is_file():
-                shutil.copy2(model_dir / f, tmp / f)
-        meta_path = model_dir / "moetool.json"
-        meta = read_json(meta_path, what="moetool metadata") if meta_path.is_file() else {}
-        meta["training"] = {
-            "source_model": str(model_dir.resolve()),
-            "steps": recipe.train.steps,
-            "seconds": round(seconds, 1),
-            "freeze": {
-                "preset": recipe.freeze.preset,
-                "trainable_params": report.trainable_params,
-                "frozen_params": report.frozen_params,
-            },
-            "train": recipe.train.model_dump(),
-            "history": history,
-        }
-        (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
-        card_path = model_dir / "README.md"
-        card = card_path.read_text() if card_path.is_file() else "# MoE model\n\n"
-        card = re.sub(r"## Router tuning\n\n.*?\n\n(?=## |\Z)", "", card, flags=re.S)
-        section = _card_section(recipe, report, history, recipe.train.steps)
-        card = card.replace("## Recipe\n", section + "## Recipe\n", 1) if "## Recipe\n" in card else card + section
-        (tmp / "README.md").write_text(card)

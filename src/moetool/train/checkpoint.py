@@ -1,0 +1,90 @@
+"""Resumable state of a router-tuning run: trainable tensors, AdamW moments and counters, no pickle.
+
+A checkpoint holds whole tensors and the step, nothing about processes: the batches of a step are a pure function
+of (seed, step), so a run resumes with any process count (:mod:`moetool.train.distributed`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moetool.errors import MoetoolError
+from moetool.io.safe import read_json
+
+CHECKPOINT_FORMAT = 1
+
+
+def checkpoint_dir(output: Path) -> Path:
+    """Where a run writing ``output`` keeps its resumable state (removed after success)."""
+    return output.parent / f".{output.name}.moetool-train"
+
+
+def save_checkpoint(
+    ckpt: Path,
+    step: int,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    history: list[dict[str, Any]],
+    fingerprint: str,
+) -> None:
+    """Trainable tensors and AdamW moments as safetensors, counters as JSON. Written atomically (a finished
+    temporary folder renamed into place), by one process only."""
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    names = {p: n for n, p in model.named_parameters() if p.requires_grad}
+    save_file({n: p.detach().cpu().contiguous() for p, n in names.items()}, str(tmp / "trainable.safetensors"))
+    moments: dict[str, torch.Tensor] = {}
+    for p, n in names.items():
+        for k, v in opt.state.get(p, {}).items():
+            moments[f"{n}::{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu().contiguous()
+    save_file(moments, str(tmp / "optimizer.safetensors"))
+    state = {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "scheduler": sched.state_dict(),
+        "history": history,
+        "fingerprint": fingerprint,
+    }
+    (tmp / "state.json").write_text(json.dumps(state))
+    shutil.rmtree(ckpt, ignore_errors=True)
+    tmp.rename(ckpt)
+
+
+def load_checkpoint(
+    ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, fingerprint: str
+) -> tuple[int, list[dict[str, Any]]]:
+    """Restore tensors, moments and schedule in place; returns (step, history).
+
+    Raises:
+        MoetoolError: the checkpoint is unreadable or belongs to another run (recipe, model or freeze changed).
+    """
+    try:
+        state = read_json(ckpt / "state.json", what="router-tuning checkpoint state", error=MoetoolError)
+    except MoetoolError as exc:
+        raise MoetoolError(f"{exc}; pass --no-resume to start over") from None
+    if state.get("format") != CHECKPOINT_FORMAT or state.get("fingerprint") != fingerprint:
+        raise MoetoolError(
+            f"{ckpt} belongs to a different run (recipe, model or freeze changed); pass --no-resume to start over"
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, t in load_file(str(ckpt / "trainable.safetensors")).items():
+            params[n].copy_(t)
+    moments = load_file(str(ckpt / "optimizer.safetensors"))
+    for n, p in params.items():
+        st = {k.split("::", 1)[1]: v.to(p.device) for k, v in moments.items() if k.split("::", 1)[0] == n}
+        if st:
+            opt.state[p] = st
+    sched.load_state_dict(state["scheduler"])
+    # the scheduler writes the lr into the optimizer only when it steps; restore the lr it last set
+    for group, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
+        group["lr"] = lr
+    return int(state["step"]), list(state["history"])

@@ -1,0 +1,93 @@
+"""How router tuning spreads over processes (``accelerate launch``, ``torchrun``): data-parallel (DDP), one model
+replica per process, the global batch split into whole micro-batches.
+
+The invariant is the global batch of one optimizer step: ``grad_accum`` micro-batches of ``batch_size`` rows, the
+same rows whatever the process count. Process ``p`` of ``n`` runs micro-batches ``p·g/n … (p+1)·g/n - 1``
+(``g = grad_accum``) and accumulates ``g/n`` of them; DDP averages the gradients. A micro-batch is never cut in rows
+because the load-balancing loss and the router jitter are functions of a whole micro-batch: splitting one would
+change the loss, not just its summation order.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError
+
+# backends this module's replica-per-process scheme is right for; the sharded ones need gathered checkpoints
+_SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU")
+
+
+def _launched_world_size() -> int:
+    """The process count a launcher asked for (torchrun and accelerate set ``WORLD_SIZE``; MPI its own)."""
+    for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
+
+
+def _cpu_only() -> bool:
+    """True when asked for CPUs (``ACCELERATE_USE_CPU``) or launched as several processes with no accelerator.
+
+    accelerate's ``--multi_gpu`` (torchrun) launch on a machine without GPUs gives every process a world of its own
+    unless the Accelerator is told ``cpu=True``; then the processes join one gloo group.
+    """
+    from accelerate.utils import parse_flag_from_env
+
+    asked = parse_flag_from_env("ACCELERATE_USE_CPU")
+    return asked or (_launched_world_size() > 1 and not torch.accelerator.is_available())
+
+
+def single_cpu_launch() -> bool:
+    """True under ``accelerate launch --cpu --num_processes N`` (N > 1) without MPI: that launcher starts one
+    process (it sets the rendezvous address for N but no world size), so the run is correct but not parallel."""
+    from accelerate.utils import parse_flag_from_env
+
+    return parse_flag_from_env("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and _launched_world_size() == 1
+
+
+def make_accelerator(grad_accum: int) -> Any:
+    """The run's Accelerator, accumulating this process's share (``grad_accum / num_processes``) of micro-batches.
+
+    Raises:
+        MoetoolError: ``train.grad_accum`` is not a multiple of the process count; the launcher asked for several
+            processes but they did not join one group; the backend shards the model (FSDP, DeepSpeed, Megatron).
+    """
+    from accelerate import Accelerator, PartialState
+
+    cpu = _cpu_only()
+    state = PartialState(cpu=cpu)
+    n, wanted = state.num_processes, _launched_world_size()
+    if wanted > 1 and n != wanted:
+        raise MoetoolError(
+            f"launched as {wanted} processes but accelerate sees {n}: each would train alone on the whole batch "
+            "(see examples/accelerate/README.md for launch commands that form one group)"
+        )
+    kind = str(state.distributed_type).split(".")[-1]
+    if kind not in _SUPPORTED:
+        raise MoetoolError(
+            f"router tuning runs on one process or data-parallel (DDP) ones, not {kind}: its checkpoints and output "
+            "hold whole tensors, which a sharded backend would have to gather first (examples/accelerate/README.md)"
+        )
+    if grad_accum % n:
+        raise MoetoolError(
+            f"train.grad_accum ({grad_accum}) must be a multiple of the process count ({n}): the global batch "
+            f"(batch_size × grad_accum rows) is split over processes in whole micro-batches; set grad_accum to "
+            f"{n * -(-grad_accum // n)} (and lower batch_size to keep the global batch), or launch a number of processes "
+            f"that divides {grad_accum}"
+        )
+    return Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum // n)
+
+
+def local_micro_batches(grad_accum: int, process_index: int, num_processes: int) -> range:
+    """The global indices (within one optimizer step) of the micro-batches this process runs."""
+    share = grad_accum // num_processes
+    return range(process_index * share, (process_index + 1) * share)
+
+
+def reduce_sum(accelerator: Any, values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over processes (itself on one process), on the CPU. ``values``: ``[K]``."""
+    return accelerator.reduce(values.to(accelerator.device), reduction="sum").cpu()  # type: ignore[no-any-return]

@@ -1,0 +1,76 @@
+"""The tuned model's folder: weights, tokenizer, recipes, ``moetool.json`` with the training record, and the card."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from moetool.io.atomic import atomic_dir
+from moetool.io.files import copy_tokenizer
+from moetool.io.safe import read_json
+from moetool.recipe.mofe import MoFERecipe
+from moetool.recipe.train import TrainSpec
+from moetool.train.freeze import FreezeReport
+
+
+def card_section(recipe: MoFERecipe, report: FreezeReport, history: list[dict[str, Any]], steps: int) -> str:
+    """The model card's "Router tuning" section."""
+    spec: TrainSpec = recipe.train
+    last = history[-1] if history else {}
+    return (
+        "## Router tuning\n\n"
+        f"Tuned with `moetool train` for {steps} steps (lr {spec.learning_rate}, {spec.schedule} schedule, batch "
+        f"{spec.batch_size}×{spec.seq_len} tokens × {spec.grad_accum} accumulation) on domains "
+        f"{', '.join(spec.data)}; freeze preset `{recipe.freeze.preset}`: {report.trainable_params:,} trainable and "
+        f"{report.frozen_params:,} frozen parameters. Losses: LM + {spec.load_balancing_coef}·load-balancing + "
+        f"{spec.z_loss_coef}·z-loss (router jitter {spec.router_jitter}). "
+        f"Final training loss {last.get('loss', float('nan')):.4f}.\n\n"
+    )
+
+
+def write_output(
+    model: Any,
+    model_dir: Path,
+    output: Path,
+    recipe: MoFERecipe,
+    report: FreezeReport,
+    history: list[dict[str, Any]],
+    seconds: float,
+    force: bool,
+    processes: int = 1,
+) -> None:
+    """Write the tuned ``model`` (unwrapped) to ``output`` atomically, in the same format as ``moetool merge``."""
+    model.eval()
+    with atomic_dir(output, force=force) as tmp:
+        # transformers re-saves a model loaded from per-expert tensors in that same per-expert layout
+        model.save_pretrained(str(tmp), max_shard_size="2GB")
+        copy_tokenizer(model_dir, tmp, overwrite=False)
+        (tmp / "moetool-train-recipe.yaml").write_text(recipe.text, encoding="utf-8")
+        for f in ("moetool-recipe.yaml",):
+            if (model_dir / f).is_file():
+                shutil.copy2(model_dir / f, tmp / f)
+        meta_path = model_dir / "moetool.json"
+        meta = read_json(meta_path, what="moetool metadata") if meta_path.is_file() else {}
+        meta["training"] = {
+            "source_model": str(model_dir.resolve()),
+            "steps": recipe.train.steps,
+            "seconds": round(seconds, 1),
+            "processes": processes,
+            "freeze": {
+                "preset": recipe.freeze.preset,
+                "trainable_params": report.trainable_params,
+                "frozen_params": report.frozen_params,
+            },
+            "train": recipe.train.model_dump(),
+            "history": history,
+        }
+        (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
+        card_path = model_dir / "README.md"
+        card = card_path.read_text() if card_path.is_file() else "# MoE model\n\n"
+        card = re.sub(r"## Router tuning\n\n.*?\n\n(?=## |\Z)", "", card, flags=re.S)
+        section = card_section(recipe, report, history, recipe.train.steps)
+        card = card.replace("## Recipe\n", section + "## Recipe\n", 1) if "## Recipe\n" in card else card + section
+        (tmp / "README.md").write_text(card)

@@ -1,0 +1,171 @@
+"""Router tuning over two CPU processes (gloo) under ``accelerate launch``: the same routers as one process with the
+same global batch, and a run resumes under another process count (2 → 1, 1 → 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TEXT, write_recipe
+from moetool.api import merge
+from moetool.recipe import load_recipe
+from moetool.train.distributed import local_micro_batches, make_accelerator
+from moetool.train.router_tuning import checkpoint_dir, train_router
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "accelerate" / "cpu_multi_process.yaml"
+BIN = Path(sys.executable).parent
+# float summation order differs (DDP's all-reduce of two means vs one accumulated sum) and Adam divides by √v, so
+# single-ulp gradient differences grow a little over the steps; measured max |Δ| is below 1e-6
+ATOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(*command: str) -> str:
+    """Run ``command`` as two gloo processes under ``accelerate launch`` on loopback; returns its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIG), "--main_process_port"]
+    proc = subprocess.run(
+        [*launch, str(_free_port()), *command], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def _cli(recipe: Path, model: Path, output: Path) -> str:
+    return _launch("--no_python", str(BIN / "moetool"), "train", str(recipe), "--model", str(model), "-o", str(output))
+
+
+def _routers(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out |= {k: h.get_tensor(k) for k in h.keys() if k.endswith(".gate.weight")}  # noqa: SIM118
+    assert out, f"no router weights in {path}"
+    return out
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    ra, rb = _routers(a), _routers(b)
+    assert set(ra) == set(rb)
+    return max(float((ra[k] - rb[k]).abs().max()) for k in ra)
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_models, tmp_path_factory):
+    """(recipe path, merged MoE, the output of one uninterrupted single-process run)."""
+    m = tiny_models("llama")
+    d = tmp_path_factory.mktemp("multiprocess")
+    (d / "code.txt").write_text("\n\n".join(f"def f{i}(x):\n    return x + {i}\nimport os" for i in range(200)))
+    (d / "legal.txt").write_text("\n\n".join(TEXT.split("\n")[1] + f" clause {i}" for i in range(200)))
+    recipe = write_recipe(
+        d / "r.yaml",
+        f"""
+name: tune
+method: mofe
+base_model: {m["base"]}
+gate_mode: random
+experts:
+  - {{name: a, source: {m["e1"]}}}
+  - {{name: b, source: {m["e2"]}}}
+  - {{name: c, source: {m["e3"]}}}
+freeze:
+  preset: mofe
+train:
+  data:
+    code: {{text: code.txt}}
+    legal: {{text: legal.txt}}
+  steps: 4
+  batch_size: 2
+  seq_len: 16
+  grad_accum: 2
+  learning_rate: 0.01
+  checkpoint_every: 2
+  log_every: 2
+  router_jitter: 0.1
+""",
+    )
+    model = merge(recipe, d / "moe")
+    train_router(load_recipe(recipe), model, d / "one")
+    return recipe, model, d / "one"
+
+
+def test_micro_batches_are_split_not_repeated():
+    for n in (1, 2, 4):
+        shares = [local_micro_batches(8, p, n) for p in range(n)]
+        assert sorted(i for s in shares for i in s) == list(range(8))
+
+
+def test_grad_accum_must_split_over_processes(monkeypatch):
+    import accelerate
+
+    class TwoProcesses:
+        def __init__(self, cpu: bool) -> None:
+            self.num_processes = 2
+            self.distributed_type = accelerate.DistributedType.MULTI_CPU
+
+    monkeypatch.setattr(accelerate, "PartialState", TwoProcesses)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(Exception, match=r"grad_accum \(3\) must be a multiple of the process count \(2\)"):
+        make_accelerator(3)
+
+
+def test_two_processes_equal_one(moe, tmp_path):
+    recipe, model, one = moe
+    log = _cli(recipe, model, tmp_path / "two")
+    assert "processes: 2 (MULTI_CPU)" in log
+    diff = _max_diff(one, tmp_path / "two")
+    print(f"max |Δ router| 1 vs 2 processes: {diff:.3g}")
+    assert diff <= ATOL
+    meta_one = json.loads((one / "moetool.json").read_text())["training"]
+    meta_two = json.loads((tmp_path / "two" / "moetool.json").read_text())["training"]
+    assert (meta_one["processes"], meta_two["processes"]) == (1, 2)
+    # the logged losses are the whole global batch's (reduced over processes), not one process's half
+    for h1, h2 in zip(meta_one["history"], meta_two["history"], strict=True):
+        assert h1["loss"] == pytest.approx(h2["loss"], abs=1e-5)
+        assert h1["load"] == pytest.approx(h2["load"], abs=1e-6)
+    assert not checkpoint_dir(tmp_path / "two").exists()
+
+
+def test_resume_two_to_one(moe, tmp_path):
+    recipe, model, one = moe
+    out = tmp_path / "resumed"
+    log = _launch(str(Path(__file__).with_name("launch_worker.py")), str(recipe), str(model), str(out), "3")
+    assert "stopped after step 3" in log
+    assert not out.exists() and checkpoint_dir(out).exists()
+    res = train_router(load_recipe(recipe), model, out)
+    assert res.resumed_from == 2
+    diff = _max_diff(one, out)
+    print(f"max |Δ router| resumed 2 → 1 vs 1 process: {diff:.3g}")
+    assert diff <= ATOL
+
+
+def test_resume_one_to_two(moe, tmp_path):
+    recipe, model, one = moe
+    out = tmp_path / "resumed"
+
+    def stop(step, _metrics):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_router(load_recipe(recipe), model, out, callback=stop)
+    log = _cli(recipe, model, out)
+    assert "resuming from step 2" in log
+    diff = _max_diff(one, out)
+    print(f"max |Δ router| resumed 1 → 2 vs 1 process: {diff:.3g}")
+    assert diff <= ATOL
