@@ -1,7 +1,11 @@
-"""Tokenizer metadata for GGUF, read from a Hugging Face ``tokenizer.json`` (byte-level BPE).
+"""Tokenizer metadata for GGUF, read from a Hugging Face fast tokenizer (its ``tokenizer.json``).
 
-llama.cpp re-implements each pre-tokenizer by name (``tokenizer.ggml.pre``), so the split rules must be one it
-knows: we recognise the forms below and refuse anything else rather than write a file that tokenizes differently.
+Two kinds of BPE are written, as llama.cpp's ``convert_hf_to_gguf.py`` writes them:
+- byte-level BPE (GPT-2, Llama-3, Qwen2, SmolLM, DeepSeek …) as ``tokenizer.ggml.model = gpt2`` with merges and the
+  llama.cpp pre-tokenizer whose splits match the tokenizer's (:mod:`.pretokenizers`);
+- SentencePiece-style BPE with byte fallback (Llama-2, Mistral, TinyLlama, Phi-3) as ``llama`` with scores, byte
+  tokens and ``add_space_prefix`` (:mod:`.tokenizer_spm`).
+Anything llama.cpp would tokenize differently is refused with what it cannot do, rather than written.
 """
 
 from __future__ import annotations
@@ -12,19 +16,19 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moetool.export.base import ExportError
+from moetool.export.gguf import tokenizer_spm as spm
+from moetool.export.gguf.pretokenizers import choose_pre_tokenizer
 from moetool.io.safe import read_json
 
-# tokenizer.json Split regexes (followed by ByteLevel without its own regex) → llama.cpp pre-tokenizer name
-_SPLIT_PRE: dict[str, str] = {
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
-}
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+# normalizers llama.cpp does not run but which leave already-normalized text as it is (Qwen2's NFC): accepted, so
+# only text not in that form tokenizes differently (a known limit), rather than refusing the family
+_IDEMPOTENT_NORMALIZERS = {"NFC"}
 
 
 @dataclass
@@ -40,31 +44,53 @@ class GGUFVocab:
     add_bos: bool
     add_eos: bool
     chat_template: str | None
+    model: str = "gpt2"  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece-style)
+    scores: list[float] | None = None
+    add_space_prefix: bool | None = None
+    eot: int | None = None  # further ids that end generation in transformers (generation_config's eos list)
+    eom: int | None = None
+    notes: list[str] = field(default_factory=list)
 
 
-def _pre_tokenizer(pre: dict[str, Any] | None, where: Path) -> str:
-    def byte_level(p: dict[str, Any]) -> bool:
-        return p.get("type") == "ByteLevel" and not p.get("add_prefix_space", False)
+def _table(tj: dict[str, Any], where: str, vocab_size: int | None) -> tuple[list[str], list[int]]:
+    """Token strings and types by id, padded with unused ``[PAD{i}]`` rows up to ``vocab_size``."""
+    vocab: dict[str, int] = dict(tj["model"]["vocab"])
+    added = {t["id"]: t for t in tj.get("added_tokens", [])}
+    for t in added.values():
+        vocab[t["content"]] = t["id"]
+    n = max(vocab.values()) + 1
+    if vocab_size is not None and vocab_size < n:
+        raise ExportError(f"{where}: {n} tokens but the model has only {vocab_size} embedding rows")
+    n = max(n, vocab_size or 0)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [TOKEN_UNUSED] * n  # holes and padding rows
+    for piece, i in vocab.items():
+        tokens[i] = piece
+        types[i] = TOKEN_NORMAL
+    for i, t in added.items():
+        types[i] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
+    return tokens, types
 
-    if pre is None:
-        raise ExportError(f"{where}: no pre_tokenizer; llama.cpp's BPE needs one of its known splitters")
-    if byte_level(pre) and pre.get("use_regex", True):
-        return "gpt-2"
-    if pre.get("type") == "Sequence":
-        parts = pre.get("pretokenizers", [])
-        if (
-            len(parts) == 2
-            and parts[0].get("type") == "Split"
-            and byte_level(parts[1])
-            and not parts[1].get("use_regex", True)
-        ):
-            regex = parts[0].get("pattern", {}).get("Regex")
-            if regex in _SPLIT_PRE:
-                return _SPLIT_PRE[regex]
-    raise ExportError(
-        f"{where}: pre-tokenizer {json.dumps(pre)[:200]} is not one llama.cpp implements; supported: ByteLevel "
-        f"(GPT-2 regex, no prefix space) or a Split with the {', '.join(sorted(set(_SPLIT_PRE.values())))} regex"
-    )
+
+def _merges(tj: dict[str, Any], where: str) -> list[str]:
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
+    if not merges:
+        # gguf-py drops empty arrays and llama.cpp then refuses the file
+        raise ExportError(f"{where}: BPE tokenizer without merges")
+    return merges
+
+
+def _load(model_dir: Path) -> tuple[PreTrainedTokenizerBase, dict[str, Any], str]:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ExportError(f"{model_dir}: no tokenizer.json (a fast tokenizer is needed for GGUF metadata)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    backend = getattr(tok, "backend_tokenizer", None)
+    # transformers may rebuild parts of the tokenizer from its class: what it runs is the reference, not the file
+    tj = json.loads(backend.to_str()) if backend is not None else read_json(path, what="tokenizer", error=ExportError)
+    return tok, tj, str(path)
 
 
 def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
@@ -74,52 +100,54 @@ def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
     converter does: llama.cpp requires one token per embedding row.
 
     Raises:
-        ExportError: for tokenizers llama.cpp would treat differently (non-BPE models, normalizers,
-            unknown pre-tokenizers, prefix spaces).
+        ExportError: for tokenizers llama.cpp would treat differently (non-BPE models, normalizers it does not
+            apply, pre-tokenizers it does not implement, missing byte tokens), each named.
     """
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise ExportError(f"{model_dir}: no tokenizer.json (a fast tokenizer is needed for GGUF metadata)")
-    tj = read_json(path, what="tokenizer", error=ExportError)
+    tok, tj, where = _load(model_dir)
     model = tj.get("model", {})
     if model.get("type") != "BPE":
-        raise ExportError(f"{path}: tokenizer model {model.get('type')!r}; only byte-level BPE is supported")
-    if tj.get("normalizer") is not None:
-        raise ExportError(f"{path}: has a normalizer, which llama.cpp's BPE does not apply")
+        raise ExportError(f"{where}: tokenizer model {model.get('type')!r}; only BPE (byte-level or byte-fallback)")
+    tokens, types = _table(tj, where, vocab_size)
+    merges = _merges(tj, where)
+    v = _specials(tok, model_dir, tokens, types, merges)
     if model.get("byte_fallback"):
-        raise ExportError(f"{path}: byte_fallback BPE (SentencePiece style) is not supported yet")
-    pre = _pre_tokenizer(tj.get("pre_tokenizer"), path)
+        spm.check_bytes(tokens, where)
+        v.model, v.pre, v.merges = "llama", "default", []
+        v.add_space_prefix = spm.space_prefix(tj, where)
+        v.token_types = spm.token_types(tokens, types, v.unk)
+        v.scores = spm.scores(tokens, merges, len(tokens))
+        return v
+    norm = tj.get("normalizer")
+    if norm is not None:
+        if norm.get("type") not in _IDEMPOTENT_NORMALIZERS:
+            raise ExportError(f"{where}: has a {norm.get('type')} normalizer, which llama.cpp's BPE does not apply")
+        v.notes.append(f"llama.cpp does not apply the {norm['type']} normalizer: only {norm['type']} text matches")
+    v.pre = choose_pre_tokenizer(tok, tj, where)
+    return v
 
-    vocab: dict[str, int] = dict(model["vocab"])
-    added = {t["content"]: t for t in tj.get("added_tokens", [])}
-    for content, t in added.items():
-        vocab[content] = t["id"]
-    n = max(vocab.values()) + 1
-    if vocab_size is not None and vocab_size < n:
-        raise ExportError(f"{path}: {n} tokens but the model has only {vocab_size} embedding rows")
-    n = max(n, vocab_size or 0)
-    tokens = [f"[PAD{i}]" for i in range(n)]
-    types = [TOKEN_UNUSED] * n  # holes and padding rows
-    for piece, i in vocab.items():
-        tokens[i] = piece
-        types[i] = TOKEN_NORMAL
-    for t in added.values():
-        types[t["id"]] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    if not merges:
-        # gguf-py drops empty arrays and llama.cpp then refuses the file
-        raise ExportError(f"{path}: BPE tokenizer without merges")
 
-    from transformers import AutoTokenizer
+def _end_ids(model_dir: Path, eos: int | None) -> list[int]:
+    """Ids that end generation in transformers besides ``eos`` (``generation_config.json``'s list)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    ids = read_json(path, what="generation config", error=ExportError).get("eos_token_id")
+    ids = ids if isinstance(ids, list) else [ids]
+    return [i for i in ids if isinstance(i, int) and i != eos]
 
-    tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
+
+def _specials(
+    tok: PreTrainedTokenizerBase, model_dir: Path, tokens: list[str], types: list[int], merges: list[str]
+) -> GGUFVocab:
+    """Special ids, BOS/EOS adding as the tokenizer's post-processor does it, and the chat template."""
     probe = tok("a").input_ids
     plain = tok("a", add_special_tokens=False).input_ids
     add_bos = tok.bos_token_id is not None and len(probe) > len(plain) and probe[0] == tok.bos_token_id
     add_eos = tok.eos_token_id is not None and len(probe) > len(plain) and probe[-1] == tok.eos_token_id
+    extra = [i for i in _end_ids(model_dir, tok.eos_token_id) if i < len(tokens)]
     chat = getattr(tok, "chat_template", None)
     return GGUFVocab(
-        pre=pre,
+        pre="",
         tokens=tokens,
         token_types=types,
         merges=merges,
@@ -130,24 +158,33 @@ def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
         add_bos=add_bos,
         add_eos=add_eos,
         chat_template=chat if isinstance(chat, str) else None,
+        eot=extra[0] if extra else None,
+        eom=extra[1] if len(extra) > 1 else None,
     )
 
 
 def write_vocab(writer: Any, v: GGUFVocab) -> None:
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(v.model)
     writer.add_tokenizer_pre(v.pre)
     writer.add_token_list(v.tokens)
+    if v.scores is not None:
+        writer.add_token_scores(v.scores)
     writer.add_token_types(v.token_types)
-    writer.add_token_merges(v.merges)
+    if v.merges:
+        writer.add_token_merges(v.merges)
     for setter, value in (
         (writer.add_bos_token_id, v.bos),
         (writer.add_eos_token_id, v.eos),
         (writer.add_pad_token_id, v.pad),
         (writer.add_unk_token_id, v.unk),
+        (writer.add_eot_token_id, v.eot),
+        (writer.add_eom_token_id, v.eom),
     ):
         if value is not None:
             setter(value)
     writer.add_add_bos_token(v.add_bos)
     writer.add_add_eos_token(v.add_eos)
+    if v.add_space_prefix is not None:
+        writer.add_add_space_prefix(v.add_space_prefix)
     if v.chat_template:
         writer.add_chat_template(v.chat_template)

@@ -1,0 +1,91 @@
+"""SentencePiece-style BPE (byte fallback, ``▁`` for spaces) from a ``tokenizer.json``, as llama.cpp's ``llama``
+tokenizer model: Llama-2, Mistral v0.1-v0.3, TinyLlama, Phi-3's vocabulary.
+
+llama.cpp's SPM tokenizer does not read merges: it repeatedly joins the adjacent pair whose concatenation is a
+vocabulary entry with the highest score (the leftmost on ties). Hugging Face's BPE joins the pair of lowest merge
+rank. A token's score is therefore minus the rank of the first merge that makes it, which orders llama.cpp's joins
+as the merges order Hugging Face's. (llama.cpp's converter gives every token -1000 when it reads only a
+tokenizer.json, which leaves the order to position alone.)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from moetool.export.base import ExportError
+
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+_BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_UNREACHABLE = -1e9  # a multi-character token no merge makes: joined only when nothing else can be
+
+
+def space_prefix(tj: dict[str, Any], where: str) -> bool:
+    """Whether text gets a leading ``▁`` (llama.cpp's ``add_space_prefix``), from the normalizer and pre-tokenizer.
+
+    llama.cpp always writes spaces as ``▁`` and may prepend one; anything else the tokenizer does to text it cannot.
+
+    Raises:
+        ExportError: a normalizer or pre-tokenizer step llama.cpp does not apply (named), or spaces not made ``▁``.
+    """
+    norm, pre = tj.get("normalizer"), tj.get("pre_tokenizer")
+    steps = (norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm]) if norm else []
+    prefix, escaped = False, False
+    for s in steps:
+        if s.get("type") == "Prepend" and s.get("prepend") == "▁":
+            prefix = True
+        elif s.get("type") == "Replace" and s.get("pattern") == {"String": " "} and s.get("content") == "▁":
+            escaped = True
+        else:
+            raise ExportError(f"{where}: normalizer step {s} is not one llama.cpp applies to a SentencePiece vocab")
+    if pre is not None:
+        if pre.get("type") != "Metaspace" or pre.get("replacement") != "▁":
+            raise ExportError(f"{where}: pre-tokenizer {pre.get('type')} is not one llama.cpp's SentencePiece runs")
+        if pre.get("split", True) and any("▁" in p[1:] for p in tj["model"]["vocab"]):
+            # llama.cpp joins across spaces; a splitting Metaspace never does, which matters only for such tokens
+            raise ExportError(f"{where}: Metaspace(split=true) with tokens that hold '▁' inside; llama.cpp joins them")
+        if pre.get("prepend_scheme", "always") != "never":
+            # Metaspace prepends '▁' only where text does not start with one, and with 'first' not after an added
+            # token; llama.cpp prepends a space to every piece of text (sentencepiece's legacy behaviour)
+            raise ExportError(
+                f"{where}: Metaspace(prepend_scheme={pre.get('prepend_scheme')!r}) adds '▁' where llama.cpp does "
+                "not (text that starts with a space, text after a special token); llama.cpp only has the legacy "
+                "Prepend('▁') normalizer's behaviour"
+            )
+        escaped = True
+    if not escaped:
+        raise ExportError(f"{where}: spaces are not written as '▁', which llama.cpp's SentencePiece tokenizer does")
+    return prefix
+
+
+def scores(tokens: list[str], merges: list[str], n: int) -> list[float]:
+    """Minus the rank of the first merge that makes each token; 0 for single characters and bytes."""
+    rank: dict[str, int] = {}
+    for i, m in enumerate(merges):
+        rank.setdefault(m.replace(" ", "", 1), i)
+    out = [0.0] * n
+    for i, t in enumerate(tokens):
+        if t in rank:
+            out[i] = -float(rank[t])
+        elif len(t) > 1 and not _BYTE.fullmatch(t):
+            out[i] = _UNREACHABLE
+    return out
+
+
+def token_types(tokens: list[str], types: list[int], unk: int | None) -> list[int]:
+    """``types`` (normal/control/user-defined/unused) with byte tokens ``<0xNN>`` and the unknown token marked."""
+    out = list(types)
+    for i, t in enumerate(tokens):
+        if out[i] == TOKEN_NORMAL and _BYTE.fullmatch(t):
+            out[i] = TOKEN_BYTE
+    if unk is not None:
+        out[unk] = TOKEN_UNKNOWN
+    return out
+
+
+def check_bytes(tokens: list[str], where: str) -> None:
+    """llama.cpp's byte fallback looks each byte up as ``<0xNN>``: all 256 must be there."""
+    have = set(tokens)
+    missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in have]
+    if missing:
+        raise ExportError(f"{where}: byte_fallback BPE without the byte tokens {', '.join(missing[:4])}…")
