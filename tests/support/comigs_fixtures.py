@@ -67,3 +67,16 @@ users:
     specialists: [{{name: b1}}, {{name: b2}}]
 training: {{rounds: 2, local_iterations: 2, router_every: 2, router_steps: 1, batch_size: 2, seq_len: 16}}
 """
+
+
+def two_user_recipe(root: Path, name: str = "fl") -> Path:
+    """RECIPE_YAML with its base and text files written under ``root``; returns the recipe's path."""
+    from conftest import TEXT
+
+    base = tiny_base(root)
+    lines = TEXT.strip().splitlines()
+    (root / "a.txt").write_text("\n\n".join(lines[0] + " " + lines[1] for _ in range(40)))
+    (root / "b.txt").write_text("\n\n".join(lines[2] + " " + lines[1] for _ in range(40)))
+    path = root / "r.yaml"
+    path.write_text(RECIPE_YAML.replace("{name}", name).format(base=base))
+    return path

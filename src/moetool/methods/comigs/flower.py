@@ -24,8 +24,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, M
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from moetool.io.atomic import atomic_write_text
 from moetool.methods.comigs.assemble import build_user_model, load_dense, shared_names
 from moetool.methods.comigs.bilevel import ClientTrainer, UserData
+from moetool.methods.comigs.device_state import DeviceState, load_state, save_state
 from moetool.methods.comigs.federated import average, load_user_data, make_client, variant_recipe
 from moetool.recipe.comigs import ComigsRecipe
 
@@ -36,7 +38,7 @@ COUNTERS = "comigs.counters"
 def _settings(context: Context, defaults: dict[str, Any]) -> dict[str, Any]:
     """Run settings: the factory's defaults, overridden by ``flwr run --run-config`` / pyproject values."""
     out = dict(defaults)
-    for key in ("recipe", "variant", "output", "rounds"):
+    for key in ("recipe", "variant", "output", "rounds", "round-timeout", "on-missing", "connect-timeout"):
         if key in context.run_config and context.run_config[key] not in ("", None):
             out[key] = context.run_config[key]
     if not out.get("recipe"):
@@ -66,8 +68,15 @@ def _data(path: str, variant: str, index: int) -> UserData:
     return load_user_data(recipe, recipe.users[index], tok, Path(path).parent)
 
 
-def _trainer(context: Context, s: dict[str, Any]) -> tuple[ClientTrainer, int]:
-    """This device's trainer, restored from its node state after the first round."""
+def _state_dir(context: Context) -> Path | None:
+    """``state-dir`` from the SuperNode's ``--node-config``: where this device also keeps its state on disk."""
+    value = context.node_config.get("state-dir", "")
+    return Path(str(value)) if value else None
+
+
+def _trainer(context: Context, s: dict[str, Any], rnd: int) -> tuple[ClientTrainer, int]:
+    """This device's trainer for round ``rnd``, restored from its node state after the first round, or, on a
+    SuperNode restarted within the same run, from the state file of round ``rnd - 1``."""
     path, variant = str(s["recipe"]), str(s["variant"])
     index = int(context.node_config["partition-id"])
     recipe = _recipe(path, variant)
@@ -80,26 +89,46 @@ def _trainer(context: Context, s: dict[str, Any]) -> tuple[ClientTrainer, int]:
         counters = context.state[COUNTERS]
         assert isinstance(record, ArrayRecord) and isinstance(counters, ConfigRecord)
         trainer.restore(dict(record.to_torch_state_dict()), {k: int(v) for k, v in counters.items()})  # type: ignore[call-overload]
+    elif (state_dir := _state_dir(context)) is not None and rnd > 1:
+        saved = load_state(state_dir, recipe.users[index].name)
+        if saved is None or saved.run_id != context.run_id or saved.round != rnd - 1:
+            found = "none" if saved is None else f"run {saved.run_id} round {saved.round}"
+            raise RuntimeError(
+                f"user {recipe.users[index].name!r}: round {rnd} needs the state of run {context.run_id} round "
+                f"{rnd - 1}, and neither this SuperNode's memory nor {state_dir} holds it (on disk: {found})"
+            )
+        trainer.restore(saved.tensors, saved.counters)
     return trainer, index
 
 
-def _persist(trainer: ClientTrainer, context: Context) -> None:
+def _persist(trainer: ClientTrainer, context: Context, user: str, rnd: int) -> None:
+    """Keep the state for the next round: in the node's memory and, with ``state-dir``, atomically on disk. Called
+    only once the round's training is complete, so a device killed mid-round keeps its last completed round."""
     tensors, counters = trainer.private_state()
     context.state[PRIVATE] = ArrayRecord({k: v.contiguous() for k, v in tensors.items()})
     context.state[COUNTERS] = ConfigRecord(dict(counters))
+    if (state_dir := _state_dir(context)) is not None:
+        save_state(state_dir, DeviceState(user, context.run_id, rnd, tensors, dict(counters)))
+
+
+def _round(msg: Message) -> int:
+    cfg = msg.content["config"]
+    assert isinstance(cfg, ConfigRecord)
+    return int(cfg.get("round", 1))  # type: ignore[call-overload]
 
 
 def client_train(msg: Message, context: Context, defaults: dict[str, Any]) -> Message:
     """One round on a device: load the server's generalists, run the local bi-level loop, reply with the shared
     tensors only."""
     s = _settings(context, defaults)
-    trainer, index = _trainer(context, s)
+    rnd = _round(msg)
+    trainer, index = _trainer(context, s, rnd)
     if trainer.shared:
         arrays = msg.content["arrays"]
         assert isinstance(arrays, ArrayRecord)
         trainer.load_shared(dict(arrays.to_torch_state_dict()))
     stats = trainer.local_round()
-    _persist(trainer, context)
+    _persist(trainer, context, _recipe(str(s["recipe"]), str(s["variant"])).users[index].name, rnd)
     content = RecordDict(
         {
             "arrays": ArrayRecord(trainer.shared_state()),
@@ -114,7 +143,7 @@ def client_train(msg: Message, context: Context, defaults: dict[str, Any]) -> Me
 def client_evaluate(msg: Message, context: Context, defaults: dict[str, Any]) -> Message:
     """Load the final generalists, report test perplexity, and (with ``save-dir``) save this user's model there."""
     s = _settings(context, defaults)
-    trainer, index = _trainer(context, s)
+    trainer, index = _trainer(context, s, _round(msg))
     if trainer.shared:
         arrays = msg.content["arrays"]
         assert isinstance(arrays, ArrayRecord)
@@ -158,12 +187,81 @@ def _initial_shared(recipe: ComigsRecipe, recipe_dir: Path, dense: Any) -> dict[
     return {n: named[n].detach().clone() for n in shared_names(model, recipe)}
 
 
-def _replies(grid: Grid, messages: list[Message]) -> list[Message]:
-    replies = list(grid.send_and_receive(messages))
+def _wait_for_nodes(grid: Grid, n_users: int, timeout: float) -> list[int]:
+    """In deployment the SuperNodes connect on their own time: wait until one per user is online."""
+    deadline = time.monotonic() + timeout
+    nodes = list(grid.get_node_ids())
+    while len(nodes) < n_users:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(nodes)} of {n_users} SuperNodes connected within {timeout:g} s")
+        time.sleep(1)
+        nodes = list(grid.get_node_ids())
+    return sorted(nodes)[:n_users]
+
+
+def _collect(
+    grid: Grid, messages: list[Message], s: dict[str, Any], label: str, users: dict[int, str]
+) -> list[Message]:
+    """The good replies to ``messages``. A device that does not answer (its SuperNode died, or it missed
+    ``round-timeout``) or answers with an error fails the run, or, with ``on-missing = "drop"``, is left out of this
+    and every later round. Nothing is averaged from a failed round, and no device's state is touched by it."""
+    timeout = float(s.get("round-timeout") or 0) or None  # None: until Flower's heartbeat marks the node offline
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    good = [r for r in replies if not r.has_error()]
+    answered = {r.metadata.src_node_id for r in good}
+    missing = [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in answered]
+    if not missing:
+        return good
+    who = ", ".join(f"SuperNode {n} (user {users.get(n, '? (no reply yet)')})" for n in missing)
     errors = [r.error.reason for r in replies if r.has_error()]
-    if errors or len(replies) != len(messages):
-        raise RuntimeError(f"{len(messages) - len(replies)} clients did not reply; errors: {errors[:3]}")
-    return replies
+    waited = f"{timeout:g} s (round-timeout)" if timeout else "Flower's node heartbeat timeout"
+    problem = f"{label}: no reply from {who} within {waited}" + (f"; errors: {errors[:3]}" if errors else "")
+    if s.get("on-missing") != "drop" or len(missing) == len(messages):
+        raise RuntimeError(
+            f"{problem}. Nothing of this round was averaged; each device's state (state-dir) still holds its last "
+            'completed round. Run config on-missing="drop" goes on without such devices.'
+        )
+    print(f'comigs: {problem}; dropped (on-missing="drop")', flush=True)
+    return good
+
+
+def _send(
+    nodes: list[int], arrays: dict[str, torch.Tensor], config: dict[str, Any], kind: str, group: str
+) -> list[Message]:
+    return [
+        Message(
+            RecordDict({"arrays": ArrayRecord(arrays), "config": ConfigRecord(config)}),
+            dst_node_id=n,
+            message_type=kind,
+            group_id=group,
+        )
+        for n in nodes
+    ]
+
+
+def _train_rounds(
+    grid: Grid, s: dict[str, Any], recipe: ComigsRecipe, nodes: list[int], server: dict[str, torch.Tensor], rounds: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The federated rounds. Returns the final generalists and the report's history, upload size and drops."""
+    users: dict[int, str] = {}
+    history, dropped, upload_bytes = [], {}, 0
+    for r in range(1, rounds + 1):
+        replies = _collect(grid, _send(nodes, server, {"round": r}, MessageType.TRAIN, str(r)), s, f"round {r}", users)
+        metrics = [rep.content["metrics"] for rep in replies]
+        ids = [int(m["partition-id"]) for m in metrics]  # type: ignore[index,call-overload]
+        if len(set(ids)) != len(ids):
+            raise RuntimeError(f"two SuperNodes run the same user: partition-ids {sorted(ids)} (--node-config)")
+        users.update({rep.metadata.src_node_id: recipe.users[i].name for rep, i in zip(replies, ids, strict=True)})
+        for n in [n for n in nodes if n not in {rep.metadata.src_node_id for rep in replies}]:
+            dropped[users.get(n, f"node {n}")] = r
+            nodes.remove(n)
+        uploads = [dict(rep.content["arrays"].to_torch_state_dict()) for rep in replies]  # type: ignore[union-attr]
+        upload_bytes = sum(t.numel() * t.element_size() for u in uploads for t in u.values())
+        if server:
+            server = average(uploads)
+        ce = {i: float(m["train_ce"]) for i, m in zip(ids, metrics, strict=True)}  # type: ignore[index,arg-type]
+        history.append({"round": r, "train_ce": ce})
+    return server, {"history": history, "upload_bytes_per_round": upload_bytes, "dropped": dropped, "users": users}
 
 
 def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -175,54 +273,12 @@ def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[
     rounds = int(s.get("rounds") or recipe.training.rounds)
     dense, _, _ = _dense(path, variant)
     server = _initial_shared(recipe, Path(path).parent, dense)
-    n_users = len(recipe.users)
-    deadline = time.monotonic() + 600
-    nodes = list(grid.get_node_ids())
-    while len(nodes) < n_users:  # deployment: wait for every SuperNode to connect
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(nodes)} of {n_users} SuperNodes connected")
-        time.sleep(1)
-        nodes = list(grid.get_node_ids())
-    nodes = sorted(nodes)[:n_users]
-    history = []
-    upload_bytes = 0
-    for r in range(1, rounds + 1):
-        msgs = [
-            Message(
-                RecordDict({"arrays": ArrayRecord(server), "config": ConfigRecord({"round": r})}),
-                dst_node_id=n,
-                message_type=MessageType.TRAIN,
-                group_id=str(r),
-            )
-            for n in nodes
-        ]
-        replies = _replies(grid, msgs)
-        uploads = [dict(rep.content["arrays"].to_torch_state_dict()) for rep in replies]  # type: ignore[union-attr]
-        upload_bytes = sum(t.numel() * t.element_size() for u in uploads for t in u.values())
-        if server:
-            server = average(uploads)
-        history.append(
-            {
-                "round": r,
-                "train_ce": {
-                    int(rep.content["metrics"]["partition-id"]):  # type: ignore[index]
-                    float(rep.content["metrics"]["train_ce"])  # type: ignore[index,arg-type]
-                    for rep in replies
-                },
-            }
-        )
+    nodes = _wait_for_nodes(grid, len(recipe.users), float(s.get("connect-timeout") or 600))
+    server, done = _train_rounds(grid, s, recipe, nodes, server, rounds)
     out = str(s.get("output") or "")
-    msgs = [
-        Message(
-            RecordDict({"arrays": ArrayRecord(server), "config": ConfigRecord({"save-dir": out})}),
-            dst_node_id=n,
-            message_type=MessageType.EVALUATE,
-            group_id="final",
-        )
-        for n in nodes
-    ]
+    msgs = _send(nodes, server, {"round": rounds + 1, "save-dir": out}, MessageType.EVALUATE, "final")
     users = {}
-    for rep in _replies(grid, msgs):
+    for rep in _collect(grid, msgs, s, "evaluation", done["users"]):
         m = rep.content["metrics"]
         users[recipe.users[int(m["partition-id"])].name] = {  # type: ignore[index,call-overload]
             "test_ppl": float(m["test_ppl"]),  # type: ignore[index,arg-type]
@@ -233,13 +289,15 @@ def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[
         "variant": variant,
         "engine": "flower",
         "rounds": rounds,
-        "upload_bytes_per_round": upload_bytes,
+        "upload_bytes_per_round": done["upload_bytes_per_round"],
         "users": users,
-        "history": history,
+        "history": done["history"],
     }
+    if done["dropped"]:
+        report["dropped"] = done["dropped"]  # user -> the round it did not answer
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "comigs-report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        atomic_write_text(Path(out) / "comigs-report.json", json.dumps(report, indent=2) + "\n")
     return report
 
 

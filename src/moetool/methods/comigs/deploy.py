@@ -1,0 +1,307 @@
+"""CoMiGS on Flower's deployment engine, on one machine: a SuperLink and one SuperNode per user as separate
+processes on 127.0.0.1, driven by ``flwr run``, with TLS (a fresh local CA) and SuperNode authentication.
+
+Only the standard library is imported here, so the launcher works from any Python: every Flower command, and the
+certificate generation (``cryptography``, a flwr dependency), runs in the Flower venv (``bin``, .venv-flwr/bin). Every
+process gets its own session so that it can be stopped with everything it spawned (Flower's SuperExec and the
+ServerApp/ClientApp processes), and every wait has a deadline. Used by examples/comigs-flower/launch.py and
+tests/methods/comigs/test_deployment.py; docs/comigs.md shows the same commands for real machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+HOST = "127.0.0.1"
+CONNECTION = "comigs-local"  # the SuperLink connection's name in this deployment's own FLWR_HOME
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string is a JSON string for these values
+
+
+def run_config_arg(config: dict[str, Any]) -> str:
+    """``flwr run --run-config`` text: space-separated TOML key=value pairs."""
+    return " ".join(f"{k}={_toml_value(v)}" for k, v in config.items())
+
+
+def _json(text: str) -> dict[str, Any]:
+    """The JSON object a ``flwr ... --format json`` command printed (after any plain lines), or {}."""
+    start = text.find("{")
+    try:
+        data = json.loads(text[start:]) if start >= 0 else {}
+    except json.JSONDecodeError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass
+class LocalDeployment:
+    """``with LocalDeployment(workdir, n_nodes, bin_dir) as d: d.run(app_dir, {...})``. ``secure=False`` runs
+    Flower's ``--insecure`` mode (no TLS, no node authentication)."""
+
+    workdir: Path
+    n_nodes: int
+    bin: Path
+    secure: bool = True
+    node_config: dict[int, dict[str, Any]] = field(default_factory=dict)  # extra --node-config per partition
+    start_timeout: float = 120.0
+    port: int = 0
+    node_ids: list[int] = field(default_factory=list)
+    _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _logs: list[TextIO] = field(default_factory=list)
+
+    # ------------------------------------------------------------------------------------------------ environment
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"  # SuperExec finds flwr-clientapp on PATH
+        env["FLWR_HOME"] = str(self.workdir / "flwr-home")  # never the user's ~/.flwr
+        env["FLWR_TELEMETRY_ENABLED"] = "0"
+        env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def state_dir(self, partition: int) -> Path:
+        return self.workdir / "state" / f"node{partition}"
+
+    def log(self, name: str) -> Path:
+        return self.workdir / "logs" / f"{name}.log"
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        self.log(name).parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log(name), "a", encoding="utf-8")  # noqa: SIM115 (closed in stop())
+        self._logs.append(out)
+        proc = subprocess.Popen(
+            [str(self.bin / argv[0]), *argv[1:]],
+            cwd=self.workdir,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: stop() ends SuperExec and the apps with it
+        )
+        self._procs[name] = proc
+        return proc
+
+    def flwr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """A ``flwr`` CLI command against this deployment's SuperLink."""
+        return subprocess.run(
+            [str(self.bin / "flwr"), *args],
+            cwd=self.workdir,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    # ---------------------------------------------------------------------------------------------------- start
+    def _credentials(self) -> None:
+        """CA, server certificate and node keys, made in the Flower venv (where ``cryptography`` is)."""
+        code = (
+            "import sys; from pathlib import Path; from moetool.methods.comigs.pki import *; "
+            "w = Path(sys.argv[1]); make_server_credentials(w / 'certs', ['127.0.0.1', 'localhost']); "
+            "[make_node_keys(w / 'keys', f'node{i}') for i in range(int(sys.argv[2]))]"
+        )
+        subprocess.run(
+            [str(self.bin / "python"), "-c", code, str(self.workdir), str(self.n_nodes)],
+            check=True,
+            timeout=60,
+            env=self.env,
+        )
+
+    def _write_flower_config(self) -> None:
+        conn = [f'address = "{HOST}:{self.port}"']
+        conn.append(f'root-certificates = "{self.workdir / "certs" / "ca.crt"}"' if self.secure else "insecure = true")
+        home = self.workdir / "flwr-home"
+        home.mkdir(parents=True, exist_ok=True)
+        text = f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n' + "\n".join(conn) + "\n"
+        (home / "config.toml").write_text(text, encoding="utf-8")
+
+    def _wait(self, what: str, ready: Any, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            for name, proc in self._procs.items():
+                if proc.poll() is not None:
+                    tail = self.log(name).read_text(encoding="utf-8", errors="replace")[-2000:]
+                    raise RuntimeError(f"{name} exited ({proc.returncode}) while waiting for {what}:\n{tail}")
+            value = ready()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {timeout:g} s (logs: {self.workdir / 'logs'})")
+            time.sleep(0.5)
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        res = self.flwr("supernode", "ls", CONNECTION, "--format", "json", timeout=30)
+        return list(_json(res.stdout).get("nodes", [])) if res.returncode == 0 else []
+
+    def _superlink_up(self) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(1)
+            if s.connect_ex((HOST, self.port)) != 0:
+                return False
+        return self.flwr("supernode", "ls", CONNECTION, timeout=30).returncode == 0
+
+    def start(self) -> LocalDeployment:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        if self.secure:
+            self._credentials()
+        self._write_flower_config()
+        link = [
+            "flower-superlink",
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--disable-runtime-dependency-installation",
+        ]
+        certs = self.workdir / "certs"
+        if self.secure:
+            link += ["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.pem")]
+            link += ["--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth"]
+        else:
+            link += ["--insecure"]
+        self._spawn("superlink", link)
+        self._wait("the SuperLink", self._superlink_up, self.start_timeout)
+        for i in range(self.n_nodes):
+            self.start_node(i)
+        self._wait(f"{self.n_nodes} SuperNodes online", self._all_online, self.start_timeout)
+        return self
+
+    def _all_online(self) -> bool:
+        online = [n for n in self._nodes() if str(n.get("status", "")).lower() == "online"]
+        return len(online) >= self.n_nodes
+
+    def _register(self, i: int) -> int:
+        """Add node ``i``'s public key to the SuperLink (Flower's node authentication); returns its node id."""
+        res = self.flwr(
+            "supernode", "register", str(self.workdir / "keys" / f"node{i}.pub"), CONNECTION, "--format", "json"
+        )
+        data = _json(res.stdout)
+        if res.returncode != 0 or "node-id" not in data:
+            raise RuntimeError(f"flwr supernode register node{i} failed ({res.returncode}): {res.stdout}{res.stderr}")
+        return int(data["node-id"])
+
+    def start_node(self, i: int) -> None:
+        """Start (or restart, with the same key and so the same node id) the SuperNode of partition ``i``."""
+        config = {"partition-id": i, "num-partitions": self.n_nodes, "state-dir": str(self.state_dir(i))}
+        config |= self.node_config.get(i, {})
+        argv = ["flower-supernode", "--superlink", f"{HOST}:{self.port}", "--node-config", run_config_arg(config)]
+        argv += ["--host", HOST, "--port", str(free_port())]  # its Runtime API, for its own SuperExec
+        if self.secure:
+            if len(self.node_ids) <= i:
+                self.node_ids.append(self._register(i))
+            argv += ["--root-certificates", str(self.workdir / "certs" / "ca.crt")]
+            argv += ["--auth-supernode-private-key", str(self.workdir / "keys" / f"node{i}.key")]
+        else:
+            argv += ["--insecure"]
+        self._spawn(f"supernode{i}", argv)
+
+    # ------------------------------------------------------------------------------------------------------ runs
+    def run_argv(self, app: Path, run_config: dict[str, Any]) -> list[str]:
+        return [
+            str(self.bin / "flwr"),
+            "run",
+            str(app),
+            CONNECTION,
+            "--stream",
+            "--run-config",
+            run_config_arg(run_config),
+        ]
+
+    def submit(self, app: Path, run_config: dict[str, Any], log_name: str = "flwr-run") -> subprocess.Popen[bytes]:
+        """Start ``flwr run --stream`` without waiting (its output goes to logs/<log_name>.log)."""
+        self.log(log_name).parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log(log_name), "w", encoding="utf-8")  # noqa: SIM115 (closed in stop())
+        self._logs.append(out)
+        proc = subprocess.Popen(
+            self.run_argv(app, run_config),
+            cwd=self.workdir,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._procs[log_name] = proc
+        return proc
+
+    def run(self, app: Path, run_config: dict[str, Any], timeout: float = 600) -> tuple[int, str]:
+        """``flwr run`` to its end: (exit code, its output)."""
+        proc = self.submit(app, run_config)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._kill("flwr-run", signal.SIGKILL)
+            raise TimeoutError(
+                f"flwr run did not finish within {timeout:g} s (logs: {self.workdir / 'logs'})"
+            ) from None
+        self._procs.pop("flwr-run")
+        return rc, self.log("flwr-run").read_text(encoding="utf-8", errors="replace")
+
+    # ------------------------------------------------------------------------------------------------------ stop
+    def _kill(self, name: str, sig: int) -> None:
+        proc = self._procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL SuperNode ``i`` with its SuperExec and ClientApp: a device crashing, with no goodbye."""
+        name = f"supernode{i}"
+        self._kill(name, signal.SIGKILL)
+        self._procs[name].wait(timeout=30)
+        self._procs.pop(name)
+
+    def stop(self) -> None:
+        """SIGTERM every process group (SuperNodes first), SIGKILL what is left after 10 s."""
+        names = sorted(self._procs, key=lambda n: n == "superlink")
+        for name in names:
+            self._kill(name, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for name in names:
+            proc = self._procs[name]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            self._kill(name, signal.SIGKILL)  # the group too: a SuperExec may outlive its SuperNode
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        self._procs.clear()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+
+    def __enter__(self) -> LocalDeployment:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
