@@ -33,19 +33,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(*command: str) -> str:
-    """Run ``command`` as two gloo processes under ``accelerate launch`` on loopback; returns its output."""
+def _launch(*args: str) -> str:
+    """``launch_worker.py`` as two gloo processes under ``accelerate launch`` on loopback; returns their output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIG), "--main_process_port"]
-    proc = subprocess.run(
-        [*launch, str(_free_port()), *command], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIG), "--main_process_port", str(_free_port())]
+    worker = str(Path(__file__).with_name("launch_worker.py"))
+    proc = subprocess.run([*launch, worker, *args], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
 
-def _cli(recipe: Path, model: Path, output: Path) -> str:
-    return _launch("--no_python", str(BIN / "moetool"), "train", str(recipe), "--model", str(model), "-o", str(output))
+def _stop_after_3(step, _metrics):
+    if step == 3:
+        raise KeyboardInterrupt
 
 
 def _routers(path: Path) -> dict[str, torch.Tensor]:
@@ -104,6 +104,19 @@ train:
     return recipe, model, d / "one"
 
 
+@pytest.fixture(scope="module")
+def launched(moe, tmp_path_factory):
+    """One two-process launch (launch_worker.py): a CLI run resuming a one-process checkpoint of step 2, an
+    uninterrupted run, and a run stopped after step 3. Returns (log, resumed, uninterrupted, stopped)."""
+    recipe, model, _ = moe
+    d = tmp_path_factory.mktemp("launched")
+    with pytest.raises(KeyboardInterrupt):
+        train_router(load_recipe(recipe), model, d / "resumed", callback=_stop_after_3)
+    log = _launch(str(recipe), str(model), str(d / "resumed"), str(d / "two"), str(d / "stopped"))
+    assert "stopped after step 3" in log
+    return log, d / "resumed", d / "two", d / "stopped"
+
+
 def test_micro_batches_are_split_not_repeated():
     for n in (1, 2, 4):
         shares = [local_micro_batches(8, p, n) for p in range(n)]
@@ -124,28 +137,29 @@ def test_grad_accum_must_split_over_processes(monkeypatch):
         make_accelerator(3)
 
 
-def test_two_processes_equal_one(moe, tmp_path):
-    recipe, model, one = moe
-    log = _cli(recipe, model, tmp_path / "two")
-    assert "processes: 2 (MULTI_CPU)" in log
-    diff = _max_diff(one, tmp_path / "two")
+def test_two_processes_equal_one(moe, launched):
+    recipe, _, one = moe
+    _, _, two, _ = launched
+    diff = _max_diff(one, two)
     print(f"max |Δ router| 1 vs 2 processes: {diff:.3g}")
     assert diff <= ATOL
     meta_one = json.loads((one / "moetool.json").read_text())["training"]
-    meta_two = json.loads((tmp_path / "two" / "moetool.json").read_text())["training"]
+    meta_two = json.loads((two / "moetool.json").read_text())["training"]
     assert (meta_one["processes"], meta_two["processes"]) == (1, 2)
-    # the logged losses are the whole global batch's (reduced over processes), not one process's half
+    spec = load_recipe(recipe).train
+    global_batch = spec.batch_size * spec.seq_len * spec.grad_accum
     for h1, h2 in zip(meta_one["history"], meta_two["history"], strict=True):
+        # split, not repeated: the two processes' tokens add up to the global batch, not twice it
+        assert h1["tokens"] == h2["tokens"] == global_batch
+        # logged losses and loads are the whole global batch's (reduced over processes), not one process's half
         assert h1["loss"] == pytest.approx(h2["loss"], abs=1e-5)
         assert h1["load"] == pytest.approx(h2["load"], abs=1e-6)
-    assert not checkpoint_dir(tmp_path / "two").exists()
+    assert not checkpoint_dir(two).exists()
 
 
-def test_resume_two_to_one(moe, tmp_path):
+def test_resume_two_to_one(moe, launched):
     recipe, model, one = moe
-    out = tmp_path / "resumed"
-    log = _launch(str(Path(__file__).with_name("launch_worker.py")), str(recipe), str(model), str(out), "3")
-    assert "stopped after step 3" in log
+    out = launched[3]
     assert not out.exists() and checkpoint_dir(out).exists()
     res = train_router(load_recipe(recipe), model, out)
     assert res.resumed_from == 2
@@ -154,18 +168,12 @@ def test_resume_two_to_one(moe, tmp_path):
     assert diff <= ATOL
 
 
-def test_resume_one_to_two(moe, tmp_path):
-    recipe, model, one = moe
-    out = tmp_path / "resumed"
-
-    def stop(step, _metrics):
-        if step == 3:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train_router(load_recipe(recipe), model, out, callback=stop)
-    log = _cli(recipe, model, out)
-    assert "resuming from step 2" in log
+def test_resume_one_to_two_from_the_cli(moe, launched):
+    _, _, one = moe
+    log, out = launched[0], launched[1]
+    assert "resuming from step 2" in log and "processes: 2 (MULTI_CPU)" in log
+    assert log.count("wrote") == 1, "only the main process reports"
+    assert not checkpoint_dir(out).exists()
     diff = _max_diff(one, out)
     print(f"max |Δ router| resumed 1 → 2 vs 1 process: {diff:.3g}")
     assert diff <= ATOL

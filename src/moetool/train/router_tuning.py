@@ -139,7 +139,7 @@ def _step(run: _Run, model: Any, opt: Any, spec: TrainSpec, step: int, observe: 
     """One optimizer step; this process runs its micro-batches of the step's ``grad_accum``.
 
     Returns this process's share of the step's figures, ``[5 + E]``: mean ce, lb, z (each summed here over its
-    micro-batches ÷ ``grad_accum``), tokens, then (when ``observe``) routing entropy and the ``E`` expert loads,
+    micro-batches ÷ ``grad_accum``), tokens it ran, then (when ``observe``) routing entropy and the ``E`` expert loads,
     means likewise. Summed over processes, they are the figures of the whole global batch.
     """
     acc = run.accelerator
@@ -184,6 +184,7 @@ def _metrics(figures: torch.Tensor, spec: TrainSpec, done: int, lr: float, obser
         "lb": lb,
         "z": z,
         "lr": lr,
+        "tokens": int(figures[3]),  # the global batch's: the processes' shares add up to it, none repeats another's
     }
     if observe:
         metrics["entropy"] = float(figures[4])
