@@ -16,10 +16,10 @@ MAX_POS = 512
 
 ROPES: dict[str, dict[str, Any]] = {
     "linear": {"rope_type": "linear", "factor": 4.0},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": ORIG},
     "yarn-attention": {
         "rope_type": "yarn",
-        "factor": 4.0,
+        "factor": 8.0,
         "original_max_position_embeddings": ORIG,
         "attention_factor": 1.3,
         "beta_fast": 16.0,

@@ -34,10 +34,7 @@ class StatefulLM(nn.Module):
         end = mask.shape[-1]
         begin = end - t
         x = m.embed(input_ids)
-        inv_freq: torch.Tensor = m.inv_freq  # type: ignore[assignment]
-        freqs = position_ids.float()[..., None] * inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = m.rope(position_ids)
         blocks: list[Any] = list(m.layers)
         for i, block in enumerate(blocks):
             a = block.attn

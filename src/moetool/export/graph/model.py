@@ -7,8 +7,9 @@ families), sharing its weights, but with a forward every graph converter can tra
   router's top-k weights are scattered into an [T, E] matrix (zero for unchosen experts) that weights the sum. No
   data-dependent shapes (the converters choke on transformers' ``nonzero``/grouped paths), and every expert weight is
   a 2-D MatMul a weight quantizer can reach. It computes E/k times the FFN work of a sparse kernel.
-- attention written out (no SDPA), GQA by repeat, rope from explicit ``position_ids``, an additive mask given by
-  the caller, and the KV cache as explicit inputs and outputs: ``past[i] = (k, v)`` of shape [B, kv_heads, P, hd].
+- attention written out (no SDPA), GQA by repeat, rope from explicit ``position_ids`` (scaled rope as transformers
+  computes it, see ``graph/rope.py``), an additive mask given by the caller, and the KV cache as explicit inputs and
+  outputs: ``past[i] = (k, v)`` of shape [B, kv_heads, P, hd].
 
 Shapes: ``input_ids`` [B, T] int64; ``position_ids`` [B, T] int64; ``mask`` [B, 1, T, P+T] float (0 or -inf-ish);
 ``past_k_i``/``past_v_i`` [B, kv_heads, P, head_dim]; logits [B, T, V].
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetool.export.graph.rope import GraphRope
 from moetool.export.graph.sparse import fuse_experts, sparse_moe
 
 NEG = -1e9  # additive mask value: finite, so a fully masked row stays finite in every runtime
@@ -257,9 +259,6 @@ class ExportLM(nn.Module):
         cfg = hf.config
         if cfg.model_type not in SUPPORTED:
             raise ValueError(f"model_type {cfg.model_type!r}: graph export supports {', '.join(SUPPORTED)}")
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported by the export model yet")
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         inner = hf.model
         self.embed = nn.Embedding.from_pretrained(inner.embed_tokens.weight.detach().clone(), freeze=True)
@@ -275,7 +274,7 @@ class ExportLM(nn.Module):
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(inner.norm.weight, eps)
         self.lm_head = linear(hf.lm_head.weight)
-        self.register_buffer("inv_freq", inner.rotary_emb.inv_freq.detach().clone().float(), persistent=False)
+        self.rope = GraphRope(cfg, inner.rotary_emb)  # refuses a rope type a traced graph cannot compute
         self.n_layers = len(blocks)
         self.n_kv = blocks[0].attn.n_kv
         self.head_dim = blocks[0].attn.head_dim
@@ -295,10 +294,7 @@ class ExportLM(nn.Module):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, *past: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         x = self.embed(input_ids)
-        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
-        freqs = position_ids.float()[..., None] * inv_freq  # [B, T, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, hd]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self.rope(position_ids, x.dtype)  # [B, 1, T, hd]
         present: list[torch.Tensor] = []
         for i, block in enumerate(self.layers):
             pk = past[2 * i] if past else None

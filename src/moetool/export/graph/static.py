@@ -31,10 +31,7 @@ class StaticCacheLM(nn.Module):
         keep = 1.0 - onehot.sum(0)[None, None, :, None]  # [1, 1, C, 1]
         write = onehot.t()[None, None]  # [1, 1, C, T]
         x = m.embed(input_ids)
-        inv_freq: torch.Tensor = m.inv_freq  # type: ignore[assignment]
-        freqs = position_ids.float()[..., None] * inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = m.rope(position_ids)
         out: list[torch.Tensor] = []
         blocks: list[Any] = list(m.layers)
         for i, block in enumerate(blocks):
