@@ -15,6 +15,7 @@ import torch
 
 from conftest import TEXT, write_recipe
 from moetool.api import merge
+from moetool.errors import MoetoolError
 from moetool.recipe import load_recipe
 from moetool.train.distributed import local_micro_batches, make_accelerator
 from moetool.train.router_tuning import checkpoint_dir, train_router
@@ -123,18 +124,34 @@ def test_micro_batches_are_split_not_repeated():
         assert sorted(i for s in shares for i in s) == list(range(8))
 
 
-def test_grad_accum_must_split_over_processes(monkeypatch):
+def _fake_launch(monkeypatch, kind: str) -> None:
+    """Two processes as far as make_accelerator can tell, with ``kind`` as the Accelerator's distributed type."""
     import accelerate
 
     class TwoProcesses:
         def __init__(self, cpu: bool) -> None:
             self.num_processes = 2
-            self.distributed_type = accelerate.DistributedType.MULTI_CPU
+
+    class Sharded:
+        def __init__(self, cpu: bool, gradient_accumulation_steps: int) -> None:
+            self.distributed_type = accelerate.DistributedType[kind]
 
     monkeypatch.setattr(accelerate, "PartialState", TwoProcesses)
+    monkeypatch.setattr(accelerate, "Accelerator", Sharded)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(Exception, match=r"grad_accum \(3\) must be a multiple of the process count \(2\)"):
+
+
+def test_grad_accum_must_split_over_processes(monkeypatch):
+    _fake_launch(monkeypatch, "MULTI_CPU")
+    with pytest.raises(MoetoolError, match=r"grad_accum \(3\) must be a multiple of the process count \(2\)"):
         make_accelerator(3)
+    assert make_accelerator(4).distributed_type == "MULTI_CPU"
+
+
+def test_sharded_backends_are_refused(monkeypatch):
+    _fake_launch(monkeypatch, "FSDP")
+    with pytest.raises(MoetoolError, match="not FSDP"):
+        make_accelerator(2)
 
 
 def test_two_processes_equal_one(moe, launched):

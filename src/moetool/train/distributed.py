@@ -66,12 +66,6 @@ def make_accelerator(grad_accum: int) -> Any:
             f"launched as {wanted} processes but accelerate sees {n}: each would train alone on the whole batch "
             "(see examples/accelerate/README.md for launch commands that form one group)"
         )
-    kind = str(state.distributed_type).split(".")[-1]
-    if kind not in _SUPPORTED:
-        raise MoetoolError(
-            f"router tuning runs on one process or data-parallel (DDP) ones, not {kind}: its checkpoints and output "
-            "hold whole tensors, which a sharded backend would have to gather first (examples/accelerate/README.md)"
-        )
     if grad_accum % n:
         raise MoetoolError(
             f"train.grad_accum ({grad_accum}) must be a multiple of the process count ({n}): the global batch "
@@ -79,7 +73,16 @@ def make_accelerator(grad_accum: int) -> Any:
             f"{n * -(-grad_accum // n)} (and lower batch_size to keep the global batch), or launch a number of processes "
             f"that divides {grad_accum}"
         )
-    return Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum // n)
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum // n)
+    # the Accelerator, not the PartialState, knows a sharding plugin (FSDP, DeepSpeed) from the launch config
+    kind = str(accelerator.distributed_type).split(".")[-1]
+    if kind not in _SUPPORTED:
+        raise MoetoolError(
+            f"router tuning runs on one process or data-parallel (DDP) ones, not {kind}: its checkpoints and output "
+            "are whole tensors written by one process, which a sharded backend would have to gather first "
+            "(examples/accelerate/README.md)"
+        )
+    return accelerator
 
 
 def local_micro_batches(grad_accum: int, process_index: int, num_processes: int) -> range:
