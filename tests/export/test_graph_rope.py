@@ -96,3 +96,30 @@ def test_dynamic_ntk_is_refused_with_the_reason():
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"config.json: rope_type 'dynamic'.*traced graph"):
         ExportLM(transformers.AutoModelForCausalLM.from_config(cfg))
+
+
+def test_onnx_graph_switches_longrope_factors_in_onnxruntime(tmp_path):
+    """The in-graph longrope switch survives conversion: onnxruntime equals transformers on both sides of it."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from conftest import save_dense
+    from moetool.api import export
+
+    d = save_dense(tmp_path / "d", "llama", **rope_kwargs("longrope"))
+    export(d, tmp_path / "o", target="onnx", quant="f32", verify=False)
+    s = ort.InferenceSession(str(tmp_path / "o" / "model.onnx"), providers=["CPUExecutionProvider"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    cfg = hf.config
+    empty = {
+        f"past_key_values.{i}.{k}": np.zeros((1, cfg.num_key_value_heads, 0, cfg.head_dim), np.float32)
+        for i in range(cfg.num_hidden_layers)
+        for k in ("key", "value")
+    }
+    for n in (SHORT, LONG):
+        ids = torch.randint(4, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        feeds = {"input_ids": ids.numpy(), "attention_mask": np.ones((1, n), np.int64)}
+        got = s.run(None, feeds | {"position_ids": np.arange(n)[None]} | empty)[0]
+        with torch.no_grad():
+            ref = hf(ids).logits.numpy()
+        assert np.abs(got - ref).max() <= 1e-4, (n, float(np.abs(got - ref).max()))
