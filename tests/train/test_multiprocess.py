@@ -154,6 +154,20 @@ def test_sharded_backends_are_refused(monkeypatch):
         make_accelerator(2)
 
 
+def test_example_configs_parse():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    kinds = {
+        f.stem: str(load_config_from_file(str(f)).distributed_type).split(".")[-1] for f in CONFIG.parent.glob("*.yaml")
+    }
+    assert kinds == {
+        "cpu_multi_process": "MULTI_GPU",  # accelerate's torchrun launcher; moetool makes it gloo on CPUs
+        "one_gpu": "NO",
+        "multi_gpu": "MULTI_GPU",
+        "fsdp": "FSDP",
+    }
+
+
 def test_two_processes_equal_one(moe, launched):
     recipe, _, one = moe
     _, _, two, _ = launched
