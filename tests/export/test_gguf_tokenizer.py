@@ -159,8 +159,8 @@ def test_sentencepiece_vocab_types_and_flags(loaded, family):
     # every id transformers stops on (generation_config's list) ends generation in llama.cpp too
     for i in json.loads((d / "generation_config.json").read_text())["eos_token_id"] if family == "phi3" else []:
         assert llama_cpp.llama_vocab_is_eog(vocab, i)
-    if family == "phi3":
-        assert attr("<|placeholder1|>") & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    if family == "llama2":
+        assert attr("<|note|>") & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
 
 
 @pytest.mark.parametrize("family", ("llama-bpe", "qwen2"))
@@ -224,6 +224,28 @@ def test_embedding_rows_past_the_vocabulary_are_unused(tmp_path):
     assert v.tokens[-1] == f"[PAD{n + 2}]" and v.token_types[-3:] == [5, 5, 5] and len(v.scores or []) == n + 3
 
 
+def test_phi3_strip_needs_llama_cpps_name_rule(loaded, tmp_path):
+    """llama.cpp strips whitespace after Phi-3's tokens only in a model named phi-3: the name gets the marker, and
+    without it llama.cpp keeps the whitespace transformers drops."""
+    import gguf
+
+    d, tok, llm = loaded("phi3")
+    assert "phi-3" in llm.metadata["general.name"].lower()
+    v = read_vocab(d)
+    v.name_marker = None
+    w = gguf.GGUFWriter(str(tmp_path / "unnamed.gguf"), "llama")
+    w.add_name("tiny")
+    write_vocab(w, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with quiet_stderr():
+        unnamed = llama_cpp.Llama(str(tmp_path / "unnamed.gguf"), vocab_only=True, verbose=False)
+    s = "<|user|>\n  hi<|end|>\n<|assistant|> ok"
+    assert unnamed.tokenize(s.encode(), add_bos=False, special=True) != tok(s).input_ids
+
+
 def test_nfc_is_a_known_limit(loaded):
     """Qwen2 normalizes to NFC and llama.cpp does not: decomposed text tokenizes differently, NFC text the same."""
     d, tok, llm = loaded("qwen2")
@@ -274,3 +296,19 @@ def test_unknown_split_regex_is_refused(tmp_path):
     d = _edit(byte_level_tokenizer(tmp_path / "b", "qwen2"), words_only)
     with pytest.raises(ExportError, match="not one llama.cpp implements.*closest"):
         read_vocab(d)
+
+
+@pytest.mark.parametrize(("family", "arch"), [("llama2", "llama"), ("deepseek-coder", "llama")])
+def test_model_with_the_family_tokenizer_exports_with_parity(tmp_path, family, arch):
+    """The whole GGUF export of a tiny model carrying the family's tokenizer: its own parity gate (tokenizer probes,
+    logits) passes in llama.cpp."""
+    from conftest import save_dense
+    from moetool.api import export
+
+    d = save_dense(tmp_path / "m", arch, vocab_size=768, pad_token_id=None)
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    _build(d, family)
+    man = export(d, tmp_path / "o", quant="f32")
+    assert man["parity"]["tokenizer_match"], man["parity"]["tokenizer_mismatches"]
+    assert man["parity"]["top1_agreement"] == 1.0

@@ -81,8 +81,9 @@ def _spm_model() -> tuple[dict[str, int], list[tuple[str, str]]]:
 def spm_tokenizer(out: Path, family: str = "llama2") -> Path:
     """A byte-fallback BPE laid out as ``family``'s tokenizer.json (Llama-2's converter output, legacy or Metaspace).
 
-    Mistral adds control tokens ([INST], [/INST]); Phi-3 adds its chat tokens after the vocabulary, ends on
-    ``<|endoftext|>`` with ``<|end|>`` as a further end id, and does not add BOS.
+    Llama-2 gets a non-special added token; Mistral adds control tokens ([INST], [/INST]); Phi-3 adds its chat
+    tokens after the vocabulary (stripping whitespace on their right), ends on ``<|endoftext|>`` with ``<|end|>`` as
+    a further end id, and does not add BOS.
     """
     vocab, merges = _spm_model()
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
@@ -102,10 +103,13 @@ def spm_tokenizer(out: Path, family: str = "llama2") -> Path:
     gen_eos = None
     if family == "mistral":
         tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("[INST]", "[/INST]")])
-    if family == "phi3":
-        names = ("<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>")
-        tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in names])
-        tok.add_tokens([AddedToken("<|placeholder1|>", normalized=False)])
+    if family == "llama2":  # a fine-tune's added word: not special, so always split out (user-defined)
+        tok.add_tokens([AddedToken("<|note|>", normalized=False)])
+    if family == "phi3":  # its chat tokens strip the whitespace on their right, as do </s> and the placeholders
+        tok.add_special_tokens([AddedToken("<|endoftext|>", normalized=False, special=True)])
+        names = ("<|assistant|>", "<|placeholder1|>", "<|system|>", "<|end|>", "<|user|>")
+        tok.add_special_tokens([AddedToken(t, normalized=False, special=True, rstrip=True) for t in names])
+        tok.add_special_tokens([AddedToken("</s>", normalized=False, special=True, rstrip=True)])
         cfg.update(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
         cfg["chat_template"] = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
         gen_eos = ["<|endoftext|>", "<|end|>"]

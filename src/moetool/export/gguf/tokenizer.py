@@ -49,6 +49,7 @@ class GGUFVocab:
     add_space_prefix: bool | None = None
     eot: int | None = None  # further ids that end generation in transformers (generation_config's eos list)
     eom: int | None = None
+    name_marker: str | None = None  # a word general.name must hold for llama.cpp to strip as the tokenizer does
     notes: list[str] = field(default_factory=list)
 
 
@@ -110,6 +111,7 @@ def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
     tokens, types = _table(tj, where, vocab_size)
     merges = _merges(tj, where)
     v = _specials(tok, model_dir, tokens, types, merges)
+    v.name_marker = _strip_marker(tj, tokens, v.notes, where)
     if model.get("byte_fallback"):
         spm.check_bytes(tokens, where)
         v.model, v.pre, v.merges = "llama", "default", []
@@ -124,6 +126,36 @@ def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
         v.notes.append(f"llama.cpp does not apply the {norm['type']} normalizer: only {norm['type']} text matches")
     v.pre = choose_pre_tokenizer(tok, tj, where)
     return v
+
+
+# llama.cpp has no per-token strip flags in GGUF; it sets them from the model's name, for one family only:
+# "phi-3" → every special and added token strips whitespace on its right, except these (llama-vocab.cpp)
+_PHI3_NOT_RSTRIP = ("<unk>", "<s>", "<|endoftext|>")
+
+
+def _strip_marker(tj: dict[str, Any], tokens: list[str], notes: list[str], where: str) -> str | None:
+    """``"phi-3"`` when the added tokens strip whitespace exactly as llama.cpp does for a model of that name.
+
+    Raises:
+        ExportError: a non-special added token strips whitespace (or is single-word), which llama.cpp never does
+            and which changes how ordinary text tokenizes.
+    """
+    added = tj.get("added_tokens", [])
+    odd = [t["content"] for t in added if not t.get("special") and (t.get("lstrip") or t.get("rstrip"))]
+    odd += [t["content"] for t in added if t.get("single_word")]
+    if odd:
+        raise ExportError(f"{where}: added tokens {odd[:4]} strip whitespace or match whole words; llama.cpp cannot")
+    if not any(t.get("lstrip") or t.get("rstrip") for t in added):
+        return None
+    phi3 = {t["content"] for t in added if t["content"] not in _PHI3_NOT_RSTRIP} | {"</s>"}
+    rstrip = {t["content"] for t in added if t.get("rstrip")}
+    if rstrip == phi3 and not any(t.get("lstrip") for t in added) and set(_PHI3_NOT_RSTRIP) | {"</s>"} <= set(tokens):
+        return "phi-3"
+    notes.append(
+        "llama.cpp ignores the lstrip/rstrip of special tokens: with special tokens parsed, whitespace next to them "
+        "is kept where transformers drops it"
+    )
+    return None
 
 
 def _end_ids(model_dir: Path, eos: int | None) -> list[int]:
@@ -164,6 +196,14 @@ def _specials(
 
 
 def write_vocab(writer: Any, v: GGUFVocab) -> None:
+    """The tokenizer keys; ``writer`` already holds ``general.name``, to which :attr:`GGUFVocab.name_marker` is
+    added when it lacks it."""
+    if v.name_marker:
+        name = writer.kv_data[0].get("general.name")
+        old = str(name.value) if name is not None else ""
+        if v.name_marker not in old.lower():
+            writer.kv_data[0].pop("general.name", None)  # replaced, not duplicated (gguf-py warns on duplicates)
+            writer.add_name(f"{old} ({v.name_marker} vocabulary)".strip())
     writer.add_tokenizer_model(v.model)
     writer.add_tokenizer_pre(v.pre)
     writer.add_token_list(v.tokens)
