@@ -4,6 +4,7 @@
 #   bash scripts/setup.sh --dev    # + test and lint tools
 #   bash scripts/setup.sh --bench  # + mergekit for bench/
 #   bash scripts/setup.sh --llama  # + llama-cpp-python (GGUF parity, K-quants); --dev includes it
+#   bash scripts/setup.sh --eval   # + lm-evaluation-harness (moetool eval --tasks, the demo's task accuracy); --dev too
 #   bash scripts/setup.sh --onnx   # + onnx, onnxruntime, onnxscript (ONNX export); --dev includes it
 #   bash scripts/setup.sh --executorch / --coreml   # ExecuTorch (XNNPACK) / Core ML export; --dev includes both
 #   bash scripts/setup.sh --tflite # litert-torch in its own venv, .venv-litert (it pins typing-extensions and
@@ -21,6 +22,7 @@ for arg in "$@"; do
     --dev) extras="${extras:+$extras,}dev"; tflite=1; comigs=1 ;;
     --bench) extras="${extras:+$extras,}bench" ;;
     --llama) extras="${extras:+$extras,}llama" ;;
+    --eval) extras="${extras:+$extras,}eval" ;;
     --onnx) extras="${extras:+$extras,}onnx" ;;
     --executorch) extras="${extras:+$extras,}executorch" ;;
     --coreml) extras="${extras:+$extras,}coreml" ;;

@@ -303,3 +303,26 @@ def test_push_checks_the_folder_first(packaged, tmp_path, hub):
     with pytest.raises(PushError, match="--repo-id"):
         push(packaged, "a/b/c", endpoint=hub.url, token=TOKEN)
     assert hub.requests == []
+
+
+def test_task_scores_become_model_index(run, tmp_path):
+    report = json.loads((run / "eval.json").read_text())
+    merged = str(run / "merged")
+    report["tasks"] = {
+        merged: {"moetool_cont_code": {"acc": 0.61, "acc_stderr": 0.05, "acc_norm": 0.58, "n": 100.0}},
+        "zoo:code": {"moetool_cont_code": {"acc": 0.55, "acc_stderr": 0.05, "n": 100.0}},
+    }
+    report["settings"]["tasks"] = {"names": ["moetool_cont_code"], "limit": 100, "num_fewshot": None}
+    (tmp_path / "eval.json").write_text(json.dumps(report))
+    readme = build_repo(run / "merged", tmp_path / "repo", eval_json=tmp_path / "eval.json") / "README.md"
+    data, text = _front_matter(readme)
+    (entry,) = data["model-index"]
+    scores = {(r["dataset"]["name"], m["type"]): m["value"] for r in entry["results"] for m in r["metrics"]}
+    assert scores == {("moetool_cont_code", "acc"): 0.61, ("moetool_cont_code", "acc_norm"): 0.58}
+    card = ModelCard.load(str(readme))
+    assert {(e.dataset_name, e.metric_type, e.metric_value) for e in card.data.eval_results} == {
+        ("moetool_cont_code", "acc", 0.61),
+        ("moetool_cont_code", "acc_norm", 0.58),
+    }
+    assert f"| **{merged}** (this model) | 0.610 ± 0.050 |" in text and "| zoo:code | 0.550 ± 0.050 |" in text
+    assert "0-shot, first 100 documents" in text

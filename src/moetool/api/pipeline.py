@@ -50,13 +50,15 @@ def build(
     compare: list[str] | None = None,
     devices: list[str] | None = None,
     max_tokens: int = 8192,
+    tasks: list[str] | None = None,
+    task_limit: int | None = None,
     force: bool = False,
     verify: bool = True,
     console: Console | None = None,
     on_stage: Stage | None = None,
 ) -> BuildResult:
     """The recipe's whole pipeline: assemble → tune (``tune``, default: when the recipe has ``train:``; once per preset) → evaluate
-    (the merged and tuned models beside ``compare``) → export every ``targets:`` entry (or only ``devices``) →
+    (the merged and tuned models beside ``compare``; lm-eval ``tasks`` too, ``task_limit`` documents each) → export every ``targets:`` entry (or only ``devices``) →
     package. The recipe's ``questions:`` are asked of the final model and of each GGUF written (``answers.json``).
 
     ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures there).
@@ -83,7 +85,8 @@ def build(
             outcome = train(r, path, model=merged, force=force, resume=False, preset=preset, console=console)
             result.tuned[preset or "tuned"] = result.model = outcome.output
             stage("trained", (preset, outcome))
-    result.report = _build_eval(r, out, result, compare or [], max_tokens, console, stage)
+    tasks_ = (tasks, task_limit)
+    result.report = _build_eval(r, out, result, compare or [], max_tokens, tasks_, console, stage)
     for t in r.targets:
         if devices is not None and t.device not in devices:
             continue
@@ -118,7 +121,14 @@ def build(
 
 
 def _build_eval(
-    r: MoFERecipe, out: Path, result: BuildResult, compare: list[str], max_tokens: int, console: Console, stage: Stage
+    r: MoFERecipe,
+    out: Path,
+    result: BuildResult,
+    compare: list[str],
+    max_tokens: int,
+    tasks: tuple[list[str] | None, int | None],
+    console: Console,
+    stage: Stage,
 ) -> dict[str, Any] | None:
     """Evaluate the merged and tuned models (beside ``compare``) on the recipe's zoo domains, if it has any."""
     domains = [d for d, src in r.train.data.items() if src.zoo]
@@ -127,7 +137,11 @@ def _build_eval(
         return None
     console.rule("evaluation")
     names = [*compare, str(result.merged), *[str(p) for p in result.tuned.values()]]
-    report = evaluate(names, domains=domains, max_tokens=max_tokens)
+    names_, limit = tasks
+    report = evaluate(
+        names, domains=domains, max_tokens=max_tokens, tasks=names_, limit=limit,
+        on_model=lambda m: console.print(f"lm-eval tasks: {m} …"),
+    )  # fmt: skip
     write_report(report, out / "eval.json", out / "plots")
     stage("evaluated", report)
     return report

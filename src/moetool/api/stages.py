@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -111,18 +112,57 @@ def evaluate(
     own: dict[str, str] | None = None,
     seq_len: int = 256,
     max_tokens: int = 32768,
+    tasks: list[str] | None = None,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    on_model: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Per-domain held-out perplexity, routing statistics and GEM metrics of every model (dirs or ``zoo:NAME``).
+    """Per-domain held-out perplexity, routing statistics and GEM metrics of every model (dirs or ``zoo:NAME``), and
+    lm-evaluation-harness ``tasks`` when asked for.
 
     Held-out text per domain comes from ``data`` (DOMAIN → file) or the zoo; a model's own domain (for GG/DSI) from
-    ``own``, else its zoo name or directory name.
+    ``own``, else its zoo name or directory name. ``tasks`` are lm-eval task names, ``local`` (a continuation task
+    per evaluated domain, :mod:`moetool.eval.tasks`) or ``moetool_cont_DOMAIN``; ``limit`` documents per task,
+    ``num_fewshot`` examples in each prompt. Task scores go under ``tasks[model][task]``.
     """
 
     files = data or {}
     texts = {d: (files[d].read_text(encoding="utf-8") if d in files else _zoo_text(d)) for d in domains}
     paths = {m: resolve_source(m).path for m in models}
     owners = {m: _own_domain(m, p, domains) for m, p in paths.items()} | (own or {})
-    return run(paths, texts, own_domains=owners, seq_len=seq_len, max_tokens=max_tokens)
+    report = run(paths, texts, own_domains=owners, seq_len=seq_len, max_tokens=max_tokens)
+    if tasks:
+        from moetool.eval.harness import run_tasks
+
+        configs = _task_configs(tasks, texts, files)
+        report["tasks"] = run_tasks(paths, configs, limit=limit, num_fewshot=num_fewshot, on_model=on_model)
+        report["settings"]["tasks"] = {
+            "names": [_task_name(t) for t in configs],
+            "limit": limit,
+            "num_fewshot": num_fewshot,
+        }
+    return report
+
+
+def _task_name(task: str | dict[str, Any]) -> str:
+    return task if isinstance(task, str) else str(task["task"])
+
+
+def _task_configs(tasks: list[str], texts: dict[str, str], files: dict[str, Path]) -> list[str | dict[str, Any]]:
+    """lm-eval task names as they are; ``local`` and ``moetool_cont_DOMAIN`` as task configs over held-out text."""
+    from moetool.eval.tasks import local_domain, write_local_tasks
+    from moetool.paths import cache_dir
+
+    wanted: list[str] = []
+    for t in tasks:
+        wanted += [f"moetool_cont_{d}" for d in texts] if t == "local" else [t]
+    local = {d: texts.get(d) or _domain_text(d, files) for t in wanted if (d := local_domain(t)) is not None}
+    configs = write_local_tasks(local, cache_dir() / "lm-eval-tasks")
+    return [configs.get(t, t) for t in dict.fromkeys(wanted)]
+
+
+def _domain_text(domain: str, files: dict[str, Path]) -> str:
+    return files[domain].read_text(encoding="utf-8") if domain in files else _zoo_text(domain)
 
 
 def _zoo_text(domain: str) -> str:

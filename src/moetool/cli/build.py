@@ -44,12 +44,19 @@ def build(
         bool | None, typer.Option("--train/--no-train", help="Tune routers (default: when the recipe has train:).")
     ] = None,
     max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain in the evaluation.")] = 8192,
+    tasks: Annotated[
+        str | None, typer.Option(help="lm-eval tasks to score too (comma-separated; 'local': one per zoo domain).")
+    ] = None,
+    task_limit: Annotated[int | None, typer.Option(help="Documents per lm-eval task.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace existing outputs.")] = False,
 ) -> None:
     """The recipe's whole pipeline: merge → tune (if asked) → evaluate → export every `targets:` entry → package."""
     from moetool import api
 
-    api.build(recipe, output, tune=train, max_tokens=max_tokens, force=force, console=console, on_stage=_printer)
+    api.build(
+        recipe, output, tune=train, max_tokens=max_tokens, tasks=[t for t in (tasks or "").split(",") if t] or None,
+        task_limit=task_limit, force=force, console=console, on_stage=_printer,
+    )  # fmt: skip
 
 
 _DEMO_RECIPES = {"smollm2": "recipes/real-mofe.yaml", "default": "recipes/demo-mofe.yaml"}
@@ -67,6 +74,9 @@ def demo(
         typer.Option(help="Recipe to merge and tune (default: recipes/real-mofe.yaml, or demo-mofe.yaml for tiny)."),
     ] = None,
     max_tokens: Annotated[int | None, typer.Option(help="Held-out tokens per domain in the evaluation.")] = None,
+    task_limit: Annotated[
+        int | None, typer.Option(help="Documents per local lm-eval task (default: 100 on smollm2, all on tiny).")
+    ] = None,
 ) -> None:
     """Zoo → merge → router tuning → evaluation with a verdict → verified GGUF for a Raspberry Pi → HF repo folder →
     one question per domain, answered by the MoE in transformers and by the GGUF in llama.cpp."""
@@ -93,10 +103,14 @@ def demo(
             f"[yellow]llama-cpp-python is not installed ({escape(install_hint('llama'))}): the GGUF is written but "
             "not checked in llama.cpp[/]"
         )
+    tasks = ["local"] if importlib.util.find_spec("lm_eval") is not None else None
+    if tasks is None:
+        console.print(f"[yellow]lm-eval is not installed ({escape(install_hint('eval'))}): no task accuracy[/]")
     res = api.build(
         r, output, presets=["mofe"] if real else ["router_only", "mofe"],
         compare=[r.base_model, *[e.source for e in r.experts]], devices=["raspberry-pi-4"],
-        max_tokens=max_tokens or (4096 if real else 16384), force=True, verify=verify, console=console,
+        max_tokens=max_tokens or (4096 if real else 16384), tasks=tasks,
+        task_limit=task_limit or (100 if real else None), force=True, verify=verify, console=console,
         on_stage=_printer,
     )  # fmt: skip
     if res.report is not None:

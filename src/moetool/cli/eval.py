@@ -36,8 +36,18 @@ def eval_cmd(
     max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain.")] = 32768,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write the full report as JSON.")] = None,
     plots: Annotated[Path | None, typer.Option(help="Directory for PNG plots.")] = None,
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated lm-evaluation-harness tasks: lm-eval names (datasets from the local cache), "
+            "'local' (a continuation task per domain, built from the held-out text) or moetool_cont_DOMAIN."
+        ),
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="Documents per task (all when not given).")] = None,
+    num_fewshot: Annotated[int | None, typer.Option(help="Few-shot examples per prompt (task default).")] = None,
 ) -> None:
-    """Per-domain held-out perplexity, routing statistics and GEM metrics for every model given."""
+    """Per-domain held-out perplexity, routing statistics and GEM metrics for every model given; with --tasks,
+    lm-evaluation-harness task scores side by side."""
     files = {d: Path(f) for d, f in (item.split("=", 1) for item in (data or []))}
     owners = dict(x.split("=", 1) for x in (own or []))
     run_eval(
@@ -49,6 +59,10 @@ def eval_cmd(
         max_tokens=max_tokens,
         json_file=json_file,
         plots=plots,
+        tasks=[t for t in (tasks or "").split(",") if t] or None,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        on_model=(lambda m: out.print(f"lm-eval tasks: {m} …")) if tasks else None,
     )
 
 

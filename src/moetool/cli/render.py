@@ -61,6 +61,32 @@ def print_report(report: dict[str, Any]) -> None:
             mean = [sum(layer[i] for layer in layers) / len(layers) for i in range(len(experts))]
             t.add_row(d, *[f"{x:.2f}" for x in mean], f"{sum(st['entropy']) / len(st['entropy']):.2f}")
         out.print(t)
+    if report.get("tasks"):
+        print_tasks(report)
+
+
+def print_tasks(report: dict[str, Any]) -> None:
+    """Task accuracy per model (lm-evaluation-harness): ``acc ± stderr``, ``acc_norm`` where the task has it."""
+    settings = report["settings"].get("tasks", {})
+    names = settings.get("names") or sorted({t for row in report["tasks"].values() for t in row})
+    shots, limit = settings.get("num_fewshot"), settings.get("limit")
+    t = Table(
+        title=f"task accuracy (lm-eval; {shots or 0}-shot" + (f", first {limit} documents" if limit else "") + ")"
+    )
+    t.add_column("model")
+    for n in names:
+        t.add_column(n, justify="right")
+    for m, row in report["tasks"].items():
+        t.add_row(m, *[_score(row.get(n, {})) for n in names])
+    out.print(t)
+
+
+def _score(s: dict[str, float]) -> str:
+    key = next((k for k in ("acc", "exact_match", "f1", "mcc") if k in s), None)
+    if key is None:
+        return "–"
+    text = f"{s[key]:.3f} ± {s.get(key + '_stderr', float('nan')):.3f}"
+    return text + (f" (norm {s['acc_norm']:.3f})" if key == "acc" and "acc_norm" in s else "")
 
 
 def acceptance(report: dict[str, Any], candidates: list[str], tolerance: float = 0.05) -> bool:

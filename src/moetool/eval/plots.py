@@ -65,9 +65,34 @@ def routing_share_plot(report: dict[str, Any], model: str, path: Path) -> Path:
     return path
 
 
+def task_accuracy_plot(report: dict[str, Any], path: Path) -> Path:
+    """Grouped bars: each task's accuracy per model, with the standard error as error bars."""
+    plt = _plt()
+    models = list(report["tasks"])
+    tasks = report["settings"].get("tasks", {}).get("names") or sorted({t for r in report["tasks"].values() for t in r})
+    width = 0.8 / max(len(models), 1)
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(tasks), 3.6))
+    for i, m in enumerate(models):
+        acc = [report["tasks"][m].get(t, {}).get("acc", 0.0) for t in tasks]
+        err = [report["tasks"][m].get(t, {}).get("acc_stderr", 0.0) for t in tasks]
+        xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(tasks))]
+        ax.bar(xs, acc, width, yerr=err, capsize=2, label=Path(m).name or m)
+    ax.set_xticks(range(len(tasks)), tasks, rotation=15)
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize="small")
+    ax.set_title("task accuracy (lm-evaluation-harness)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [perplexity_heatmap(report, out_dir / "perplexity.png")]
+    if report.get("tasks"):
+        paths.append(task_accuracy_plot(report, out_dir / "tasks.png"))
     for i, model in enumerate(report["routing"]):
         paths.append(routing_share_plot(report, model, out_dir / f"routing-{i}-{Path(model).name or 'model'}.png"))
     return paths

@@ -312,3 +312,20 @@ __all__ = [
     "pid_alive",
     "sweep_leftovers",
 ]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write one file so that a reader sees either nothing (or the old file) or all of it: a temporary sibling,
+    fsynced, then renamed over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}{os.getpid()}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

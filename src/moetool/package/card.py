@@ -23,11 +23,16 @@ def _fence(text: str, lang: str) -> str:
 
 
 def front_matter(
-    meta: dict[str, Any], artifacts: list[Artifact], recipe: str | None, recipe_path: Path = Path("moetool-recipe.yaml")
+    meta: dict[str, Any],
+    artifacts: list[Artifact],
+    recipe: str | None,
+    recipe_path: Path = Path("moetool-recipe.yaml"),
+    task_scores: dict[str, dict[str, float]] | None = None,
 ) -> str:
     """YAML the Hub reads. Only Hub repo ids go into ``base_model``: zoo and local sources are not on the Hub.
 
-    ``recipe`` is the text of ``recipe_path`` (named in errors), read strictly for its ``license``.
+    ``recipe`` is the text of ``recipe_path`` (named in errors), read strictly for its ``license``. ``task_scores``
+    (the packaged model's lm-eval scores: task → metric → value) become the ``model-index`` results the Hub shows.
     """
     from huggingface_hub import ModelCardData
 
@@ -45,8 +50,32 @@ def front_matter(
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=list(dict.fromkeys(t for t in tags if t)),
+        model_name=(meta.get("name") or "model") if task_scores else None,
+        eval_results=_eval_results(task_scores) if task_scores else None,
     )
     return f"---\n{data.to_yaml()}\n---\n"
+
+
+def _eval_results(scores: dict[str, dict[str, float]]) -> list[Any]:
+    """One Hub ``EvalResult`` per task and metric (the stderr rides along as ``metric_verified=False`` data only)."""
+    from huggingface_hub import EvalResult
+
+    results = []
+    for task, row in scores.items():
+        for metric in ("acc", "acc_norm", "exact_match", "f1", "mcc"):
+            if metric in row:
+                results.append(
+                    EvalResult(
+                        task_type="text-generation",
+                        dataset_type=task,
+                        dataset_name=task,
+                        metric_type=metric,
+                        metric_value=round(float(row[metric]), 4),
+                        source_name="lm-evaluation-harness",
+                        source_url="https://github.com/EleutherAI/lm-evaluation-harness",
+                    )
+                )
+    return results
 
 
 _KINDS = {"zoo": "moetool's self-trained demo models", "local": "directories on the machine that built this model"}
@@ -127,11 +156,32 @@ def _eval_section(report: dict[str, Any], model: Path, plots: list[str], same_ru
         + "\n".join(rows)
         + "\n\n"
     )
+    if report.get("tasks"):
+        text += _tasks_table(report, this)
     if this is None:
         text += "The packaged model itself is not among the evaluated models.\n\n"
     for p in plots:
         text += f"![{Path(p).stem}]({p})\n\n"
     return text
+
+
+def _tasks_table(report: dict[str, Any], this: str | None) -> str:
+    settings = report.get("settings", {}).get("tasks", {})
+    names = settings.get("names") or sorted({t for r in report["tasks"].values() for t in r})
+    rows = []
+    for m, row in report["tasks"].items():
+        cells = [
+            f"{row[t]['acc']:.3f} ± {row[t].get('acc_stderr', 0):.3f}" if "acc" in row.get(t, {}) else "–"
+            for t in names
+        ]
+        rows.append(f"| {f'**{m}** (this model)' if m == this else m} | " + " | ".join(cells) + " |")
+    how = f"{settings.get('num_fewshot') or 0}-shot" + (
+        f", first {settings['limit']} documents" if settings.get("limit") else ""
+    )
+    return (
+        f"Task accuracy with lm-evaluation-harness ({how}; ± standard error):\n\n"
+        f"| model | {' | '.join(names)} |\n|---|{'---:|' * len(names)}\n" + "\n".join(rows) + "\n\n"
+    )
 
 
 def _parity(p: Any) -> str:
@@ -251,4 +301,6 @@ def render_card(
         body += "## Recipe\n\n" + _fence(recipe, "yaml") + "\n"
     if train_recipe:
         body += "## Training recipe\n\n" + _fence(train_recipe, "yaml") + "\n"
-    return front_matter(meta, artifacts, recipe, model / "moetool-recipe.yaml") + "\n" + body.rstrip() + "\n"
+    this = _eval_key(report, model, same_run) if report is not None else None
+    scores = (report or {}).get("tasks", {}).get(this) if this is not None else None
+    return front_matter(meta, artifacts, recipe, model / "moetool-recipe.yaml", scores) + "\n" + body.rstrip() + "\n"

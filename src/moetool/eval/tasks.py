@@ -1,0 +1,122 @@
+"""Local lm-evaluation-harness tasks that need no download: pick the true continuation of a held-out passage.
+
+Each zoo domain gets a multiple-choice task, ``moetool_cont_<domain>``, built from that domain's held-out text: a
+passage's first words are the context, its next words the true continuation, and the distractors are continuations
+taken from far-away passages of the same domain's text (so the task measures fit to the text, not which domain a
+snippet comes from). Items depend only on the text and the seed. The items are written as JSON lines and the task
+is an lm-eval task config (a dict, the same keys as a task YAML), so lm-eval runs it as any other task.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetool.errors import MoetoolError
+from moetool.io.atomic import atomic_write_text
+
+PREFIX = "moetool_cont_"
+# a passage is CONTEXT_WORDS of context then CHOICE_WORDS of continuation; 4 choices: chance is 25 %
+CONTEXT_WORDS = 48
+CHOICE_WORDS = 12
+N_CHOICES = 4
+MAX_ITEMS = 200
+
+
+@dataclass(frozen=True)
+class ContinuationItem:
+    """One multiple-choice item: ``choices[gold]`` is the passage's true continuation."""
+
+    context: str
+    choices: list[str]
+    gold: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"context": self.context, "choices": self.choices, "gold": self.gold}
+
+
+def task_name(domain: str) -> str:
+    """The local task of a zoo domain (``code`` → ``moetool_cont_code``)."""
+    return f"{PREFIX}{domain}"
+
+
+def local_domain(task: str) -> str | None:
+    """The domain of a local task name, None for any other task."""
+    return task.removeprefix(PREFIX) if task.startswith(PREFIX) else None
+
+
+def continuation_items(text: str, *, seed: int = 0, max_items: int = MAX_ITEMS) -> list[ContinuationItem]:
+    """Multiple-choice items from one domain's held-out text.
+
+    The text is cut into consecutive passages of ``CONTEXT_WORDS + CHOICE_WORDS`` words (whitespace inside a passage
+    kept as written). Each passage's distractors are the continuations of ``N_CHOICES - 1`` other passages at least
+    two passages away; the gold position is drawn from ``seed``.
+
+    Raises:
+        MoetoolError: when the text has fewer than ``2 * N_CHOICES`` passages.
+    """
+    words = text.split()
+    span = CONTEXT_WORDS + CHOICE_WORDS
+    passages = [words[i : i + span] for i in range(0, len(words) - span + 1, span)]
+    if len(passages) < 2 * N_CHOICES:
+        raise MoetoolError(
+            f"held-out text of {len(words)} words is too short for a continuation task: "
+            f"need {2 * N_CHOICES * span} words ({2 * N_CHOICES} passages of {span})"
+        )
+    rng = random.Random(seed)
+    order = list(range(len(passages)))
+    rng.shuffle(order)
+    items = []
+    for i in order[:max_items]:
+        far = [j for j in range(len(passages)) if abs(j - i) > 1]
+        others = rng.sample(far, N_CHOICES - 1)
+        conts = [" " + " ".join(passages[j][CONTEXT_WORDS:]) for j in others]
+        gold = rng.randrange(N_CHOICES)
+        conts.insert(gold, " " + " ".join(passages[i][CONTEXT_WORDS:]))
+        items.append(ContinuationItem(" ".join(passages[i][:CONTEXT_WORDS]), conts, gold))
+    return items
+
+
+def task_config(domain: str, data_file: Path) -> dict[str, Any]:
+    """The lm-eval task config (what a task YAML holds) of a domain's items in ``data_file`` (JSON lines)."""
+    return {
+        "task": task_name(domain),
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+        "test_split": "test",
+        "fewshot_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{context}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{gold}}",
+        # the choices carry their own leading space
+        "target_delimiter": "",
+        "fewshot_delimiter": "\n\n",
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
+        "metadata": {"version": 1.0, "description": f"true continuation of held-out {domain} text among distractors"},
+    }
+
+
+def write_local_tasks(texts: Mapping[str, str], cache: Path, *, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Write each domain's items under ``cache`` (named by a hash of the text and seed) and return the task configs.
+
+    Returns:
+        task name → lm-eval task config.
+    """
+    configs = {}
+    for domain, text in texts.items():
+        digest = hashlib.sha256(f"{seed}\n{text}".encode()).hexdigest()[:16]
+        path = cache / f"{task_name(domain)}-{digest}.jsonl"
+        if not path.is_file():
+            lines = (json.dumps(it.to_json(), ensure_ascii=False) for it in continuation_items(text, seed=seed))
+            atomic_write_text(path, "\n".join(lines) + "\n")
+        configs[task_name(domain)] = task_config(domain, path)
+    return configs

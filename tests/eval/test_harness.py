@@ -1,0 +1,129 @@
+"""lm-evaluation-harness: moetool's local continuation tasks run in lm-eval and score what a direct computation gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from moetool.errors import MoetoolError
+from moetool.eval.harness import TaskError, task_scores
+from moetool.eval.tasks import CHOICE_WORDS, CONTEXT_WORDS, N_CHOICES, continuation_items, write_local_tasks
+from moetool.zoo.tokenizer import train_tokenizer
+
+pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
+
+WORDS = [f"w{i % 97}{'ab'[i % 2]}" for i in range(3000)]
+TEXT = " ".join(
+    f"Section {i}. The licensee shall keep {w} notices, and the licensor grants {w} rights.\n"
+    for i, w in enumerate(WORDS)
+)
+
+
+def test_items_hold_the_true_continuation_at_gold():
+    items = continuation_items(TEXT, seed=3)
+    assert items == continuation_items(TEXT, seed=3) and items != continuation_items(TEXT, seed=4)
+    words = TEXT.split()
+    for it in items[:20]:
+        assert len(it.choices) == N_CHOICES and len(set(it.choices)) == N_CHOICES
+        ctx = it.context.split()
+        start = next(i for i in range(0, len(words), CONTEXT_WORDS + CHOICE_WORDS) if words[i : i + len(ctx)] == ctx)
+        true = " " + " ".join(words[start + CONTEXT_WORDS : start + CONTEXT_WORDS + CHOICE_WORDS])
+        assert it.choices[it.gold] == true
+    assert {it.gold for it in items} == set(range(N_CHOICES))
+
+
+def test_short_text_is_refused():
+    with pytest.raises(MoetoolError, match="too short for a continuation task"):
+        continuation_items("a few words only")
+
+
+@pytest.fixture(scope="module")
+def lm():
+    tok = train_tokenizer([TEXT], vocab_size=400)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = LlamaForCausalLM(cfg)
+    # a few steps on the text, so the scores are not chance and a wrong pairing of choices and gold would show
+    ids = torch.tensor(tok(TEXT)["input_ids"][: 64 * 40]).view(40, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(30):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval(), tok
+
+
+def _direct(model, tok, item) -> tuple[int, int]:
+    """(argmax of summed log-likelihood, argmax of it per character of the choice), tokenised as lm-eval does:
+    context alone, then context + choice, the choice's tokens being what follows the context's."""
+    lls = []
+    ctx = tok(item["context"])["input_ids"]
+    for choice in item["choices"]:
+        whole = tok(item["context"] + choice)["input_ids"]
+        cont = whole[len(ctx) :]
+        inp = torch.tensor([whole[:-1]])
+        with torch.no_grad():
+            logp = model(input_ids=inp).logits[0].log_softmax(-1)
+        lls.append(sum(float(logp[len(whole) - len(cont) - 1 + k, t]) for k, t in enumerate(cont)))
+    norm = [ll / len(c) for ll, c in zip(lls, item["choices"], strict=True)]
+    return max(range(len(lls)), key=lls.__getitem__), max(range(len(norm)), key=norm.__getitem__)
+
+
+def test_local_task_scores_equal_a_direct_computation(tmp_path, lm):
+    model, tok = lm
+    configs = write_local_tasks({"legal": TEXT}, tmp_path)
+    ((name, cfg),) = configs.items()
+    limit = 24
+    scores = task_scores(model, tok, [cfg], limit=limit)[name]
+    path = cfg["dataset_kwargs"]["data_files"]["test"]
+    items = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()][:limit]
+    preds = [_direct(model, tok, it) for it in items]
+    acc = sum(p == it["gold"] for (p, _), it in zip(preds, items, strict=True)) / limit
+    acc_norm = sum(p == it["gold"] for (_, p), it in zip(preds, items, strict=True)) / limit
+    assert scores["n"] == limit
+    assert scores["acc"] == pytest.approx(acc, abs=1e-9) and scores["acc_norm"] == pytest.approx(acc_norm, abs=1e-9)
+    assert scores["acc"] > 1 / N_CHOICES, "a model trained on the text should beat chance on its continuations"
+    assert scores["acc_stderr"] > 0
+
+
+def test_unknown_task_names_itself(lm):
+    model, tok = lm
+    with pytest.raises(TaskError, match="no_such_task"):
+        task_scores(model, tok, ["no_such_task"], limit=2)
+
+
+def test_evaluate_reports_tasks_beside_perplexity(tmp_path, lm, monkeypatch):
+    from moetool.api import evaluate, write_report
+    from moetool.cli.render import print_report
+
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    model, tok = lm
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    (tmp_path / "legal.txt").write_text(TEXT)
+    m = str(tmp_path / "m")
+    report = evaluate(
+        [m], domains=["legal"], data={"legal": tmp_path / "legal.txt"}, max_tokens=512, tasks=["local"], limit=8
+    )
+    assert set(report["tasks"][m]) == {"moetool_cont_legal"} and report["tasks"][m]["moetool_cont_legal"]["n"] == 8
+    assert report["settings"]["tasks"] == {"names": ["moetool_cont_legal"], "limit": 8, "num_fewshot": None}
+    assert list((tmp_path / "cache" / "lm-eval-tasks").glob("moetool_cont_legal-*.jsonl"))
+    written = write_report(report, tmp_path / "eval.json", tmp_path / "plots")
+    assert tmp_path / "plots" / "tasks.png" in written
+    print_report(report)  # the task table renders beside the perplexity table
