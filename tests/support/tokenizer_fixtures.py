@@ -48,7 +48,10 @@ def _save(tok: Tokenizer, out: Path, gen_eos: list[str] | None = None, **config:
 
 # --- SentencePiece-style BPE (byte fallback) --------------------------------------------------------------------
 
-SPM_FAMILIES = ("llama2", "mistral", "tinyllama", "phi3", "llama2-metaspace")
+SPM_FAMILIES = ("llama2", "mistral", "tinyllama", "phi3", "llama2-fast")
+# tokenizer_config's legacy flag per family (its tokenizer_class is LlamaTokenizer, which transformers 5 rebuilds
+# with a Metaspace pre-tokenizer: 'always' when legacy, else 'first'); llama2-fast keeps tokenizer.json verbatim
+_LEGACY = {"llama2": False, "mistral": True, "tinyllama": False, "phi3": False}
 
 
 def _spm_model() -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -87,10 +90,7 @@ def spm_tokenizer(out: Path, family: str = "llama2") -> Path:
     """
     vocab, merges = _spm_model()
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
-    if family == "llama2-metaspace":
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    else:
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     tok.decoder = decoders.Sequence(steps)
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>", "</s>")])
@@ -103,7 +103,9 @@ def spm_tokenizer(out: Path, family: str = "llama2") -> Path:
     gen_eos = None
     if family == "mistral":
         tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("[INST]", "[/INST]")])
-    if family == "llama2":  # a fine-tune's added word: not special, so always split out (user-defined)
+    if family in _LEGACY:
+        cfg.update(tokenizer_class="LlamaTokenizer", legacy=_LEGACY[family], add_bos_token=family != "phi3")
+    if family in ("llama2", "llama2-fast"):  # a fine-tune's added word: not special, so always split out (user-defined)
         tok.add_tokens([AddedToken("<|note|>", normalized=False)])
     if family == "phi3":  # its chat tokens strip the whitespace on their right, as do </s> and the placeholders
         tok.add_special_tokens([AddedToken("<|endoftext|>", normalized=False, special=True)])

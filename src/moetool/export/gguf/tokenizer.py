@@ -115,7 +115,7 @@ def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
     if model.get("byte_fallback"):
         spm.check_bytes(tokens, where)
         v.model, v.pre, v.merges = "llama", "default", []
-        v.add_space_prefix = spm.space_prefix(tj, where)
+        v.add_space_prefix = spm.space_prefix(tj, where, v.notes)
         v.token_types = spm.token_types(tokens, types, v.unk)
         v.scores = spm.scores(tokens, merges, len(tokens))
         return v
@@ -228,3 +228,11 @@ def write_vocab(writer: Any, v: GGUFVocab) -> None:
         writer.add_add_space_prefix(v.add_space_prefix)
     if v.chat_template:
         writer.add_chat_template(v.chat_template)
+
+
+def llama_cpp_equivalent(v: GGUFVocab, text: str) -> str:
+    """The text whose transformers ids llama.cpp gives for ``text`` (plain text, no special tokens): ``text`` itself,
+    or ``' ' + text`` where it starts with a space and transformers' Metaspace skips the '▁' that llama.cpp (as
+    sentencepiece) adds (:data:`tokenizer_spm.SPACE_LED` in ``v.notes``). For a parity check that tells that known
+    difference from a wrong vocabulary."""
+    return " " + text if spm.SPACE_LED in v.notes and text.startswith(" ") else text

@@ -20,10 +20,18 @@ _BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _UNREACHABLE = -1e9  # a multi-character token no merge makes: joined only when nothing else can be
 
 
-def space_prefix(tj: dict[str, Any], where: str) -> bool:
+SPACE_LED = "text that starts with a space: transformers' Metaspace adds no '▁' before it, llama.cpp does"
+AFTER_SPECIAL = "text right after a parsed special token: Metaspace(prepend_scheme='first') adds no '▁', llama.cpp does"
+
+
+def space_prefix(tj: dict[str, Any], where: str, notes: list[str]) -> bool:
     """Whether text gets a leading ``▁`` (llama.cpp's ``add_space_prefix``), from the normalizer and pre-tokenizer.
 
-    llama.cpp always writes spaces as ``▁`` and may prepend one; anything else the tokenizer does to text it cannot.
+    llama.cpp always writes spaces as ``▁`` and, with the prefix, puts one before every piece of text, as
+    sentencepiece and the legacy ``Prepend('▁')`` normalizer do. transformers 5 rebuilds Llama-style tokenizers with
+    a ``Metaspace`` pre-tokenizer instead, which skips the prefix where the text already starts with a space (and,
+    with ``prepend_scheme='first'``, after special tokens): llama.cpp cannot do that, so those cases are written to
+    ``notes`` (known differences) rather than refused, the rest of the text tokenizing identically.
 
     Raises:
         ExportError: a normalizer or pre-tokenizer step llama.cpp does not apply (named), or spaces not made ``▁``.
@@ -44,14 +52,12 @@ def space_prefix(tj: dict[str, Any], where: str) -> bool:
         if pre.get("split", True) and any("▁" in p[1:] for p in tj["model"]["vocab"]):
             # llama.cpp joins across spaces; a splitting Metaspace never does, which matters only for such tokens
             raise ExportError(f"{where}: Metaspace(split=true) with tokens that hold '▁' inside; llama.cpp joins them")
-        if pre.get("prepend_scheme", "always") != "never":
-            # Metaspace prepends '▁' only where text does not start with one, and with 'first' not after an added
-            # token; llama.cpp prepends a space to every piece of text (sentencepiece's legacy behaviour)
-            raise ExportError(
-                f"{where}: Metaspace(prepend_scheme={pre.get('prepend_scheme')!r}) adds '▁' where llama.cpp does "
-                "not (text that starts with a space, text after a special token); llama.cpp only has the legacy "
-                "Prepend('▁') normalizer's behaviour"
-            )
+        scheme = pre.get("prepend_scheme", "always")
+        if scheme != "never" and not prefix:
+            prefix = True
+            notes.append(SPACE_LED)
+            if scheme == "first":
+                notes.append(AFTER_SPECIAL)
         escaped = True
     if not escaped:
         raise ExportError(f"{where}: spaces are not written as '▁', which llama.cpp's SentencePiece tokenizer does")
