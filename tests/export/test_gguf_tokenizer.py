@@ -350,3 +350,17 @@ def test_model_with_the_family_tokenizer_exports_with_parity(tmp_path, family, a
     man = export(d, tmp_path / "o", quant="f32")
     assert man["parity"]["tokenizer_match"], man["parity"]["tokenizer_mismatches"]
     assert man["parity"]["top1_agreement"] == 1.0
+
+
+def test_pre_tokenizer_follows_what_transformers_runs(tmp_path):
+    """SmolLM's repos name GPT2Tokenizer, which transformers 5 rebuilds without the tokenizer.json's digit split:
+    the name is chosen from what transformers runs (GPT-2's regex), so llama.cpp still agrees with it."""
+    d = byte_level_tokenizer(tmp_path / "s", "smollm")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
+    tok = AutoTokenizer.from_pretrained(str(d))
+    assert read_vocab(d).pre in {"gpt-2", "trillion"}
+    with quiet_stderr():
+        llm = llama_cpp.Llama(str(vocab_only_gguf(d, d / "v.gguf")), vocab_only=True, verbose=False)
+    for s in STRESS:
+        assert llm.tokenize(s.encode(), add_bos=False) == tok(s).input_ids, s

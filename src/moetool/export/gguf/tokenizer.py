@@ -89,9 +89,11 @@ def _load(model_dir: Path) -> tuple[PreTrainedTokenizerBase, dict[str, Any], str
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     backend = getattr(tok, "backend_tokenizer", None)
-    # transformers may rebuild parts of the tokenizer from its class: what it runs is the reference, not the file
-    tj = json.loads(backend.to_str()) if backend is not None else read_json(path, what="tokenizer", error=ExportError)
-    return tok, tj, str(path)
+    if backend is None:
+        raise ExportError(f"{model_dir}: transformers loads a slow tokenizer here; GGUF metadata needs a fast one")
+    # transformers 5 rebuilds some tokenizers from their class (LlamaTokenizer, GPT2Tokenizer): what it runs is the
+    # reference, not the file
+    return tok, json.loads(backend.to_str()), str(path)
 
 
 def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
