@@ -53,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"SuperLink on 127.0.0.1:{d.port} ({'TLS + node auth' if d.secure else 'insecure'}), {n_users} SuperNodes"
         )
-        rc, log = d.run(APP, config, timeout=a.timeout)
+        result = d.run(APP, config, timeout=a.timeout)
     report = output / "comigs-report.json"
-    if rc != 0 or not report.is_file():
-        print(log[-4000:], file=sys.stderr)
-        print(f"launch: the run failed (flwr run exit {rc}); logs in {workdir / 'logs'}", file=sys.stderr)
+    if not result.ok:
+        print(result.log[-4000:], file=sys.stderr)
+        print(f"launch: run {result.run_id} ended {result.status}; logs in {workdir / 'logs'}", file=sys.stderr)
         return 1
     users = json.loads(report.read_text(encoding="utf-8"))["users"]
     for user, r in users.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,17 @@ def _toml_value(value: Any) -> str:
 def run_config_arg(config: dict[str, Any]) -> str:
     """``flwr run --run-config`` text: space-separated TOML key=value pairs."""
     return " ".join(f"{k}={_toml_value(v)}" for k, v in config.items())
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_id: int | None
+    status: str  # Flower's, e.g. "finished:completed", "finished:failed"
+    log: str  # what `flwr run --stream` printed: the ServerApp's log, its traceback included
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "finished:completed"
 
 
 def _json(text: str) -> dict[str, Any]:
@@ -249,18 +261,28 @@ class LocalDeployment:
         self._procs[log_name] = proc
         return proc
 
-    def run(self, app: Path, run_config: dict[str, Any], timeout: float = 600) -> tuple[int, str]:
-        """``flwr run`` to its end: (exit code, its output)."""
-        proc = self.submit(app, run_config)
+    def finish(self, proc: subprocess.Popen[bytes], log_name: str = "flwr-run", timeout: float = 600) -> RunResult:
+        """Wait for a submitted ``flwr run`` and ask the SuperLink how its run ended (``flwr run`` itself exits 0
+        when the ServerApp fails)."""
         try:
-            rc = proc.wait(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self._kill("flwr-run", signal.SIGKILL)
+            self._kill(log_name, signal.SIGKILL)
             raise TimeoutError(
                 f"flwr run did not finish within {timeout:g} s (logs: {self.workdir / 'logs'})"
             ) from None
-        self._procs.pop("flwr-run")
-        return rc, self.log("flwr-run").read_text(encoding="utf-8", errors="replace")
+        self._procs.pop(log_name, None)
+        log = self.log(log_name).read_text(encoding="utf-8", errors="replace")
+        found = re.search(r"Successfully started run (\d+)", log)
+        if found is None:
+            return RunResult(None, f"not started (flwr run exit {proc.returncode})", log)
+        run_id = int(found.group(1))
+        runs = _json(self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json").stdout).get("runs", [])
+        return RunResult(run_id, str(runs[0].get("status", "unknown")) if runs else "unknown", log)
+
+    def run(self, app: Path, run_config: dict[str, Any], timeout: float = 600) -> RunResult:
+        """``flwr run`` to its end."""
+        return self.finish(self.submit(app, run_config), timeout=timeout)
 
     # ------------------------------------------------------------------------------------------------------ stop
     def _kill(self, name: str, sig: int) -> None:

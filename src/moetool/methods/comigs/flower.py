@@ -214,8 +214,8 @@ def _collect(
         return good
     who = ", ".join(f"SuperNode {n} (user {users.get(n, '? (no reply yet)')})" for n in missing)
     errors = [r.error.reason for r in replies if r.has_error()]
-    waited = f"{timeout:g} s (round-timeout)" if timeout else "Flower's node heartbeat timeout"
-    problem = f"{label}: no reply from {who} within {waited}" + (f"; errors: {errors[:3]}" if errors else "")
+    waited = f"at most {timeout:g} s (round-timeout)" if timeout else "until Flower's heartbeat check gave up on it"
+    problem = f"{label}: no reply from {who}, waited {waited}" + (f"; errors: {errors[:3]}" if errors else "")
     if s.get("on-missing") != "drop" or len(missing) == len(messages):
         raise RuntimeError(
             f"{problem}. Nothing of this round was averaged; each device's state (state-dir) still holds its last "

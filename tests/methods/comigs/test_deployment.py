@@ -1,0 +1,178 @@
+"""CoMiGS on Flower's deployment engine, for real: a SuperLink and one SuperNode per user as separate processes on
+127.0.0.1 (TLS from a generated CA, SuperNode authentication), driven by ``flwr run``.
+
+One deployment serves both tests (starting it costs ~20 s on 2 cores; each ``flwr run`` round starts a ClientApp
+process per device, which imports torch). Every subprocess has a timeout and the fixture kills every process group
+it started, whatever happens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import socket
+import ssl
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from comigs_fixtures import two_user_recipe
+
+from moetool.methods.comigs.deploy import HOST, LocalDeployment
+from moetool.methods.comigs.device_state import DeviceState, load_state, read_meta, save_state, state_path
+
+ROOT = Path(__file__).resolve().parents[3]
+FLWR_BIN = ROOT / ".venv-flwr" / "bin"
+APP = ROOT / "examples" / "comigs-flower"
+NEEDS_FLWR = pytest.mark.skipif(
+    not (FLWR_BIN / "flower-superlink").is_file(),
+    reason="needs Flower's venv .venv-flwr: create it with `bash scripts/setup_comigs.sh` "
+    "(or `bash scripts/setup.sh --comigs`)",
+)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("comigs-deploy")
+    recipe = two_user_recipe(root, name="dep")
+    d = LocalDeployment(root / "work", 2, FLWR_BIN)
+    with d:
+        yield d, recipe
+    assert all(p.poll() is not None for p in d._procs.values())
+
+
+def _meta(d: LocalDeployment, node: int, user: str) -> dict[str, str] | None:
+    path = state_path(d.state_dir(node), user)
+    return read_meta(path) if path.is_file() else None
+
+
+@pytest.mark.slow
+@NEEDS_FLWR
+def test_tls_and_node_authentication(deployment):
+    d, _ = deployment
+    ca = d.workdir / "certs" / "ca.crt"
+    # the SuperLink speaks TLS only, with a certificate that our CA signed for 127.0.0.1
+    ctx = ssl.create_default_context(cafile=str(ca))
+    with socket.create_connection((HOST, d.port), timeout=10) as raw, ctx.wrap_socket(raw, server_hostname=HOST) as s:
+        assert s.version() in ("TLSv1.2", "TLSv1.3")
+    with pytest.raises(ssl.SSLCertVerificationError), socket.create_connection((HOST, d.port), timeout=10) as raw:
+        ssl.create_default_context().wrap_socket(raw, server_hostname=HOST)  # system CAs do not know it
+    # both SuperNodes are in with the keys registered for them
+    nodes = {int(n["node-id"]): n["status"] for n in d._nodes()}
+    assert sorted(nodes) == sorted(d.node_ids) and set(nodes.values()) == {"online"}
+
+
+@pytest.mark.slow
+@NEEDS_FLWR
+def test_deployment_matches_in_process_run(deployment, tmp_path):
+    from moetool.methods.comigs.pipeline import train
+    from moetool.recipe import load_recipe
+
+    d, recipe_path = deployment
+    out = tmp_path / "deployed"
+    t0 = time.monotonic()
+    result = d.run(APP, {"recipe": str(recipe_path), "output": str(out), "rounds": 2}, timeout=420)
+    assert result.ok and (out / "comigs-report.json").is_file(), (result.status, result.log[-3000:])
+    seconds = time.monotonic() - t0
+    report = json.loads((out / "comigs-report.json").read_text())
+    recipe = load_recipe(recipe_path)
+    ref = train(recipe, recipe_path.parent, tmp_path / "inprocess")  # the runner test_flower ties to the simulation
+    assert report["rounds"] == len(ref["history"]) == 2 and sorted(report["users"]) == ["a", "b"]
+    assert report["upload_bytes_per_round"] == ref["upload_bytes_per_round"]
+    # the same algorithm as the in-process runner, round by round (train CE) and at the end (test perplexity)
+    gaps = []
+    for mine, theirs in zip(report["history"], ref["history"], strict=True):
+        for i, user in enumerate(["a", "b"]):
+            want = theirs["users"][user]["train_ce"]
+            gaps.append(abs(mine["train_ce"][str(i)] - want) / want)
+    for user, r in ref["users"].items():
+        gaps.append(abs(report["users"][user]["test_ppl"] - r["test_ppl"]) / r["test_ppl"])
+    assert max(gaps) <= 1e-4, gaps
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["a", "b"]
+    # every device wrote its state after each completed round: both files hold round 2 of one run
+    metas = [_meta(d, 0, "a"), _meta(d, 1, "b")]
+    assert all(m is not None and m["round"] == "2" for m in metas) and metas[0]["run_id"] == metas[1]["run_id"]
+    print(f"deployment run: {seconds:.1f} s; max relative gap to the in-process run: {max(gaps):.2e}")
+
+
+def _wait_for(what: str, cond, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@NEEDS_FLWR
+def test_supernode_killed_mid_round(deployment, tmp_path):
+    """SIGKILL one SuperNode (with its ClientApp) after it received round 2: the run fails naming that device and
+    round, and its state file is still round 1's, byte for byte; the other device's file holds only whole rounds."""
+    d, recipe_path = deployment
+    log1 = d.log("supernode1")
+    offset = log1.stat().st_size
+    old = _meta(d, 1, "b")
+    config = {"recipe": str(recipe_path), "output": str(tmp_path / "o"), "rounds": 3, "round-timeout": 45.0}
+    proc = d.submit(APP, config, log_name="flwr-run-kill")
+
+    def in_round_2() -> bool:  # the SuperNode logs "[RUN <id>, ROUND 2]" when it receives the round's message
+        return "ROUND 2]" in log1.read_bytes()[offset:].decode(errors="replace")
+
+    _wait_for("SuperNode 1 receives round 2", in_round_2, 240)
+    meta = _meta(d, 1, "b")
+    assert meta is not None and meta["round"] == "1" and (old is None or meta["run_id"] != old["run_id"])
+    path = state_path(d.state_dir(1), "b")
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    d.kill_node(1)
+    result = d.finish(proc, "flwr-run-kill", timeout=240)
+    assert result.status == "finished:failed", result.status
+    assert re.search(rf"round 2: no reply from SuperNode {d.node_ids[1]} \(user b\)", result.log), result.log[-3000:]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before and _meta(d, 1, "b") == meta
+    assert not list(path.parent.glob(".*tmp*"))  # no half-written file left beside it
+    other = _meta(d, 0, "a")
+    assert other is not None and other["run_id"] == meta["run_id"] and other["round"] in ("1", "2")
+    assert not (tmp_path / "o" / "comigs-report.json").exists()
+
+
+# --- the device's state file, in the main venv (no Flower needed) ------------------------------------------------
+
+
+def _state(round_: int, value: float) -> DeviceState:
+    return DeviceState("u", run_id=7, round=round_, tensors={"param/x": torch.full((3,), value)}, counters={"it": 3})
+
+
+def test_state_file_round_trip_and_atomic_replace(tmp_path, monkeypatch):
+    save_state(tmp_path, _state(1, 1.0))
+    got = load_state(tmp_path, "u")
+    assert got is not None and (got.run_id, got.round, got.counters) == (7, 1, {"it": 3})
+    assert torch.equal(got.tensors["param/x"], torch.ones(3))
+    before = state_path(tmp_path, "u").read_bytes()
+
+    # a writer that dies half-way (here: after writing part of the temporary file) leaves the old file as it was
+    import moetool.methods.comigs.device_state as ds
+
+    def dying_save(tensors, path, metadata):
+        Path(path).write_bytes(b"partial")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(ds, "save_file", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_state(tmp_path, _state(2, 2.0))
+    assert state_path(tmp_path, "u").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["u.safetensors"]  # no temporary file left either
+    assert load_state(tmp_path, "u").round == 1  # type: ignore[union-attr]
+
+
+def test_state_file_refuses_another_users_or_format(tmp_path):
+    save_state(tmp_path, _state(1, 1.0))
+    state_path(tmp_path, "u").rename(state_path(tmp_path, "v"))
+    with pytest.raises(ValueError, match="holds user 'u', not 'v'"):
+        load_state(tmp_path, "v")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(state_path(tmp_path, "w")))
+    with pytest.raises(ValueError, match="not a CoMiGS device state"):
+        load_state(tmp_path, "w")
+    assert load_state(tmp_path, "nobody") is None
