@@ -40,7 +40,21 @@ def deployment(tmp_path_factory):
     d = LocalDeployment(root / "work", 2, FLWR_BIN)
     with d:
         yield d, recipe
-    assert all(p.poll() is not None for p in d._procs.values())
+        groups = {p.pid for p in d._procs.values()}
+    assert not _alive(groups)  # SuperExecs, ServerApps and ClientApps included
+
+
+def _alive(groups: set[int]) -> list[int]:
+    """Processes (not zombies) still in these process groups."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            alive.append(int(stat.parent.name))
+    return alive
 
 
 def _meta(d: LocalDeployment, node: int, user: str) -> dict[str, str] | None:
@@ -59,9 +73,13 @@ def test_tls_and_node_authentication(deployment):
         assert s.version() in ("TLSv1.2", "TLSv1.3")
     with pytest.raises(ssl.SSLCertVerificationError), socket.create_connection((HOST, d.port), timeout=10) as raw:
         ssl.create_default_context().wrap_socket(raw, server_hostname=HOST)  # system CAs do not know it
-    # both SuperNodes are in with the keys registered for them
+    # both SuperNodes are in with the keys registered for them; a SuperNode with a key nobody registered is turned away
     nodes = {int(n["node-id"]): n["status"] for n in d._nodes()}
     assert sorted(nodes) == sorted(d.node_ids) and set(nodes.values()) == {"online"}
+    d.new_key("intruder")
+    assert d.start_node(0, key="intruder").wait(timeout=120) != 0
+    assert "Failed to activate SuperNode" in d.log("intruder").read_text(errors="replace")
+    assert sorted(int(n["node-id"]) for n in d._nodes()) == sorted(d.node_ids)
 
 
 @pytest.mark.slow

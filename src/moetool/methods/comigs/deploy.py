@@ -130,19 +130,21 @@ class LocalDeployment:
         )
 
     # ---------------------------------------------------------------------------------------------------- start
+    def _pki(self, code: str, *args: str) -> None:
+        """Run ``code`` with :mod:`.pki` imported, in the Flower venv (where ``cryptography`` is)."""
+        head = "import sys; from pathlib import Path; from moetool.methods.comigs.pki import *; w = Path(sys.argv[1]); "
+        argv = [str(self.bin / "python"), "-c", head + code, str(self.workdir), *args]
+        subprocess.run(argv, check=True, timeout=60, env=self.env)
+
     def _credentials(self) -> None:
-        """CA, server certificate and node keys, made in the Flower venv (where ``cryptography`` is)."""
-        code = (
-            "import sys; from pathlib import Path; from moetool.methods.comigs.pki import *; "
-            "w = Path(sys.argv[1]); make_server_credentials(w / 'certs', ['127.0.0.1', 'localhost']); "
-            "[make_node_keys(w / 'keys', f'node{i}') for i in range(int(sys.argv[2]))]"
-        )
-        subprocess.run(
-            [str(self.bin / "python"), "-c", code, str(self.workdir), str(self.n_nodes)],
-            check=True,
-            timeout=60,
-            env=self.env,
-        )
+        """CA, server certificate and one key pair per SuperNode."""
+        self._pki("make_server_credentials(w / 'certs', ['127.0.0.1', 'localhost'])")
+        for i in range(self.n_nodes):
+            self.new_key(f"node{i}")
+
+    def new_key(self, name: str) -> None:
+        """A fresh node key pair ``keys/<name>.key`` / ``.pub``."""
+        self._pki("make_node_keys(w / 'keys', sys.argv[2])", name)
 
     def _write_flower_config(self) -> None:
         conn = [f'address = "{HOST}:{self.port}"']
@@ -218,20 +220,21 @@ class LocalDeployment:
             raise RuntimeError(f"flwr supernode register node{i} failed ({res.returncode}): {res.stdout}{res.stderr}")
         return int(data["node-id"])
 
-    def start_node(self, i: int) -> None:
-        """Start (or restart, with the same key and so the same node id) the SuperNode of partition ``i``."""
+    def start_node(self, i: int, *, key: str | None = None) -> subprocess.Popen[bytes]:
+        """Start (or restart, with the same key and so the same node id) the SuperNode of partition ``i``. ``key``:
+        sign in with ``keys/<key>.key`` instead, as it is, never registered (to see the SuperLink refuse it)."""
         config = {"partition-id": i, "num-partitions": self.n_nodes, "state-dir": str(self.state_dir(i))}
         config |= self.node_config.get(i, {})
         argv = ["flower-supernode", "--superlink", f"{HOST}:{self.port}", "--node-config", run_config_arg(config)]
         argv += ["--host", HOST, "--port", str(free_port())]  # its Runtime API, for its own SuperExec
         if self.secure:
-            if len(self.node_ids) <= i:
+            if key is None and len(self.node_ids) <= i:
                 self.node_ids.append(self._register(i))
             argv += ["--root-certificates", str(self.workdir / "certs" / "ca.crt")]
-            argv += ["--auth-supernode-private-key", str(self.workdir / "keys" / f"node{i}.key")]
+            argv += ["--auth-supernode-private-key", str(self.workdir / "keys" / f"{key or f'node{i}'}.key")]
         else:
             argv += ["--insecure"]
-        self._spawn(f"supernode{i}", argv)
+        return self._spawn(key or f"supernode{i}", argv)
 
     # ------------------------------------------------------------------------------------------------------ runs
     def run_argv(self, app: Path, run_config: dict[str, Any]) -> list[str]:
