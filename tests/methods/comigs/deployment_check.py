@@ -1,0 +1,85 @@
+"""Run inside .venv-flwr by test_deployment.py: the real ServerApp main and real ClientApp, wired by a grid that loses
+one device after round 1 (what a SuperNode dying looks like to the server), once per ``on-missing`` policy. Prints
+one JSON object.
+
+Usage: .venv-flwr/bin/python tests/methods/comigs/deployment_check.py RECIPE.yaml WORK_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from moetool.methods.comigs.device_state import read_meta, state_path
+from moetool.methods.comigs.flower import make_client_app, server_main
+
+
+class LossyGrid:
+    """Delivers every message to the real ClientApp of its node, except to ``dead`` from round ``dies_in`` on (no
+    reply at all, as after a SIGKILL)."""
+
+    def __init__(self, recipe: str, work: Path, dead: int, dies_in: int) -> None:
+        self.app = make_client_app(recipe=recipe)
+        self.dead, self.dies_in = dead, dies_in
+        self.contexts = {
+            n: Context(
+                run_id=1,
+                node_id=n,
+                node_config={"partition-id": n - 100, "num-partitions": 2, "state-dir": str(work / f"node{n - 100}")},
+                state=RecordDict(),
+                run_config={},
+            )
+            for n in (100, 101)
+        }
+
+    def get_node_ids(self) -> list[int]:
+        return sorted(self.contexts)
+
+    def send_and_receive(self, messages: list[Message], *, timeout: float | None = None) -> list[Message]:
+        replies = []
+        for m in messages:
+            rnd = int(m.content["config"].get("round", 0))  # type: ignore[union-attr,call-overload]
+            if m.metadata.dst_node_id == self.dead and rnd >= self.dies_in:
+                continue
+            replies.append(self.app(m, self.contexts[m.metadata.dst_node_id]))
+        return replies
+
+
+def attempt(recipe: Path, work: Path, policy: str) -> dict[str, Any]:
+    grid = LossyGrid(str(recipe), work, dead=101, dies_in=2)
+    ctx = Context(
+        run_id=1,
+        node_id=0,
+        node_config={},
+        state=RecordDict(),
+        run_config={"recipe": str(recipe), "on-missing": policy, "rounds": 3, "output": ""},
+    )
+    out: dict[str, Any] = {"policy": policy}
+    try:
+        report = server_main(grid, ctx, {"recipe": str(recipe), "variant": "comigs"})  # type: ignore[arg-type]
+        out |= {"dropped": report.get("dropped"), "users": sorted(report["users"])}
+        out["history_users"] = [sorted(h["train_ce"]) for h in report["history"]]
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["rounds_on_disk"] = {
+        user: int(read_meta(state_path(work / f"node{i}", user))["round"]) for i, user in enumerate(("a", "b"))
+    }
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    recipe, work = Path(sys.argv[1]), Path(sys.argv[2])
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # what a ServerApp process has set
+    result = [attempt(recipe, work / policy, policy) for policy in ("fail", "drop")]
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
