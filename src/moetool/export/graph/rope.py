@@ -7,9 +7,9 @@ at build time, so a traced graph holds constants:
   and sin (so q and k), as in transformers.
 - ``longrope``: both sets are kept and the graph picks one per call, exactly as transformers does: the long
   factors when ``max(position_ids) + 1`` exceeds ``original_max_position_embeddings``, the short ones otherwise
-  (a max, a compare and a where, which every converter handles). With a KV cache the keys already cached keep the
-  factors they were computed with, as in transformers. A static-cache graph (TFLite, Core ML) prefills a padded
-  window, so there the switch sees the padded length.
+  (a max over the whole batch, as transformers takes it, a compare and a where, which every converter handles).
+  With a KV cache the keys already cached keep the factors they were computed with, as in transformers. A
+  static-cache graph (TFLite, Core ML) prefills a padded window, so there the switch sees the padded length.
 - ``dynamic`` is refused: transformers recomputes its frequencies from the running length past
   max_position_embeddings and keeps them across calls, state a traced graph does not have.
 
