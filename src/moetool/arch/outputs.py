@@ -42,6 +42,23 @@ _COMMON_KEYS = (
 )
 
 
+# Qwen2-MoE always has a shared expert, and llama.cpp refuses a zero-width one (for a width of 0 it expects
+# intermediate_size). A mixture without one gets the narrowest shared expert that adds exactly nothing: zero
+# projections (a zero down_proj outputs 0) and a constant non-zero gate, because llama.cpp computes that gate's sigmoid
+# as silu(x)/x, NaN at x = 0; 2**-8 is exact in f16/bf16 and keeps x clear of f16 underflow and overflow.
+NULL_SHARED_WIDTH = 1
+NULL_SHARED_GATE = 2.0**-8
+# config.json marks that shared expert, so exporters can tell it from a real one without reading weights
+NULL_SHARED_KEY = "moetool_null_shared_expert"
+
+
+def shared_expert_width(cfg: Mapping[str, Any]) -> int:
+    """Width of a config dict's shared expert: 0 without one, and for the null one moetool writes in its place."""
+    if cfg.get(NULL_SHARED_KEY):
+        return 0
+    return int(cfg.get("shared_expert_intermediate_size") or 0)
+
+
 def expert_count(cfg: Mapping[str, Any]) -> int:
     """Routed experts per MoE layer of a config dict: ``num_local_experts`` (Mixtral) or ``num_experts`` (Qwen
     MoE); 0 for a dense model."""
@@ -112,6 +129,18 @@ class MoEArch:
 
     def expert_name(self, layer: int, expert: int, proj: str) -> str:
         return self.expert.format(layer=layer, expert=expert, proj=self.proj_map[proj])
+
+    def null_shared(self, layer: int, hidden: int) -> list[tuple[str, tuple[int, ...], float]]:
+        """The null shared expert of ``layer`` (see ``NULL_SHARED_WIDTH``) as (tensor name, shape, constant value):
+        projections ``[1, H]``/``[H, 1]`` of zeros and the gate ``[1, H]``; empty for an architecture without one."""
+        if self.shared is None or self.shared_gate is None:
+            return []
+        w = NULL_SHARED_WIDTH
+        return [
+            *((self.shared.format(layer=layer, proj=p), (w, hidden), 0.0) for p in ("gate_proj", "up_proj")),
+            (self.shared.format(layer=layer, proj="down_proj"), (hidden, w), 0.0),
+            (self.shared_gate.format(layer=layer), (1, hidden), NULL_SHARED_GATE),
+        ]
 
 
 def _no_attn_bias(base: Any) -> str | None:

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from moetool.arch.outputs import expert_count
+from moetool.arch.outputs import expert_count, shared_expert_width
 from moetool.export.base import ExportError
 from moetool.export.gguf.names import ARCHS, gguf_name
 from moetool.export.gguf.rope import ROPE_TENSORS, plan_rope
@@ -72,6 +72,10 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     if arch == "qwen2moe" and not shared_ff:
         shared_ff = _pad_shared_expert(out, cfg)
         notes.append(f"zero-width shared expert written as {SHEXP_PAD} zero columns (llama.cpp requires one)")
+    elif arch == "qwen2moe" and not shared_expert_width(cfg):
+        notes.append(
+            f"moetool's null shared expert ({shared_ff} zero column) written as it is: it adds exactly nothing"
+        )
     elif arch == "llama" and mt == "qwen2_moe":
         for nm in [x for x in out if "shexp" in x]:
             del out[nm]
@@ -102,7 +106,7 @@ def _choose_arch(cfg: dict[str, Any]) -> tuple[str, bool, list[str]]:
     n, k, norm = _moe_facts(cfg)
     notes: list[str] = []
     if mt == "qwen2_moe":
-        shared_ff = cfg.get("shared_expert_intermediate_size")
+        shared_ff = shared_expert_width(cfg)  # 0 for the null shared expert moetool writes in place of none
         if not shared_ff and (norm or k == n):
             # llama.cpp's qwen2moe never renormalises top-k weights; its llama arch (Mixtral) does, and takes
             # q/k/v biases: the same computation, exactly
