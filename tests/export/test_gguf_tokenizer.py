@@ -336,10 +336,13 @@ def test_unknown_split_regex_is_refused(tmp_path):
         read_vocab(d)
 
 
-@pytest.mark.parametrize(("family", "arch"), [("llama2-fast", "llama"), ("deepseek-coder", "llama")])
+@pytest.mark.parametrize(
+    ("family", "arch"), [("llama2-fast", "llama"), ("llama2", "llama"), ("deepseek-coder", "llama")]
+)
 def test_model_with_the_family_tokenizer_exports_with_parity(tmp_path, family, arch):
     """The whole GGUF export of a tiny model carrying the family's tokenizer: its own parity gate (tokenizer probes,
-    logits) passes in llama.cpp."""
+    logits) passes in llama.cpp. ``llama2`` is the LlamaTokenizer class transformers 5 rebuilds with Metaspace: the
+    gate compares llama.cpp with transformers on the text llama.cpp's '▁' makes equivalent, and says so in notes."""
     from conftest import save_dense
     from moetool.api import export
 
@@ -350,6 +353,7 @@ def test_model_with_the_family_tokenizer_exports_with_parity(tmp_path, family, a
     man = export(d, tmp_path / "o", quant="f32")
     assert man["parity"]["tokenizer_match"], man["parity"]["tokenizer_mismatches"]
     assert man["parity"]["top1_agreement"] == 1.0
+    assert (tokenizer_spm.SPACE_LED in man["notes"]) == (family == "llama2")
 
 
 def test_pre_tokenizer_follows_what_transformers_runs(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from rich.console import Console
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest, write_manifest
 from moetool.export.gguf.dequant import artifact_checkpoint
 from moetool.export.gguf.layout import Layout, plan_layout
-from moetool.export.gguf.tokenizer import read_vocab
+from moetool.export.gguf.tokenizer import llama_cpp_equivalent, read_vocab
 from moetool.export.gguf.write import requantize_k, write_gguf
 from moetool.export.heldout import held_out_text, model_name
 from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
@@ -82,13 +83,19 @@ class GGUFExporter:
                 lossless = all(a.type == "f32" for a in plan.quant.assignments)
                 with tempfile.TemporaryDirectory(prefix="moetool-parity-") as work:
                     own = None if lossless else artifact_checkpoint(target, req.model_dir, plan.layout, Path(work))
-                    report = compare(target, req.model_dir, text, artifact_weights=own)
+                    report = compare(
+                        target,
+                        req.model_dir,
+                        text,
+                        artifact_weights=own,
+                        equivalent=functools.partial(llama_cpp_equivalent, vocab),
+                    )
                 parity = report.to_json() | {"text": text_src}
                 gate_problems(report, plan.quant)
             manifest = manifest_base("gguf", plan, {fname: target}, fname)
             manifest |= {
                 "llama_cpp_arch": plan.layout.arch,
-                "notes": plan.layout.notes + manifest["notes"],
+                "notes": plan.layout.notes + vocab.notes + manifest["notes"],
                 "parity": parity if parity is not None else NOT_VERIFIED,
                 "timing_s": {"write": round(write_s, 3), "total": round(time.perf_counter() - t0, 3)},
             }

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,11 +126,18 @@ def llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
     return np.array(llm.scores[: len(ids)], dtype=np.float32)
 
 
-def check_tokenizer(llm: Any, tok: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
-    """Strings where llama.cpp's ids differ from the HF tokenizer's (empty when they all agree)."""
+def check_tokenizer(
+    llm: Any, tok: PreTrainedTokenizerBase, equivalent: Callable[[str], str] | None = None
+) -> list[dict[str, Any]]:
+    """Strings where llama.cpp's ids differ from the HF tokenizer's (empty when they all agree).
+
+    ``equivalent(text)`` is the text whose HF ids llama.cpp should give for ``text``: the text itself, except where a
+    known difference of the vocabulary shifts it (:func:`moetool.export.gguf.tokenizer.llama_cpp_equivalent`: a
+    SentencePiece-style vocabulary that transformers loads with a Metaspace that skips the '▁' before a leading space).
+    """
     bad = []
     for s in TOKENIZER_PROBES:
-        ref = tok(s).input_ids
+        ref = tok(equivalent(s) if equivalent is not None else s).input_ids
         add_bos = bool(ref) and tok.bos_token_id is not None and ref[0] == tok.bos_token_id
         got = llm.tokenize(s.encode("utf-8"), add_bos=add_bos, special=False)
         if list(got) != list(ref):
@@ -161,13 +168,14 @@ def run_llama(
     *,
     n_windows: int = 4,
     lora_path: Path | None = None,
+    equivalent: Callable[[str], str] | None = None,
 ) -> LlamaRun:
     """Load ``gguf_path`` in llama.cpp, check its tokenizer against ``tok`` and run it on windows of ``text`` (one
     per length in ``seq_lens``, then ``n_windows`` of the longest); the one parity run every GGUF writer uses."""
     probes, ppl_windows = windows(tok, text, seq_lens, n_windows)
     llm = load_llama(gguf_path, n_ctx=max(seq_lens), lora_path=lora_path)
     try:
-        mismatches = check_tokenizer(llm, tok)
+        mismatches = check_tokenizer(llm, tok, equivalent)
         logits = [llama_logits(llm, ids) for ids in probes + ppl_windows]
     finally:
         with quiet_stderr():
@@ -184,11 +192,12 @@ def compare(
     seq_lens: tuple[int, ...] = (32, 128),
     n_windows: int = 4,
     lora_path: Path | None = None,
+    equivalent: Callable[[str], str] | None = None,
 ) -> ParityReport:
     """Run llama.cpp and transformers on the same ids.
 
     ``model_dir`` is the source model; ``artifact_weights`` a checkpoint holding the artifact's dequantized weights
-    (None when they equal the source's, as for f32).
+    (None when they equal the source's, as for f32); ``equivalent`` as in :func:`check_tokenizer`.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -197,7 +206,7 @@ def compare(
     original = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     max_pos = int(getattr(original.config, "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
-    run = run_llama(gguf_path, tok, text, lens, n_windows=n_windows, lora_path=lora_path)
+    run = run_llama(gguf_path, tok, text, lens, n_windows=n_windows, lora_path=lora_path, equivalent=equivalent)
     vs_original = run.against(original)
     if artifact_weights is None:
         conversion = vs_original
