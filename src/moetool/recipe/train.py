@@ -60,6 +60,8 @@ class TrainSpec(StrictModel):
     max_grad_norm: float = Field(default=1.0, gt=0)
     batch_size: int = Field(default=8, ge=1)
     seq_len: int = Field(default=128, ge=8)
+    # micro-batches of batch_size rows per optimizer step, over all processes: the global batch is
+    # batch_size × grad_accum whatever the process count (a multiple of it under accelerate launch)
     grad_accum: int = Field(default=1, ge=1)
     seed: int = 0
     validation_fraction: float = Field(
