@@ -19,6 +19,7 @@ import tarfile
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from moetool.paths import cache_dir
 
@@ -126,6 +127,35 @@ def convert(
         tail = "\n".join((proc.stderr + proc.stdout).strip().splitlines()[-8:])
         raise ConverterError(f"llama.cpp's convert_hf_to_gguf.py failed on {model_dir}:\n{tail}")
     return outfile
+
+
+def _unit_trimmed(shape: Any) -> tuple[int, ...]:
+    dims = [int(d) for d in shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(dims)
+
+
+def tensor_differences(ours: Path, theirs: Path) -> list[str]:
+    """Where two GGUF files differ, tensor by tensor (empty when every tensor matches): names, types, shapes and
+    bytes. Trailing unit dimensions are ignored: the converter keeps ``ffn_gate_inp_shexp`` as ne ``[H, 1]`` where
+    moetool writes ``[H]``, which llama.cpp reads as the same tensor."""
+    import gguf
+    import numpy as np
+
+    a = {t.name: t for t in gguf.GGUFReader(str(ours)).tensors}
+    b = {t.name: t for t in gguf.GGUFReader(str(theirs)).tensors}
+    out = [f"{n}: only in {ours.name}" for n in sorted(set(a) - set(b))]
+    out += [f"{n}: only in {theirs.name}" for n in sorted(set(b) - set(a))]
+    for n in sorted(set(a) & set(b)):
+        x, y = a[n], b[n]
+        if x.tensor_type != y.tensor_type:
+            out.append(f"{n}: type {x.tensor_type.name} vs {y.tensor_type.name}")
+        elif _unit_trimmed(x.shape) != _unit_trimmed(y.shape):
+            out.append(f"{n}: shape {list(map(int, x.shape))} vs {list(map(int, y.shape))}")
+        elif np.asarray(x.data).tobytes() != np.asarray(y.data).tobytes():
+            out.append(f"{n}: values differ")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
