@@ -74,6 +74,8 @@ def test_tls_and_node_authentication(deployment):
         assert s.version() in ("TLSv1.2", "TLSv1.3")
     with pytest.raises(ssl.SSLCertVerificationError), socket.create_connection((HOST, d.port), timeout=10) as raw:
         ssl.create_default_context().wrap_socket(raw, server_hostname=HOST)  # system CAs do not know it
+    # each SuperNode's own Runtime API (for its SuperExec and ClientApps) is HTTPS too
+    assert all("Uvicorn running on https://" in d.log(f"supernode{i}").read_text() for i in (0, 1))
     # both SuperNodes are in with the keys registered for them; a SuperNode with a key nobody registered is turned away
     nodes = {int(n["node-id"]): n["status"] for n in d._nodes()}
     assert sorted(nodes) == sorted(d.node_ids) and set(nodes.values()) == {"online"}

@@ -230,8 +230,12 @@ class LocalDeployment:
         if self.secure:
             if key is None and len(self.node_ids) <= i:
                 self.node_ids.append(self._register(i))
-            argv += ["--root-certificates", str(self.workdir / "certs" / "ca.crt")]
+            certs = self.workdir / "certs"
+            argv += ["--root-certificates", str(certs / "ca.crt")]
             argv += ["--auth-supernode-private-key", str(self.workdir / "keys" / f"{key or f'node{i}'}.key")]
+            # its Runtime API (its SuperExec and ClientApps call it on 127.0.0.1) under the same CA
+            argv += ["--ssl-certfile", str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key")]
+            argv += ["--ssl-ca-certfile", str(certs / "ca.crt")]
         else:
             argv += ["--insecure"]
         return self._spawn(key or f"supernode{i}", argv)
