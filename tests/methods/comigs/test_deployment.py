@@ -204,7 +204,8 @@ def test_state_file_refuses_another_users_or_format(tmp_path):
 @NEEDS_FLWR
 def test_missing_device_policies(tmp_path):
     """The real ServerApp main and ClientApps, wired by a grid that loses user b from round 2 on (deployment_check.py):
-    "fail" names the round, node and user; "drop" finishes without b. b's state file stays at round 1 either way."""
+    "fail" names the round, node and user; "drop" finishes without b; b's state file stays at round 1 either way.
+    "wait" sends round 2 again to b, back with an empty memory, and ends where an uninterrupted run does."""
     recipe = two_user_recipe(tmp_path, name="lossy")
     proc = subprocess.run(
         [str(FLWR_BIN / "python"), str(Path(__file__).with_name("deployment_check.py")), str(recipe), str(tmp_path)],
@@ -216,9 +217,12 @@ def test_missing_device_policies(tmp_path):
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    fail, drop = json.loads(lines[-1].removeprefix("RESULT "))
+    fail, drop, wait, uninterrupted = json.loads(lines[-1].removeprefix("RESULT "))
     assert fail["error"].startswith("round 2: no reply from SuperNode 101 (user b)") and "on-missing" in fail["error"]
     assert fail["rounds_on_disk"] == {"a": 2, "b": 1}
     assert drop["dropped"] == {"b": 2} and drop["users"] == ["a"]
     assert drop["history_users"] == [[0, 1], [0], [0]]  # partition ids that trained in each round
     assert drop["rounds_on_disk"] == {"a": 3, "b": 1}
+    # "wait": b comes back as a fresh process, resumes from its round-1 file, and the run is the uninterrupted one
+    assert "error" not in wait and wait["dropped"] is None and wait["rounds_on_disk"] == {"a": 3, "b": 3}
+    assert wait["history"] == uninterrupted["history"] and wait["test_ppl"] == uninterrupted["test_ppl"]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import time
-from functools import lru_cache
+from collections.abc import Callable
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from moetool.methods.comigs.bilevel import ClientTrainer, UserData
 from moetool.methods.comigs.device_state import DeviceState, load_state, save_state
 from moetool.methods.comigs.federated import average, load_user_data, make_client, variant_recipe
 from moetool.recipe.comigs import ComigsRecipe
+
+MakeMessages = Callable[[list[int]], list[Message]]  # one message per destination node
 
 PRIVATE = "comigs.private"
 COUNTERS = "comigs.counters"
@@ -199,30 +202,50 @@ def _wait_for_nodes(grid: Grid, n_users: int, timeout: float) -> list[int]:
     return sorted(nodes)[:n_users]
 
 
+def _ask(grid: Grid, make: MakeMessages, nodes: list[int], timeout: float | None) -> tuple[list[Message], list[str]]:
+    """Send ``make(nodes)``; (the good replies, Flower's reasons for the bad ones)."""
+    replies = list(grid.send_and_receive(make(nodes), timeout=timeout))
+    return [r for r in replies if not r.has_error()], [r.error.reason for r in replies if r.has_error()]
+
+
 def _collect(
-    grid: Grid, messages: list[Message], s: dict[str, Any], label: str, users: dict[int, str]
+    grid: Grid, make: MakeMessages, nodes: list[int], s: dict[str, Any], label: str, users: dict[int, str]
 ) -> list[Message]:
-    """The good replies to ``messages``. A device that does not answer (its SuperNode died, or it missed
-    ``round-timeout``) or answers with an error fails the run, or, with ``on-missing = "drop"``, is left out of this
-    and every later round. Nothing is averaged from a failed round, and no device's state is touched by it."""
+    """The good replies to ``make(nodes)``. A device that does not answer (its SuperNode died, or it missed
+    ``round-timeout``) or answers with an error fails the run. With ``on-missing = "drop"`` it is left out of this
+    and every later round; with ``"wait"`` the round is sent to it again until it answers (a SuperNode restarted
+    with its key has its node id back and resumes from its state file), for at most ``connect-timeout`` seconds.
+    Nothing is averaged from a failed round, and no device's state is touched by it."""
     timeout = float(s.get("round-timeout") or 0) or None  # None: until Flower's heartbeat marks the node offline
-    replies = list(grid.send_and_receive(messages, timeout=timeout))
-    good = [r for r in replies if not r.has_error()]
-    answered = {r.metadata.src_node_id for r in good}
-    missing = [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in answered]
-    if not missing:
+    good, errors = _ask(grid, make, nodes, timeout)
+    policy = s.get("on-missing") or "fail"
+    deadline = time.monotonic() + float(s.get("connect-timeout") or 600)
+    while True:
+        answered = {r.metadata.src_node_id for r in good}
+        missing = [n for n in nodes if n not in answered]
+        if not missing:
+            return good
+        who = ", ".join(f"SuperNode {n} (user {users.get(n, '? (no reply yet)')})" for n in missing)
+        waited = f"at most {timeout:g} s (round-timeout)" if timeout else "until Flower's heartbeat check gave up on it"
+        problem = f"{label}: no reply from {who}, waited {waited}" + (f"; errors: {errors[:3]}" if errors else "")
+        if policy == "wait" and time.monotonic() < deadline:
+            print(f'comigs: {problem}; sending it again (on-missing="wait")', flush=True)
+            online = set(grid.get_node_ids())
+            back = [n for n in missing if n in online]
+            if not back:
+                time.sleep(2)
+                continue
+            more, errors = _ask(grid, make, back, timeout)
+            good += more
+            continue
+        if policy != "drop" or len(missing) == len(nodes):
+            raise RuntimeError(
+                f"{problem}. Nothing of this round was averaged; each device's state (state-dir) still holds its "
+                'last completed round. Run config on-missing="drop" goes on without such devices, "wait" sends the '
+                "round again until they are back (connect-timeout)."
+            )
+        print(f'comigs: {problem}; dropped (on-missing="drop")', flush=True)
         return good
-    who = ", ".join(f"SuperNode {n} (user {users.get(n, '? (no reply yet)')})" for n in missing)
-    errors = [r.error.reason for r in replies if r.has_error()]
-    waited = f"at most {timeout:g} s (round-timeout)" if timeout else "until Flower's heartbeat check gave up on it"
-    problem = f"{label}: no reply from {who}, waited {waited}" + (f"; errors: {errors[:3]}" if errors else "")
-    if s.get("on-missing") != "drop" or len(missing) == len(messages):
-        raise RuntimeError(
-            f"{problem}. Nothing of this round was averaged; each device's state (state-dir) still holds its last "
-            'completed round. Run config on-missing="drop" goes on without such devices.'
-        )
-    print(f'comigs: {problem}; dropped (on-missing="drop")', flush=True)
-    return good
 
 
 def _send(
@@ -246,7 +269,8 @@ def _train_rounds(
     users: dict[int, str] = {}
     history, dropped, upload_bytes = [], {}, 0
     for r in range(1, rounds + 1):
-        replies = _collect(grid, _send(nodes, server, {"round": r}, MessageType.TRAIN, str(r)), s, f"round {r}", users)
+        make = partial(_send, arrays=server, config={"round": r}, kind=MessageType.TRAIN, group=str(r))
+        replies = _collect(grid, make, nodes, s, f"round {r}", users)
         metrics = [rep.content["metrics"] for rep in replies]
         ids = [int(m["partition-id"]) for m in metrics]  # type: ignore[index,call-overload]
         if len(set(ids)) != len(ids):
@@ -276,9 +300,10 @@ def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[
     nodes = _wait_for_nodes(grid, len(recipe.users), float(s.get("connect-timeout") or 600))
     server, done = _train_rounds(grid, s, recipe, nodes, server, rounds)
     out = str(s.get("output") or "")
-    msgs = _send(nodes, server, {"round": rounds + 1, "save-dir": out}, MessageType.EVALUATE, "final")
+    config = {"round": rounds + 1, "save-dir": out}
+    make = partial(_send, arrays=server, config=config, kind=MessageType.EVALUATE, group="final")
     users = {}
-    for rep in _collect(grid, msgs, s, "evaluation", done["users"]):
+    for rep in _collect(grid, make, nodes, s, "evaluation", done["users"]):
         m = rep.content["metrics"]
         users[recipe.users[int(m["partition-id"])].name] = {  # type: ignore[index,call-overload]
             "test_ppl": float(m["test_ppl"]),  # type: ignore[index,arg-type]
