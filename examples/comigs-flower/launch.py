@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flwr-bin", type=Path, default=REPO / ".venv-flwr" / "bin", help="the Flower venv's bin/")
     p.add_argument("--insecure", action="store_true", help="no TLS and no node authentication (Flower's --insecure)")
     p.add_argument("--round-timeout", type=float, default=0, help="seconds per round; 0: Flower's heartbeat")
-    p.add_argument("--on-missing", choices=["fail", "drop"], default="fail", help="a device that does not answer")
+    p.add_argument(
+        "--on-missing", choices=["fail", "drop", "wait"], default="fail", help="a device that does not answer"
+    )
     p.add_argument("--timeout", type=float, default=3600, help="the whole run, in seconds")
     a = p.parse_args(argv)
     if not (a.flwr_bin / "flower-superlink").is_file():
