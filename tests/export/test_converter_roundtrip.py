@@ -15,6 +15,7 @@ import pytest
 
 from conftest import TEXT, write_recipe
 from moetool.api import export, merge
+from moetool.export import ExportError
 from moetool.export.gguf.exporter import GATES
 from moetool.export.gguf.tokenizer import read_vocab
 from moetool.export.gguf.verify import compare, llama_logits, load_llama, quiet_stderr
@@ -109,3 +110,72 @@ def test_converter_failure_names_the_folder(converter, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(lc.ConverterError, match="convert_hf_to_gguf.py failed on .*empty"):
         lc.convert(tmp_path / "empty", tmp_path / "x.gguf", converter=converter)
+
+
+def _qwen2_moe_shapes(cfg: dict[str, Any], shared: int) -> dict[str, tuple[int, ...]]:
+    """HF tensor shapes of a Qwen2-MoE in moetool's per-expert layout (no weights)."""
+    from moetool.arch.outputs import QWEN2_MOE
+
+    h, v, ff, e = cfg["hidden_size"], cfg["vocab_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    out["lm_head.weight"] = (v, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        for proj, rows in (("q", h), ("k", kv), ("v", kv)):
+            out |= {p + f"self_attn.{proj}_proj.weight": (rows, h), p + f"self_attn.{proj}_proj.bias": (rows,)}
+        out[p + "self_attn.o_proj.weight"] = (h, h)
+        out[QWEN2_MOE.router_name(i)] = (e, h)
+        for x in range(e):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                out[QWEN2_MOE.expert_name(i, x, proj)] = (ff, h) if proj != "down_proj" else (h, ff)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out[QWEN2_MOE.shared.format(layer=i, proj=proj)] = (shared, h) if proj != "down_proj" else (h, shared)
+        out[QWEN2_MOE.shared_gate.format(layer=i)] = (1, h)
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_null_shared_expert_layout(norm):
+    """The null shared expert (config-marked) is no shared expert to the GGUF layout: llama.cpp's llama form with
+    renormalised top-k, else qwen2moe with its zero column mapped as it is (the converter writes the same)."""
+    from moetool.arch.outputs import NULL_SHARED_KEY, NULL_SHARED_WIDTH, QWEN2_MOE, shared_expert_width
+    from moetool.export.gguf.layout import plan_layout
+
+    cfg: dict[str, Any] = {
+        "model_type": "qwen2_moe",
+        "hidden_size": 32,
+        "vocab_size": 320,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 48,
+        "num_experts": 3,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": norm,
+        "shared_expert_intermediate_size": NULL_SHARED_WIDTH,
+        NULL_SHARED_KEY: True,
+    }
+    tensors = QWEN2_MOE.null_shared(0, 32)
+    assert [(n.rsplit(".", 2)[-2], s) for n, s, _ in tensors] == [
+        ("gate_proj", (1, 32)),
+        ("up_proj", (1, 32)),
+        ("down_proj", (32, 1)),
+        ("shared_expert_gate", (1, 32)),
+    ]
+    assert [v for *_, v in tensors][:3] == [0.0] * 3 and tensors[3][2] != 0  # llama.cpp's silu(x)/x is NaN at 0
+    assert shared_expert_width(cfg) == 0 and shared_expert_width(cfg | {NULL_SHARED_KEY: False}) == NULL_SHARED_WIDTH
+    layout = plan_layout(cfg, _qwen2_moe_shapes(cfg, NULL_SHARED_WIDTH))
+    shexp = {t.name: t.shape for t in layout.tensors if "shexp" in t.name}
+    if norm:
+        assert layout.arch == "llama" and not shexp
+    else:
+        assert layout.arch == "qwen2moe" and layout.shared_ff == NULL_SHARED_WIDTH
+        assert shexp["blk.1.ffn_down_shexp.weight"] == (32, NULL_SHARED_WIDTH)
+        assert not any(t.zeros for t in layout.tensors)  # mapped from the folder, not padded
+    real = cfg | {NULL_SHARED_KEY: False}  # the same shapes unmarked: a real (if tiny) shared expert
+    if norm:
+        with pytest.raises(ExportError, match="norm_topk_prob: false"):
+            plan_layout(real, _qwen2_moe_shapes(cfg, NULL_SHARED_WIDTH))
