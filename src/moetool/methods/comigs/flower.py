@@ -237,6 +237,8 @@ def _collect(
                 continue
             more, errors = _ask(grid, make, back, timeout)
             good += more
+            if not more:  # e.g. an immediate "node unavailable": do not hammer the SuperLink
+                time.sleep(2)
             continue
         if policy != "drop" or len(missing) == len(nodes):
             raise RuntimeError(
