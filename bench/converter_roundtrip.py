@@ -36,20 +36,33 @@ lc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lc)
 
 PROMPTS = ("def main():", "Permission is hereby granted", "acute bronchitis")
-# case: (dense family, recipe lines); {base} is the dense base's folder
-MOFE: dict[str, tuple[str, str]] = {
-    "mixtral/llama": ("llama", ""),
-    "mixtral/mistral": ("mistral", "architecture: mixtral\n"),
-    "qwen2_moe/qwen2 shared": ("qwen2", "shared_expert: {{source: {base}, positive_prompts: ['def']}}\n"),
-    "qwen2_moe/qwen2 shared, zero gate": ("qwen2", "shared_expert: {{source: {base}}}\n"),
-    "qwen2_moe/qwen2 no shared": ("qwen2", ""),
-    "qwen2_moe/llama no shared": ("llama", "architecture: qwen2_moe\n"),
-    "qwen2_moe/mistral shared": (
-        "mistral",
-        "architecture: qwen2_moe\nshared_expert: {{source: {base}, positive_prompts: ['def']}}\n",
-    ),
-    "qwen3_moe/qwen3": ("qwen3", ""),
-}
+SHARED = "shared_expert: {{source: {base}, positive_prompts: ['def']}}\n"
+ZERO_GATE = "shared_expert: {{source: {base}}}\n"  # no prompts: an all-zero shared-expert gate
+
+
+def mofe_cases() -> dict[str, tuple[str, str]]:
+    """case → (dense family, recipe lines): every output architecture from every base family it accepts that the
+    fixtures build, with and without its shared expert, and Qwen2-MoE with norm_topk_prob both ways."""
+    from conftest import dense_config
+    from moetool.arch.outputs import OUTPUT_ARCHS
+
+    cases: dict[str, tuple[str, str]] = {}
+    for arch in OUTPUT_ARCHS.values():
+        for family in arch.accepts:
+            try:
+                dense_config(family)
+            except KeyError:  # a family the fixtures cannot build
+                continue
+            pick = f"architecture: {arch.name}\n"
+            variants = {"": ""} | ({" shared": SHARED, " shared, zero gate": ZERO_GATE} if arch.shared else {})
+            for label, lines in variants.items():
+                cases[f"{arch.name}/{family}{label}"] = (family, pick + lines)
+                if arch.name == "qwen2_moe":  # llama.cpp's qwen2moe never renormalises the top-k weights
+                    cases[f"{arch.name}/{family}{label}, norm_topk=false"] = (
+                        family,
+                        pick + lines + "norm_topk_prob: false\n",
+                    )
+    return cases
 
 
 def _dense(root: Path, family: str) -> dict[str, Path]:
@@ -68,7 +81,7 @@ def _mofe(root: Path, name: str, family: str, extra: str) -> Path:
     experts = "".join(
         f"  - {{name: x{i}, source: {m[f'e{i}']}, positive_prompts: ['{p}']}}\n" for i, p in enumerate(PROMPTS, 1)
     )
-    slug = name.replace("/", "-").replace(" ", "").replace(",", "-")
+    slug = name.replace("/", "-").replace(" ", "").replace(",", "-").replace("=", "")
     text = (
         f"name: {slug}\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\n"
         f"{extra.format(base=m['base'])}experts:\n{experts}"
@@ -100,7 +113,10 @@ def _worst(fig: dict[str, float]) -> float:
 
 def run_case(name: str, build: Callable[[], Path], work: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"case": name}
-    moe = build()
+    try:
+        moe = build()
+    except Exception as e:  # an output moetool cannot build yet is a row too, not the end of the run
+        return row | {"output": "?", "build_error": str(e).strip().splitlines()[-1][:160]}
     cfg = json.loads((moe / "config.json").read_text())
     row["output"] = cfg["model_type"]
     if "norm_topk_prob" in cfg and cfg["model_type"] != "mixtral":
@@ -137,6 +153,8 @@ def _fmt(row: dict[str, Any]) -> str:
             return f"error: {row[f'{side}_error'][:60]}"
         return f"{row.get(f'{side}_arch', '?')} {row.get(f'{side}_dlogit', math.nan):.2e}"
 
+    if "build_error" in row:
+        return f"{row['case']:<52} build failed: {row['build_error']}"
     diffs = row.get("tensor_differences")
     same = "n/a" if diffs is None else ("identical" if not diffs else f"{len(diffs)} differ: {diffs[0]}")
     norm = f" norm_topk={row['norm_topk_prob']}" if "norm_topk_prob" in row else ""
@@ -152,12 +170,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="converter-bench-") as tmp:
         root = Path(tmp)
         cases: dict[str, Callable[[], Path]] = {}
-        for name, (family, extra) in MOFE.items():
+        for name, (family, extra) in mofe_cases().items():
             cases[name] = lambda n=name, f=family, x=extra: _mofe(root, n, f, x)
-            if "qwen2_moe" in name:
-                cases[f"{name}, norm_topk=false"] = lambda n=name, f=family, x=extra: _mofe(
-                    root, n + " nf", f, x + "norm_topk_prob: false\n"
-                )
         for variant in ("comigs", "fedavg"):
             cases[f"comigs bake ({variant})"] = lambda v=variant: _comigs(root, v)
         rows = []
