@@ -16,11 +16,19 @@ from moetool.zoo.tokenizer import train_tokenizer
 
 pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
 
-WORDS = [f"w{i % 97}{'ab'[i % 2]}" for i in range(3000)]
-TEXT = " ".join(
-    f"Section {i}. The licensee shall keep {w} notices, and the licensor grants {w} rights.\n"
-    for i, w in enumerate(WORDS)
-)
+# passages of four kinds of text, one kind per passage (as many words as a passage holds): a context's own kind
+# predicts its continuation, so a model that learnt the text beats the distractors of other kinds
+KINDS = [
+    s.split()
+    for s in (
+        "the quick brown fox jumps over the lazy dog while a cat sleeps",
+        "def add ( a , b ) : return a + b if a else b",
+        "the licensee shall keep all notices and the licensor grants rights",
+        "acute bronchitis with fever and cough treated with rest and fluids",
+    )
+]
+_SPAN = CONTEXT_WORDS + CHOICE_WORDS
+TEXT = " ".join(" ".join((KINDS[i % 4] * 8)[(i * 7) % 11 :][:_SPAN]) for i in range(24))
 
 
 def test_items_hold_the_true_continuation_at_gold():
@@ -59,9 +67,11 @@ def lm():
     )
     model = LlamaForCausalLM(cfg)
     # a few steps on the text, so the scores are not chance and a wrong pairing of choices and gold would show
-    ids = torch.tensor(tok(TEXT)["input_ids"][: 64 * 40]).view(40, 64)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(30):
+    # the whole text, memorised: its own continuations then score far above chance
+    flat = tok(TEXT)["input_ids"]
+    ids = torch.tensor(flat[: len(flat) // 64 * 64]).view(-1, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -89,7 +99,7 @@ def test_local_task_scores_equal_a_direct_computation(tmp_path, lm):
     model, tok = lm
     configs = write_local_tasks({"legal": TEXT}, tmp_path)
     ((name, cfg),) = configs.items()
-    limit = 24
+    limit = 16
     scores = task_scores(model, tok, [cfg], limit=limit)[name]
     path = cfg["dataset_kwargs"]["data_files"]["test"]
     items = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()][:limit]

@@ -122,7 +122,7 @@ def evaluate(
 
     Held-out text per domain comes from ``data`` (DOMAIN → file) or the zoo; a model's own domain (for GG/DSI) from
     ``own``, else its zoo name or directory name. ``tasks`` are lm-eval task names, ``local`` (a continuation task
-    per evaluated domain, :mod:`moetool.eval.tasks`) or ``moetool_cont_DOMAIN``; ``limit`` documents per task,
+    per evaluated domain with enough held-out text, :mod:`moetool.eval.tasks`) or ``moetool_cont_DOMAIN``; ``limit`` documents per task,
     ``num_fewshot`` examples in each prompt. Task scores go under ``tasks[model][task]``.
     """
 
@@ -130,11 +130,11 @@ def evaluate(
     texts = {d: (files[d].read_text(encoding="utf-8") if d in files else _zoo_text(d)) for d in domains}
     paths = {m: resolve_source(m).path for m in models}
     owners = {m: _own_domain(m, p, domains) for m, p in paths.items()} | (own or {})
+    configs = _task_configs(tasks, texts, files) if tasks else []  # a text too short fails before any model runs
     report = run(paths, texts, own_domains=owners, seq_len=seq_len, max_tokens=max_tokens)
-    if tasks:
+    if configs:
         from moetool.eval.harness import run_tasks
 
-        configs = _task_configs(tasks, texts, files)
         report["tasks"] = run_tasks(paths, configs, limit=limit, num_fewshot=num_fewshot, on_model=on_model)
         report["settings"]["tasks"] = {
             "names": [_task_name(t) for t in configs],
@@ -150,12 +150,13 @@ def _task_name(task: str | dict[str, Any]) -> str:
 
 def _task_configs(tasks: list[str], texts: dict[str, str], files: dict[str, Path]) -> list[str | dict[str, Any]]:
     """lm-eval task names as they are; ``local`` and ``moetool_cont_DOMAIN`` as task configs over held-out text."""
-    from moetool.eval.tasks import local_domain, write_local_tasks
+    from moetool.eval.tasks import local_domain, min_words, task_name, write_local_tasks
     from moetool.paths import cache_dir
 
     wanted: list[str] = []
     for t in tasks:
-        wanted += [f"moetool_cont_{d}" for d in texts] if t == "local" else [t]
+        # `local`: the domains with enough held-out text (a named moetool_cont_DOMAIN task is built or refused)
+        wanted += [task_name(d) for d, x in texts.items() if len(x.split()) >= min_words()] if t == "local" else [t]
     local = {d: texts.get(d) or _domain_text(d, files) for t in wanted if (d := local_domain(t)) is not None}
     configs = write_local_tasks(local, cache_dir() / "lm-eval-tasks")
     return [configs.get(t, t) for t in dict.fromkeys(wanted)]

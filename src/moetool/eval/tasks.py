@@ -21,9 +21,10 @@ from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_write_text
 
 PREFIX = "moetool_cont_"
-# a passage is CONTEXT_WORDS of context then CHOICE_WORDS of continuation; 4 choices: chance is 25 %
-CONTEXT_WORDS = 48
-CHOICE_WORDS = 12
+# a passage is CONTEXT_WORDS of context then CHOICE_WORDS of continuation (about 60 tokens a request: each choice is
+# a forward pass of its own); 4 choices: chance is 25 %
+CONTEXT_WORDS = 32
+CHOICE_WORDS = 10
 N_CHOICES = 4
 MAX_ITEMS = 200
 
@@ -50,12 +51,18 @@ def local_domain(task: str) -> str | None:
     return task.removeprefix(PREFIX) if task.startswith(PREFIX) else None
 
 
+def min_words() -> int:
+    """Words of held-out text a continuation task needs (``2 * N_CHOICES`` passages)."""
+    return 2 * N_CHOICES * (CONTEXT_WORDS + CHOICE_WORDS)
+
+
 def continuation_items(text: str, *, seed: int = 0, max_items: int = MAX_ITEMS) -> list[ContinuationItem]:
     """Multiple-choice items from one domain's held-out text.
 
     The text is cut into consecutive passages of ``CONTEXT_WORDS + CHOICE_WORDS`` words (whitespace inside a passage
     kept as written). Each passage's distractors are the continuations of ``N_CHOICES - 1`` other passages at least
-    two passages away; the gold position is drawn from ``seed``.
+    two passages away, all different from the true one and from each other (a passage without enough such others is
+    skipped); the gold position is drawn from ``seed``.
 
     Raises:
         MoetoolError: when the text has fewer than ``2 * N_CHOICES`` passages.
@@ -66,19 +73,25 @@ def continuation_items(text: str, *, seed: int = 0, max_items: int = MAX_ITEMS) 
     if len(passages) < 2 * N_CHOICES:
         raise MoetoolError(
             f"held-out text of {len(words)} words is too short for a continuation task: "
-            f"need {2 * N_CHOICES * span} words ({2 * N_CHOICES} passages of {span})"
+            f"need {min_words()} words ({2 * N_CHOICES} passages of {span})"
         )
     rng = random.Random(seed)
     order = list(range(len(passages)))
     rng.shuffle(order)
     items = []
-    for i in order[:max_items]:
+    cont = [" " + " ".join(p[CONTEXT_WORDS:]) for p in passages]
+    for i in order:
         far = [j for j in range(len(passages)) if abs(j - i) > 1]
-        others = rng.sample(far, N_CHOICES - 1)
-        conts = [" " + " ".join(passages[j][CONTEXT_WORDS:]) for j in others]
+        rng.shuffle(far)
+        # distractors differ from the truth and from each other (boilerplate repeats in real text)
+        conts = list(dict.fromkeys(cont[j] for j in far if cont[j] != cont[i]))[: N_CHOICES - 1]
+        if len(conts) < N_CHOICES - 1:
+            continue
         gold = rng.randrange(N_CHOICES)
-        conts.insert(gold, " " + " ".join(passages[i][CONTEXT_WORDS:]))
+        conts.insert(gold, cont[i])
         items.append(ContinuationItem(" ".join(passages[i][:CONTEXT_WORDS]), conts, gold))
+        if len(items) == max_items:
+            break
     return items
 
 
