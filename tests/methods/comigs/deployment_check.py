@@ -25,9 +25,11 @@ class LossyGrid:
     reply at all, as after a SIGKILL). With ``restarts``, only that one message is lost: the node then comes back
     with an empty memory (a fresh SuperNode process) and its state directory."""
 
-    def __init__(self, recipe: str, work: Path, dead: int | None, dies_in: int, restarts: bool = False) -> None:
+    def __init__(
+        self, recipe: str, work: Path, dead: int | None, dies_in: int, restarts: bool = False, late: bool = False
+    ) -> None:
         self.app = make_client_app(recipe=recipe)
-        self.work, self.dead, self.dies_in, self.restarts = work, dead, dies_in, restarts
+        self.work, self.dead, self.dies_in, self.restarts, self.late = work, dead, dies_in, restarts, late
         self.contexts = {n: self.fresh(n) for n in (100, 101)}
 
     def fresh(self, n: int) -> Context:
@@ -43,16 +45,20 @@ class LossyGrid:
             rnd = int(m.content["config"].get("round", 0))  # type: ignore[union-attr,call-overload]
             node = m.metadata.dst_node_id
             if node == self.dead and rnd >= self.dies_in:
+                if self.late:  # it dies after its round finished (state written), before its reply got out
+                    self.app(m, self.contexts[node])
                 if self.restarts:
                     self.dead = None
                     self.contexts[node] = self.fresh(node)
                 continue
             replies.append(self.app(m, self.contexts[node]))
+            if self.late and node == 101 and rnd == self.dies_in:
+                replies[-1] = self.app(m, self.contexts[node])  # a second copy of the message, queued meanwhile
         return replies
 
 
-def attempt(recipe: Path, work: Path, policy: str, dead: int | None = 101) -> dict[str, Any]:
-    grid = LossyGrid(str(recipe), work, dead=dead, dies_in=2, restarts=policy == "wait")
+def attempt(recipe: Path, work: Path, policy: str, dead: int | None = 101, late: bool = False) -> dict[str, Any]:
+    grid = LossyGrid(str(recipe), work, dead=dead, dies_in=2, restarts=policy == "wait", late=late)
     ctx = Context(
         run_id=1,
         node_id=0,
@@ -80,6 +86,7 @@ def main() -> None:
     recipe, work = Path(sys.argv[1]), Path(sys.argv[2])
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # what a ServerApp process has set
     result = [attempt(recipe, work / policy, policy) for policy in ("fail", "drop", "wait")]
+    result.append(attempt(recipe, work / "wait-late", "wait", late=True))
     result.append(attempt(recipe, work / "uninterrupted", "fail", dead=None))
     print("RESULT " + json.dumps(result))
 

@@ -217,7 +217,7 @@ def test_missing_device_policies(tmp_path):
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    fail, drop, wait, uninterrupted = json.loads(lines[-1].removeprefix("RESULT "))
+    fail, drop, wait, late, uninterrupted = json.loads(lines[-1].removeprefix("RESULT "))
     assert fail["error"].startswith("round 2: no reply from SuperNode 101 (user b)") and "on-missing" in fail["error"]
     assert fail["rounds_on_disk"] == {"a": 2, "b": 1}
     assert drop["dropped"] == {"b": 2} and drop["users"] == ["a"]
@@ -226,3 +226,7 @@ def test_missing_device_policies(tmp_path):
     # "wait": b comes back as a fresh process, resumes from its round-1 file, and the run is the uninterrupted one
     assert "error" not in wait and wait["dropped"] is None and wait["rounds_on_disk"] == {"a": 3, "b": 3}
     assert wait["history"] == uninterrupted["history"] and wait["test_ppl"] == uninterrupted["test_ppl"]
+    # b dies after writing round 2, before replying, and then gets round 2 twice: it answers from its saved reply
+    # both times (from its state file), never training a round twice
+    assert late["history"] == uninterrupted["history"] and late["test_ppl"] == uninterrupted["test_ppl"]
+    assert late["rounds_on_disk"] == {"a": 3, "b": 3}

@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ class DeviceState:
     round: int  # the last round whose local training completed
     tensors: dict[str, torch.Tensor]
     counters: dict[str, int]
+    reply: dict[str, float] = field(default_factory=dict)  # the round's reply metrics (its tensors: "upload/...")
 
 
 def state_path(state_dir: Path, user: str) -> Path:
@@ -46,6 +47,7 @@ def save_state(state_dir: Path, state: DeviceState) -> Path:
         "run_id": str(state.run_id),
         "round": str(state.round),
         "counters": json.dumps(state.counters, sort_keys=True),
+        "reply": json.dumps(state.reply, sort_keys=True),
     }
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
     os.close(fd)
@@ -92,4 +94,5 @@ def load_state(state_dir: Path, user: str) -> DeviceState | None:
         round=int(meta["round"]),
         tensors=load_file(str(path)),
         counters={k: int(v) for k, v in json.loads(meta["counters"]).items()},
+        reply=json.loads(meta.get("reply", "{}")),
     )

@@ -14,8 +14,6 @@ release that is not published.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
@@ -30,11 +28,13 @@ from moetool.methods.comigs.assemble import build_user_model, load_dense, shared
 from moetool.methods.comigs.bilevel import ClientTrainer, UserData
 from moetool.methods.comigs.device_state import DeviceState, load_state, save_state
 from moetool.methods.comigs.federated import average, load_user_data, make_client, variant_recipe
+from moetool.methods.comigs.flower_replies import collect as _collect
+from moetool.methods.comigs.flower_replies import wait_for_nodes as _wait_for_nodes
 from moetool.recipe.comigs import ComigsRecipe
 
-MakeMessages = Callable[[list[int]], list[Message]]  # one message per destination node
-
 PRIVATE = "comigs.private"
+REPLY_ARRAYS = "comigs.reply.arrays"  # the last train reply, sent again if the server asks for that round again
+REPLY_METRICS = "comigs.reply.metrics"
 COUNTERS = "comigs.counters"
 
 
@@ -104,14 +104,38 @@ def _trainer(context: Context, s: dict[str, Any], rnd: int) -> tuple[ClientTrain
     return trainer, index
 
 
-def _persist(trainer: ClientTrainer, context: Context, user: str, rnd: int) -> None:
-    """Keep the state for the next round: in the node's memory and, with ``state-dir``, atomically on disk. Called
-    only once the round's training is complete, so a device killed mid-round keeps its last completed round."""
+def _persist(trainer: ClientTrainer, context: Context, user: str, rnd: int, reply: RecordDict) -> None:
+    """Keep the state for the next round, and this round's reply: in the node's memory and, with ``state-dir``,
+    atomically on disk. Called only once the round's training is complete, so a device killed mid-round keeps its
+    last completed round."""
     tensors, counters = trainer.private_state()
     context.state[PRIVATE] = ArrayRecord({k: v.contiguous() for k, v in tensors.items()})
-    context.state[COUNTERS] = ConfigRecord(dict(counters))
+    context.state[COUNTERS] = ConfigRecord(dict(counters) | {"round": rnd})
+    context.state[REPLY_ARRAYS] = reply["arrays"]
+    context.state[REPLY_METRICS] = reply["metrics"]
     if (state_dir := _state_dir(context)) is not None:
-        save_state(state_dir, DeviceState(user, context.run_id, rnd, tensors, dict(counters)))
+        upload = reply["arrays"]
+        metrics = reply["metrics"]
+        assert isinstance(upload, ArrayRecord) and isinstance(metrics, MetricRecord)
+        tensors |= {f"upload/{k}": v for k, v in upload.to_torch_state_dict().items()}
+        save_state(state_dir, DeviceState(user, context.run_id, rnd, tensors, dict(counters), dict(metrics)))  # type: ignore[arg-type]
+
+
+def _earlier_reply(context: Context, user: str, rnd: int) -> RecordDict | None:
+    """This device's reply to round ``rnd`` when it has trained that round already. The server sends a round again
+    to a device it lost (on-missing="wait"): a reply lost in a crash after the state write, or a second copy still
+    queued for a restarted SuperNode, must not train the round twice."""
+    counters = context.state.get(COUNTERS) if COUNTERS in context.state else None
+    if isinstance(counters, ConfigRecord):
+        if int(counters.get("round", 0)) == rnd:  # type: ignore[call-overload]
+            return RecordDict({"arrays": context.state[REPLY_ARRAYS], "metrics": context.state[REPLY_METRICS]})
+        return None
+    state_dir = _state_dir(context)
+    saved = load_state(state_dir, user) if state_dir is not None else None
+    if saved is None or saved.run_id != context.run_id or saved.round != rnd:
+        return None
+    upload = {k.removeprefix("upload/"): v for k, v in saved.tensors.items() if k.startswith("upload/")}
+    return RecordDict({"arrays": ArrayRecord(upload), "metrics": MetricRecord(saved.reply)})  # type: ignore[arg-type]
 
 
 def _round(msg: Message) -> int:
@@ -125,13 +149,17 @@ def client_train(msg: Message, context: Context, defaults: dict[str, Any]) -> Me
     tensors only."""
     s = _settings(context, defaults)
     rnd = _round(msg)
+    index = int(context.node_config["partition-id"])
+    recipe = _recipe(str(s["recipe"]), str(s["variant"]))
+    user = recipe.users[index].name if 0 <= index < len(recipe.users) else ""
+    if user and (earlier := _earlier_reply(context, user, rnd)) is not None:
+        return Message(earlier, reply_to=msg)
     trainer, index = _trainer(context, s, rnd)
     if trainer.shared:
         arrays = msg.content["arrays"]
         assert isinstance(arrays, ArrayRecord)
         trainer.load_shared(dict(arrays.to_torch_state_dict()))
     stats = trainer.local_round()
-    _persist(trainer, context, _recipe(str(s["recipe"]), str(s["variant"])).users[index].name, rnd)
     content = RecordDict(
         {
             "arrays": ArrayRecord(trainer.shared_state()),
@@ -140,6 +168,7 @@ def client_train(msg: Message, context: Context, defaults: dict[str, Any]) -> Me
             ),
         }
     )
+    _persist(trainer, context, user, rnd, content)
     return Message(content, reply_to=msg)
 
 
@@ -188,66 +217,6 @@ def _initial_shared(recipe: ComigsRecipe, recipe_dir: Path, dense: Any) -> dict[
     model = build_user_model(recipe, recipe.users[0], dense, recipe_dir)
     named = dict(model.named_parameters())
     return {n: named[n].detach().clone() for n in shared_names(model, recipe)}
-
-
-def _wait_for_nodes(grid: Grid, n_users: int, timeout: float) -> list[int]:
-    """In deployment the SuperNodes connect on their own time: wait until one per user is online."""
-    deadline = time.monotonic() + timeout
-    nodes = list(grid.get_node_ids())
-    while len(nodes) < n_users:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(nodes)} of {n_users} SuperNodes connected within {timeout:g} s")
-        time.sleep(1)
-        nodes = list(grid.get_node_ids())
-    return sorted(nodes)[:n_users]
-
-
-def _ask(grid: Grid, make: MakeMessages, nodes: list[int], timeout: float | None) -> tuple[list[Message], list[str]]:
-    """Send ``make(nodes)``; (the good replies, Flower's reasons for the bad ones)."""
-    replies = list(grid.send_and_receive(make(nodes), timeout=timeout))
-    return [r for r in replies if not r.has_error()], [r.error.reason for r in replies if r.has_error()]
-
-
-def _collect(
-    grid: Grid, make: MakeMessages, nodes: list[int], s: dict[str, Any], label: str, users: dict[int, str]
-) -> list[Message]:
-    """The good replies to ``make(nodes)``. A device that does not answer (its SuperNode died, or it missed
-    ``round-timeout``) or answers with an error fails the run. With ``on-missing = "drop"`` it is left out of this
-    and every later round; with ``"wait"`` the round is sent to it again until it answers (a SuperNode restarted
-    with its key has its node id back and resumes from its state file), for at most ``connect-timeout`` seconds.
-    Nothing is averaged from a failed round, and no device's state is touched by it."""
-    timeout = float(s.get("round-timeout") or 0) or None  # None: until Flower's heartbeat marks the node offline
-    good, errors = _ask(grid, make, nodes, timeout)
-    policy = s.get("on-missing") or "fail"
-    deadline = time.monotonic() + float(s.get("connect-timeout") or 600)
-    while True:
-        answered = {r.metadata.src_node_id for r in good}
-        missing = [n for n in nodes if n not in answered]
-        if not missing:
-            return good
-        who = ", ".join(f"SuperNode {n} (user {users.get(n, '? (no reply yet)')})" for n in missing)
-        waited = f"at most {timeout:g} s (round-timeout)" if timeout else "until Flower's heartbeat check gave up on it"
-        problem = f"{label}: no reply from {who}, waited {waited}" + (f"; errors: {errors[:3]}" if errors else "")
-        if policy == "wait" and time.monotonic() < deadline:
-            print(f'comigs: {problem}; sending it again (on-missing="wait")', flush=True)
-            online = set(grid.get_node_ids())
-            back = [n for n in missing if n in online]
-            if not back:
-                time.sleep(2)
-                continue
-            more, errors = _ask(grid, make, back, timeout)
-            good += more
-            if not more:  # e.g. an immediate "node unavailable": do not hammer the SuperLink
-                time.sleep(2)
-            continue
-        if policy != "drop" or len(missing) == len(nodes):
-            raise RuntimeError(
-                f"{problem}. Nothing of this round was averaged; each device's state (state-dir) still holds its "
-                'last completed round. Run config on-missing="drop" goes on without such devices, "wait" sends the '
-                "round again until they are back (connect-timeout)."
-            )
-        print(f'comigs: {problem}; dropped (on-missing="drop")', flush=True)
-        return good
 
 
 def _send(
