@@ -66,6 +66,7 @@ def dense_config(family: str = "llama", **kw: object) -> object:
         "mistral": "MistralConfig",
         "qwen2": "Qwen2Config",
         "qwen3": "Qwen3Config",
+        "granite": "GraniteConfig",
     }[family]
     return getattr(transformers, cls)(**common)
 

@@ -84,6 +84,9 @@ class MoEArch:
         shared: template of the shared expert's projections, if the architecture has one.
         shared_gate: template of the shared expert's sigmoid gate ``[1, H]``.
         zero_attn_bias: q/k/v biases the architecture requires and a bias-free base lacks (written as zeros).
+        stacked: experts held as one tensor per layer and group ``[E, rows, ...]`` instead of ``expert``'s one per
+            expert: (template with ``{layer}``, dense projections concatenated along the rows), e.g. GraniteMoE's
+            ``input_linear`` = [gate; up] of every expert.
     """
 
     name: str
@@ -98,6 +101,7 @@ class MoEArch:
     shared_gate: str | None = None
     zero_attn_bias: tuple[str, ...] = ()
     checks: tuple[Callable[[Any], str | None], ...] = field(default=())
+    stacked: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def supports(self, base: Any, *, shared: bool) -> Verdict:
         """Explain whether this architecture can hold a MoE built on dense config ``base``."""
@@ -226,9 +230,50 @@ QWEN3_MOE = MoEArch(
     config_extra=_qwen_moe_extra,
 )
 
-OUTPUT_ARCHS: dict[str, MoEArch] = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE)}
+
+def _granite_extra(base: Any, n: int, k: int, _shared: int | None) -> dict[str, Any]:
+    # GraniteMoE's router softmaxes the top-k logits (renormalised top-k, as Mixtral); the scales carry over
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "attention_bias")
+    return {
+        "intermediate_size": base.intermediate_size,
+        "num_local_experts": n,
+        "num_experts_per_tok": k,
+        "output_router_logits": False,
+    } | {key: getattr(base, key) for key in keys if getattr(base, key, None) is not None}
+
+
+def _granite_head_dim(base: Any) -> str | None:
+    head_dim = getattr(base, "head_dim", None)
+    if head_dim and head_dim * base.num_attention_heads != base.hidden_size:
+        return f"has head_dim = hidden_size / num_attention_heads only (base has head_dim {head_dim})"
+    return None
+
+
+GRANITEMOE = MoEArch(
+    name="granitemoe",
+    model_type="granitemoe",
+    class_name="GraniteMoeForCausalLM",
+    accepts=("granite",),
+    router="model.layers.{layer}.block_sparse_moe.router.layer.weight",
+    expert="",  # experts are stacked (below): one tensor per layer for [gate; up] and one for down
+    proj_map={},
+    config_extra=_granite_extra,
+    checks=(_granite_head_dim,),
+    stacked=(
+        ("model.layers.{layer}.block_sparse_moe.input_linear.weight", ("gate_proj", "up_proj")),
+        ("model.layers.{layer}.block_sparse_moe.output_linear.weight", ("down_proj",)),
+    ),
+)
+
+OUTPUT_ARCHS: dict[str, MoEArch] = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, GRANITEMOE)}
 # auto selection prefers the architecture native to the base family
-_PREFERRED = {"llama": "mixtral", "mistral": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe"}
+_PREFERRED = {
+    "llama": "mixtral",
+    "mistral": "mixtral",
+    "qwen2": "qwen2_moe",
+    "qwen3": "qwen3_moe",
+    "granite": "granitemoe",
+}
 
 
 def select_output_arch(requested: str, base: Any, *, shared: bool) -> MoEArch:
@@ -257,5 +302,6 @@ def select_output_arch(requested: str, base: Any, *, shared: bool) -> MoEArch:
     raise UnsupportedArchitecture(
         f"no output architecture accepts a {base.model_type!r} base"
         f"{' with a shared expert' if shared else ''}:\n{lines}\n"
-        f"supported dense bases: llama, mistral (→ mixtral, qwen2_moe), qwen2 (→ qwen2_moe), qwen3 (→ qwen3_moe)"
+        f"supported dense bases: llama, mistral (→ mixtral, qwen2_moe), qwen2 (→ qwen2_moe), qwen3 (→ qwen3_moe), "
+        "granite (→ granitemoe)"
     )

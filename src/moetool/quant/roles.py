@@ -17,6 +17,7 @@ _RULES: tuple[tuple[str, Role], ...] = (
     (r"\.block_sparse_moe\.gate\.|\.mlp\.gate\.weight$|\.router\.", "router"),
     (r"\.shared_expert\.", "shared_expert"),
     (r"\.experts\.", "experts"),
+    (r"\.block_sparse_moe\.(input|output)_linear\.", "experts"),  # GraniteMoE's stacked experts
     (r"\.self_attn\.", "attention"),
     (r"\.mlp\.(gate|up|down)_proj\.", "ffn"),
 )

@@ -106,7 +106,7 @@ def test_unsupported_family(tmp_path):
         tmp_path,
         _recipe(tmp_path, d, [d]),
         PreflightError,
-        "base_model: 'gpt2' is not a supported dense family (supported: llama, mistral, qwen2, qwen3)",
+        "base_model: 'gpt2' is not a supported dense family (supported: llama, mistral, qwen2, qwen3, granite)",
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from moetool.arch.outputs import expert_count, shared_expert_width
 from moetool.export.base import ExportError
-from moetool.export.gguf.names import ARCHS, gguf_name
+from moetool.export.gguf.names import ARCHS, gguf_name, split_names
 from moetool.export.gguf.rope import ROPE_TENSORS, plan_rope
 from moetool.quant.plan import TensorEntry
 
@@ -24,6 +24,7 @@ class GGUFTensor:
     permute_heads: int | None = None  # Q/K rows to reorder for NORM rope
     squeeze: bool = False  # [1, H] → [H]
     zeros: bool = False  # padding with no source
+    rows: tuple[int, int] | None = None  # this slice of the source's rows (dim -2), for a split stacked tensor
 
     def entry(self) -> TensorEntry:
         hf = self.sources[0] if self.sources else self.name
@@ -137,6 +138,9 @@ def _map_tensors(
     experts: dict[str, dict[int, str]] = {}
     skipped: list[str] = []
     for hf, shape in tensor_shapes.items():
+        if parts := split_names(hf):
+            out |= _split(hf, tuple(shape), parts)
+            continue
         mapped = gguf_name(hf)
         if mapped is None:
             if not hf.endswith("rotary_emb.inv_freq"):  # recomputed by every runtime
@@ -159,6 +163,18 @@ def _map_tensors(
             raise ExportError(f"{name}: experts {sorted(by_e)} present, config says {n}")
         first = tensor_shapes[by_e[0]]
         out[name] = GGUFTensor(name, [by_e[e] for e in range(n)], (n, *first))
+    return out
+
+
+def _split(hf: str, shape: tuple[int, ...], parts: tuple[str, ...]) -> dict[str, GGUFTensor]:
+    """The GGUF tensors that take equal slices of ``hf``'s rows (dim -2), e.g. GraniteMoE's [gate; up] of every
+    expert → ffn_gate_exps and ffn_up_exps."""
+    rows, rem = divmod(shape[-2], len(parts))
+    if rem:
+        raise ExportError(f"{hf}: {shape[-2]} rows do not split into {len(parts)} equal parts")
+    out = {}
+    for j, name in enumerate(parts):
+        out[name] = GGUFTensor(name, [hf], (*shape[:-2], rows, shape[-1]), rows=(j * rows, (j + 1) * rows))
     return out
 
 

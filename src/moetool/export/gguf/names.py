@@ -33,7 +33,18 @@ TENSOR_MAP: tuple[tuple[str, str], ...] = (
     (r"model\.layers\.(?P<i>\d+)\.mlp\.shared_expert\.up_proj\.weight", "blk.{i}.ffn_up_shexp.weight"),
     (r"model\.layers\.(?P<i>\d+)\.mlp\.shared_expert\.down_proj\.weight", "blk.{i}.ffn_down_shexp.weight"),
     (r"model\.layers\.(?P<i>\d+)\.mlp\.shared_expert_gate\.weight", "blk.{i}.ffn_gate_inp_shexp.weight"),
+    # GraniteMoE: its router, and the down projections of every expert already stacked [E, H, I]
+    (r"model\.layers\.(?P<i>\d+)\.block_sparse_moe\.router\.layer\.weight", "blk.{i}.ffn_gate_inp.weight"),
+    (r"model\.layers\.(?P<i>\d+)\.block_sparse_moe\.output_linear\.weight", "blk.{i}.ffn_down_exps.weight"),
 )
+# (HF regex, GGUF templates): a stacked tensor whose rows (dim -2) are the GGUF tensors in equal parts, in order
+SPLIT_MAP: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        r"model\.layers\.(?P<i>\d+)\.block_sparse_moe\.input_linear\.weight",
+        ("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),
+    ),
+)
+_SPLIT = [(re.compile(p), t) for p, t in SPLIT_MAP]
 _COMPILED = [(re.compile(p), t) for p, t in TENSOR_MAP]
 
 # model_type → (llama.cpp arch, Q/K need the NORM-rope permutation)
@@ -45,6 +56,8 @@ ARCHS: dict[str, tuple[str, bool]] = {
     "qwen3": ("qwen3", False),
     "qwen2_moe": ("qwen2moe", False),
     "qwen3_moe": ("qwen3moe", False),
+    "granite": ("granite", True),
+    "granitemoe": ("granitemoe", True),
 }
 
 
@@ -57,6 +70,15 @@ def gguf_name(hf_name: str) -> tuple[str, int | None] | None:
             e = g.pop("e", None)
             return tmpl.format(**{k: v for k, v in g.items() if v is not None}), None if e is None else int(e)
     return None
+
+
+def split_names(hf_name: str) -> tuple[str, ...]:
+    """The GGUF tensors an HF tensor splits into along its rows (see ``SPLIT_MAP``); empty if it is not split."""
+    for pat, templates in _SPLIT:
+        m = pat.fullmatch(hf_name)
+        if m:
+            return tuple(t.format(**m.groupdict()) for t in templates)
+    return ()
 
 
 def permute_qk(w: Any, n_head: int) -> Any:

@@ -17,6 +17,7 @@ from moetool.export.base import ExportError
 from moetool.export.gguf.layout import GGUFTensor, Layout
 from moetool.export.gguf.names import permute_qk
 from moetool.export.gguf.rope import plan_rope, write_rope_metadata
+from moetool.export.gguf.scales import write_scales
 from moetool.export.gguf.tokenizer import GGUFVocab, write_vocab
 from moetool.export.gguf.verify import quiet_stderr
 from moetool.extras import require
@@ -56,6 +57,8 @@ def load_tensor(ckpt: Checkpoint, t: GGUFTensor) -> np.ndarray:
         return np.full(t.shape, SHEXP_GATE_EPS, dtype=np.float32) if t.name.endswith("gate_inp_shexp.weight") else arr
     parts = [ckpt.get(s).float().numpy() for s in t.sources]
     arr = np.stack(parts) if len(parts) > 1 else parts[0]
+    if t.rows is not None:
+        arr = arr[..., t.rows[0] : t.rows[1], :]
     if t.permute_heads:
         arr = permute_qk(arr, t.permute_heads)
     if t.squeeze:
@@ -95,6 +98,7 @@ def _metadata(w: Any, cfg: dict[str, Any], layout: Layout, name: str, file_type:
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     write_rope_metadata(w, plan_rope(cfg, layout.arch))
+    write_scales(w, cfg, layout.arch)
     w.add_rope_dimension_count(head_dim)
     if head_dim * heads != hidden:
         w.add_key_length(head_dim)

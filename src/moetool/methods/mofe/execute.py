@@ -17,7 +17,7 @@ from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.files import copy_tokenizer
 from moetool.io.writer import ShardedWriter
-from moetool.methods.mofe.plan import DTYPES, MergePlan
+from moetool.methods.mofe.plan import DTYPES, MergePlan, Parts
 from moetool.progress import silent, task
 from moetool.recipe.mofe import MoFERecipe
 from moetool.routing import init as rinit
@@ -110,6 +110,8 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
                     t = ckpts[op.source].get(op.src)
                 elif op.kind == "zeros":
                     t = torch.zeros(op.shape)
+                elif op.kind == "stacked":
+                    t = _stacked(op.parts, ckpts, plan)
                 elif op.kind == "router":
                     assert gates is not None
                     t = gates[int(op.out.split(".")[2])]
@@ -123,6 +125,17 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
     finally:
         for c in ckpts.values():
             c.close()
+
+
+def _stacked(parts: Parts, ckpts: dict[str, Checkpoint], plan: MergePlan) -> torch.Tensor:
+    """Every expert's tensors in one: per expert the listed tensors concatenated along dim 0, then stacked."""
+    rows = []
+    for expert in parts:
+        for label, _ in expert:
+            if label not in ckpts:
+                ckpts[label] = Checkpoint(plan.sources[label].path, allow_pickle=plan.allow_pickle)
+        rows.append(torch.cat([ckpts[label].get(src) for label, src in expert]))
+    return torch.stack(rows)
 
 
 def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str, hashes: dict[Path, str] | None = None) -> None:

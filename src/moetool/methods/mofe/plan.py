@@ -12,7 +12,9 @@ import torch
 from moetool.io.sources import ResolvedSource
 from moetool.recipe.mofe import MoFERecipe
 
-OpKind = Literal["copy", "expert", "shared", "router", "shared_gate", "zeros"]
+OpKind = Literal["copy", "expert", "shared", "router", "shared_gate", "zeros", "stacked"]
+# a stacked op's sources: per expert, the (source label, tensor) pairs concatenated along dim 0, then stacked
+Parts = tuple[tuple[tuple[str, str], ...], ...]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -31,6 +33,8 @@ class TensorOp:
         source: label of the source checkpoint (``base``, an expert name, ``shared``), None for computed tensors.
         src: tensor name inside the source.
         shape: output shape.
+        parts: for ``stacked`` (every expert in one tensor): per expert, the (source label, tensor) pairs it
+            concatenates along dim 0.
     """
 
     out: str
@@ -38,6 +42,7 @@ class TensorOp:
     source: str | None
     src: str | None
     shape: tuple[int, ...]
+    parts: Parts = ()
 
     @property
     def numel(self) -> int:
@@ -80,6 +85,6 @@ class MergePlan:
         largest = max((op.numel for op in self.ops), default=0) * 4
         if self.recipe.gate_mode != "hidden":
             return 2 * largest
-        per_expert = sum(op.numel for op in self.ops if op.kind == "expert") // len(self.recipe.experts)
+        per_expert = sum(op.numel for op in self.ops if op.kind in ("expert", "stacked")) // len(self.recipe.experts)
         base = (sum(op.numel for op in self.ops if op.kind == "copy") + per_expert) * 4
         return max(2 * largest, base)

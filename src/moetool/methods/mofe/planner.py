@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from moetool.arch.families import DENSE_FAMILIES, FOUNDATION_KEYS, MLP_PROJS, dense_mlp_name
+from moetool.arch.families import FOUNDATION_KEYS, MLP_PROJS, MOFE_FAMILIES, REFUSED_FAMILIES, dense_mlp_name
 from moetool.arch.outputs import MoEArch, select_output_arch
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
@@ -72,10 +72,12 @@ def _base_config(path: Path) -> Any:
         base_cfg = AutoConfig.from_pretrained(str(path))
     except Exception as exc:
         raise PreflightError(f"base_model: cannot read config of {path}: {exc}") from None
-    if base_cfg.model_type not in DENSE_FAMILIES:
-        supported = ", ".join(DENSE_FAMILIES)
+    if base_cfg.model_type not in MOFE_FAMILIES:
+        supported = ", ".join(MOFE_FAMILIES)
+        why = REFUSED_FAMILIES.get(base_cfg.model_type)
         raise PreflightError(
             f"base_model: {base_cfg.model_type!r} is not a supported dense family (supported: {supported})"
+            f"{f': no standard MoE class equals it ({why})' if why else ''}"
         )
     return base_cfg
 
@@ -224,6 +226,18 @@ def plan_mofe(recipe: MoFERecipe, *, allow_pickle: bool = False) -> MergePlan:
     )
 
 
+def stacked_ops(arch: MoEArch, layer: int, experts: list[str], base_t: dict[str, Any]) -> list[TensorOp]:
+    """The ops of an architecture that holds every expert of a layer in one tensor per group (``arch.stacked``)."""
+    ops = []
+    for template, projs in arch.stacked:
+        srcs = [dense_mlp_name(layer, p) for p in projs]
+        rows = sum(base_t[s].shape[0] for s in srcs)
+        shape = (len(experts), rows, *base_t[srcs[0]].shape[1:])
+        parts = tuple(tuple((e, s) for s in srcs) for e in experts)
+        ops.append(TensorOp(template.format(layer=layer), "stacked", None, None, shape, parts))
+    return ops
+
+
 def _ops(
     arch: MoEArch,
     base_t: dict[str, Any],
@@ -257,7 +271,8 @@ def _ops(
                 rows = base_t[f"model.layers.{layer}.self_attn.{proj}.weight"].shape[0]
                 ops.append(TensorOp(bias, "zeros", None, None, (rows,)))
         ops.append(TensorOp(arch.router_name(layer), "router", None, None, (n_exp, hidden)))
-        for ei, e in enumerate(recipe.experts):
+        ops += stacked_ops(arch, layer, [e.name for e in recipe.experts], base_t)
+        for ei, e in enumerate(recipe.experts if not arch.stacked else []):
             for proj in MLP_PROJS:
                 src = dense_mlp_name(layer, proj)
                 ops.append(TensorOp(arch.expert_name(layer, ei, proj), "expert", e.name, src, base_t[src].shape))

@@ -1,0 +1,71 @@
+"""GGUF export of the further MoE outputs, proven in llama.cpp: GraniteMoE (and dense Granite) with its scales."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import llama_cpp  # noqa: F401  (the dev extra installs it; a missing runtime must fail, not skip)
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from conftest import save_dense, write_recipe
+from moetool.api import export, merge
+
+PROMPTS = ("def main():", "Permission is hereby granted", "acute bronchitis")
+SCALES = {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 2.5}
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("granite-gguf")
+    base = save_dense(root / "base", "granite", **SCALES)
+    return {"base": base} | {
+        f"e{i}": save_dense(root / f"e{i}", "granite", seed=i, base=base, mlp_noise=0.3) for i in (1, 2, 3)
+    }
+
+
+def _max_diff(man: dict) -> float:
+    p = man["parity"]
+    assert p["tokenizer_match"], p["tokenizer_mismatches"]
+    assert p["seq_lens"] == [32, 128] and p["top1_agreement"] == 1.0
+    return float(max(p["max_abs_logit_diff"].values()))
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> float:
+    return float(reader.fields[key].parts[-1][0])
+
+
+def test_granitemoe_three_experts_f32(granite, tmp_path):
+    experts = "\n".join(
+        f"  - {{name: x{i}, source: {granite[f'e{i}']}, positive_prompts: [{p!r}]}}"
+        for i, p in zip((1, 2, 3), PROMPTS, strict=True)
+    )
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        f"name: gm\nmethod: mofe\nbase_model: {granite['base']}\nexperts_per_token: 2\nexperts:\n{experts}\n",
+    )
+    moe = merge(recipe, tmp_path / "moe")
+    man = export(moe, tmp_path / "f32", quant="f32")
+    assert man["llama_cpp_arch"] == "granitemoe"
+    assert _max_diff(man) <= 1e-3
+    reader = gguf.GGUFReader(str(tmp_path / "f32" / man["file"]))
+    assert {k: _field(reader, f"granitemoe.{g}") for k, g in zip(SCALES, _GGUF_SCALES, strict=True)} == SCALES
+    assert int(_field(reader, "granitemoe.expert_count")) == 3
+    tensors = {t.name: t for t in reader.tensors}
+    fused = load_file(next(moe.glob("*.safetensors")))["model.layers.1.block_sparse_moe.input_linear.weight"]
+    gate, up = tensors["blk.1.ffn_gate_exps.weight"], tensors["blk.1.ffn_up_exps.weight"]
+    assert list(gate.shape) == [32, 48, 3]  # ne order: hidden, ff, experts
+    # the split halves are the stacked [gate; up] rows (Q/K permutation aside, the only reordering)
+    np.testing.assert_array_equal(np.asarray(gate.data).reshape(3, 48, 32), fused[:, :48].numpy())
+    np.testing.assert_array_equal(np.asarray(up.data).reshape(3, 48, 32), fused[:, 48:].numpy())
+
+
+_GGUF_SCALES = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
+
+
+def test_dense_granite(granite, tmp_path):
+    man = export(granite["base"], tmp_path / "dense", quant="f32")
+    assert man["llama_cpp_arch"] == "granite"
+    assert _max_diff(man) <= 1e-3
