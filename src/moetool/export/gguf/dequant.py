@@ -29,6 +29,7 @@ def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: P
     reader = gguf.GGUFReader(str(gguf_path))
     by_name = {t.name: t for t in reader.tensors}
     tensors: dict[str, torch.Tensor] = {}
+    slices: dict[str, list[tuple[int, np.ndarray]]] = {}  # split tensors' row slices, joined back below
     for t in layout.tensors:
         if t.zeros or not t.sources:
             continue
@@ -42,11 +43,15 @@ def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: P
             arr = unpermute_qk(arr, t.permute_heads)
         if t.squeeze:
             arr = arr.reshape(1, -1)
-        if len(t.sources) > 1:
+        if t.rows is not None:
+            slices.setdefault(t.sources[0], []).append((t.rows[0], arr))
+        elif len(t.sources) > 1:
             for src, part in zip(t.sources, arr, strict=True):
                 tensors[src] = torch.from_numpy(np.ascontiguousarray(part))
         else:
             tensors[t.sources[0]] = torch.from_numpy(np.ascontiguousarray(arr))
+    for src, parts in slices.items():
+        tensors[src] = torch.from_numpy(np.concatenate([a for _, a in sorted(parts, key=lambda p: p[0])], axis=-2))
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for f in model_dir.iterdir():
