@@ -75,7 +75,7 @@ def demo(
     ] = None,
     max_tokens: Annotated[int | None, typer.Option(help="Held-out tokens per domain in the evaluation.")] = None,
     task_limit: Annotated[
-        int | None, typer.Option(help="Documents per local lm-eval task (default: 100 on smollm2, all on tiny).")
+        int | None, typer.Option(help="Documents per local lm-eval task (default: 50 on smollm2, all on tiny).")
     ] = None,
 ) -> None:
     """Zoo → merge → router tuning → evaluation with a verdict → verified GGUF for a Raspberry Pi → HF repo folder →
@@ -110,7 +110,7 @@ def demo(
         r, output, presets=["mofe"] if real else ["router_only", "mofe"],
         compare=[r.base_model, *[e.source for e in r.experts]], devices=["raspberry-pi-4"],
         max_tokens=max_tokens or (4096 if real else 16384), tasks=tasks,
-        task_limit=task_limit or (100 if real else None), force=True, verify=verify, console=console,
+        task_limit=task_limit or (50 if real else None), force=True, verify=verify, console=console,
         on_stage=_printer,
     )  # fmt: skip
     if res.report is not None:
