@@ -120,7 +120,7 @@ FLOWER = "Flower's deployment mode across machines (long-running servers), docum
 
 COMMANDS: list[Cmd] = [
     # README: two commands, the demo step by step, the command table
-    notrun("bash scripts/setup.sh --llama", SETUP),
+    notrun("bash scripts/setup.sh --llama --eval", SETUP),
     run(
         "moetool demo",
         cwd="demo",
