@@ -9,9 +9,24 @@ import torch
 from moetool.errors import MoetoolError
 
 
+def moe_block(layer: Any) -> Any:
+    """A decoder layer's feed-forward block: ``mlp`` (Mixtral and Qwen MoEs in transformers 5, the dense families)
+    or ``block_sparse_moe`` (GraniteMoE)."""
+    block = getattr(layer, "mlp", None)
+    return block if block is not None else getattr(layer, "block_sparse_moe", None)
+
+
+def _router(block: Any) -> Any:
+    """The router module of an MoE block: ``gate`` or (GraniteMoE) ``router``; None in a dense block."""
+    if not hasattr(block, "experts"):
+        return None
+    gate = getattr(block, "gate", None)
+    return gate if gate is not None else getattr(block, "router", None)
+
+
 def has_moe_layers(model: torch.nn.Module) -> bool:
     """True when any decoder layer's MLP holds experts (a merged MoE, any moetool output arch)."""
-    return any(hasattr(layer.mlp, "experts") for layer in getattr(model.model, "layers", []))
+    return any(hasattr(moe_block(layer), "experts") for layer in getattr(model.model, "layers", []))
 
 
 class RouterTap:
@@ -33,11 +48,8 @@ class RouterTap:
         Raises:
             MoetoolError: the model has no MoE layers.
         """
-        routers = [
-            layer.mlp.gate
-            for layer in model.model.layers  # type: ignore[union-attr]
-            if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")
-        ]
+        found = [_router(moe_block(layer)) for layer in model.model.layers]  # type: ignore[union-attr]
+        routers = [r for r in found if r is not None]
         if not routers:
             raise MoetoolError("the model has no MoE layers with routers (is it a merged MoE checkpoint?)")
         return routers

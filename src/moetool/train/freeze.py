@@ -15,10 +15,10 @@ PRESETS: dict[str, dict[str, list[str]]] = {
     # MoFE: experts (and a shared expert) frozen; routers, attention, embeddings, norms, head trainable
     "mofe": {
         "trainable": ["*"],
-        "frozen": ["*.mlp.experts.*", "*.mlp.shared_expert.*"],
+        "frozen": ["*.mlp.experts.*", "*.mlp.shared_expert.*", "*.block_sparse_moe.experts.*"],
     },
     "router_only": {
-        "trainable": ["*.mlp.gate.weight", "*.mlp.shared_expert_gate.weight"],
+        "trainable": ["*.mlp.gate.weight", "*.mlp.shared_expert_gate.weight", "*.block_sparse_moe.router.weight"],
         "frozen": [],
     },
     "full": {"trainable": ["*"], "frozen": []},

@@ -107,3 +107,26 @@ def test_bases_without_an_exact_moe_are_refused_at_plan_time(tmp_path, family, c
         PreflightError, match=rf"{family}.*supported: llama, mistral, qwen2, qwen3, granite\).*{reason}"
     ):
         plan(_recipe(tmp_path, base, [base, base]))
+
+
+def test_granitemoe_router_tuning_trains_the_router_only(granite, tmp_path):
+    """The routing tap and the freeze presets find GraniteMoE's block_sparse_moe.router; experts stay bitwise equal."""
+    from safetensors.torch import load_file
+
+    from conftest import TEXT
+    from moetool.recipe import load_recipe
+    from moetool.train.router_tuning import train_router
+
+    (tmp_path / "t.txt").write_text(TEXT * 20)
+    extra = (
+        "freeze: {preset: router_only}\ntrain:\n  data: {all: {text: t.txt}}\n  steps: 2\n  batch_size: 2\n"
+        "  seq_len: 16\n  learning_rate: 0.05\n"
+    )
+    recipe = _recipe(tmp_path, granite["base"], [granite["base"], granite["e1"]], extra=extra)
+    src = merge(recipe, tmp_path / "moe")
+    res = train_router(load_recipe(recipe), src, tmp_path / "tuned")
+    before = load_file(next(src.glob("*.safetensors")))
+    after = load_file(next((tmp_path / "tuned").glob("*.safetensors")))
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == {f"model.layers.{i}.block_sparse_moe.router.layer.weight" for i in (0, 1)}
+    assert len(res.history[-1]["load"]) == 2
