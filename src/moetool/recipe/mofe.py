@@ -50,7 +50,7 @@ class MoFERecipe(RecipeBase):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     method: Literal["mofe"]
     base_model: str
-    architecture: Literal["auto", "mixtral", "qwen2_moe", "qwen3_moe"] = "auto"
+    architecture: Literal["auto", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"] = "auto"
     experts_per_token: int = Field(default=2, ge=1)
     gate_mode: Literal["hidden", "cheap_embed", "random"] = "hidden"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -74,6 +74,19 @@ def test_granitemoe_stacks_each_expert_gate_then_up(granite, tmp_path):
     assert (_logits(out, ids) - _logits(granite["base"], ids)).abs().max().item() > 1e-3
 
 
+def test_architecture_named_in_the_recipe(granite, tmp_path):
+    """``architecture: granitemoe`` is accepted; Mixtral, which has no granite scales, refuses a granite base, and
+    GraniteMoE has no norm_topk_prob switch (its router always renormalises the top-k)."""
+    from moetool.errors import UnsupportedArchitecture
+
+    base = granite["base"]
+    assert plan(_recipe(tmp_path, base, [base, base], extra="architecture: granitemoe\n")).arch.name == "granitemoe"
+    with pytest.raises(UnsupportedArchitecture, match="mixtral accepts llama/mistral bases, not 'granite'"):
+        plan(_recipe(tmp_path, base, [base, base], extra="architecture: mixtral\n"))
+    with pytest.raises(PreflightError, match="norm_topk_prob: the granitemoe output has no such option"):
+        plan(_recipe(tmp_path, base, [base, base], extra="norm_topk_prob: false\n"))
+
+
 def test_expert_with_other_scales_is_refused(granite, tmp_path):
     other = save_dense(tmp_path / "other", "granite", **(GRANITE_SCALES | {"residual_multiplier": 0.4}))
     with pytest.raises(PreflightError, match="residual_multiplier is 0.4 but the base has 0.5"):
