@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from conftest import save_dense, write_recipe
+from conftest import TEXT, save_dense, write_recipe
 from moetool.api import export, merge
+from moetool.export.gguf.exporter import GATES
+from moetool.export.gguf.tokenizer import read_vocab
+from moetool.export.gguf.verify import compare
 
 PROMPTS = ("def main():", "Permission is hereby granted", "acute bronchitis")
 SCALES = {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25, "logits_scaling": 2.5}
@@ -85,3 +88,23 @@ def test_dense_granite(granite, tmp_path):
     man = export(granite["base"], tmp_path / "dense", quant="f32")
     assert man["llama_cpp_arch"] == "granite"
     assert _max_diff(man) <= 1e-3
+
+
+def test_granitemoe_through_llama_cpps_converter(granitemoe, tmp_path):
+    """llama.cpp's own convert_hf_to_gguf.py (the installed version's, cached by scripts/llama_converter.py) reads
+    the folder moetool writes: its file matches transformers and holds the same tensors as moetool's own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llama_converter", ROOT / "scripts" / "llama_converter.py")
+    assert spec is not None and spec.loader is not None
+    lc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lc)
+    pre = read_vocab(granitemoe).pre
+    theirs = lc.convert(granitemoe, tmp_path / "theirs.gguf", outtype="f32", pre=pre, converter=lc.converter_dir())
+    report = compare(theirs, granitemoe, TEXT)
+    assert max(report.max_abs_logit_diff.values()) <= GATES["f32"], report.max_abs_logit_diff
+    man = export(granitemoe, tmp_path / "own", quant="f32")
+    assert lc.tensor_differences(tmp_path / "own" / man["file"], theirs) == []
+
+
+ROOT = Path(__file__).resolve().parents[2]
