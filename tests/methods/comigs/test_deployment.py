@@ -58,6 +58,34 @@ def _alive(groups: set[int]) -> list[int]:
     return alive
 
 
+@pytest.fixture(scope="module")
+def simulated(deployment, tmp_path_factory) -> dict:
+    """The report of the same 2-round run in Flower's simulation engine (test_flower.py ties that engine to the
+    in-process runner)."""
+    _, recipe_path = deployment
+    code = "import sys; from pathlib import Path; from moetool.methods.comigs.flower import simulate; "
+    code += "simulate(Path(sys.argv[1]), Path(sys.argv[2]), rounds=2)"
+    out = tmp_path_factory.mktemp("simulated") / "out"
+    argv = [str(FLWR_BIN / "python"), "-c", code, str(recipe_path), str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "comigs-report.json").read_text())
+
+
+def _same_run(report: dict, ref: dict) -> float:
+    """Asserts that two reports are one run (rounds, users, uploads); returns the largest relative gap of the
+    per-round train CEs and the test perplexities."""
+    assert report["rounds"] == ref["rounds"] == 2 and sorted(report["users"]) == sorted(ref["users"]) == ["a", "b"]
+    assert report["upload_bytes_per_round"] == ref["upload_bytes_per_round"]
+    gaps = []
+    for mine, theirs in zip(report["history"], ref["history"], strict=True):
+        assert mine["round"] == theirs["round"] and sorted(mine["train_ce"]) == sorted(theirs["train_ce"]) == ["0", "1"]
+        gaps += [abs(mine["train_ce"][i] - theirs["train_ce"][i]) / theirs["train_ce"][i] for i in ("0", "1")]
+    for user, r in ref["users"].items():
+        gaps.append(abs(report["users"][user]["test_ppl"] - r["test_ppl"]) / r["test_ppl"])
+    return max(gaps)
+
+
 def _meta(d: LocalDeployment, node: int, user: str) -> dict[str, str] | None:
     path = state_path(d.state_dir(node), user)
     return read_meta(path) if path.is_file() else None
@@ -87,7 +115,7 @@ def test_tls_and_node_authentication(deployment):
 
 @pytest.mark.slow
 @NEEDS_FLWR
-def test_deployment_matches_simulation(deployment, tmp_path):
+def test_deployment_matches_simulation(deployment, simulated, tmp_path):
     d, recipe_path = deployment
     out = tmp_path / "deployed"
     t0 = time.monotonic()
@@ -95,29 +123,15 @@ def test_deployment_matches_simulation(deployment, tmp_path):
     assert result.ok and (out / "comigs-report.json").is_file(), (result.status, result.log[-3000:])
     seconds = time.monotonic() - t0
     report = json.loads((out / "comigs-report.json").read_text())
-    # the same run in Flower's simulation engine (test_flower.py ties that to the in-process runner)
-    code = "import sys; from pathlib import Path; from moetool.methods.comigs.flower import simulate; "
-    code += "simulate(Path(sys.argv[1]), Path(sys.argv[2]), rounds=2)"
-    sim_out = tmp_path / "simulated"
-    argv = [str(FLWR_BIN / "python"), "-c", code, str(recipe_path), str(sim_out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = json.loads((sim_out / "comigs-report.json").read_text())
-    assert report["rounds"] == ref["rounds"] == 2 and sorted(report["users"]) == sorted(ref["users"]) == ["a", "b"]
-    assert report["upload_bytes_per_round"] == ref["upload_bytes_per_round"]
+    ref = simulated
     # round by round (each user's train CE) and at the end (test perplexity); measured: equal to the last bit
-    gaps = []
-    for mine, theirs in zip(report["history"], ref["history"], strict=True):
-        assert mine["round"] == theirs["round"] and sorted(mine["train_ce"]) == sorted(theirs["train_ce"]) == ["0", "1"]
-        gaps += [abs(mine["train_ce"][i] - theirs["train_ce"][i]) / theirs["train_ce"][i] for i in ("0", "1")]
-    for user, r in ref["users"].items():
-        gaps.append(abs(report["users"][user]["test_ppl"] - r["test_ppl"]) / r["test_ppl"])
-    assert max(gaps) <= 1e-6, gaps
+    gap = _same_run(report, ref)
+    assert gap <= 1e-6, gap
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["a", "b"]
     # every device wrote its state after each completed round: both files hold round 2 of one run
     metas = [_meta(d, 0, "a"), _meta(d, 1, "b")]
     assert all(m is not None and m["round"] == "2" for m in metas) and metas[0]["run_id"] == metas[1]["run_id"]
-    print(f"deployment run: {seconds:.1f} s; max relative gap to the simulation: {max(gaps):.2e}")
+    print(f"deployment run: {seconds:.1f} s; max relative gap to the simulation: {gap:.2e}")
 
 
 def _wait_for(what: str, cond, timeout: float) -> None:
@@ -157,6 +171,29 @@ def test_supernode_killed_mid_round(deployment, tmp_path):
     other = _meta(d, 0, "a")
     assert other is not None and other["run_id"] == meta["run_id"] and other["round"] in ("1", "2")
     assert not (tmp_path / "o" / "comigs-report.json").exists()
+
+
+@pytest.mark.slow
+@NEEDS_FLWR
+def test_supernode_killed_and_restarted_with_wait(deployment, simulated, tmp_path):
+    """on-missing="wait": SIGKILL SuperNode 1 after it received round 2, restart it with its key and state directory
+    once the SuperLink has marked it offline; the server sends round 2 again, the device resumes from its round-1
+    file, and the run equals the simulation's."""
+    d, recipe_path = deployment
+    if "supernode1" not in d._procs:  # the previous test left it dead
+        d.restart_node(1)
+    log1 = d.log("supernode1")
+    offset = log1.stat().st_size
+    config = {"recipe": str(recipe_path), "output": str(tmp_path / "o"), "rounds": 2}
+    proc = d.submit(APP, config | {"round-timeout": 30.0, "on-missing": "wait"}, log_name="flwr-run-wait")
+    _wait_for("SuperNode 1 receives round 2", lambda: "ROUND 2]" in log1.read_bytes()[offset:].decode("latin-1"), 240)
+    d.kill_node(1)
+    d.restart_node(1)
+    result = d.finish(proc, "flwr-run-wait", timeout=300)
+    assert result.ok, (result.status, result.log[-3000:])
+    assert "sending it again" in result.log
+    report = json.loads((tmp_path / "o" / "comigs-report.json").read_text())
+    assert "dropped" not in report and _same_run(report, simulated) <= 1e-6
 
 
 # --- the device's state file, in the main venv (no Flower needed) ------------------------------------------------

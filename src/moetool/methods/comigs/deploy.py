@@ -158,7 +158,7 @@ class LocalDeployment:
         deadline = time.monotonic() + timeout
         while True:
             for name, proc in self._procs.items():
-                if proc.poll() is not None:
+                if name.startswith(("superlink", "supernode")) and proc.poll() is not None:
                     tail = self.log(name).read_text(encoding="utf-8", errors="replace")[-2000:]
                     raise RuntimeError(f"{name} exited ({proc.returncode}) while waiting for {what}:\n{tail}")
             value = ready()
@@ -239,6 +239,20 @@ class LocalDeployment:
         else:
             argv += ["--insecure"]
         return self._spawn(key or f"supernode{i}", argv)
+
+    def node_status(self, i: int) -> str:
+        """The SuperLink's view of SuperNode ``i``: "online", "offline", "registered", ... ("" when not listed)."""
+        ids = self.node_ids[i] if self.secure else None
+        return next((str(n.get("status")) for n in self._nodes() if ids is not None and int(n["node-id"]) == ids), "")
+
+    def restart_node(self, i: int, timeout: float = 180) -> None:
+        """Start SuperNode ``i`` again after a crash. The SuperLink lets its key back in only once it has marked the
+        old process offline (about 60 s after its last heartbeat), so wait for that, then for it to be online."""
+        if not self.secure:
+            raise ValueError("restart_node needs node authentication (secure=True) to keep the node id")
+        self._wait(f"SuperNode {i} marked offline", lambda: self.node_status(i) == "offline", timeout)
+        self.start_node(i)
+        self._wait(f"SuperNode {i} online again", lambda: self.node_status(i) == "online", timeout)
 
     # ------------------------------------------------------------------------------------------------------ runs
     def run_argv(self, app: Path, run_config: dict[str, Any]) -> list[str]:
