@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moetool.arch.outputs import expert_count
+from moetool.arch.outputs import expert_count, shared_expert_width
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.safe import read_json
 
@@ -46,7 +46,7 @@ def inspect_model(path: str | Path) -> dict[str, Any]:
         "num_experts": n_exp,
         "experts_per_token": top_k,
         "expert_names": meta.get("experts") or [f"expert_{i}" for i in range(n_exp)],
-        "shared_expert": bool(cfg.get("shared_expert_intermediate_size")),
+        "shared_expert": bool(shared_expert_width(cfg)),  # the null one moetool writes is none
         "router_shapes": {str(k): v for k, v in sorted(routers.items())},
         "total_params": total,
         "active_params_per_token": active,

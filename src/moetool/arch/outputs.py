@@ -177,8 +177,10 @@ def _qwen_moe_extra(base: Any, n: int, k: int, shared: int | None) -> dict[str, 
     }
     if base.model_type == "qwen3":
         extra["attention_bias"] = getattr(base, "attention_bias", False)
+    elif shared:
+        extra["shared_expert_intermediate_size"] = shared
     else:
-        extra["shared_expert_intermediate_size"] = shared or 0
+        extra |= {"shared_expert_intermediate_size": NULL_SHARED_WIDTH, NULL_SHARED_KEY: True}
     return extra
 
 

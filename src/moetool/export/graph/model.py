@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetool.arch.outputs import NULL_SHARED_KEY
 from moetool.export.graph.rope import GraphRope
 from moetool.export.graph.sparse import fuse_experts, sparse_moe
 
@@ -230,7 +231,8 @@ def _moe(mlp: Any, cfg: Any) -> nn.Module:
     ]
     shared = getattr(mlp, "shared_expert", None)
     shared_mlp = None
-    if shared is not None and shared.gate_proj.weight.shape[0] > 0:
+    # moetool's null shared expert (arch.outputs) adds exactly nothing: the graph leaves it out
+    if shared is not None and shared.gate_proj.weight.shape[0] > 0 and not getattr(cfg, NULL_SHARED_KEY, False):
         shared_mlp = GatedMLP(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
     gate = getattr(mlp, "shared_expert_gate", None)
     norm = bool(getattr(cfg, "norm_topk_prob", True)) if cfg.model_type != "mixtral" else True

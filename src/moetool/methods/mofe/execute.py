@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from moetool.arch.outputs import NULL_SHARED_GATE
 from moetool.card import model_card, provenance, source_hashes
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import Checkpoint
@@ -110,6 +111,8 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
                     t = ckpts[op.source].get(op.src)
                 elif op.kind == "zeros":
                     t = torch.zeros(op.shape)
+                elif op.kind == "null_gate":
+                    t = torch.full(op.shape, NULL_SHARED_GATE)
                 elif op.kind == "stacked":
                     t = _stacked(op.parts, ckpts, plan)
                 elif op.kind == "router":

@@ -12,7 +12,7 @@ import torch
 from moetool.io.sources import ResolvedSource
 from moetool.recipe.mofe import MoFERecipe
 
-OpKind = Literal["copy", "expert", "shared", "router", "shared_gate", "zeros", "stacked"]
+OpKind = Literal["copy", "expert", "shared", "router", "shared_gate", "zeros", "stacked", "null_gate"]
 # a stacked op's sources: per expert, the (source label, tensor) pairs concatenated along dim 0, then stacked
 Parts = tuple[tuple[tuple[str, str], ...], ...]
 

@@ -282,11 +282,8 @@ def _ops(
                 shape = (shared_inter, hidden) if proj != "down_proj" else (hidden, shared_inter)
                 ops.append(TensorOp(arch.shared.format(layer=layer, proj=proj), "shared", "shared", src, shape))  # type: ignore[arg-type]
             ops.append(TensorOp(arch.shared_gate.format(layer=layer), "shared_gate", None, None, (1, hidden)))
-        elif arch.shared and arch.shared_gate:
-            # Qwen2-MoE always has a shared expert; a zero-width one contributes exactly nothing
-            for proj in MLP_PROJS:
-                shape = (0, hidden) if proj != "down_proj" else (hidden, 0)
-                ops.append(TensorOp(arch.shared.format(layer=layer, proj=proj), "zeros", None, None, shape))
-            ops.append(TensorOp(arch.shared_gate.format(layer=layer), "zeros", None, None, (1, hidden)))
+        else:  # Qwen2-MoE always has a shared expert: the null one adds exactly nothing (arch.outputs)
+            for name, dims, value in arch.null_shared(layer, hidden):
+                ops.append(TensorOp(name, "zeros" if value == 0 else "null_gate", None, None, dims))
     ops += [TensorOp(n, "copy", "base", n, base_t[n].shape) for n in sorted(tail)]
     return ops
