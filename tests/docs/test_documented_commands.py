@@ -154,7 +154,19 @@ COMMANDS: list[Cmd] = [
     helponly("moetool merge RECIPE --output DIR [--dry-run] [--force] [--allow-pickle]", SYNOPSIS),
     run("moetool inspect MODEL [--json]", run="moetool inspect out/demo/merged --json", why="MODEL: the merged demo"),
     helponly("moetool train RECIPE --output DIR [--model DIR] [--preset P] [--force] [--no-resume]", SYNOPSIS),
-    helponly("moetool eval MODEL... [--domains …] [--data D=FILE] [--own M=D] [--json FILE] [--plots DIR]", SYNOPSIS),
+    helponly(
+        "moetool eval MODEL... [--domains …] [--data D=FILE] [--own M=D] [--json FILE] [--plots DIR] "
+        "[--tasks T,… --limit N --num-fewshot K]",
+        SYNOPSIS,
+    ),
+    notrun("bash scripts/setup.sh --eval", SETUP),
+    helponly("moetool package", REFERENCE),
+    helponly("moetool inspect", REFERENCE),
+    helponly("moetool export --target gguf", REFERENCE),
+    helponly(
+        ".venv/bin/python scripts/llama_converter.py OUT_DIR --outtype f32 [--pre NAME]",
+        "a synopsis; tests/export/test_converter_roundtrip.py runs the converter for real",
+    ),
     helponly("moetool zoo build [--profile default|tiny] [--force]", SYNOPSIS),
     helponly(
         "moetool export MODEL --output DIR [--target gguf] [--quant PLAN] [--device NAME] [--context N] [--dry-run] "
@@ -235,16 +247,30 @@ COMMANDS: list[Cmd] = [
     run("moetool comigs adapters out/comigs/code -o out/code-adapters --base-model zoo:base"),
     run("moetool export out/code-adapters/code-s1 -o out/code-s1-lora --base zoo:base", extra="llama"),
     helponly("moetool comigs train", REFERENCE),
-    notrun("flower-superlink --insecure", FLOWER),
     notrun(
-        'flower-supernode --insecure --superlink SERVER:9092 --node-config "partition-id=0 num-partitions=4"', FLOWER
+        ".venv-flwr/bin/python examples/comigs-flower/launch.py recipes/demo-comigs.yaml -o out/comigs-deploy "
+        "--rounds 2",
+        "a SuperLink and SuperNodes as real processes for about a minute: tests/methods/comigs/test_deployment.py "
+        "runs the launcher's code path (and matches it with the simulation)",
     ),
-    notrun("cd examples/comigs-flower", FLOWER),
-    notrun(
-        "flwr run . local-deployment --stream --run-config "
-        '\'recipe="/abs/path/recipes/demo-comigs.yaml" output="/abs/out"\'',
-        FLOWER,
-    ),
+    notrun("bash scripts/setup_comigs.sh", SETUP),
+    *[
+        notrun(line, FLOWER)
+        for line in (
+            '.venv-flwr/bin/python -c "from pathlib import Path; from moetool.methods.comigs.pki import *; \\',
+            "make_server_credentials(Path('certs'), ['server.example.org', '127.0.0.1', 'localhost'])\"",
+            "make_node_keys(Path('keys'), 'device0')\"",
+            "flower-superlink --host 0.0.0.0 --port 8000 --ssl-ca-certfile certs/ca.crt "
+            "--ssl-certfile certs/server.pem \\",
+            "--ssl-keyfile certs/server.key --enable-supernode-auth --disable-runtime-dependency-installation",
+            "flwr supernode register device0.pub comigs",
+            "flower-supernode --superlink server.example.org:8000 --root-certificates ca.crt \\",
+            "--auth-supernode-private-key keys/device0.key \\",
+            "--node-config 'partition-id=0 num-partitions=4 state-dir=\"/var/lib/comigs\"'",
+            "flwr run examples/comigs-flower comigs --stream \\",
+            '--run-config \'recipe="/abs/recipes/demo-comigs.yaml" output="/abs/out" round-timeout=1800.0\'',
+        )
+    ],
     helponly(".venv/bin/python bench/comigs_experiment.py --tr", BENCH),
     helponly(
         ".venv/bin/python bench/comigs_experiment.py --recipe recipes/real-comigs.yaml --out out/bench/real-comigs "
