@@ -84,6 +84,17 @@ def test_granitemoe_q8_0_conversion(granitemoe, tmp_path):
     assert abs(conv["ppl_change"]) < 1e-3
 
 
+def test_granitemoe_with_attention_bias_and_tied_head(tmp_path):
+    base = save_dense(tmp_path / "b", "granite", attention_bias=True, tie_word_embeddings=True, **SCALES)
+    e1 = save_dense(tmp_path / "e1", "granite", seed=1, base=base, mlp_noise=0.3)
+    text = f"name: gb\nmethod: mofe\nbase_model: {base}\ngate_mode: random\nexperts:\n"
+    text += f"  - {{name: a, source: {base}}}\n  - {{name: b, source: {e1}}}\n"
+    man = export(merge(write_recipe(tmp_path / "r.yaml", text), tmp_path / "moe"), tmp_path / "o", quant="f32")
+    assert _max_diff(man) <= 1e-3
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "o" / man["file"])).tensors}
+    assert "blk.0.attn_q.bias" in names and "output.weight" not in names
+
+
 def test_dense_granite(granite, tmp_path):
     man = export(granite["base"], tmp_path / "dense", quant="f32")
     assert man["llama_cpp_arch"] == "granite"

@@ -47,11 +47,24 @@ def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_granitemoe_of_identical_experts_equals_granite(granite, tmp_path, seed):
     out = merge(_recipe(tmp_path, granite["base"], [granite["base"]] * 3, seed), tmp_path / "moe")
+    _equal_to_dense(out, granite["base"], seed)
+
+
+def test_granitemoe_with_attention_bias_and_tied_head(tmp_path):
+    """Granite 3's tied embeddings and the attention_bias option carry over."""
+    base = save_dense(tmp_path / "b", "granite", attention_bias=True, tie_word_embeddings=True, **GRANITE_SCALES)
+    out = merge(_recipe(tmp_path, base, [base] * 3), tmp_path / "moe")
+    cfg = AutoConfig.from_pretrained(str(out))
+    assert cfg.attention_bias and cfg.tie_word_embeddings
+    _equal_to_dense(out, base, 0)
+
+
+def _equal_to_dense(out: Path, base: Path, seed: int) -> None:
     cfg = AutoConfig.from_pretrained(str(out))
     assert type(cfg).__name__ == "GraniteMoeConfig" and cfg.num_local_experts == 3
     assert {k: getattr(cfg, k) for k in GRANITE_SCALES} == GRANITE_SCALES
     ids = torch.randint(4, 300, (2, 11), generator=torch.Generator().manual_seed(seed))
-    delta = (_logits(out, ids) - _logits(granite["base"], ids)).abs().max().item()
+    delta = (_logits(out, ids) - _logits(base, ids)).abs().max().item()
     assert delta <= 1e-5, f"granitemoe from granite: max |Δlogit| {delta}"
 
 
