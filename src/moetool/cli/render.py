@@ -17,7 +17,7 @@ def print_plan(plan: Any) -> None:
         t.add_column(col)
     shown = [op for op in plan.ops if ".layers." not in op.out or ".layers.0." in op.out]
     for op in shown:
-        t.add_row(op.out, op.kind, op.source or "(computed)", "×".join(map(str, op.shape)))
+        t.add_row(op.out, op.kind, op.origin or "(computed)", "×".join(map(str, op.shape)))
     out.print(t)
     layers = plan.config["num_hidden_layers"]
     if layers > 1:

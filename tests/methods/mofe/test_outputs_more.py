@@ -93,7 +93,13 @@ def test_architecture_named_in_the_recipe(granite, tmp_path):
     from moetool.errors import UnsupportedArchitecture
 
     base = granite["base"]
-    assert plan(_recipe(tmp_path, base, [base, base], extra="architecture: granitemoe\n")).arch.name == "granitemoe"
+    planned = plan(_recipe(tmp_path, base, [base, base], extra="architecture: granitemoe\n"))
+    assert planned.arch.name == "granitemoe"
+    stacked = [op for op in planned.ops if op.kind == "stacked"]
+    assert [(op.out.rsplit(".", 2)[-2], op.shape, op.origin) for op in stacked[:2]] == [
+        ("input_linear", (2, 96, 32), "x0+x1"),
+        ("output_linear", (2, 32, 48), "x0+x1"),
+    ]
     with pytest.raises(UnsupportedArchitecture, match="mixtral accepts llama/mistral bases, not 'granite'"):
         plan(_recipe(tmp_path, base, [base, base], extra="architecture: mixtral\n"))
     with pytest.raises(PreflightError, match="norm_topk_prob: the granitemoe output has no such option"):

@@ -45,6 +45,13 @@ class TensorOp:
     parts: Parts = ()
 
     @property
+    def origin(self) -> str | None:
+        """The source label; for a stacked op its experts' labels joined by '+'; None for a computed tensor."""
+        if self.parts:
+            return "+".join(dict.fromkeys(label for row in self.parts for label, _ in row))
+        return self.source
+
+    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
