@@ -85,10 +85,7 @@ class ExportRoutedLM(nn.Module):
         rpast, bpast = past[: self.n_router], past[self.n_router :]
         x, rpresent, _ = self.embed(input_ids, position_ids, mask, tuple(rpast))
         core = self.core
-        inv_freq: torch.Tensor = core.inv_freq  # type: ignore[assignment]
-        freqs = position_ids.float()[..., None] * inv_freq  # [B, T, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = core.rope(position_ids, x.dtype)  # [B, 1, T, hd]: the body's rope, scaled as transformers scales it
         present: list[torch.Tensor] = list(rpresent)
         for i, block in enumerate(core.layers):
             x, k, v = block(x, cos, sin, mask, bpast[2 * i] if bpast else None, bpast[2 * i + 1] if bpast else None)
