@@ -193,7 +193,9 @@ def test_moe_of_smollm2_experts_generates_and_its_gguf_answers_the_same(built, m
     assert tok.decode(q.answer.prompt_ids).startswith("<|im_start|>system\n")
     # the plumbing experts (two Adam steps each move every MLP weight) need not keep the base's "Paris"
     assert q.answer.ids and q.answer.text == tok.decode(q.answer.ids, skip_special_tokens=True).strip()
-    assert q.gguf["f32"].same_prefix >= 8  # an f16 KV cache (llama.cpp's default) may flip a late near-tie
+    # the first 8 tokens agree (all of them for a shorter answer): an f16 KV cache (llama.cpp's default) may flip a
+    # late near-tie
+    assert q.gguf["f32"].same_prefix >= min(8, len(q.answer.ids))
     assert sum(q.answer.shares.values()) == pytest.approx(1.0, abs=1e-3) and set(q.answer.shares) == {
         "code",
         "legal",

@@ -85,6 +85,7 @@ def _load(model_dir: Path) -> tuple[PreTrainedTokenizerBase, dict[str, Any], str
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ExportError(f"{model_dir}: no tokenizer.json (a fast tokenizer is needed for GGUF metadata)")
+    read_json(path, what="tokenizer", error=ExportError)  # a malformed file: an error naming it, not a traceback
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
