@@ -44,6 +44,17 @@ def test_items_hold_the_true_continuation_at_gold():
     assert {it.gold for it in items} == set(range(N_CHOICES))
 
 
+def test_cached_items_follow_the_settings(tmp_path, monkeypatch):
+    from moetool.eval import tasks
+
+    (cfg,) = write_local_tasks({"legal": TEXT}, tmp_path).values()
+    monkeypatch.setattr(tasks, "CONTEXT_WORDS", CONTEXT_WORDS + 2)
+    (other,) = write_local_tasks({"legal": TEXT}, tmp_path).values()
+    first, second = (Path(c["dataset_kwargs"]["data_files"]["test"]) for c in (cfg, other))
+    assert first != second and first.is_file() and second.is_file()
+    assert len(json.loads(second.read_text().splitlines()[0])["context"].split()) == CONTEXT_WORDS + 2
+
+
 def test_short_text_is_refused():
     with pytest.raises(MoetoolError, match="too short for a continuation task"):
         continuation_items("a few words only")

@@ -27,6 +27,8 @@ CONTEXT_WORDS = 32
 CHOICE_WORDS = 10
 N_CHOICES = 4
 MAX_ITEMS = 200
+# the item-building rule's version, in the cache key: bump it when continuation_items changes
+FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,9 @@ def write_local_tasks(texts: Mapping[str, str], cache: Path, *, seed: int = 0) -
     """
     configs = {}
     for domain, text in texts.items():
-        digest = hashlib.sha256(f"{seed}\n{text}".encode()).hexdigest()[:16]
+        # the file name covers everything the items depend on: a change of the passage settings is a new file
+        spec = f"{FORMAT}:{CONTEXT_WORDS}+{CHOICE_WORDS}x{N_CHOICES}:{MAX_ITEMS}:{seed}"
+        digest = hashlib.sha256(f"{spec}\n{text}".encode()).hexdigest()[:16]
         path = cache / f"{task_name(domain)}-{digest}.jsonl"
         if not path.is_file():
             lines = (json.dumps(it.to_json(), ensure_ascii=False) for it in continuation_items(text, seed=seed))
