@@ -160,6 +160,7 @@ COMMANDS: list[Cmd] = [
         SYNOPSIS,
     ),
     notrun("bash scripts/setup.sh --eval", SETUP),
+    helponly("moetool eval … --tasks local --limit 50", REFERENCE),
     helponly("moetool package", REFERENCE),
     helponly("moetool inspect", REFERENCE),
     helponly("moetool export --target gguf", REFERENCE),
