@@ -25,7 +25,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -306,6 +306,8 @@ def atomic_dir(out: Path, *, force: bool) -> Iterator[Path]:
 __all__ = [
     "Terminated",
     "atomic_dir",
+    "atomic_write_file",
+    "atomic_write_text",
     "check_output",
     "exchange",
     "parent_problem",
@@ -314,18 +316,33 @@ __all__ = [
 ]
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write one file so that a reader sees either nothing (or the old file) or all of it: a temporary sibling,
-    fsynced, then renamed over ``path``."""
+def atomic_write_file(path: Path, write: Callable[[Path], object]) -> Path:
+    """Write one file so that a reader sees either the old file (or nothing) or all of the new one.
+
+    ``write(tmp)`` fills a temporary sibling; it is fsynced, renamed over ``path``, and the directory fsynced so the
+    rename itself survives a crash. On any error the temporary file is removed. Returns ``path``.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}{os.getpid()}-", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}{os.getpid()}-", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+            tmp.unlink()
         raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """:func:`atomic_write_file` of a UTF-8 text."""
+    atomic_write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))

@@ -10,15 +10,14 @@ whole, and never a partial one.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from moetool.io.atomic import atomic_write_file
 
 FORMAT = "moetool-comigs-device-state/1"
 
@@ -40,7 +39,6 @@ def state_path(state_dir: Path, user: str) -> Path:
 def save_state(state_dir: Path, state: DeviceState) -> Path:
     """Write ``state`` atomically to ``<state_dir>/<user>.safetensors``; returns the path."""
     path = state_path(state_dir, state.user)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": FORMAT,
         "user": state.user,
@@ -49,24 +47,8 @@ def save_state(state_dir: Path, state: DeviceState) -> Path:
         "counters": json.dumps(state.counters, sort_keys=True),
         "reply": json.dumps(state.reply, sort_keys=True),
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in state.tensors.items()}, tmp, metadata=meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    # the rename itself is durable only once the directory entry is on disk
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return path
+    tensors = {k: v.contiguous() for k, v in state.tensors.items()}
+    return atomic_write_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def read_meta(path: Path) -> dict[str, str]:
