@@ -131,11 +131,20 @@ def evaluate(
     paths = {m: resolve_source(m).path for m in models}
     owners = {m: _own_domain(m, p, domains) for m, p in paths.items()} | (own or {})
     configs = _task_configs(tasks, texts, files) if tasks else []  # a text too short fails before any model runs
-    report = run(paths, texts, own_domains=owners, seq_len=seq_len, max_tokens=max_tokens)
-    if configs:
-        from moetool.eval.harness import run_tasks
+    scores: dict[str, dict[str, dict[str, float]]] = {}
 
-        report["tasks"] = run_tasks(paths, configs, limit=limit, num_fewshot=num_fewshot, on_model=on_model)
+    def tasks_of(name: str, model: Any, tok: Any) -> None:
+        from moetool.eval.harness import task_scores
+
+        if on_model is not None:
+            on_model(name)
+        scores[name] = task_scores(model, tok, configs, limit=limit, num_fewshot=num_fewshot)
+
+    report = run(
+        paths, texts, own_domains=owners, seq_len=seq_len, max_tokens=max_tokens, also=tasks_of if configs else None
+    )
+    if configs:
+        report["tasks"] = scores
         report["settings"]["tasks"] = {
             "names": [_task_name(t) for t in configs],
             "limit": limit,

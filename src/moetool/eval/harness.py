@@ -6,16 +6,13 @@ Face cache) or moetool's local tasks (:mod:`moetool.eval.tasks`), built from the
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from moetool.errors import MoetoolError
-from moetool.eval.perplexity import load_causal_lm
 from moetool.extras import require
 
 # what each task reports, in order; the "_stderr" of each is kept beside it
@@ -107,29 +104,4 @@ def task_scores(
         out[name] = _scores(res["results"][name]) | {
             "n": float(res.get("n-samples", {}).get(name, {}).get("effective", 0))
         }
-    return out
-
-
-def run_tasks(
-    models: Mapping[str, Path],
-    tasks: list[str | dict[str, Any]],
-    *,
-    on_model: Callable[[str], None] | None = None,
-    **options: Any,
-) -> dict[str, dict[str, dict[str, float]]]:
-    """:func:`task_scores` for each model (loaded in float32 one at a time); ``options`` are its keywords.
-
-    Returns:
-        model name → task name → scores.
-    """
-    out = {}
-    for name, path in models.items():
-        if on_model is not None:
-            on_model(name)
-        model, tok = load_causal_lm(path)
-        try:
-            out[name] = task_scores(model, tok, tasks, **options)
-        finally:
-            del model
-            gc.collect()
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,10 @@ def evaluate(
     seq_len: int = 256,
     max_tokens: int | None = 32768,
     batch_size: int = 8,
+    also: Callable[[str, Any, Any], None] | None = None,
 ) -> dict[str, Any]:
-    """Evaluate each model on each domain's held-out text.
+    """Evaluate each model on each domain's held-out text; ``also(name, model, tokenizer)`` runs after a model's
+    perplexity pass while it is still loaded (lm-eval tasks: each model is read from disk once).
 
     Returns:
         A JSON-ready dict: ``perplexity[model][domain]``, ``nll``/``tokens`` likewise, ``routing[model][domain]``
@@ -85,6 +87,8 @@ def evaluate(
         if routing:
             out["routing"][name] = {"experts": expert_names(path), "per_domain": routing}
         out["gem"][name] = gem_metrics({d: 1.0 / p for d, p in ppl.items()}, own_domains.get(name))
+        if also is not None:
+            also(name, model, tok)
         del model, tok
         gc.collect()
     return out
