@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tuning_fixtures import write_tuning_recipe
 
-from conftest import TEXT, write_recipe
 from moetool.api import merge
 from moetool.errors import MoetoolError
 from moetool.recipe import load_recipe
@@ -71,35 +71,7 @@ def moe(tiny_models, tmp_path_factory):
     """(recipe path, merged MoE, the output of one uninterrupted single-process run)."""
     m = tiny_models("llama")
     d = tmp_path_factory.mktemp("multiprocess")
-    (d / "code.txt").write_text("\n\n".join(f"def f{i}(x):\n    return x + {i}\nimport os" for i in range(200)))
-    (d / "legal.txt").write_text("\n\n".join(TEXT.split("\n")[1] + f" clause {i}" for i in range(200)))
-    recipe = write_recipe(
-        d / "r.yaml",
-        f"""
-name: tune
-method: mofe
-base_model: {m["base"]}
-gate_mode: random
-experts:
-  - {{name: a, source: {m["e1"]}}}
-  - {{name: b, source: {m["e2"]}}}
-  - {{name: c, source: {m["e3"]}}}
-freeze:
-  preset: mofe
-train:
-  data:
-    code: {{text: code.txt}}
-    legal: {{text: legal.txt}}
-  steps: 4
-  batch_size: 2
-  seq_len: 16
-  grad_accum: 2
-  learning_rate: 0.01
-  checkpoint_every: 2
-  log_every: 2
-  router_jitter: 0.1
-""",
-    )
+    recipe = write_tuning_recipe(d, m, steps=4)
     model = merge(recipe, d / "moe")
     train_router(load_recipe(recipe), model, d / "one")
     return recipe, model, d / "one"

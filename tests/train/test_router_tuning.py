@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
+from tuning_fixtures import write_tuning_recipe
 
-from conftest import TEXT, write_recipe
 from moetool.api import merge
 from moetool.recipe import load_recipe
 from moetool.train.router_tuning import checkpoint_dir, train_router
@@ -27,37 +27,7 @@ def _all_tensors(path):
 def moe(tiny_models, tmp_path_factory):
     m = tiny_models("llama")
     d = tmp_path_factory.mktemp("train")
-    code = d / "code.txt"
-    code.write_text("\n\n".join(f"def f{i}(x):\n    return x + {i}\nimport os" for i in range(200)))
-    legal = d / "legal.jsonl"
-    legal.write_text("\n".join(json.dumps({"text": TEXT.split("\n")[1] + f" clause {i}"}) for i in range(200)))
-    recipe = write_recipe(
-        d / "r.yaml",
-        f"""
-name: tune
-method: mofe
-base_model: {m["base"]}
-gate_mode: random
-experts:
-  - {{name: a, source: {m["e1"]}}}
-  - {{name: b, source: {m["e2"]}}}
-  - {{name: c, source: {m["e3"]}}}
-freeze:
-  preset: mofe
-train:
-  data:
-    code: {{text: code.txt}}
-    legal: {{jsonl: legal.jsonl}}
-  steps: 6
-  batch_size: 2
-  seq_len: 16
-  grad_accum: 2
-  learning_rate: 0.01
-  checkpoint_every: 2
-  log_every: 2
-  router_jitter: 0.1
-""",
-    )
+    recipe = write_tuning_recipe(d, m, steps=6, legal_jsonl=True)
     return load_recipe(recipe), merge(recipe, d / "moe")
 
 
