@@ -69,17 +69,27 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("out/embedding-report"))
     ap.add_argument("--seed", type=int, default=0, help="Router init and batch sampling.")
     ap.add_argument("--arms", default="", help="Comma-separated subset of the default arms (default: all).")
+    ap.add_argument(
+        "--seed-dim", type=int, default=32, help="Seed-table width of the generative arm (recipes/real-embedding: 128)."
+    )
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     arms = None
-    if args.arms:
+    if args.arms or args.seed_dim != 32:
         from moetool.methods.embedding.assemble import load_source_model
 
         cfg = load_source_model(args.model, None)[1].config
-        every = default_arms(cfg.vocab_size, cfg.hidden_size)
-        arms = {a: every[a] for a in args.arms.split(",")}
+        # the model's own position count, as run_report uses: the router's position table is part of the generative
+        # budget, so the params-matched dense width depends on it
+        every = default_arms(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            seed_dim=args.seed_dim,
+            max_positions=int(getattr(cfg, "max_position_embeddings", 512)),
+        )
+        arms = {a: every[a] for a in args.arms.split(",")} if args.arms else every
     rep = run_report(
         args.model,
         arms=arms,
