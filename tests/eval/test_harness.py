@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from lm_fixtures import tiny_llama
 
 from moetool.errors import MoetoolError
 from moetool.eval.harness import TaskError, task_scores
@@ -63,20 +63,7 @@ def test_short_text_is_refused():
 @pytest.fixture(scope="module")
 def lm():
     tok = train_tokenizer([TEXT], vocab_size=400)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = tiny_llama(tok).train()
     # a few steps on the text, so the scores are not chance and a wrong pairing of choices and gold would show
     # the whole text, memorised: its own continuations then score far above chance
     flat = tok(TEXT)["input_ids"]

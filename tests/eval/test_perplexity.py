@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from lm_fixtures import tiny_llama
+from transformers import AutoTokenizer
 
 from moetool.eval.perplexity import perplexity, perplexity_matrix, render_matrix, token_nll
 from moetool.zoo.tokenizer import train_tokenizer
@@ -26,22 +27,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    m = LlamaForCausalLM(cfg)
-    m.eval()
-    return m
+    return tiny_llama(tokenizer)
 
 
 def _labels_loss(model, ids: list[int]) -> float:
