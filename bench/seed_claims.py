@@ -1,0 +1,212 @@
+"""The toy zoo's claims in docs/, checked across seeds: reads one output per seed of a method's experiment and prints
+each figure per seed, its mean ± half-range, and for each claim "holds in all seeds" or "not supported (k of n)".
+
+    .venv/bin/python bench/seed_claims.py mofe EVAL.json... [--moe tuned-mofe]   # moetool eval / demo eval.json
+    .venv/bin/python bench/seed_claims.py comigs out/seeds-comigs/seed-*/comigs_experiment.json
+    .venv/bin/python bench/seed_claims.py gem out/seeds-gem/seed-*.json            # bench/gem_experiment.py --json
+    .venv/bin/python bench/seed_claims.py embedding out/seeds-embedding/seed-*/report.json
+    .venv/bin/python bench/seed_claims.py hybrid out/seeds-hybrid/seed-*/hybrid.json
+
+Files are taken as seeds in the order given. Figures are perplexities (lower is better) unless a line says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+DOMAINS = ("code", "legal", "medical")
+TABLE2 = ("Local", "FedAvg", "CoMiGS-2S", "CoMiGS-2G", "CoMiGS-1G1S")
+
+
+def spread(vals: Sequence[float], fmt: str = ".2f", unit: str = "") -> str:
+    """``a / b / c: mean ± half-range`` (the half-range with two significant digits)."""
+    per = " / ".join(f"{v:{fmt}}{unit}" for v in vals)
+    return f"{per}: {statistics.mean(vals):{fmt}} ± {(max(vals) - min(vals)) / 2:.2g}{unit}"
+
+
+def claim(text: str, flags: Sequence[bool]) -> bool:
+    """Print the claim with its verdict: it holds only if it holds in every seed."""
+    ok = all(flags)
+    verdict = "holds in all seeds" if ok else f"not supported (holds in {sum(flags)} of {len(flags)} seeds)"
+    print(f"  claim: {text}: {verdict}")
+    return ok
+
+
+def load(files: Sequence[Path]) -> list[dict[str, Any]]:
+    return [json.loads(f.read_text()) for f in files]
+
+
+def mofe(docs: list[dict[str, Any]], moe_key: str) -> None:
+    """The README's toy table: the tuned MoE against the best expert on each domain (``moetool eval`` reports)."""
+    moe_ppl, best_ppl, best_mean = [], [], []
+    for doc in docs:
+        ppl = doc["perplexity"]
+        names = [m for m in ppl if moe_key in m]
+        if len(names) != 1:
+            raise SystemExit(f"--moe {moe_key!r} matches {names or 'no model'} in {sorted(ppl)}; it must match one")
+        experts = {d: ppl[f"zoo:{d}"] for d in DOMAINS}
+        moe_ppl.append({d: ppl[names[0]][d] for d in DOMAINS})
+        best_ppl.append({d: min(e[d] for e in experts.values()) for d in DOMAINS})
+        best_mean.append(min(statistics.mean(e[d] for d in DOMAINS) for e in experts.values()))
+    print(f"mofe: {len(docs)} seeds; MoE = the model whose name contains {moe_key!r}")
+    for d in DOMAINS:
+        ratios = [m[d] / b[d] for m, b in zip(moe_ppl, best_ppl, strict=True)]
+        print(f"  {d}: MoE {spread([m[d] for m in moe_ppl])}; best expert {spread([b[d] for b in best_ppl])}")
+        print(f"    MoE ÷ best expert {spread(ratios, '.3f')}")
+    means = [statistics.mean(m.values()) for m in moe_ppl]
+    print(f"  mean: MoE {spread(means)}; best expert's mean {spread(best_mean)}")
+    print(f"    MoE mean ÷ best expert's mean {spread([a / b for a, b in zip(means, best_mean, strict=True)], '.3f')}")
+    claim(
+        "the tuned MoE beats the best expert on every domain",
+        [all(m[d] < b[d] for d in DOMAINS) for m, b in zip(moe_ppl, best_ppl, strict=True)],
+    )
+
+
+def comigs(docs: list[dict[str, Any]]) -> None:
+    """docs/comigs.md's Table-2 claims on the toy zoo (``bench/comigs_experiment.py --seed N`` reports)."""
+    res = [d["results"] for d in docs]
+    users = list(res[0]["Pretrained"])
+    print(f"comigs: {len(docs)} seeds; test perplexity per user, and the mean over users")
+    for name in res[0]:
+        cells = [f"{u} {spread([r[name][u]['test'] for r in res])}" for u in users]
+        mean = spread([statistics.mean(r[name][u]["test"] for u in users) for r in res])
+        print(f"  {name}: " + "; ".join(cells) + f"; mean {mean}")
+
+    def test(r: dict[str, Any], name: str, user: str) -> float:
+        return float(r[name][user]["test"])
+
+    rows = [n for n in TABLE2 if n in res[0]]
+    lowest = [min(rows, key=lambda n: statistics.mean(test(r, n, u) for u in users)) for r in res]
+    print(f"  lowest mean of the Table-2 rows per seed: {', '.join(lowest)}")
+    claim("1G1S has the lowest mean of the Table-2 rows", [n == "CoMiGS-1G1S" for n in lowest])
+    small, one = "legal-small", "CoMiGS-1G1S"
+    if small in users and "CoMiGS-2S" in rows:
+        claim(
+            "legal-small: 2S is worse than the pretrained model (its specialist overfits 4k tokens)",
+            [test(r, "CoMiGS-2S", small) > test(r, "Pretrained", small) for r in res],
+        )
+        claim(
+            "legal-small: the generalist limits overfitting (1G1S below 2S)",
+            [test(r, one, small) < test(r, "CoMiGS-2S", small) for r in res],
+        )
+    if small in users and "CoMiGS-2G" in rows:
+        claim(
+            "legal-small: full sharing (2G) beats 1G1S",
+            [test(r, "CoMiGS-2G", small) < test(r, one, small) for r in res],
+        )
+    if "CoMiGS-2S" in rows and "CoMiGS-2G" in rows:
+        for u in users:
+            claim(
+                f"{u}: 1G1S at or below the worse of 2S and 2G (between them, or below both)",
+                [test(r, one, u) <= max(test(r, "CoMiGS-2S", u), test(r, "CoMiGS-2G", u)) for r in res],
+            )
+    if "CoMiGS-1G1S-tr" in res[0] and small in users:
+        claim(
+            "legal-small: routers on the train split (-tr) are worse than on validation",
+            [test(r, "CoMiGS-1G1S-tr", small) > test(r, one, small) for r in res],
+        )
+
+
+def _by_tau(router: dict[str, Any], tau: float) -> dict[str, Any]:
+    row: dict[str, Any] = {t["tau"]: t for t in router["by_tau"]}[tau]
+    return row
+
+
+def gem(docs: list[dict[str, Any]]) -> None:
+    """docs/gem.md's experiment (``bench/gem_experiment.py --seed N --json`` reports): per router variant and
+    domain, the out-of-domain cut, the in-domain cost and the fallback rule's effect."""
+    print(f"gem: {len(docs)} seeds")
+    for v in docs[0]["variants"]:
+        runs = [d["variants"][v] for d in docs]
+        fallback = [_by_tau(r["router"], 0.7)["fallback"] for r in runs]
+        acc = [r["router"]["argmax_accuracy"] for r in runs]
+        print(
+            f"  router {v}: argmax accuracy {spread(acc, '.3f')}; fallback share at tau 0.7 {spread(fallback, '.3f')}"
+        )
+        cut_ok, cost_ok, small_ok, helps_ok = [True] * len(runs), [True] * len(runs), [True] * len(runs), []
+        for d in docs[0]["variants"][v]["eval"]["experiment"]:
+            e = [r["eval"]["experiment"][d] for r in runs]
+            cut = [x["ppl_out_of_domain_expert"] / x["ppl_out_of_domain_gem"] for x in e]
+            cost = [100 * (x["ppl_in_domain_gem"] / x["ppl_in_domain_expert"] - 1) for x in e]
+            fb = [100 * (x["ppl_in_domain_gem"] / x["ppl_in_domain_no_fallback"] - 1) for x in e]
+            print(
+                f"    {d}: out-of-domain ppl expert ÷ GEM {spread(cut, '.2f', '×')}; in-domain cost over the expert "
+                f"{spread(cost, '+.1f', ' %')}; tau 0.7 against tau 0 {spread(fb, '+.2f', ' %')}"
+            )
+            cut_ok = [a and c > 1 for a, c in zip(cut_ok, cut, strict=True)]
+            cost_ok = [a and c < 4 for a, c in zip(cost_ok, cost, strict=True)]
+            small_ok = [a and abs(f) < 1 for a, f in zip(small_ok, fb, strict=True)]
+            helps_ok.append((d, [f < 0 for f in fb]))
+        claim(f"{v}: GEM cuts every expert's out-of-domain perplexity", cut_ok)
+        claim(f"{v}: GEM's in-domain cost is under 4 % on every domain", cost_ok)
+        claim(f"{v}: the fallback rule changes in-domain perplexity by under 1 % on every domain", small_ok)
+        for d, flags in helps_ok:
+            claim(f"{v}: {d}: the fallback rule helps (tau 0.7 below tau 0)", flags)
+
+
+def embedding(docs: list[dict[str, Any]]) -> None:
+    """docs/embedding.md's fair comparison (``bench/embedding_report.py --seed N`` report.json): mean held-out
+    perplexity (geometric mean over domains) of every arm."""
+    print(f"embedding: {len(docs)} seeds; test-half perplexity, geometric mean over domains")
+    print(f"  original: {spread([d['original']['test']['mean'] for d in docs])}")
+    arms = [a for a in docs[0]["arms"] if all(a in d["arms"] for d in docs)]
+    for a in arms:
+        lrs = ", ".join(f"{d['arms'][a]['best_lr']:g}" for d in docs)
+        print(f"  {a}: {spread([d['arms'][a]['test']['mean'] for d in docs])} (chosen lr {lrs})")
+
+    def mean(d: dict[str, Any], arm: str) -> float:
+        return float(d["arms"][arm]["test"]["mean"])
+
+    for rival in ("dense-same-params", "dense-same-depth"):
+        if "generative" in arms and rival in arms:
+            gap = [mean(d, "generative") - mean(d, rival) for d in docs]
+            print(f"  generative − {rival}: {spread(gap, '+.2f')}")
+            claim(f"{rival} beats generative", [g > 0 for g in gap])
+            claim(f"generative beats {rival}", [g < 0 for g in gap])
+
+
+def hybrid(docs: list[dict[str, Any]]) -> None:
+    """docs/hybrid.md's "the router beats both experts alone" (``moetool merge`` hybrid.json, one per seed)."""
+    rows = [d["held_out"]["rows"] for d in docs]
+    print(f"hybrid: {len(docs)} seeds; held-out perplexity and the costly expert's share")
+    for name in rows[0]:
+        shares = spread([r[name]["costly_share"] for r in rows], ".3f") if "costly_share" in rows[0][name] else ""
+        print(
+            f"  {name}: {spread([r[name]['perplexity'] for r in rows])}"
+            + (f"; costly share {shares}" if shares else "")
+        )
+    alone = [n for n in rows[0] if n.endswith(" alone")]
+    for n in alone:
+        gap = [r["router"]["perplexity"] - r[n]["perplexity"] for r in rows]
+        print(f"  router − {n}: {spread(gap, '+.2f')}")
+    claim(
+        "the router beats both experts alone",
+        [all(r["router"]["perplexity"] < r[n]["perplexity"] for n in alone) for r in rows],
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("method", choices=["mofe", "comigs", "gem", "embedding", "hybrid"])
+    ap.add_argument("files", nargs="+", type=Path, help="one report per seed")
+    ap.add_argument("--moe", default="tuned-mofe", help="mofe: a substring of the tuned MoE's name in each report")
+    args = ap.parse_args()
+    docs = load(args.files)
+    print("seeds: " + ", ".join(str(f) for f in args.files))
+    run: dict[str, Callable[[list[dict[str, Any]]], None]] = {
+        "mofe": lambda d: mofe(d, args.moe),
+        "comigs": comigs,
+        "gem": gem,
+        "embedding": embedding,
+        "hybrid": hybrid,
+    }
+    run[args.method](docs)
+
+
+if __name__ == "__main__":
+    main()
