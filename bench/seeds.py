@@ -5,7 +5,10 @@ Each seed gets a copy of the recipe with ``train.seed`` (or ``--seed-key``) set,
 overrides (dotted keys, YAML values), merged with ``moetool merge`` into ``OUT/seed-N``. Figures are read from a JSON
 file the merge writes, as ``FILE:dotted.path`` (list indices as numbers).
 
-``--then`` runs a command on each output (an evaluation that writes the JSON the figures come from).
+``--then`` runs a command on each output (an evaluation that writes the JSON the figures come from); given several
+times, the commands run in order. ``{out}`` is the seed's merge output and ``{recipe}`` its recipe copy, so a
+method whose training is a separate command (mofe: ``moetool train {recipe} --model {out} -o {out}-tuned``) can be
+seeded too.
 
 Run:  .venv/bin/python bench/seeds.py recipes/real-hybrid.yaml -o out/seeds-hybrid --seeds 0,1,2 \
         --set loss.lambda_penalty=0 \
@@ -50,7 +53,12 @@ def main() -> None:
     ap.add_argument("-o", "--out", type=Path, required=True)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--seed-key", default="train.seed", help="dotted key(s) set to the seed, comma-separated")
-    ap.add_argument("--then", default=None, help="a command run after each merge; {out} is the merge's output")
+    ap.add_argument(
+        "--then",
+        action="append",
+        default=[],
+        help="a command run after each merge ({out}: the merge's output, {recipe}: the seed's recipe); repeatable",
+    )
     ap.add_argument("--set", action="append", default=[], help="dotted.key=yaml-value, applied to every seed")
     ap.add_argument("--metric", action="append", required=True, help="FILE:dotted.path in the merge's output")
     ap.add_argument("--reuse", action="store_true", help="read outputs already there instead of merging again")
@@ -73,8 +81,8 @@ def main() -> None:
         if not (args.reuse and out.is_dir()):
             cmd = [str(BIN / "moetool"), "merge", str(recipe), "-o", str(out), "--force"]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            if args.then:
-                then = [w.replace("{out}", str(out)) for w in shlex.split(args.then)]
+            for command in args.then:
+                then = [w.replace("{out}", str(out)).replace("{recipe}", str(recipe)) for w in shlex.split(command)]
                 then[0] = str(BIN / then[0]) if (BIN / then[0]).exists() else then[0]
                 subprocess.run(then, check=True, stdout=subprocess.DEVNULL)
         for m in args.metric:
