@@ -94,6 +94,7 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
     gates: torch.Tensor | None = None
     shared_gates: torch.Tensor | None = None
     layout = [(op.out, dtype, op.shape) for op in ops]
+    scratch = torch.empty(max((op.numel for op in ops if op.src is not None), default=0) * 8, dtype=torch.uint8)
     try:
         with (
             task(console, "writing tensors", len(plan.ops), unit="tensors") as advance,
@@ -108,7 +109,8 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
                     assert op.source is not None and op.src is not None
                     if op.source not in ckpts:
                         ckpts[op.source] = Checkpoint(plan.sources[op.source].path, allow_pickle=plan.allow_pickle)
-                    t = ckpts[op.source].get(op.src)
+                    # one buffer serves every read: the tensor is written before the next one is read into it
+                    t = ckpts[op.source].get(op.src, into=scratch)
                 elif op.kind == "zeros":
                     t = torch.zeros(op.shape)
                 elif op.kind == "null_gate":
