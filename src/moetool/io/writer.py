@@ -91,7 +91,7 @@ class ShardedWriter:
         assert self._fh is not None
         if tensor.numel():
             # the tensor's own memory goes to the file (a bytes copy of it would cost a pass over every byte)
-            self._fh.write(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+            self._fh.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
         self._left_in_shard -= 1
         self._pos += 1
 
