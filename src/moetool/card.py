@@ -9,25 +9,17 @@ from typing import Any
 
 from moetool import __version__
 from moetool.io.checkpoint import Checkpoint
+from moetool.io.hashes import cached_sha256, sha256_file
 
 _REPO_ID_LIKE = ("hf-cache",)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(chunk)  # one buffer for every block: a fresh bytes object per block costs page faults
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 def source_hashes(sources: dict[str, Any], *, allow_pickle: bool = False) -> dict[Path, str]:
-    """sha256 of every weight file of every source (each file once). Reading and hashing release the GIL, so a merge
-    runs this in a thread beside its tensor stream (:func:`provenance` takes the result)."""
+    """sha256 of every weight file of every source (each file once), remembered across runs for unchanged files
+    (:mod:`moetool.io.hashes`). Reading and hashing release the GIL, so a merge runs this in a thread beside its
+    tensor stream (:func:`provenance` takes the result)."""
     files = {f for src in sources.values() for f in Checkpoint(src.path, allow_pickle=allow_pickle).weight_files}
-    return {f: sha256_file(f) for f in sorted(files)}
+    return cached_sha256(sorted(files))
 
 
 def provenance(
