@@ -72,3 +72,17 @@ def test_unsupported_family_is_named():
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64)
     with pytest.raises(ValueError, match="graph export supports llama"):
         ExportLM(transformers.AutoModelForCausalLM.from_config(cfg))
+
+
+@pytest.mark.parametrize(("case", "layers"), [("mixtral", 2), ("qwen2_moe-shared", 2), ("llama", 0)])
+def test_dense_moe_kernel_record(case, layers):
+    from moetool.export.graph.moe_kernel import dense_moe_kernel
+
+    em = ExportLM(_model(*CASES[case]))
+    assert em.moe_layers() == layers
+    for target in ("executorch", "tflite"):
+        rec = dense_moe_kernel(target, em.moe_layers())
+        assert rec["kind"] == "dense-masked" and rec["layers"] == layers
+        assert (rec["reason"] is None) == (layers == 0)  # a dense model has no experts to select
+    with pytest.raises(ValueError, match="onnx"):
+        dense_moe_kernel("onnx", 2)  # ONNX writes its own record (sparse MoE/QMoE or dense)

@@ -42,6 +42,9 @@ def _worst(p):
 def test_executorch_fp32_mixtral(models, tmp_path):
     man = export(models["mixtral"], tmp_path / "et", target="executorch", quant="f32")
     assert man["files"].keys() == {"model.pte"} and _worst(man["parity"]) <= 1e-4
+    # every expert runs: XNNPACK cannot select experts in the graph (the reason is recorded for the reader)
+    moe = man["moe_kernel"]
+    assert moe["kind"] == "dense-masked" and moe["layers"] == 2 and "XNNPACK" in moe["reason"]
 
 
 def test_executorch_quantized_experts_qwen2_moe(models, tmp_path):
@@ -77,6 +80,8 @@ def test_coreml_structure_and_wrapper(models, tmp_path, arch):
 def test_tflite_fp32(models, tmp_path, arch):
     man = export(models[arch], tmp_path / "tfl", target="tflite", quant="f32")
     assert _worst(man["parity"]) <= 1e-4 and man["parity"]["decode"]["steps"] == 8
+    moe = man["moe_kernel"]
+    assert moe["kind"] == "dense-masked" and moe["layers"] == 2 and "torch.cond" in moe["reason"]
 
 
 def test_tflite_mixed_precision_by_role(models, tmp_path):

@@ -14,6 +14,7 @@ import torch
 from moetool.export.base import NOT_VERIFIED, ExportRequest
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import ExportLM, causal_mask, prefill_inputs
+from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
@@ -128,6 +129,7 @@ class ExecuTorchExporter(GraphExporter):
                 "runtime": "executorch.runtime, XNNPACK delegate",
                 "methods": {"forward": "prefill", "decode": "one token with KV cache"},
                 "quantized_linears": counts,
+                "moe_kernel": dense_moe_kernel("executorch", em.moe_layers()),
             }
             files = {"model.pte": path}
             manifest = finish_graph_manifest(

@@ -292,6 +292,10 @@ class ExportLM(nn.Module):
     def sparse_moe_layers(self) -> int:
         return sum(isinstance(b.mlp, DenseMaskedMoE) and bool(b.mlp.sparse) for b in self.layers)
 
+    def moe_layers(self) -> int:
+        """How many blocks route over experts (dense-masked or sparse)."""
+        return sum(isinstance(b.mlp, DenseMaskedMoE) for b in self.layers)
+
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, *past: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:

@@ -143,6 +143,7 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
     from litert_torch import signature  # noqa: F401  (import check: the venv must have litert-torch)
 
     from moetool.export.graph.model import load_export_model
+    from moetool.export.graph.moe_kernel import dense_moe_kernel
     from moetool.export.graph.static import StaticCacheLM, static_mask
 
     hf, em = load_export_model(req["model_dir"])
@@ -164,6 +165,7 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
         "tflite_notes": _notes(roles, applied),
         "cache_shape": [1, em.n_kv, cap, em.head_dim],
         "cache_tensors": 2 * em.n_layers,
+        "moe_kernel": dense_moe_kernel("tflite", em.moe_layers()),
     }
     if req["verify"]:
         result["parity"] = _parity(path, hf, em, model, req, cap, plen)

@@ -1,0 +1,50 @@
+"""The manifest's ``moe_kernel`` field for the graph targets that keep the MoE dense-masked (ExecuTorch, LiteRT): the
+same shape as ONNX's (``kind``, ``op``, ``layers``), plus the ``reason`` the sparse form was not written.
+
+Selecting each token's top-k experts in a static graph takes one of two forms, and neither runtime runs either fast
+(``bench/graph_moe_forms.py`` times each form against the dense one at a model's MoE shapes):
+
+- *control flow* (``torch.cond`` per expert: the weights stay in place and stay quantized): XNNPACK in ExecuTorch
+  delegates a Linear only when its weight is a static parameter of the top-level graph, so the experts inside the
+  branches fall back to portable kernels; litert-torch has no lowering for ``cond`` at all.
+- *gathered weights* (``index_select`` of the k experts' rows from the stacked ``[E, F, D]`` weights, then a batched
+  matmul): every step copies k experts' weights before multiplying them, and the batched matmul takes dynamic weights
+  (no int8/int4 weight-only quantization: ai-edge-quantizer and torchao quantize FULLY_CONNECTED/Linear weights,
+  which these no longer are). Even with no overhead a copy plus a read of k experts moves 2k/E of the dense form's
+  bytes, more than the dense form whenever E < 2k (the demo MoE: 3 experts, top-2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REASONS: dict[str, str] = {
+    "executorch": (
+        "XNNPACK delegates Linear only with static weights in the top-level graph: per-expert torch.cond branches "
+        "run on portable kernels, and gathered expert weights (index_select, portable) feed bmm with weights packed "
+        "on every call; both measured slower than computing every expert (bench/graph_moe_forms.py)"
+    ),
+    "tflite": (
+        "litert-torch has no lowering for torch.cond, and gathered expert weights (GATHER + BATCH_MATMUL) are copied "
+        "every step and cannot take FULLY_CONNECTED's int8/int4 weight quantization; measured slower than computing "
+        "every expert (bench/graph_moe_forms.py)"
+    ),
+}
+
+OPS: dict[str, str] = {
+    "executorch": "every expert as XNNPACK-delegated Linears, unchosen ones weighted 0",
+    "tflite": "every expert as FULLY_CONNECTED ops (XNNPACK delegate), unchosen ones weighted 0",
+}
+
+
+def dense_moe_kernel(target: str, moe_layers: int) -> dict[str, Any]:
+    """The ``moe_kernel`` manifest field of ``target`` (executorch or tflite), whose ``moe_layers`` MoE blocks are
+    all dense-masked; ``reason`` is None for a model without MoE blocks (nothing to select)."""
+    if target not in REASONS:
+        raise ValueError(f"no dense-masked MoE kernel record for target {target!r}: {', '.join(REASONS)}")
+    return {
+        "kind": "dense-masked",
+        "op": OPS[target],
+        "layers": moe_layers,
+        "reason": REASONS[target] if moe_layers else None,
+    }
