@@ -5,13 +5,15 @@ Selecting each token's top-k experts in a static graph takes one of two forms, a
 (``bench/graph_moe_forms.py`` times each form against the dense one at a model's MoE shapes):
 
 - *control flow* (``torch.cond`` per expert: the weights stay in place and stay quantized): XNNPACK in ExecuTorch
-  delegates a Linear only when its weight is a static parameter of the top-level graph, so the experts inside the
-  branches fall back to portable kernels; litert-torch has no lowering for ``cond`` at all.
+  delegates a Linear only when its weight is a static parameter of the top-level graph, so lowering a graph with
+  experts inside the branches fails (their Linears neither delegated nor decomposed); litert-torch has no lowering
+  for ``cond`` at all.
 - *gathered weights* (``index_select`` of the k experts' rows from the stacked ``[E, F, D]`` weights, then a batched
   matmul): every step copies k experts' weights before multiplying them, and the batched matmul takes dynamic weights
-  (no int8/int4 weight-only quantization: ai-edge-quantizer and torchao quantize FULLY_CONNECTED/Linear weights,
-  which these no longer are). Even with no overhead a copy plus a read of k experts moves 2k/E of the dense form's
-  bytes, more than the dense form whenever E < 2k (the demo MoE: 3 experts, top-2).
+  (no int8/int4 weights: ai-edge-quantizer and torchao quantize FULLY_CONNECTED/Linear weights, which these no
+  longer are, and XNNPACK's bmm is fp32 only). Even with no overhead, copying k experts and then reading them reads
+  2k/E of the dense form's weight bytes (and writes k experts' more): more than the dense form whenever E < 2k (the
+  demo MoE: 3 experts, top-2, 4/3).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any
 REASONS: dict[str, str] = {
     "executorch": (
         "XNNPACK delegates Linear only with static weights in the top-level graph: per-expert torch.cond branches "
-        "run on portable kernels, and gathered expert weights (index_select, portable) feed bmm with weights packed "
-        "on every call; both measured slower than computing every expert (bench/graph_moe_forms.py)"
+        "are left undelegated (lowering fails), and gathered expert weights (index_select, a portable op copying k "
+        "experts' weights every step) feed bmm, which XNNPACK runs in fp32 only; measured slower than computing every "
+        "expert (bench/graph_moe_forms.py)"
     ),
     "tflite": (
         "litert-torch has no lowering for torch.cond, and gathered expert weights (GATHER + BATCH_MATMUL) are copied "
