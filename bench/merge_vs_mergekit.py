@@ -12,6 +12,9 @@ The I/O floor (read every input once, write and fsync an output of the merged si
 
 Run:  bash scripts/setup.sh --bench && .venv/bin/python bench/merge_vs_mergekit.py [--reps 2] [--experts 4]
       [--size 130m|150m] [--no-mergekit]
+mergekit in a venv of its own, so its pins never move .venv's packages:
+      bash scripts/side_venv.sh .venv-mergekit bench "import mergekit"
+      .venv/bin/python bench/merge_vs_mergekit.py --size 150m --mergekit-bin .venv-mergekit/bin/mergekit-moe
 """
 
 from __future__ import annotations
@@ -213,12 +216,19 @@ def main() -> None:
     ap.add_argument("--modes", default="random,cheap_embed,hidden")
     ap.add_argument("--size", choices=sorted(SIZES), default="130m")
     ap.add_argument("--no-mergekit", action="store_true", help="moetool against the I/O floor only")
+    ap.add_argument(
+        "--mergekit-bin", type=Path, help="the mergekit-moe to run (default: .venv's, then PATH's), e.g. a side venv's"
+    )
     args = ap.parse_args()
     mergekit = None
-    if not args.no_mergekit:
+    if args.mergekit_bin and not args.no_mergekit:
+        if not os.access(args.mergekit_bin, os.X_OK):
+            sys.exit(f"--mergekit-bin {args.mergekit_bin}: not an executable file")
+        mergekit = str(args.mergekit_bin)
+    elif not args.no_mergekit:
         mergekit = shutil.which("mergekit-moe", path=str(BIN)) or shutil.which("mergekit-moe")
         if not mergekit:
-            sys.exit("mergekit-moe not found: bash scripts/setup.sh --bench (or --no-mergekit)")
+            sys.exit("mergekit-moe not found: bash scripts/setup.sh --bench, --mergekit-bin PATH, or --no-mergekit")
     moetool = str(BIN / "moetool")
     root = Path(tempfile.mkdtemp(prefix="moetool-bench-"))
     try:
