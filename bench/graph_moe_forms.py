@@ -54,6 +54,10 @@ class Block(nn.Module):
         self.form, self.k = form, k
         self.router = nn.Linear(h, e, bias=False)
         self.experts = nn.ModuleList(Expert(h, i) for _ in range(e))
+        if form == "gather":  # stacked once here: a torch.stack in forward would copy all E experts every call
+            for p in ("gate", "up", "down"):
+                stacked = torch.stack([getattr(ex, p).weight.detach() for ex in self.experts])
+                self.register_buffer(f"{p}_stacked", stacked)  # [E, I, H] gate/up, [E, H, I] down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x).float(), dim=-1)  # [1, 1, E]
@@ -84,7 +88,7 @@ class Block(nn.Module):
         h = x.shape[-1]
         pick = idx.reshape(self.k)
         xs = x.reshape(1, h, 1).expand(self.k, h, 1)
-        stacked = [torch.stack([getattr(ex, p).weight for ex in self.experts]) for p in ("gate", "up", "down")]
+        stacked = [getattr(self, f"{p}_stacked") for p in ("gate", "up", "down")]
         g, u, d = (torch.index_select(w, 0, pick) for w in stacked)  # [k, I, H], [k, I, H], [k, H, I]
         y = torch.bmm(d, torch.nn.functional.silu(torch.bmm(g, xs)) * torch.bmm(u, xs))  # [k, H, 1]
         return (y.reshape(self.k, h) * top.reshape(self.k, 1)).sum(0).reshape(1, 1, h)
