@@ -1,6 +1,6 @@
 """Where llama.cpp's MoE prefill goes: the MoE's GGUF against its dense expert and two controls built from it.
 
-    .venv/bin/python bench/gguf_moe_prefill.py [--model out/demo/tuned-mofe] [--dense smollm2-code] [--quants q8_0,q4_0]
+    .venv/bin/python bench/gguf_moe_prefill.py [--model out/demo/tuned-mofe] [--dense smollm2-code] [--quant q8_0 --quant q4_0]
 
 Exports the MoE and the dense expert (``--gguf-dir`` keeps them for the next run), then derives by GGUF surgery, on
 the files' own quantized bytes:
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -206,11 +207,12 @@ def artifacts(moe: Path, dense: Path, quant: str, cache: Path, tmp: Path) -> dic
     from moetool.api import export
 
     files = {}
+    slug = re.sub(r"[^A-Za-z0-9_]+", "-", quant)
     for tag, src in (("moe", moe), ("dense", dense)):
-        f = cache / f"{tag}-{quant}.gguf"
+        f = cache / f"{tag}-{slug}.gguf"
         if not f.is_file():
-            m = export(src, tmp / f"{tag}-{quant}", quant=quant, verify=False)
-            os.replace(tmp / f"{tag}-{quant}" / m["file"], f)
+            m = export(src, tmp / f"{tag}-{slug}", quant=quant, verify=False)
+            os.replace(tmp / f"{tag}-{slug}" / m["file"], f)
         files[tag] = f
     _, arch, mkv = _kv(files["moe"])
     _, darch, dkv = _kv(files["dense"])
@@ -218,9 +220,9 @@ def artifacts(moe: Path, dense: Path, quant: str, cache: Path, tmp: Path) -> dic
     wide, rest = divmod(top_k * int(mkv[f"{arch}.feed_forward_length"]), int(dkv[f"{darch}.feed_forward_length"]))
     if rest:
         sys.exit(f"the MoE's active FFN width (top-{top_k} experts) is not a multiple of the dense model's")
-    files["dense-wide"] = widen(files["dense"], tmp / f"wide-{quant}.gguf", wide)
-    files["wide-as-moe1"] = as_one_expert(files["dense-wide"], tmp / f"wide-moe1-{quant}.gguf")
-    files["moe-k-of-k"] = first_experts(files["moe"], tmp / f"k-of-k-{quant}.gguf", top_k)
+    files["dense-wide"] = widen(files["dense"], tmp / f"wide-{slug}.gguf", wide)
+    files["wide-as-moe1"] = as_one_expert(files["dense-wide"], tmp / f"wide-moe1-{slug}.gguf")
+    files["moe-k-of-k"] = first_experts(files["moe"], tmp / f"k-of-k-{slug}.gguf", top_k)
     return files
 
 
@@ -228,7 +230,10 @@ def report(quant: str, files: dict[str, Path], speeds: dict[str, tuple[float, fl
     d_pre, d_dec = speeds["dense"]
     pre_ceil = prefill_macs(files["dense"], n) / prefill_macs(files["moe"], n)
     dec_ceil = decode_bytes(files["dense"]) / decode_bytes(files["moe"])
+    r, _, _ = _kv(files["moe"])
+    banks = sorted({f"{t.name.split('.')[-2]} {t.tensor_type.name}" for t in r.tensors if "_exps" in t.name})
     print(f"\n{quant}: prefill ceiling {pre_ceil:.3f} (multiply-adds), decode ceiling {dec_ceil:.3f} (bytes)")
+    print(f"expert banks: {', '.join(banks)}")
     # every row but the dense one has the MoE's active shape, so the MoE's ceilings apply to it
     head = f"{'model':14} {'prefill tok/s':>13} {'/dense':>7} {'/ceiling':>9} {'decode tok/s':>13} {'/dense':>7}"
     print(head + f" {'/ceiling':>9}")
@@ -249,7 +254,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="out/demo/tuned-mofe", help="the MoE (a Mixtral-style folder)")
     ap.add_argument("--dense", default="smollm2-code", help="the dense expert: a zoo name or a folder")
-    ap.add_argument("--quants", default="q8_0,q4_0")
+    ap.add_argument(
+        "--quant",
+        action="append",
+        help="a plan for both models, repeatable (default q8_0 and q4_0); rules work too: "
+        "'experts=q6_k,ffn=q6_k,*=q8_0' puts the FFN banks of both at q6_k where rows allow",
+    )
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens of the prefill")
     ap.add_argument("--gen", type=int, default=32, help="decode steps after the prefill")
     ap.add_argument("--reps", type=int, default=5)
@@ -270,7 +280,7 @@ def main() -> None:
     print(f"MoE {moe} vs dense {args.dense}; llama.cpp via llama-cpp-python, {args.threads} thread(s), {clock};")
     print(f"prompt {args.prompt} tokens, {args.gen} decode steps, median of {args.reps}; load {os.getloadavg()}")
     with tempfile.TemporaryDirectory(prefix="moetool-prefill-") as tmp:
-        for q in args.quants.split(","):
+        for q in args.quant or ["q8_0", "q4_0"]:
             files = artifacts(moe, dense, q, cache, Path(tmp))
             for tag in ("dense-wide", "wide-as-moe1"):
                 diff, top1 = agreement(files["dense"], files[tag], prompt[:64])
