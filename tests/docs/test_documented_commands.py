@@ -353,6 +353,44 @@ COMMANDS: list[Cmd] = [
         "--metric moetool.json:embedding.heldout_perplexity.code.retrofitted …",
         BENCH,
     ),
+    # the claims over three seeds (issue 19, item 4): each seed's run, then bench/seed_claims.py over the reports
+    helponly(
+        ".venv/bin/python bench/comigs_experiment.py --seed N --out out/seeds-comigs/seed-N --variants "
+        "Local,FedAvg,CoMiGS-2S,CoMiGS-2G,CoMiGS-1G1S",
+        BENCH,
+    ),
+    helponly(".venv/bin/python bench/seed_claims.py comigs out/seeds-comigs/seed-*/comigs_experiment.json", BENCH),
+    helponly(
+        ".venv/bin/python bench/comigs_experiment.py --recipe recipes/real-comigs.yaml --out "
+        "out/bench/real-comigs-localfedavg --variants Local,FedAvg --threads 1 --eval-tokens 4096",
+        BENCH,
+    ),
+    helponly(
+        ".venv/bin/python bench/embedding_report.py --seed N --arms generative,dense-same-params,dense-same-depth "
+        "--no-latency --out out/seeds-embedding-toy/seed-N",
+        BENCH,
+    ),
+    helponly(".venv/bin/python bench/seed_claims.py embedding out/seeds-embedding-toy/seed-*/report.json", BENCH),
+    helponly(
+        ".venv/bin/python bench/embedding_report.py --model zoo:smollm2-base --arms "
+        "generative,dense-same-params,dense-same-depth --seed-dim 128 --steps 60 --lrs 1e-3 --eval-tokens 2048 "
+        "--seed 0 --no-latency --out out/embedding-report-smollm2",
+        BENCH,
+    ),
+    helponly(
+        ".venv/bin/python bench/gem_experiment.py --seed N --variants prefix-1 --json "
+        "out/seeds-gem-toy/prefix-1-seed-N.json",
+        BENCH,
+    ),
+    helponly(".venv/bin/python bench/seed_claims.py gem out/seeds-gem-toy/prefix-1-seed-*.json", BENCH),
+    helponly("moetool merge recipes/real-gem-seq.yaml -o out/real-gem-seq", REAL_DEFAULT),
+    helponly("moetool gem eval out/real-gem-seq --max-tokens 2048", REAL_DEFAULT),
+    helponly(
+        ".venv/bin/python bench/seeds.py recipes/demo-hybrid.yaml -o out/seeds-hybrid-toy --seeds 0,1,2 "
+        "--set loss.lambda_penalty=0 --metric hybrid.json:held_out.rows.router.perplexity",
+        BENCH,
+    ),
+    helponly(".venv/bin/python bench/seed_claims.py hybrid out/seeds-hybrid-toy/seed-*/hybrid.json", BENCH),
     helponly(
         "moetool gem eval {out} --json {out}/gem-eval.json --max-tokens 2048",
         "the command bench/seeds.py runs on each seed's output ({out}); `moetool gem eval out/gem --json …` runs",
