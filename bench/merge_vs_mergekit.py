@@ -11,10 +11,9 @@ wall clock and reading each child's peak RSS from ``wait4``. It then compares th
 The I/O floor (read every input once, write and fsync an output of the merged size) is timed in the same loop.
 
 Run:  bash scripts/setup.sh --bench && .venv/bin/python bench/merge_vs_mergekit.py [--reps 2] [--experts 4]
-      [--size 130m|150m] [--no-mergekit]
-mergekit in a venv of its own, so its pins never move .venv's packages:
-      bash scripts/side_venv.sh .venv-mergekit bench "import mergekit"
-      .venv/bin/python bench/merge_vs_mergekit.py --size 150m --mergekit-bin .venv-mergekit/bin/mergekit-moe
+      [--size 130m|150m] [--no-mergekit] [--mergekit-bin PATH]
+``--bench`` installs mergekit in a venv of its own (.venv-mergekit), so its pins never move .venv's packages; that
+venv's mergekit-moe is the default.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     (["def main():\n    return 0", "import os, sys"], ["the patient was admitted"]),
     (["Permission is hereby granted, free of charge", "WITHOUT WARRANTY OF ANY KIND"], []),
@@ -217,7 +217,9 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="130m")
     ap.add_argument("--no-mergekit", action="store_true", help="moetool against the I/O floor only")
     ap.add_argument(
-        "--mergekit-bin", type=Path, help="the mergekit-moe to run (default: .venv's, then PATH's), e.g. a side venv's"
+        "--mergekit-bin",
+        type=Path,
+        help="the mergekit-moe to run (default: .venv-mergekit's, then .venv's, then PATH's)",
     )
     args = ap.parse_args()
     mergekit = None
@@ -226,7 +228,12 @@ def main() -> None:
             sys.exit(f"--mergekit-bin {args.mergekit_bin}: not an executable file")
         mergekit = str(args.mergekit_bin)
     elif not args.no_mergekit:
-        mergekit = shutil.which("mergekit-moe", path=str(BIN)) or shutil.which("mergekit-moe")
+        side = ROOT / ".venv-mergekit" / "bin"
+        mergekit = (
+            shutil.which("mergekit-moe", path=str(side))
+            or shutil.which("mergekit-moe", path=str(BIN))
+            or shutil.which("mergekit-moe")
+        )
         if not mergekit:
             sys.exit("mergekit-moe not found: bash scripts/setup.sh --bench, --mergekit-bin PATH, or --no-mergekit")
     moetool = str(BIN / "moetool")

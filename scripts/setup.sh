@@ -2,7 +2,7 @@
 # Create .venv and install moetool. torch is installed first, pinned, so nothing pulls a CUDA build.
 #   bash scripts/setup.sh          # runtime
 #   bash scripts/setup.sh --dev    # + test and lint tools
-#   bash scripts/setup.sh --bench  # + mergekit for bench/
+#   bash scripts/setup.sh --bench  # + mergekit-moe for bench/, in a venv of its own (.venv-mergekit)
 #   bash scripts/setup.sh --llama  # + llama-cpp-python (GGUF parity, K-quants); --dev includes it
 #   bash scripts/setup.sh --eval   # + lm-evaluation-harness (moetool eval --tasks, the demo's task accuracy); --dev too
 #   bash scripts/setup.sh --onnx   # + onnx, onnxruntime, onnxscript (ONNX export); --dev includes it
@@ -17,10 +17,11 @@ cd "$(dirname "$0")/.."
 extras=""
 tflite=0
 comigs=0
+bench=0
 for arg in "$@"; do
   case "$arg" in
     --dev) extras="${extras:+$extras,}dev"; tflite=1; comigs=1 ;;
-    --bench) extras="${extras:+$extras,}bench" ;;
+    --bench) bench=1 ;;
     --llama) extras="${extras:+$extras,}llama" ;;
     --eval) extras="${extras:+$extras,}eval" ;;
     --onnx) extras="${extras:+$extras,}onnx" ;;
@@ -50,4 +51,8 @@ if [ "$tflite" = 1 ]; then
 fi
 if [ "$comigs" = 1 ]; then
   bash scripts/setup_comigs.sh
+fi
+if [ "$bench" = 1 ]; then
+  # mergekit pins its own transformers/accelerate: kept out of .venv so the versions moetool is tested with never move
+  bash scripts/side_venv.sh .venv-mergekit bench "import mergekit; print('bench venv: mergekit ok')"
 fi

@@ -353,6 +353,13 @@ COMMANDS: list[Cmd] = [
         "--metric moetool.json:embedding.heldout_perplexity.code.retrofitted …",
         BENCH,
     ),
+    # README's Benchmark section (issue 17)
+    helponly(".venv/bin/python bench/merge_vs_mergekit.py --size 150m", BENCH),
+    helponly(
+        ".venv/bin/python bench/gguf_moe_prefill.py --quant q8_0 --quant q4_0 --quant 'experts=q6_k,ffn=q6_k,*=q8_0'",
+        BENCH,
+    ),
+    helponly(".venv/bin/python bench/graph_moe_forms.py --model out/demo/tuned-mofe", BENCH),
     # the claims over three seeds (issue 19, item 4): each seed's run, then bench/seed_claims.py over the reports
     helponly(
         ".venv/bin/python bench/comigs_experiment.py --seed N --out out/seeds-comigs/seed-N --variants "
