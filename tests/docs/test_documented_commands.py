@@ -373,6 +373,11 @@ COMMANDS: list[Cmd] = [
         BENCH,
     ),
     helponly(
+        ".venv/bin/python bench/comigs_experiment.py --recipe recipes/real-comigs.yaml --out "
+        "out/bench/real-comigs-seed1 --variants CoMiGS-1G1S --threads 1 --eval-tokens 4096 --seed 1",
+        BENCH,
+    ),
+    helponly(
         ".venv/bin/python bench/embedding_report.py --seed N --arms generative,dense-same-params,dense-same-depth "
         "--no-latency --out out/seeds-embedding-toy/seed-N",
         BENCH,
