@@ -360,6 +360,7 @@ COMMANDS: list[Cmd] = [
         BENCH,
     ),
     helponly(".venv/bin/python bench/graph_moe_forms.py --model out/demo/tuned-mofe", BENCH),
+    helponly(".venv/bin/python bench/export_latency.py --model out/demo-tiny/tuned-mofe", BENCH),
     # the claims over three seeds (issue 19, item 4): each seed's run, then bench/seed_claims.py over the reports
     helponly(
         ".venv/bin/python bench/comigs_experiment.py --seed N --out out/seeds-comigs/seed-N --variants "
