@@ -379,6 +379,11 @@ COMMANDS: list[Cmd] = [
         BENCH,
     ),
     helponly(
+        ".venv/bin/python bench/comigs_experiment.py --recipe recipes/real-comigs.yaml --out "
+        "out/bench/real-comigs-seed2 --variants CoMiGS-2S,CoMiGS-1G1S --threads 2 --eval-tokens 4096 --seed 2",
+        BENCH,
+    ),
+    helponly(
         ".venv/bin/python bench/embedding_report.py --seed N --arms generative,dense-same-params,dense-same-depth "
         "--no-latency --out out/seeds-embedding-toy/seed-N",
         BENCH,
