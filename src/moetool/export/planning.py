@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from moetool import __version__
-from moetool.card import sha256_file
 from moetool.export.base import ArtifactPlan, ExportError, ExportRequest
 from moetool.io.checkpoint import Checkpoint
+from moetool.io.hashes import sha256_file
 from moetool.quant.devices import MemoryEstimate, estimate_memory, get_device
 from moetool.quant.plan import QuantPlan, QuantSpec, TensorEntry, resolve
 

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from moetool import __version__
-from moetool.card import sha256_file
 from moetool.export.base import ExportError, write_manifest
 from moetool.export.gguf.exporter import GATES
 from moetool.export.gguf.layout import plan_layout
@@ -28,6 +27,7 @@ from moetool.export.gguf.write import write_gguf
 from moetool.export.heldout import held_out_text, model_name
 from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import Checkpoint
+from moetool.io.hashes import sha256_file
 from moetool.io.safe import read_json
 from moetool.quant.plan import QuantSpec, resolve
 

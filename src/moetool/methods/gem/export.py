@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from moetool.card import sha256_file
 from moetool.errors import MoetoolError
 from moetool.export.onnx.quantize import quantize_graph, save_model
 from moetool.export.resolve import plan_export
@@ -31,6 +30,7 @@ from moetool.export.tflite.runner import litert_python, run_worker
 from moetool.extras import require
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
+from moetool.io.hashes import sha256_file
 from moetool.io.safe import read_json
 from moetool.methods.gem.evaluate import SequenceGem
 from moetool.methods.gem.export_graph import GemGraph, RouterGraph, graph_precisions, trace_onnx

