@@ -6,13 +6,18 @@ each figure per seed, its mean ± half-range, and for each claim "holds in all s
     .venv/bin/python bench/seed_claims.py gem out/seeds-gem/seed-*.json            # bench/gem_experiment.py --json
     .venv/bin/python bench/seed_claims.py embedding out/seeds-embedding/seed-*/report.json
     .venv/bin/python bench/seed_claims.py hybrid out/seeds-hybrid/seed-*/hybrid.json
+    .venv/bin/python bench/seed_claims.py pareto out/seeds-hybrid-pareto/seed-*/llama.cpp/pareto/pareto.json
+    .venv/bin/python bench/seed_claims.py gem-qat out/seeds-gem-qat/seed-*/gem-report.json   # moetool merge, GEM
 
 Files are taken as seeds in the order given. Figures are perplexities (lower is better) unless a line says otherwise.
+For comigs, one seed may be several reports joined by ``+`` (runs of different variants at the same seed, e.g.
+``a/comigs_experiment.json+b/comigs_experiment.json``); their Pretrained rows must agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from collections.abc import Callable, Sequence
@@ -39,6 +44,18 @@ def claim(text: str, flags: Sequence[bool]) -> bool:
 
 def load(files: Sequence[Path]) -> list[dict[str, Any]]:
     return [json.loads(f.read_text()) for f in files]
+
+
+def join_comigs(paths: Sequence[Path]) -> dict[str, Any]:
+    """One seed's CoMiGS reports from separate runs as one: the union of their rows (a row given twice must match)."""
+    results: dict[str, Any] = {}
+    for path in paths:
+        for name, row in json.loads(path.read_text())["results"].items():
+            old = results.setdefault(name, row)
+            same = all(abs(old[u]["test"] - row[u]["test"]) <= 1e-6 * abs(row[u]["test"]) for u in row)
+            if not same:
+                raise SystemExit(f"{path}: row {name!r} differs from an earlier report of the same seed")
+    return {"results": results}
 
 
 def mofe(docs: list[dict[str, Any]], moe_key: str) -> None:
@@ -75,6 +92,9 @@ def mofe(docs: list[dict[str, Any]], moe_key: str) -> None:
 def comigs(docs: list[dict[str, Any]]) -> None:
     """docs/comigs.md's Table-2 claims on the toy zoo (``bench/comigs_experiment.py --seed N`` reports)."""
     res = [d["results"] for d in docs]
+    for i, r in enumerate(res[1:], 1):
+        if set(r) != set(res[0]):
+            raise SystemExit(f"seed {i} has rows {sorted(r)}, seed 0 has {sorted(res[0])}; every seed needs the same")
     users = list(res[0]["Pretrained"])
     print(f"comigs: {len(docs)} seeds; test perplexity per user, and the mean over users")
     for name in res[0]:
@@ -115,6 +135,41 @@ def comigs(docs: list[dict[str, Any]]) -> None:
             "legal-small: routers on the train split (-tr) are worse than on validation",
             [test(r, "CoMiGS-1G1S-tr", small) > test(r, one, small) for r in res],
         )
+    comigs_baselines(res, users)
+
+
+def comigs_baselines(res: list[dict[str, Any]], users: list[str]) -> None:
+    """The heterogeneous 1GXS row, and CoMiGS against the paper's Local and FedAvg baselines."""
+
+    def test(r: dict[str, Any], name: str, user: str) -> float:
+        return float(r[name][user]["test"])
+
+    def mean(r: dict[str, Any], name: str) -> float:
+        return statistics.mean(test(r, name, u) for u in users)
+
+    one, gxs = "CoMiGS-1G1S", "CoMiGS-1GXS (recipe)"
+    if gxs in res[0] and "medical" in users:
+        claim(
+            "medical: 1GXS (three specialists) below 1G1S (one)",
+            [test(r, gxs, "medical") < test(r, one, "medical") for r in res],
+        )
+        claim("1GXS has a lower mean than 1G1S", [mean(r, gxs) < mean(r, one) for r in res])
+        if all(n in res[0] for n in TABLE2):
+            rows = [*TABLE2, gxs]
+            lowest = [min(rows, key=lambda n: mean(r, n)) for r in res]
+            print(f"  lowest mean of the Table-2 rows and 1GXS per seed: {', '.join(lowest)}")
+            claim("1GXS has the lowest mean of the Table-2 rows and 1GXS", [n == gxs for n in lowest])
+    for base, twin in (("Local", "CoMiGS-2S"), ("FedAvg", "CoMiGS-2G")):
+        if base in res[0] and twin in res[0]:
+            gap = [max(abs(test(r, base, u) - test(r, twin, u)) for u in users) for r in res]
+            print(f"  largest |{base} − {twin}| over users: {spread(gap, '.3f')}")
+    for base in ("Local", "FedAvg"):
+        if base in res[0]:
+            claim(f"1G1S has a lower mean than {base}", [mean(r, one) < mean(r, base) for r in res])
+            claim(
+                f"1G1S beats {base} on every user",
+                [all(test(r, one, u) < test(r, base, u) for u in users) for r in res],
+            )
 
 
 def _by_tau(router: dict[str, Any], tau: float) -> dict[str, Any]:
@@ -155,6 +210,88 @@ def gem(docs: list[dict[str, Any]]) -> None:
                 claim(f"{v}: {d}: the fallback rule hurts (tau 0.7 at or above tau 0)", [not f for f in flags])
 
 
+def gem_qat(docs: list[dict[str, Any]]) -> None:
+    """docs/gem.md's QAT figures (``gem-report.json`` of a token-level ``moetool merge``): the quantization penalty
+    Σ‖W − Q(W)‖², and per domain the float and fake-quantized perplexity before and after QAT."""
+    qat = [d["qat"] for d in docs]
+    print(f"gem-qat: {len(docs)} seeds; {qat[0]['steps']} steps, {qat[0]['eval_tokens_per_domain']} tokens per domain")
+    first = [q["curve"][0]["quant"] for q in qat]
+    last = [q["curve"][-1]["quant"] for q in qat]
+    print(f"  penalty at the first logged step {spread(first, '.4g')}; at the last {spread(last, '.4g')}")
+    claim("QAT lowers the quantization penalty", [b < a for a, b in zip(first, last, strict=True)])
+    better, smaller = [True] * len(qat), [True] * len(qat)
+    for d in qat[0]["before"]["float"]:
+        fb, fa = [q["before"]["float"][d] for q in qat], [q["after"]["float"][d] for q in qat]
+        qb, qa = [q["before"]["fake_quant"][d] for q in qat], [q["after"]["fake_quant"][d] for q in qat]
+        cb = [100 * (q / f - 1) for q, f in zip(qb, fb, strict=True)]
+        ca = [100 * (q / f - 1) for q, f in zip(qa, fa, strict=True)]
+        print(
+            f"  {d}: float {spread(fb, '.4g')} → {spread(fa, '.4g')}; quantized {spread(qb, '.4g')} → {spread(qa, '.4g')}"
+        )
+        print(f"    quantization cost (quantized ÷ float − 1) {spread(cb, '+.2f', ' %')} → {spread(ca, '+.2f', ' %')}")
+        better = [ok and a < b for ok, a, b in zip(better, qa, qb, strict=True)]
+        smaller = [ok and a < b for ok, a, b in zip(smaller, ca, cb, strict=True)]
+    claim("QAT lowers the quantized model's perplexity on every domain", better)
+    claim("QAT shrinks the quantization cost on every domain", smaller)
+
+
+def pareto(docs: list[dict[str, Any]]) -> None:
+    """docs/hybrid.md's λ2 sweep (``bench/hybrid_pareto.py`` pareto.json, one per seed): the costly share, the
+    expected latency and the routed latency check at every λ2."""
+    key = docs[0]["parameter"]
+    print(f"pareto: {len(docs)} seeds; {docs[0]['timing']['runtime']} profile; sweep of {key}")
+    costly = [d["costly"] for d in docs]
+    print(f"  costly expert per seed: {', '.join(costly)}")
+    for name, e in docs[0]["profile"]["experts"].items():
+        at = [1000 * d["profile"]["experts"][name]["seconds"][-1] for d in docs]
+        print(f"  profile {name} at L={e['lengths'][-1]}: {spread(at, '.2f', ' ms')}")
+    claim(f"{costly[0]} is the costly expert", [c == costly[0] for c in costly])
+    for name in docs[0]["baselines"]:
+        b = [d["baselines"][name] for d in docs]
+        print(
+            f"  {name}: {spread([x['perplexity'] for x in b])}; costly share {spread([x['costly_share'] for x in b], '.3f')}"
+        )
+    rows = [sorted(d["rows"], key=lambda r: r[key]) for d in docs]
+    for i, row in enumerate(rows[0]):
+        at = [r[i] for r in rows]
+        print(
+            f"  {key} = {row[key]:g}: {spread([x['perplexity'] for x in at])}; costly share "
+            f"{spread([x['costly_share'] for x in at], '.3f')}; expected {spread([x['expected_latency_ms'] for x in at], '.2f', ' ms')}"
+        )
+    eps = 1e-6
+    shares = [[x["costly_share"] for x in r] for r in rows]
+    expected = [[x["expected_latency_ms"] for x in r] for r in rows]
+    claim(
+        f"the costly share never rises with {key}",
+        [all(b <= a + eps for a, b in itertools.pairwise(s)) for s in shares],
+    )
+    claim(f"the costly share is under 1 % at the largest {key}", [s[-1] < 0.01 for s in shares])
+    claim(
+        f"the expected latency never rises with {key}",
+        [all(b <= a + eps for a, b in itertools.pairwise(x)) for x in expected],
+    )
+    claim(
+        "the oracle beats the router at every point",
+        [
+            all(d["baselines"]["oracle"]["perplexity"] < x["perplexity"] for x in r)
+            for d, r in zip(docs, rows, strict=True)
+        ],
+    )
+    alone = [n for n in docs[0]["baselines"] if n.endswith(" alone")]
+    claim(
+        f"at {key} = {rows[0][0][key]:g} the router beats both experts alone",
+        [
+            all(r[0]["perplexity"] < d["baselines"][n]["perplexity"] for n in alone)
+            for d, r in zip(docs, rows, strict=True)
+        ],
+    )
+    if all("latency_check" in x for r in rows for x in r):
+        claim(
+            "measured routed latency ≥ Σ share·latency at every point",
+            [all(x["latency_check"] for x in r) for r in rows],
+        )
+
+
 def embedding(docs: list[dict[str, Any]]) -> None:
     """docs/embedding.md's fair comparison (``bench/embedding_report.py --seed N`` report.json): mean held-out
     perplexity (geometric mean over domains) of every arm."""
@@ -174,6 +311,46 @@ def embedding(docs: list[dict[str, Any]]) -> None:
             print(f"  generative − {rival}: {spread(gap, '+.2f')}")
             claim(f"{rival} beats generative", [g > 0 for g in gap])
             claim(f"generative beats {rival}", [g < 0 for g in gap])
+    embedding_more(docs, arms)
+
+
+def embedding_more(docs: list[dict[str, Any]], arms: list[str]) -> None:
+    """The fair comparison's secondary claims: remix, the cost of halving the table, the paper's LR, latency."""
+
+    def mean(d: dict[str, Any], arm: str) -> float:
+        return float(d["arms"][arm]["test"]["mean"])
+
+    orig = [d["original"]["test"]["mean"] for d in docs]
+    for a in arms:
+        print(f"  {a} ÷ original: {spread([mean(d, a) / o for d, o in zip(docs, orig, strict=True)], '.3f', '×')}")
+    if "remix" in arms and "dense-same-width" in arms:
+        claim(
+            "remix is no better than dense-same-width", [mean(d, "remix") >= mean(d, "dense-same-width") for d in docs]
+        )
+    if "dense-same-params" in arms:
+        claim(
+            "dense-same-params within 1 % of the original",
+            [mean(d, "dense-same-params") <= 1.01 * o for d, o in zip(docs, orig, strict=True)],
+        )
+    if "dense-full-width" in arms:
+        claim(
+            "training the full-width table does not beat the original",
+            [mean(d, "dense-full-width") >= o for d, o in zip(docs, orig, strict=True)],
+        )
+    high = [a for a in arms if all("0.01" in d["arms"][a]["runs"] for d in docs)]
+    if "generative" in high and len(high) > 1:
+        worst = []
+        for d in docs:
+            ratio = {a: d["arms"][a]["runs"]["0.01"]["test"]["mean"] / mean(d, a) for a in high}
+            worst.append(max(ratio, key=lambda a: ratio[a]))
+            print("  at lr 1e-2 ÷ at the chosen lr: " + ", ".join(f"{a} {r:.3f}" for a, r in ratio.items()))
+        claim("at lr 1e-2 generative degrades the most", [w == "generative" for w in worst])
+    lat = [d["decode_ms_per_token_batch1"] for d in docs if "decode_ms_per_token_batch1" in d]
+    if len(lat) == len(docs):
+        for a in lat[0]:
+            print(f"  decode {a}: {spread([x[a] for x in lat], '.1f', ' ms/token')}")
+        for a in (n for n in lat[0] if n != "original"):
+            claim(f"{a} decodes slower than the original", [x[a] > x["original"] for x in lat])
 
 
 def hybrid(docs: list[dict[str, Any]]) -> None:
@@ -198,11 +375,14 @@ def hybrid(docs: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("method", choices=["mofe", "comigs", "gem", "embedding", "hybrid"])
+    ap.add_argument("method", choices=["mofe", "comigs", "gem", "embedding", "hybrid", "pareto", "gem-qat"])
     ap.add_argument("files", nargs="+", type=Path, help="one report per seed")
     ap.add_argument("--moe", default="tuned-mofe", help="mofe: a substring of the tuned MoE's name in each report")
     args = ap.parse_args()
-    docs = load(args.files)
+    if args.method == "comigs":
+        docs = [join_comigs([Path(p) for p in str(f).split("+")]) for f in args.files]
+    else:
+        docs = load(args.files)
     print("seeds: " + ", ".join(str(f) for f in args.files))
     run: dict[str, Callable[[list[dict[str, Any]]], None]] = {
         "mofe": lambda d: mofe(d, args.moe),
@@ -210,6 +390,8 @@ def main() -> None:
         "gem": gem,
         "embedding": embedding,
         "hybrid": hybrid,
+        "pareto": pareto,
+        "gem-qat": gem_qat,
     }
     run[args.method](docs)
 
