@@ -5,7 +5,8 @@
 Exports the model to ONNX, ExecuTorch (XNNPACK), TFLite (LiteRT, run in .venv-litert) and GGUF (llama.cpp), each
 without verification (the exporters' tests prove parity), then times in each runtime: a prefill of PROMPT tokens
 (tokens/s, median of 5) and 32 decode steps with the KV cache (ms/token, median). Threads: each runtime's default
-on this 2-core machine. The MoE is evaluated dense-masked in the graph runtimes (every expert runs) and sparsely in
+on this 2-core machine; ``--llama-threads 1`` pins the llama.cpp reference to one thread, whose OpenMP workers
+otherwise spin against other processes on a loaded machine. The MoE is evaluated dense-masked in the graph runtimes (every expert runs) and sparsely in
 llama.cpp, which is part of what the table shows.
 """
 
@@ -105,10 +106,10 @@ def bench_tflite(d: Path, ids: np.ndarray) -> tuple[float, float]:
     return _prefill_decode(prefill, decode, ids[:, :plen])
 
 
-def bench_gguf(path: Path, ids: np.ndarray) -> tuple[float, float]:
+def bench_gguf(path: Path, ids: np.ndarray, threads: int | None) -> tuple[float, float]:
     from moetool.export.gguf.verify import load_llama
 
-    llm = load_llama(path, n_ctx=ids.shape[1] + STEPS + 8)
+    llm = load_llama(path, n_ctx=ids.shape[1] + STEPS + 8, n_threads=threads)
     toks = [int(t) for t in ids[0]]
 
     def prefill(x):  # type: ignore[no-untyped-def]
@@ -133,6 +134,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--targets", default="onnx,executorch,tflite,gguf", help="gguf (llama.cpp) is the reference")
     ap.add_argument("--onnx-moe", default="sparse,dense", help="ONNX MoE kernels to time (--moe-kernel)")
+    ap.add_argument("--llama-threads", type=int, default=None, help="llama.cpp threads (default: cores, at most 4)")
     ap.add_argument("--litert", default=None, help=argparse.SUPPRESS)  # internal: DIR, run in the LiteRT venv
     args = ap.parse_args()
     ids = (np.arange(args.prompt, dtype=np.int64)[None] * 7 + 11) % 1000 + 4
@@ -173,7 +175,7 @@ def main() -> None:
                     )
                     res = tuple(json.loads(proc.stdout.strip().splitlines()[-1]))
                 else:
-                    res = bench_gguf(out / man["file"], ids)
+                    res = bench_gguf(out / man["file"], ids, args.llama_threads)
                 rows.append((label, res, man["artifact"]["bytes"]))
                 print(f"{label:22} {q:6} {res[0]:14.0f} {res[1]:16.2f} {man['artifact']['bytes'] / 1e6:12.2f}")
             base = next(r for r in rows if r[0] == "gguf")

@@ -96,11 +96,12 @@ def load_llama(
     lora_path: Path | None = None,
     *,
     f32_kv: bool = True,
+    n_threads: int | None = None,
     why: str = "verifying a GGUF",
     otherwise: str = "pass --no-verify to write an unverified artifact",
 ) -> Any:
     """``path`` in llama-cpp-python with logits kept for every position; ``f32_kv=False`` keeps llama.cpp's default
-    f16 KV cache (as users run it)."""
+    f16 KV cache (as users run it). ``n_threads`` defaults to the CPU count, at most 4."""
     Llama = require("llama_cpp", "llama", why=why, otherwise=otherwise).Llama
     # an f16 KV cache (llama.cpp's default) alone moves logits by ~5e-3; the parity check is of the weights
     kv = {"type_k": 0, "type_v": 0} if f32_kv else {}
@@ -111,7 +112,7 @@ def load_llama(
             n_batch=n_ctx,
             n_ubatch=n_ctx,
             logits_all=True,
-            n_threads=max(1, min(4, os.cpu_count() or 1)),
+            n_threads=n_threads or max(1, min(4, os.cpu_count() or 1)),
             verbose=False,
             lora_path=str(lora_path) if lora_path else None,
             **kv,
