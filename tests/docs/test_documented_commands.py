@@ -349,6 +349,16 @@ COMMANDS: list[Cmd] = [
         BENCH,
     ),
     helponly(
+        ".venv/bin/python bench/seeds.py recipes/demo-gem-seq.yaml -o out/seeds-gem-seq-toy --seeds 0,1,2 "
+        "--seed-key router.seed --then CMD --metric …",
+        BENCH,
+    ),
+    helponly(
+        ".venv/bin/python bench/seeds.py recipes/real-gem-seq.yaml -o out/seeds-gem-seq --seeds 0,1,2 "
+        "--seed-key router.seed --then CMD --metric …",
+        BENCH,
+    ),
+    helponly(
         ".venv/bin/python bench/seeds.py recipes/real-embedding.yaml -o out/seeds-embedding --seeds 0,1,2 "
         "--metric moetool.json:embedding.heldout_perplexity.code.retrofitted …",
         BENCH,
@@ -409,6 +419,10 @@ COMMANDS: list[Cmd] = [
         BENCH,
     ),
     helponly(".venv/bin/python bench/seed_claims.py hybrid out/seeds-hybrid-toy/seed-*/hybrid.json", BENCH),
+    helponly(
+        "moetool gem eval {out} --json {out}/gem-eval.json",
+        "the command bench/seeds.py runs on each seed's output ({out}); `moetool gem eval out/gem --json …` runs",
+    ),
     helponly(
         "moetool gem eval {out} --json {out}/gem-eval.json --max-tokens 2048",
         "the command bench/seeds.py runs on each seed's output ({out}); `moetool gem eval out/gem --json …` runs",
