@@ -379,6 +379,12 @@ COMMANDS: list[Cmd] = [
     ),
     helponly(".venv/bin/python bench/seed_claims.py comigs out/seeds-comigs/seed-*/comigs_experiment.json", BENCH),
     helponly(
+        ".venv/bin/python bench/comigs_experiment.py --tr --seed N --variants "
+        '"CoMiGS-1G1S,CoMiGS-1GXS (recipe),CoMiGS-1G1S-tr" --out out/seeds-comigs-extra/seed-N',
+        BENCH,
+    ),
+    helponly(".venv/bin/python bench/seed_claims.py comigs A+B …", BENCH),
+    helponly(
         ".venv/bin/python bench/comigs_experiment.py --recipe recipes/real-comigs.yaml --out "
         "out/bench/real-comigs-localfedavg --variants Local,FedAvg --threads 1 --eval-tokens 4096",
         BENCH,
