@@ -385,6 +385,13 @@ COMMANDS: list[Cmd] = [
     ),
     helponly(".venv/bin/python bench/seed_claims.py comigs A+B …", BENCH),
     helponly(
+        ".venv/bin/python bench/seeds.py recipes/demo-gem.yaml -o out/seeds-gem-qat --seeds 0,1,2 --seed-key "
+        "router.seed,qat.seed --metric …",
+        BENCH,
+    ),
+    helponly(".venv/bin/python bench/seed_claims.py gem-qat out/seeds-gem-qat/seed-*/gem-report.json", BENCH),
+    helponly(".venv/bin/python bench/seed_claims.py gem-qat out/seeds-gem/seed-*/gem-report.json", BENCH),
+    helponly(
         ".venv/bin/python bench/comigs_experiment.py --recipe recipes/real-comigs.yaml --out "
         "out/bench/real-comigs-localfedavg --variants Local,FedAvg --threads 1 --eval-tokens 4096",
         BENCH,
