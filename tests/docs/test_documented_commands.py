@@ -392,6 +392,15 @@ COMMANDS: list[Cmd] = [
     helponly(".venv/bin/python bench/seed_claims.py gem-qat out/seeds-gem-qat/seed-*/gem-report.json", BENCH),
     helponly(".venv/bin/python bench/seed_claims.py gem-qat out/seeds-gem/seed-*/gem-report.json", BENCH),
     helponly(
+        ".venv/bin/python bench/hybrid_pareto.py --recipe out/seeds-hybrid-toy/demo-hybrid-seedN.yaml --runtime "
+        "llama.cpp --out out/seeds-hybrid-pareto-toy/seed-N",
+        BENCH,
+    ),
+    helponly(
+        ".venv/bin/python bench/seed_claims.py pareto out/seeds-hybrid-pareto-toy/seed-*/llama.cpp/pareto/pareto.json",
+        BENCH,
+    ),
+    helponly(
         ".venv/bin/python bench/comigs_experiment.py --recipe recipes/real-comigs.yaml --out "
         "out/bench/real-comigs-localfedavg --variants Local,FedAvg --threads 1 --eval-tokens 4096",
         BENCH,
