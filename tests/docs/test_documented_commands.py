@@ -392,6 +392,10 @@ COMMANDS: list[Cmd] = [
     helponly(".venv/bin/python bench/seed_claims.py gem-qat out/seeds-gem-qat/seed-*/gem-report.json", BENCH),
     helponly(".venv/bin/python bench/seed_claims.py gem-qat out/seeds-gem/seed-*/gem-report.json", BENCH),
     helponly(
+        ".venv/bin/python bench/embedding_report.py --seed N --out out/seeds-embedding-toy-all/seed-N --force", BENCH
+    ),
+    helponly(".venv/bin/python bench/seed_claims.py embedding out/seeds-embedding-toy-all/seed-*/report.json", BENCH),
+    helponly(
         ".venv/bin/python bench/hybrid_pareto.py --recipe out/seeds-hybrid-toy/demo-hybrid-seedN.yaml --runtime "
         "llama.cpp --out out/seeds-hybrid-pareto-toy/seed-N",
         BENCH,
