@@ -15,7 +15,7 @@ from rich.console import Console
 from moetool.arch.outputs import NULL_SHARED_GATE
 from moetool.card import model_card, provenance, source_hashes
 from moetool.io.atomic import atomic_dir, check_output
-from moetool.io.checkpoint import Checkpoint
+from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES, Checkpoint
 from moetool.io.files import copy_tokenizer
 from moetool.io.writer import ShardedWriter
 from moetool.methods.mofe.plan import DTYPES, MergePlan, Parts
@@ -94,8 +94,16 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
     gates: torch.Tensor | None = None
     shared_gates: torch.Tensor | None = None
     layout = [(op.out, dtype, op.shape) for op in ops]
-    scratch = torch.empty(max((op.numel for op in ops if op.src is not None), default=0) * 8, dtype=torch.uint8)
     try:
+        reads = [op for op in ops if op.kind in ("copy", "expert", "shared")]
+        for op in reads:
+            assert op.source is not None
+            if op.source not in ckpts:
+                ckpts[op.source] = Checkpoint(plan.sources[op.source].path, allow_pickle=plan.allow_pickle)
+        # sized from the headers' byte counts: the largest read, not 8 bytes per element of the largest tensor
+        scratch = torch.empty(
+            max((_stored_bytes(ckpts[str(op.source)], op.src) for op in reads), default=0), dtype=torch.uint8
+        )
         with (
             task(console, "writing tensors", len(plan.ops), unit="tensors") as advance,
             ShardedWriter(tmp, layout, plan.recipe.max_shard_size) as writer,
@@ -107,8 +115,6 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
                         console.print(f"[yellow]warning:[/] {note}")
                 if op.kind in ("copy", "expert", "shared"):
                     assert op.source is not None and op.src is not None
-                    if op.source not in ckpts:
-                        ckpts[op.source] = Checkpoint(plan.sources[op.source].path, allow_pickle=plan.allow_pickle)
                     # one buffer serves every read: the tensor is written before the next one is read into it
                     t = ckpts[op.source].get(op.src, into=scratch)
                 elif op.kind == "zeros":
@@ -130,6 +136,14 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
     finally:
         for c in ckpts.values():
             c.close()
+
+
+def _stored_bytes(ckpt: Checkpoint, name: str | None) -> int:
+    """Bytes of ``name`` as stored; 0 for a tensor the header lacks (``get`` reports it) or a pickle's unknown dtype."""
+    info = ckpt.tensors.get(name) if name is not None else None
+    if info is None or info.dtype not in SAFETENSORS_TAG_BYTES:
+        return 0
+    return info.nbytes
 
 
 def _stacked(parts: Parts, ckpts: dict[str, Checkpoint], plan: MergePlan) -> torch.Tensor:
