@@ -385,6 +385,17 @@ COMMANDS: list[Cmd] = [
     ),
     helponly(".venv/bin/python bench/seed_claims.py comigs A+B …", BENCH),
     helponly(
+        ".venv/bin/python bench/comigs_experiment.py --recipe recipes/real-comigs.yaml --out "
+        "out/bench/real-comigs-seedN-rest --variants CoMiGS-2G,Local,FedAvg --threads 1 --eval-tokens 4096 --seed N",
+        BENCH,
+    ),
+    helponly(
+        ".venv/bin/python bench/seed_claims.py comigs "
+        "out/bench/real-comigs/comigs_experiment.json+out/bench/real-comigs-localfedavg/comigs_experiment.json "
+        "out/bench/real-comigs-seed1/comigs_experiment.json+… out/bench/real-comigs-seed2/comigs_experiment.json+…",
+        BENCH,
+    ),
+    helponly(
         ".venv/bin/python bench/seeds.py recipes/demo-gem.yaml -o out/seeds-gem-qat --seeds 0,1,2 --seed-key "
         "router.seed,qat.seed --metric …",
         BENCH,
