@@ -242,7 +242,7 @@ def pareto(docs: list[dict[str, Any]]) -> None:
     print(f"pareto: {len(docs)} seeds; {docs[0]['timing']['runtime']} profile; sweep of {key}")
     costly = [d["costly"] for d in docs]
     print(f"  costly expert per seed: {', '.join(costly)}")
-    for name, e in docs[0]["profile"]["experts"].items():
+    for name, e in docs[0]["profile"]["experts"].items() if all("profile" in d for d in docs) else ():
         at = [1000 * d["profile"]["experts"][name]["seconds"][-1] for d in docs]
         print(f"  profile {name} at L={e['lengths'][-1]}: {spread(at, '.2f', ' ms')}")
     claim(f"{costly[0]} is the costly expert", [c == costly[0] for c in costly])
