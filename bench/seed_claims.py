@@ -136,6 +136,37 @@ def comigs(docs: list[dict[str, Any]]) -> None:
             [test(r, "CoMiGS-1G1S-tr", small) > test(r, one, small) for r in res],
         )
     comigs_baselines(res, users)
+    comigs_routing(res, users)
+
+
+def comigs_routing(res: list[dict[str, Any]], users: list[str]) -> None:
+    """The 1G1S routers' weight on the generalist per layer (paper Fig. 3 and 5), and what ``-tr`` does to it."""
+    key, one, small = "generalist_weight_per_layer", "CoMiGS-1G1S", "legal-small"
+    if one not in res[0] or key not in res[0][one][users[0]]:
+        return
+    w = {u: [r[one][u][key] for r in res] for u in users}
+    for u in users:
+        layers = zip(*w[u], strict=True)
+        print(f"  1G1S generalist weight per layer, {u}: " + "; ".join(spread(list(x), ".2f") for x in layers))
+    for u in users:
+        claim(
+            f"{u}: the generalist's weight falls from the first layer to the last (Fig. 3)",
+            [x[-1] < x[0] for x in w[u]],
+        )
+    if small in users:
+        mean = {u: [statistics.mean(x) for x in w[u]] for u in users}
+        top = [max(users, key=lambda u: mean[u][i]) for i in range(len(res))]
+        claim(f"{small} gives the generalist the most weight of any user", [t == small for t in top])
+        if "CoMiGS-1G1S-tr" in res[0]:
+            tr = [r["CoMiGS-1G1S-tr"][small][key] for r in res]
+            print(
+                f"  -tr generalist weight per layer, {small}: "
+                + "; ".join(spread(list(x), ".2f") for x in zip(*tr, strict=True))
+            )
+            claim(
+                f"{small}: -tr lowers the generalist's weight in every layer",
+                [all(a < b for a, b in zip(t, v, strict=True)) for t, v in zip(tr, w[small], strict=True)],
+            )
 
 
 def comigs_baselines(res: list[dict[str, Any]], users: list[str]) -> None:

@@ -385,6 +385,17 @@ COMMANDS: list[Cmd] = [
     ),
     helponly(".venv/bin/python bench/seed_claims.py comigs A+B …", BENCH),
     helponly(
+        "moetool hybrid pareto out/seeds-hybrid/real-hybrid-seedN.yaml -o out/seeds-hybrid-pareto/seed-N "
+        "--timed-requests 12 --force",
+        "the sweep of one seed's recipe copy (bench/seeds.py writes them); `moetool hybrid pareto` runs in its test",
+    ),
+    helponly(".venv/bin/python bench/seed_claims.py pareto out/seeds-hybrid-pareto/seed-*/pareto.json", BENCH),
+    helponly(
+        ".venv/bin/python bench/seed_claims.py embedding out/embedding-report-smollm2/report.json "
+        "out/embedding-report-smollm2-seed1/report.json out/embedding-report-smollm2-seed2/report.json",
+        BENCH,
+    ),
+    helponly(
         ".venv/bin/python bench/comigs_experiment.py --recipe recipes/real-comigs.yaml --out "
         "out/bench/real-comigs-seedN-rest --variants CoMiGS-2G,Local,FedAvg --threads 1 --eval-tokens 4096 --seed N",
         BENCH,
