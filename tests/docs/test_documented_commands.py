@@ -385,6 +385,20 @@ COMMANDS: list[Cmd] = [
     ),
     helponly(".venv/bin/python bench/seed_claims.py comigs A+B …", BENCH),
     helponly(
+        ".venv/bin/python bench/hybrid_pareto.py --recipe out/seeds-hybrid-toy/demo-hybrid-seedN.yaml --runtime "
+        "llama.cpp --parameter cost_weight --values 0,0.02,0.05,0.1,0.2,0.5 --out out/seeds-hybrid-cost-toy/seed-N",
+        BENCH,
+    ),
+    helponly(
+        ".venv/bin/python bench/seed_claims.py pareto out/seeds-hybrid-cost-toy/seed-*/llama.cpp/pareto/pareto.json",
+        BENCH,
+    ),
+    helponly(
+        ".venv/bin/python bench/seeds.py recipes/demo-embedding.yaml -o out/seeds-embedding-headseed --seeds 0,1,2 "
+        "--metric moetool.json:embedding.heldout_perplexity.code.retrofitted …",
+        BENCH,
+    ),
+    helponly(
         "moetool hybrid pareto out/seeds-hybrid/real-hybrid-seedN.yaml -o out/seeds-hybrid-pareto/seed-N "
         "--timed-requests 12 --force",
         "the sweep of one seed's recipe copy (bench/seeds.py writes them); `moetool hybrid pareto` runs in its test",
