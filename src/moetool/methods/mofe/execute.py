@@ -15,7 +15,7 @@ from rich.console import Console
 from moetool.arch.outputs import NULL_SHARED_GATE
 from moetool.card import model_card, provenance, source_hashes
 from moetool.io.atomic import atomic_dir, check_output
-from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES, Checkpoint
+from moetool.io.checkpoint import Checkpoint
 from moetool.io.files import copy_tokenizer
 from moetool.io.writer import ShardedWriter
 from moetool.methods.mofe.plan import DTYPES, MergePlan, Parts
@@ -95,15 +95,15 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
     shared_gates: torch.Tensor | None = None
     layout = [(op.out, dtype, op.shape) for op in ops]
     try:
-        reads = [op for op in ops if op.kind in ("copy", "expert", "shared")]
-        for op in reads:
-            assert op.source is not None
-            if op.source not in ckpts:
-                ckpts[op.source] = Checkpoint(plan.sources[op.source].path, allow_pickle=plan.allow_pickle)
-        # sized from the headers' byte counts: the largest read, not 8 bytes per element of the largest tensor
-        scratch = torch.empty(
-            max((_stored_bytes(ckpts[str(op.source)], op.src) for op in reads), default=0), dtype=torch.uint8
-        )
+        need = 0  # the largest read, from the headers' byte counts
+        for op in ops:
+            if op.kind in ("copy", "expert", "shared"):
+                assert op.source is not None and op.src is not None
+                if op.source not in ckpts:
+                    ckpts[op.source] = Checkpoint(plan.sources[op.source].path, allow_pickle=plan.allow_pickle)
+                info = ckpts[op.source].tensors.get(op.src)  # a missing tensor is reported by get() below
+                need = max(need, info.nbytes if info is not None else 0)
+        scratch = torch.empty(need, dtype=torch.uint8)
         with (
             task(console, "writing tensors", len(plan.ops), unit="tensors") as advance,
             ShardedWriter(tmp, layout, plan.recipe.max_shard_size) as writer,
@@ -136,14 +136,6 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
     finally:
         for c in ckpts.values():
             c.close()
-
-
-def _stored_bytes(ckpt: Checkpoint, name: str | None) -> int:
-    """Bytes of ``name`` as stored; 0 for a tensor the header lacks (``get`` reports it) or a pickle's unknown dtype."""
-    info = ckpt.tensors.get(name) if name is not None else None
-    if info is None or info.dtype not in SAFETENSORS_TAG_BYTES:
-        return 0
-    return info.nbytes
 
 
 def _stacked(parts: Parts, ckpts: dict[str, Checkpoint], plan: MergePlan) -> torch.Tensor:
