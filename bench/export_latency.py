@@ -6,8 +6,8 @@ Exports the model to ONNX, ExecuTorch (XNNPACK), TFLite (LiteRT, run in .venv-li
 without verification (the exporters' tests prove parity), then times in each runtime: a prefill of PROMPT tokens
 (tokens/s, median of 5) and 32 decode steps with the KV cache (ms/token, median). Threads: each runtime's default
 on this 2-core machine; ``--llama-threads 1`` pins the llama.cpp reference to one thread, whose OpenMP workers
-otherwise spin against other processes on a loaded machine. The MoE is evaluated dense-masked in the graph runtimes (every expert runs) and sparsely in
-llama.cpp, which is part of what the table shows.
+otherwise spin against other processes on a loaded machine. The MoE is evaluated dense-masked in the graph runtimes
+(every expert runs) and sparsely in llama.cpp, which is part of what the table shows.
 """
 
 from __future__ import annotations

@@ -46,6 +46,16 @@ def load(files: Sequence[Path]) -> list[dict[str, Any]]:
     return [json.loads(f.read_text()) for f in files]
 
 
+def user_ppl(r: dict[str, Any], name: str, user: str) -> float:
+    """A CoMiGS report row's test perplexity for one user."""
+    return float(r[name][user]["test"])
+
+
+def arm_mean(d: dict[str, Any], arm: str) -> float:
+    """An embedding report arm's test perplexity (geometric mean over domains) at its chosen LR."""
+    return float(d["arms"][arm]["test"]["mean"])
+
+
 def join_comigs(paths: Sequence[Path]) -> dict[str, Any]:
     """One seed's CoMiGS reports from separate runs as one: the union of their rows (a row given twice must match)."""
     results: dict[str, Any] = {}
@@ -102,38 +112,35 @@ def comigs(docs: list[dict[str, Any]]) -> None:
         mean = spread([statistics.mean(r[name][u]["test"] for u in users) for r in res])
         print(f"  {name}: " + "; ".join(cells) + f"; mean {mean}")
 
-    def test(r: dict[str, Any], name: str, user: str) -> float:
-        return float(r[name][user]["test"])
-
     rows = [n for n in TABLE2 if n in res[0]]
-    lowest = [min(rows, key=lambda n: statistics.mean(test(r, n, u) for u in users)) for r in res]
+    lowest = [min(rows, key=lambda n: statistics.mean(user_ppl(r, n, u) for u in users)) for r in res]
     print(f"  lowest mean of the Table-2 rows per seed: {', '.join(lowest)}")
     claim("1G1S has the lowest mean of the Table-2 rows", [n == "CoMiGS-1G1S" for n in lowest])
     small, one = "legal-small", "CoMiGS-1G1S"
     if small in users and "CoMiGS-2S" in rows:
         claim(
             "legal-small: 2S is worse than the pretrained model (its specialist overfits 4k tokens)",
-            [test(r, "CoMiGS-2S", small) > test(r, "Pretrained", small) for r in res],
+            [user_ppl(r, "CoMiGS-2S", small) > user_ppl(r, "Pretrained", small) for r in res],
         )
         claim(
             "legal-small: the generalist limits overfitting (1G1S below 2S)",
-            [test(r, one, small) < test(r, "CoMiGS-2S", small) for r in res],
+            [user_ppl(r, one, small) < user_ppl(r, "CoMiGS-2S", small) for r in res],
         )
     if small in users and "CoMiGS-2G" in rows:
         claim(
             "legal-small: full sharing (2G) beats 1G1S",
-            [test(r, "CoMiGS-2G", small) < test(r, one, small) for r in res],
+            [user_ppl(r, "CoMiGS-2G", small) < user_ppl(r, one, small) for r in res],
         )
     if "CoMiGS-2S" in rows and "CoMiGS-2G" in rows:
         for u in users:
             claim(
                 f"{u}: 1G1S at or below the worse of 2S and 2G (between them, or below both)",
-                [test(r, one, u) <= max(test(r, "CoMiGS-2S", u), test(r, "CoMiGS-2G", u)) for r in res],
+                [user_ppl(r, one, u) <= max(user_ppl(r, "CoMiGS-2S", u), user_ppl(r, "CoMiGS-2G", u)) for r in res],
             )
     if "CoMiGS-1G1S-tr" in res[0] and small in users:
         claim(
             "legal-small: routers on the train split (-tr) are worse than on validation",
-            [test(r, "CoMiGS-1G1S-tr", small) > test(r, one, small) for r in res],
+            [user_ppl(r, "CoMiGS-1G1S-tr", small) > user_ppl(r, one, small) for r in res],
         )
     comigs_baselines(res, users)
     comigs_routing(res, users)
@@ -172,17 +179,14 @@ def comigs_routing(res: list[dict[str, Any]], users: list[str]) -> None:
 def comigs_baselines(res: list[dict[str, Any]], users: list[str]) -> None:
     """The heterogeneous 1GXS row, and CoMiGS against the paper's Local and FedAvg baselines."""
 
-    def test(r: dict[str, Any], name: str, user: str) -> float:
-        return float(r[name][user]["test"])
-
     def mean(r: dict[str, Any], name: str) -> float:
-        return statistics.mean(test(r, name, u) for u in users)
+        return statistics.mean(user_ppl(r, name, u) for u in users)
 
     one, gxs = "CoMiGS-1G1S", "CoMiGS-1GXS (recipe)"
     if gxs in res[0] and "medical" in users:
         claim(
             "medical: 1GXS (three specialists) below 1G1S (one)",
-            [test(r, gxs, "medical") < test(r, one, "medical") for r in res],
+            [user_ppl(r, gxs, "medical") < user_ppl(r, one, "medical") for r in res],
         )
         claim("1GXS has a lower mean than 1G1S", [mean(r, gxs) < mean(r, one) for r in res])
         if all(n in res[0] for n in TABLE2):
@@ -192,14 +196,14 @@ def comigs_baselines(res: list[dict[str, Any]], users: list[str]) -> None:
             claim("1GXS has the lowest mean of the Table-2 rows and 1GXS", [n == gxs for n in lowest])
     for base, twin in (("Local", "CoMiGS-2S"), ("FedAvg", "CoMiGS-2G")):
         if base in res[0] and twin in res[0]:
-            gap = [max(abs(test(r, base, u) - test(r, twin, u)) for u in users) for r in res]
+            gap = [max(abs(user_ppl(r, base, u) - user_ppl(r, twin, u)) for u in users) for r in res]
             print(f"  largest |{base} − {twin}| over users: {spread(gap, '.3f')}")
     for base in ("Local", "FedAvg"):
         if base in res[0]:
             claim(f"1G1S has a lower mean than {base}", [mean(r, one) < mean(r, base) for r in res])
             claim(
                 f"1G1S beats {base} on every user",
-                [all(test(r, one, u) < test(r, base, u) for u in users) for r in res],
+                [all(user_ppl(r, one, u) < user_ppl(r, base, u) for u in users) for r in res],
             )
 
 
@@ -273,9 +277,10 @@ def pareto(docs: list[dict[str, Any]]) -> None:
     print(f"pareto: {len(docs)} seeds; {docs[0]['timing']['runtime']} profile; sweep of {key}")
     costly = [d["costly"] for d in docs]
     print(f"  costly expert per seed: {', '.join(costly)}")
-    for name, e in docs[0]["profile"]["experts"].items() if all("profile" in d for d in docs) else ():
-        at = [1000 * d["profile"]["experts"][name]["seconds"][-1] for d in docs]
-        print(f"  profile {name} at L={e['lengths'][-1]}: {spread(at, '.2f', ' ms')}")
+    if all("profile" in d for d in docs):  # bench/hybrid_pareto.py adds it; moetool hybrid pareto does not
+        for name, e in docs[0]["profile"]["experts"].items():
+            at = [1000 * d["profile"]["experts"][name]["seconds"][-1] for d in docs]
+            print(f"  profile {name} at L={e['lengths'][-1]}: {spread(at, '.2f', ' ms')}")
     claim(f"{costly[0]} is the costly expert", [c == costly[0] for c in costly])
     for name in docs[0]["baselines"]:
         b = [d["baselines"][name] for d in docs]
@@ -333,12 +338,9 @@ def embedding(docs: list[dict[str, Any]]) -> None:
         lrs = ", ".join(f"{d['arms'][a]['best_lr']:g}" for d in docs)
         print(f"  {a}: {spread([d['arms'][a]['test']['mean'] for d in docs])} (chosen lr {lrs})")
 
-    def mean(d: dict[str, Any], arm: str) -> float:
-        return float(d["arms"][arm]["test"]["mean"])
-
     for rival in ("dense-same-params", "dense-same-depth"):
         if "generative" in arms and rival in arms:
-            gap = [mean(d, "generative") - mean(d, rival) for d in docs]
+            gap = [arm_mean(d, "generative") - arm_mean(d, rival) for d in docs]
             print(f"  generative − {rival}: {spread(gap, '+.2f')}")
             claim(f"{rival} beats generative", [g > 0 for g in gap])
             claim(f"generative beats {rival}", [g < 0 for g in gap])
@@ -348,31 +350,28 @@ def embedding(docs: list[dict[str, Any]]) -> None:
 def embedding_more(docs: list[dict[str, Any]], arms: list[str]) -> None:
     """The fair comparison's secondary claims: remix, the cost of halving the table, the paper's LR, latency."""
 
-    def mean(d: dict[str, Any], arm: str) -> float:
-        return float(d["arms"][arm]["test"]["mean"])
-
     orig = [d["original"]["test"]["mean"] for d in docs]
     for a in arms:
-        print(f"  {a} ÷ original: {spread([mean(d, a) / o for d, o in zip(docs, orig, strict=True)], '.3f', '×')}")
+        print(f"  {a} ÷ original: {spread([arm_mean(d, a) / o for d, o in zip(docs, orig, strict=True)], '.3f', '×')}")
     if "remix" in arms and "dense-same-width" in arms:
-        gap = [mean(d, "remix") - mean(d, "dense-same-width") for d in docs]
+        gap = [arm_mean(d, "remix") - arm_mean(d, "dense-same-width") for d in docs]
         print(f"  remix − dense-same-width: {spread(gap, '+.3f')}")
         claim("remix is no better than dense-same-width", [g >= 0 for g in gap])
     if "dense-same-params" in arms:
         claim(
             "dense-same-params within 1 % of the original",
-            [mean(d, "dense-same-params") <= 1.01 * o for d, o in zip(docs, orig, strict=True)],
+            [arm_mean(d, "dense-same-params") <= 1.01 * o for d, o in zip(docs, orig, strict=True)],
         )
     if "dense-full-width" in arms:
         claim(
             "training the full-width table does not beat the original",
-            [mean(d, "dense-full-width") >= o for d, o in zip(docs, orig, strict=True)],
+            [arm_mean(d, "dense-full-width") >= o for d, o in zip(docs, orig, strict=True)],
         )
     high = [a for a in arms if all("0.01" in d["arms"][a]["runs"] for d in docs)]
     if "generative" in high and len(high) > 1:
         worst = []
         for d in docs:
-            ratio = {a: d["arms"][a]["runs"]["0.01"]["test"]["mean"] / mean(d, a) for a in high}
+            ratio = {a: d["arms"][a]["runs"]["0.01"]["test"]["mean"] / arm_mean(d, a) for a in high}
             worst.append(max(ratio, key=lambda a: ratio[a]))
             print("  at lr 1e-2 ÷ at the chosen lr: " + ", ".join(f"{a} {r:.3f}" for a, r in ratio.items()))
         claim("at lr 1e-2 generative degrades the most", [w == "generative" for w in worst])
