@@ -58,6 +58,24 @@ def test_mixtral_three_experts_f32(mixtral, tmp_path):
     )
 
 
+def test_load_llama_thread_count_keeps_the_logits(mixtral, tmp_path):
+    """bench/export_latency.py --llama-threads: a fixed llama.cpp thread count is honoured and computes the same."""
+    from moetool.export.gguf.verify import llama_logits, load_llama
+
+    m = export(mixtral, tmp_path / "f32", quant="f32", verify=False)
+    ids = list(range(4, 36))
+    logits = {}
+    for threads in (None, 1):
+        llm = load_llama(tmp_path / "f32" / m["file"], n_ctx=64, n_threads=threads)
+        try:
+            if threads:
+                assert llm.n_threads == threads
+            logits[threads] = llama_logits(llm, ids)
+        finally:
+            llm.close()
+    assert np.abs(logits[None] - logits[1]).max() <= 1e-4
+
+
 def test_mixtral_f16_and_quantized_plans(mixtral, tmp_path):
     p = _parity(export(mixtral, tmp_path / "f16", quant="f16"))
     assert max(p["max_abs_logit_diff"].values()) <= 1e-2
