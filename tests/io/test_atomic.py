@@ -6,8 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -284,3 +287,22 @@ def test_finished_model_dirs(tmp_path):
         check_finished_model_dir(cut)
     with pytest.raises(SourceError, match="no config.json"):
         check_finished_model_dir(tmp_path)
+
+
+def test_sigterm_as_the_temp_dir_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """The CI failure of stop 26: SIGTERM delivered just after mkdtemp's mkdir, before atomic_dir owned the name."""
+    real = tempfile.mkdtemp
+
+    def mkdtemp(**kw):
+        made = real(**kw)
+        os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler at the next bytecode, still in here
+        return made
+
+    monkeypatch.setattr(atomic, "tempfile", SimpleNamespace(mkdtemp=mkdtemp))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(atomic.Terminated), atomic_dir(tmp_path / "out", force=False):
+            time.sleep(1)  # where the signal lands if it was deferred past the assignment
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert _names(tmp_path) == []

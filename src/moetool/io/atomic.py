@@ -284,11 +284,13 @@ def atomic_dir(out: Path, *, force: bool) -> Iterator[Path]:
     _handlers.install()
     garbage: Path | None = None
     try:
-        try:
-            tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(out), dir=out.parent))
-        except OSError as exc:
-            raise OutputPathError(f"output {out}: cannot write in {out.parent}: {exc.strerror or exc}") from None
-        garbage = tmp
+        # a signal that lands between mkdtemp's mkdir and this assignment would leave the directory unowned
+        with _signals_blocked():
+            try:
+                tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix(out), dir=out.parent))
+            except OSError as exc:
+                raise OutputPathError(f"output {out}: cannot write in {out.parent}: {exc.strerror or exc}") from None
+            garbage = tmp
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result should look like any directory the user makes
@@ -323,17 +325,20 @@ def atomic_write_file(path: Path, write: Callable[[Path], object]) -> Path:
     rename itself survives a crash. On any error the temporary file is removed. Returns ``path``.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}{os.getpid()}-", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
+    tmp: Path | None = None
     try:
+        with _signals_blocked():  # as in atomic_dir: the file is ours to remove from the moment it exists
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}{os.getpid()}-", dir=path.parent)
+            os.close(fd)
+            tmp = Path(name)
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
