@@ -192,16 +192,46 @@ _HANDLED = _Handlers.signals
 
 @contextmanager
 def _signals_blocked() -> Iterator[None]:
-    """Defer SIGINT/SIGTERM/SIGHUP across a few renames, so a signal never lands between them."""
-    sigs = {signal.SIGINT, *_HANDLED}
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    try:
+    """Defer SIGINT/SIGTERM/SIGHUP across a few statements, so a signal never lands between them.
+
+    The thread's signal mask alone is not enough: the kernel hands a process-directed signal to any thread that does
+    not block it (torch's and the hashing thread's), and Python then runs the handler in the main thread anyway. So
+    the main thread's Python-level handlers are swapped for one that only records the signal, and each recorded
+    signal is handed to the handler it displaced once the block ends.
+    """
+    sigs = (signal.SIGINT, *_HANDLED)
+    pending: list[int] = []
+    displaced: dict[int, Any] = {}
+    active = [True]
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        if active[0]:
+            pending.append(signum)
+        else:  # arrived while the handlers were being put back: behave as the handler it displaced
+            displaced[signum](signum, frame)
+
+    mask: set[Any] | None = None
+    try:  # from the first handler swapped: a signal that interrupts the swapping must not strand a recorder
+        if threading.current_thread() is threading.main_thread():  # handlers never run in other threads
+            for s in sigs:
+                with contextlib.suppress(ValueError, OSError):
+                    prev = signal.getsignal(s)
+                    if callable(prev):  # SIG_DFL ends the process as asked, SIG_IGN ignores: both stay
+                        displaced[s] = prev
+                        signal.signal(s, record)
+        if hasattr(signal, "pthread_sigmask"):
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(sigs))
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        try:
+            active[0] = False  # from here a signal raises at once, through ``record``, as it would have unblocked
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            for signum in pending[:1]:  # the first one decides how the run ends, as without the block
+                displaced[signum](signum, None)
+        finally:
+            for s, prev in displaced.items():
+                signal.signal(s, prev)
 
 
 _AT_FDCWD = -100
