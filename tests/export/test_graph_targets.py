@@ -3,7 +3,10 @@ in its runtime (Core ML: structure on Linux, plus the converted torch wrapper ag
 
 from __future__ import annotations
 
+import io
+
 import pytest
+from rich.console import Console
 
 from conftest import write_recipe
 from moetool.api import export, plan_export
@@ -40,7 +43,13 @@ def _worst(p):
 
 # XNNPACK lowering takes about a minute per tiny model here, so one fp32 and one quantized export cover both archs
 def test_executorch_fp32_mixtral(models, tmp_path):
-    man = export(models["mixtral"], tmp_path / "et", target="executorch", quant="f32")
+    log = io.StringIO()
+    man = export(models["mixtral"], tmp_path / "et", target="executorch", quant="f32", console=Console(file=log))
+    # each slow stage is announced as it starts (minutes on a 30-layer model), in order, with the elapsed seconds
+    lines = log.getvalue().splitlines()
+    stages = ["loading", "torch.export", "lowering", "serializing", "checking the program in executorch.runtime"]
+    at = [next(i for i, line in enumerate(lines) if stage in line and " s  " in line) for stage in stages]
+    assert at == sorted(at), log.getvalue()
     assert man["files"].keys() == {"model.pte"} and _worst(man["parity"]) <= 1e-4
     # every expert runs: XNNPACK cannot select experts in the graph (the reason is recorded for the reader)
     moe = man["moe_kernel"]

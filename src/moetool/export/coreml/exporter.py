@@ -21,7 +21,7 @@ from moetool.export.coreml.stateful import StatefulLM
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import causal_mask
 from moetool.export.graph.parity import Decode, Prefill
-from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
+from moetool.export.pipeline_steps import GraphExporter, Step, finish_graph_manifest, runtime_parity
 from moetool.io.atomic import atomic_dir
 
 BLOCK = 32
@@ -169,12 +169,15 @@ class CoreMLExporter(GraphExporter):
     def check(self, req: ExportRequest) -> None:
         _compute_units(req)
 
-    def write(self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float) -> dict[str, Any]:
+    def write(
+        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float, step: Step
+    ) -> dict[str, Any]:
         units = _compute_units(req)
         max_pos = int(plan.config.get("max_position_embeddings", 2048))
         capacity = min(max_pos, plan.context)
         # Core ML states are fp16 only, so the program computes in fp16; an f32 plan means "no weight compression"
         fp16 = True
+        step("converting to a Core ML program with coremltools")
         ml = convert(em, capacity, fp16, units)
         ml, applied = compress(ml, plan.precisions(), fp16)
         with atomic_dir(req.output, force=req.force) as tmp:
@@ -183,6 +186,8 @@ class CoreMLExporter(GraphExporter):
             info = structure(ml, path)
             if info["states"] != ["k_cache", "v_cache"] or not info["ios18_or_later"]:
                 raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
+            if req.verify:
+                step("checking the traced wrapper against transformers (Core ML predicts only on macOS)")
             parity = _wrapper_parity(req, hf, em, capacity) if req.verify else NOT_VERIFIED
             files = {p.relative_to(tmp).as_posix(): p for p in path.rglob("*") if p.is_file()}
             fields = {

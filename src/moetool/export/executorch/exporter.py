@@ -16,7 +16,13 @@ from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import ExportLM, causal_mask, prefill_inputs
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.graph.parity import Decode, Prefill
-from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
+from moetool.export.pipeline_steps import (
+    GraphExporter,
+    Step,
+    finish_graph_manifest,
+    is_float_plan,
+    runtime_parity,
+)
 from moetool.io.atomic import atomic_dir
 
 
@@ -77,13 +83,17 @@ def quantize_modules(model: Any, precisions: dict[str, str]) -> tuple[dict[str, 
     return counts, notes
 
 
-def lower(model: Any) -> bytes:
+def lower(model: Any, step: Step | None = None) -> bytes:
     """Both methods of ``model`` lowered to XNNPACK: the ``.pte`` program's bytes."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
+    step = step or (lambda what: None)
+    step("torch.export: the prefill and decode methods")
     pre, dec = export_programs(model)
+    step(f"lowering {len(pre.graph.nodes) + len(dec.graph.nodes):,} graph nodes to XNNPACK (the slow step)")
     prog = to_edge_transform_and_lower({"forward": pre, "decode": dec}, partitioner=[XnnpackPartitioner()])
+    step("serializing the program")
     buffer: bytes = prog.to_executorch().buffer
     return buffer
 
@@ -111,15 +121,20 @@ class ExecuTorchExporter(GraphExporter):
     requires = "executorch"
     runtime_modules = ("executorch",)
 
-    def write(self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float) -> dict[str, Any]:
+    def write(
+        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float, step: Step
+    ) -> dict[str, Any]:
 
+        if not is_float_plan(plan):
+            step("quantizing the linear layers with torchao")
         counts, qnotes = quantize_modules(em, plan.precisions())
-        buf = lower(em)
+        buf = lower(em, step)
         with atomic_dir(req.output, force=req.force) as tmp:
             path = tmp / "model.pte"
             path.write_bytes(buf)
             parity: dict[str, Any] | str = NOT_VERIFIED
             if req.verify:
+                step("checking the program in executorch.runtime against transformers")
                 prefill, decode = _pte_runners(path)
                 ref_model = ExportLM(hf).eval()  # em was quantized in place; the wrapper figure is for the float one
                 gate_as = "ExecuTorch (fp32)" if is_float_plan(plan) else None

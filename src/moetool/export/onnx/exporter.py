@@ -18,7 +18,7 @@ from moetool.export.onnx.decoder import SCOPE, export_decoder, name_dims, write_
 from moetool.export.onnx.moe_op import to_qmoe, translation_table
 from moetool.export.onnx.quantize import quantize_graph
 from moetool.export.onnx.runner import genai_check, ort_runners, ort_session
-from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
+from moetool.export.pipeline_steps import GraphExporter, Step, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
 
 
@@ -58,7 +58,9 @@ class ONNXExporter(GraphExporter):
     def check(self, req: ExportRequest) -> None:
         moe_kernel(req)
 
-    def write(self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float) -> dict[str, Any]:
+    def write(
+        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float, step: Step
+    ) -> dict[str, Any]:
         import onnxruntime as ort
 
         precisions = plan.precisions()
@@ -75,13 +77,17 @@ class ONNXExporter(GraphExporter):
 
         with atomic_dir(req.output, force=req.force) as tmp:
             path = tmp / "model.onnx"
+            step("torch.onnx.export: one decoder graph for prefill and decode")
             export_decoder(em, path, translation_table() if sparse else None)
+            if not is_float_plan(plan):
+                step("quantizing the graph")
             counts, qnotes = quantize_graph(path, precisions, SCOPE, before=before_quantizing)
             context = min(plan.context, int(plan.config.get("max_position_embeddings", plan.context)))
             side = write_runner_files(req.model_dir, tmp, em, path.name, context)
             parity: dict[str, Any] | str = NOT_VERIFIED
             generation: dict[str, Any] | str | None = NOT_VERIFIED
             if req.verify:
+                step("checking the graph in onnxruntime against transformers")
                 prefill, decode = ort_runners(ort_session(path), em.n_layers, em.n_kv, em.head_dim)
                 runtime = f"onnxruntime {ort.__version__}"
                 gate_as = "ONNX (fp32)" if is_float_plan(plan) else None

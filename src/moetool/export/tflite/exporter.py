@@ -16,6 +16,7 @@ from moetool.export.base import ExportError, ExportRequest, write_manifest
 from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
 from moetool.export.graph.parity import gate
 from moetool.export.heldout import held_out_text
+from moetool.export.pipeline_steps import step_printer
 from moetool.export.tflite.runner import REPO, litert_python, run_worker
 from moetool.export.tflite.worker import role_precisions
 from moetool.io.atomic import atomic_dir
@@ -45,6 +46,7 @@ class TFLiteExporter:
         prefill_len = min(128, capacity - 8)
         text, src = held_out_text(req.model_dir, req.eval_text)
         t0 = time.perf_counter()
+        step = step_printer(console, t0)
         with atomic_dir(req.output, force=req.force) as tmp:
             request = {
                 "model_dir": str(req.model_dir),
@@ -55,6 +57,8 @@ class TFLiteExporter:
                 "verify": req.verify,
                 "eval_text": text,
             }
+            checked = ", then checking it in the LiteRT interpreter" if req.verify else ""
+            step(f"converting with litert-torch in its own interpreter{checked}")
             result = run_worker("moetool.export.tflite.worker", request)
             parity = result.pop("parity", "not verified (--no-verify)")
             if isinstance(parity, dict):
