@@ -1,6 +1,7 @@
 """Prefill throughput and per-token decode latency of one MoE in four runtimes on this CPU.
 
     .venv/bin/python bench/export_latency.py [--model out/demo/tuned-mofe] [--quant f32,q8_0] [--prompt 128]
+        [--artifacts DIR]
 
 Exports the model to ONNX, ExecuTorch (XNNPACK), TFLite (LiteRT, run in .venv-litert) and GGUF (llama.cpp), each
 without verification (the exporters' tests prove parity), then times in each runtime: a prefill of PROMPT tokens
@@ -8,6 +9,10 @@ without verification (the exporters' tests prove parity), then times in each run
 on this 2-core machine; ``--llama-threads 1`` pins the llama.cpp reference to one thread, whose OpenMP workers
 otherwise spin against other processes on a loaded machine. The MoE is evaluated dense-masked in the graph runtimes
 (every expert runs) and sparsely in llama.cpp, which is part of what the table shows.
+
+``--artifacts DIR`` keeps the exports in ``DIR/TARGET-QUANT`` and times an export already there instead of writing
+it again (any ``moetool export`` output of the same model, target and quant, verified or not): on the 30-layer real
+MoE the ExecuTorch export alone takes about 25 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -127,6 +132,26 @@ def bench_gguf(path: Path, ids: np.ndarray, threads: int | None) -> tuple[float,
         llm.close()
 
 
+def reusable(out: Path, model: Path, target: str, quant: str, options: dict) -> dict | None:
+    """The manifest of a finished export of ``model`` at ``out`` for this target, quant and ONNX MoE kernel."""
+    try:
+        man: dict = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    kernel = {"sparse": "sparse", "dense": "dense-masked"}.get(options.get("moe_kernel", ""))
+    same = (
+        man.get("target") == target
+        and man.get("plan", {}).get("label") == quant
+        and Path(man.get("model", {}).get("path", "")).resolve() == model.resolve()
+        and (kernel is None or man.get("moe_kernel", {}).get("kind") == kernel)
+    )
+    if not same:
+        print(f"{out}: not an export of {model} to {target} at {quant}; exporting again")
+        return None
+    print(f"{out}: timing the existing export")
+    return man
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -135,6 +160,7 @@ def main() -> None:
     ap.add_argument("--targets", default="onnx,executorch,tflite,gguf", help="gguf (llama.cpp) is the reference")
     ap.add_argument("--onnx-moe", default="sparse,dense", help="ONNX MoE kernels to time (--moe-kernel)")
     ap.add_argument("--llama-threads", type=int, default=None, help="llama.cpp threads (default: cores, at most 4)")
+    ap.add_argument("--artifacts", default=None, help="keep exports here and time the ones already there")
     ap.add_argument("--litert", default=None, help=argparse.SUPPRESS)  # internal: DIR, run in the LiteRT venv
     args = ap.parse_args()
     ids = (np.arange(args.prompt, dtype=np.int64)[None] * 7 + 11) % 1000 + 4
@@ -149,7 +175,8 @@ def main() -> None:
     n_layers = cfg["num_hidden_layers"]
     print(f"model {model} | prompt {args.prompt} tokens, {STEPS} decode steps | medians\n")
     print(f"{'runtime':22} {'plan':6} {'prefill tok/s':>14} {'decode ms/token':>16} {'artifact MB':>12}")
-    with tempfile.TemporaryDirectory(prefix="moetool-lat-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="moetool-lat-") as scratch:
+        tmp = args.artifacts or scratch
         for q in args.quant.split(","):
             rows = []
             runs = [
@@ -161,7 +188,9 @@ def main() -> None:
                 runs.append(("gguf", "gguf", {}))
             for label, target, options in runs:
                 out = Path(tmp) / f"{label}-{q}"
-                man = export(model, out, target=target, quant=q, verify=False, options=options)
+                man = reusable(out, model, target, q, options) or export(
+                    model, out, target=target, quant=q, verify=False, options=options, force=True
+                )
                 if target == "onnx":
                     res = bench_onnx(out, ids, n_layers)
                 elif target == "executorch":
