@@ -21,7 +21,7 @@ from moetool.export.graph.parity import Decode, Prefill, gate, graph_parity
 from moetool.export.heldout import held_out_text
 from moetool.extras import require
 
-__all__ = ["GraphExporter", "finish_graph_manifest", "is_float_plan", "runtime_parity"]
+__all__ = ["GraphExporter", "Step", "finish_graph_manifest", "is_float_plan", "runtime_parity", "step_printer"]
 
 
 Step = Callable[[str], None]
@@ -30,8 +30,8 @@ Step = Callable[[str], None]
 def step_printer(console: Console | None, started: float) -> Step:
     """A line per export stage as it starts, with the seconds since ``started``.
 
-    A graph conversion of a 30-layer model takes minutes (ExecuTorch's XNNPACK lowering of SmolLM2's MoE a quarter
-    of an hour on 2 cores); without these lines the command looks hung.
+    A graph conversion of a 30-layer model takes minutes (ExecuTorch's XNNPACK lowering of the SmolLM2 MoE about 20
+    minutes on 2 cores); without these lines the command looks hung.
     """
 
     def step(what: str) -> None:
