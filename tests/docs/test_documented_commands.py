@@ -380,6 +380,10 @@ COMMANDS: list[Cmd] = [
         "moetool export out/demo/tuned-mofe --target executorch --quant q8_0 -o out/real-exports/executorch-q8_0",
         REAL_DEFAULT + "; the ExecuTorch export of the 30-layer MoE takes 24 minutes (tiny models: test_graph_targets)",
     ),
+    helponly(
+        "moetool export out/demo/tuned-mofe --target coreml --quant q8_0 -o out/real-exports/coreml-q8_0",
+        REAL_DEFAULT + " (tiny models: test_graph_targets)",
+    ),
     # the claims over three seeds (issue 19, item 4): each seed's run, then bench/seed_claims.py over the reports
     helponly(
         ".venv/bin/python bench/comigs_experiment.py --seed N --out out/seeds-comigs/seed-N --variants "
