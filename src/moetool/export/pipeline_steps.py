@@ -8,7 +8,6 @@ holds the skeleton so the three cannot drift apart in what a manifest or a parit
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,25 +19,9 @@ from moetool.export.graph.model import load_export_model
 from moetool.export.graph.parity import Decode, Prefill, gate, graph_parity
 from moetool.export.heldout import held_out_text
 from moetool.extras import require
+from moetool.progress import Step, step_printer
 
-__all__ = ["GraphExporter", "Step", "finish_graph_manifest", "is_float_plan", "runtime_parity", "step_printer"]
-
-
-Step = Callable[[str], None]
-
-
-def step_printer(console: Console | None, started: float) -> Step:
-    """A line per export stage as it starts, with the seconds since ``started``.
-
-    A graph conversion of a 30-layer model takes minutes (ExecuTorch's XNNPACK lowering of the SmolLM2 MoE about 20
-    minutes on 2 cores); without these lines the command looks hung.
-    """
-
-    def step(what: str) -> None:
-        if console is not None:
-            console.print(f"{time.perf_counter() - started:7.1f} s  {what}", highlight=False)
-
-    return step
+__all__ = ["GraphExporter", "finish_graph_manifest", "is_float_plan", "runtime_parity"]
 
 
 class GraphExporter:

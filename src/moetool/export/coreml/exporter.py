@@ -21,8 +21,9 @@ from moetool.export.coreml.stateful import StatefulLM
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import causal_mask
 from moetool.export.graph.parity import Decode, Prefill
-from moetool.export.pipeline_steps import GraphExporter, Step, finish_graph_manifest, runtime_parity
+from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
 from moetool.io.atomic import atomic_dir
+from moetool.progress import Step
 
 BLOCK = 32
 COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")

@@ -16,14 +16,9 @@ from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import ExportLM, causal_mask, prefill_inputs
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.graph.parity import Decode, Prefill
-from moetool.export.pipeline_steps import (
-    GraphExporter,
-    Step,
-    finish_graph_manifest,
-    is_float_plan,
-    runtime_parity,
-)
+from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
+from moetool.progress import Step
 
 
 def export_programs(model: Any) -> Any:

@@ -18,8 +18,9 @@ from moetool.export.onnx.decoder import SCOPE, export_decoder, name_dims, write_
 from moetool.export.onnx.moe_op import to_qmoe, translation_table
 from moetool.export.onnx.quantize import quantize_graph
 from moetool.export.onnx.runner import genai_check, ort_runners, ort_session
-from moetool.export.pipeline_steps import GraphExporter, Step, finish_graph_manifest, is_float_plan, runtime_parity
+from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
+from moetool.progress import Step
 
 
 def _count_ops(path: Path) -> dict[str, int]:

@@ -16,10 +16,10 @@ from moetool.export.base import ExportError, ExportRequest, write_manifest
 from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
 from moetool.export.graph.parity import gate
 from moetool.export.heldout import held_out_text
-from moetool.export.pipeline_steps import step_printer
 from moetool.export.tflite.runner import REPO, litert_python, run_worker
 from moetool.export.tflite.worker import role_precisions
 from moetool.io.atomic import atomic_dir
+from moetool.progress import step_printer
 
 __all__ = ["REPO", "TFLiteExporter", "litert_python"]  # REPO, litert_python: kept importable here for older callers
 
