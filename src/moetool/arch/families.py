@@ -1,10 +1,51 @@
-"""Dense input families: the tensor names moetool reads from a base or expert checkpoint."""
+"""Dense input families as records, and the tensor names moetool reads from a base or expert checkpoint."""
 
 from __future__ import annotations
 
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+from dataclasses import dataclass
+
+from moetool.arch.facts import ModelFacts
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenseFamily(ModelFacts):
+    """A dense input family: its facts (``ModelFacts``) and how moetool's methods take it.
+
+    Attributes:
+        moe_output: the output MoE architecture native to the family (``architecture: auto`` tries it first).
+        mofe_only: only ``method: mofe`` merges it (its only MoE holder is a class the other methods do not write).
+    """
+
+    moe_output: str
+    mofe_only: bool = False
+
+
+LLAMA = DenseFamily(
+    model_type="llama", config_class="LlamaConfig", gguf_arch="llama", moe_output="mixtral", genai_type="llama"
+)
+MISTRAL = DenseFamily(
+    model_type="mistral", config_class="MistralConfig", gguf_arch="llama", moe_output="mixtral", genai_type="mistral"
+)
+QWEN2 = DenseFamily(
+    model_type="qwen2", config_class="Qwen2Config", gguf_arch="qwen2", moe_output="qwen2_moe", genai_type="qwen2"
+)
+QWEN3 = DenseFamily(
+    model_type="qwen3", config_class="Qwen3Config", gguf_arch="qwen3", moe_output="qwen3_moe", genai_type="qwen3"
+)
+# the graph export model has no Granite scales, so the graph targets refuse it
+GRANITE = DenseFamily(
+    model_type="granite",
+    config_class="GraniteConfig",
+    gguf_arch="granite",
+    moe_output="granitemoe",
+    mofe_only=True,
+    graph_targets=(),
+)
+FAMILIES: dict[str, DenseFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE)}
+
+DENSE_FAMILIES = tuple(f.model_type for f in FAMILIES.values() if not f.mofe_only)
 # bases ``method: mofe`` merges: the dense families and those only its MoE outputs hold (other methods keep to the first)
-MOFE_FAMILIES = (*DENSE_FAMILIES, "granite")
+MOFE_FAMILIES = tuple(FAMILIES)
 # dense families that no standard MoE class computes exactly (an MoE of identical experts would differ from the base)
 REFUSED_FAMILIES = {
     "olmo": "OLMoE normalises with weighted RMSNorm and q/k norms; OLMo uses weightless LayerNorm, clip_qkv, no q/k norm",

@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from moetool.arch.facts import ModelFacts
+from moetool.arch.families import FAMILIES
 from moetool.errors import UnsupportedArchitecture
 
 
@@ -69,13 +71,13 @@ def _common(base: Any) -> dict[str, Any]:
     return {k: getattr(base, k) for k in _COMMON_KEYS if getattr(base, k, None) is not None}
 
 
-@dataclass(frozen=True)
-class MoEArch:
-    """An output architecture as data.
+@dataclass(frozen=True, kw_only=True)
+class MoEArch(ModelFacts):
+    """An output architecture as data: its facts for every stage (``ModelFacts``: config class, llama.cpp
+    architecture, top-k rule, onnxruntime-genai type, graph targets) and how the merge writes it.
 
     Attributes:
         name: recipe name (``architecture:``).
-        model_type: transformers model_type written to config.json.
         class_name: transformers causal-LM class.
         accepts: dense base model types it can be built from.
         router: template of the router weight ``[E, H]``.
@@ -90,7 +92,6 @@ class MoEArch:
     """
 
     name: str
-    model_type: str
     class_name: str
     accepts: tuple[str, ...]
     router: str
@@ -122,11 +123,16 @@ class MoEArch:
         import transformers
 
         kwargs = _common(base) | self.config_extra(base, n_experts, top_k, shared_intermediate)
-        cls = getattr(transformers, self.class_name.replace("ForCausalLM", "Config"))
+        cls = getattr(transformers, self.config_class)
         cfg = cls(**kwargs)
         cfg.architectures = [self.class_name]
         out: dict[str, Any] = cfg.to_dict()
         return out
+
+    @property
+    def has_shared_expert(self) -> bool:
+        """Whether the architecture can hold a shared (always-on) expert."""
+        return self.shared is not None
 
     def router_name(self, layer: int) -> str:
         return self.router.format(layer=layer)
@@ -190,6 +196,9 @@ MIXTRAL = MoEArch(
     name="mixtral",
     model_type="mixtral",
     class_name="MixtralForCausalLM",
+    config_class="MixtralConfig",
+    gguf_arch="llama",
+    genai_type="mistral",
     accepts=("llama", "mistral"),
     router="model.layers.{layer}.block_sparse_moe.gate.weight",
     expert="model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight",
@@ -202,6 +211,13 @@ QWEN2_MOE = MoEArch(
     name="qwen2_moe",
     model_type="qwen2_moe",
     class_name="Qwen2MoeForCausalLM",
+    config_class="Qwen2MoeConfig",
+    gguf_arch="qwen2moe",
+    # llama.cpp's qwen2moe never renormalises top-k weights; without a shared expert its Mixtral form computes
+    # a renormalised Qwen2-MoE exactly (it takes q/k/v biases)
+    gguf_unshared_arch="llama",
+    topk="config",
+    genai_type="qwen2",
     accepts=("qwen2", "llama", "mistral"),
     router="model.layers.{layer}.mlp.gate.weight",
     expert="model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
@@ -225,6 +241,10 @@ QWEN3_MOE = MoEArch(
     name="qwen3_moe",
     model_type="qwen3_moe",
     class_name="Qwen3MoeForCausalLM",
+    config_class="Qwen3MoeConfig",
+    gguf_arch="qwen3moe",
+    topk="config",
+    genai_type="qwen3",
     accepts=("qwen3",),
     router="model.layers.{layer}.mlp.gate.weight",
     expert="model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
@@ -251,10 +271,14 @@ def _granite_head_dim(base: Any) -> str | None:
     return None
 
 
+# the graph export model has no Granite scales and no stacked experts: the graph targets refuse it
 GRANITEMOE = MoEArch(
     name="granitemoe",
     model_type="granitemoe",
     class_name="GraniteMoeForCausalLM",
+    config_class="GraniteMoeConfig",
+    gguf_arch="granitemoe",
+    graph_targets=(),
     accepts=("granite",),
     router="model.layers.{layer}.block_sparse_moe.router.layer.weight",
     expert="",  # experts are stacked (below): one tensor per layer for [gate; up] and one for down
@@ -269,13 +293,7 @@ GRANITEMOE = MoEArch(
 
 OUTPUT_ARCHS: dict[str, MoEArch] = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, GRANITEMOE)}
 # auto selection prefers the architecture native to the base family
-_PREFERRED = {
-    "llama": "mixtral",
-    "mistral": "mixtral",
-    "qwen2": "qwen2_moe",
-    "qwen3": "qwen3_moe",
-    "granite": "granitemoe",
-}
+_PREFERRED = {f.model_type: f.moe_output for f in FAMILIES.values()}
 
 
 def select_output_arch(requested: str, base: Any, *, shared: bool) -> MoEArch:
@@ -304,6 +322,14 @@ def select_output_arch(requested: str, base: Any, *, shared: bool) -> MoEArch:
     raise UnsupportedArchitecture(
         f"no output architecture accepts a {base.model_type!r} base"
         f"{' with a shared expert' if shared else ''}:\n{lines}\n"
-        f"supported dense bases: llama, mistral (→ mixtral, qwen2_moe), qwen2 (→ qwen2_moe), qwen3 (→ qwen3_moe), "
-        "granite (→ granitemoe)"
+        f"supported dense bases: {supported_bases()}"
     )
+
+
+def supported_bases() -> str:
+    """The dense families each output architecture accepts, e.g. ``llama (→ mixtral, qwen2_moe), …``."""
+    parts = []
+    for family in FAMILIES:
+        outs = [a.name for a in OUTPUT_ARCHS.values() if family in a.accepts]
+        parts.append(f"{family} (→ {', '.join(outs)})")
+    return ", ".join(parts)

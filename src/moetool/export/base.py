@@ -16,6 +16,23 @@ from moetool.quant.devices import MemoryEstimate
 from moetool.quant.plan import QuantPlan, QuantSpec
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where an artifact's model came from when the exporter reads a derived copy (a CoMiGS user baked into a
+    Mixtral in a temporary folder): the manifest names ``path``, not the copy, and records ``record`` under
+    ``key``, in the one write of the manifest.
+
+    Attributes:
+        path: the model the user named.
+        key: the manifest field that holds ``record`` (e.g. ``baked_from``).
+        record: what the derivation was, with its own parity figures.
+    """
+
+    path: Path
+    key: str
+    record: dict[str, Any]
+
+
 @dataclass
 class ArtifactPlan:
     """What an exporter decided before writing: the model, its precision plan and the memory estimate."""
@@ -28,6 +45,7 @@ class ArtifactPlan:
     memory: MemoryEstimate | None = None
     context: int = 2048
     candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits) when --device
+    origin: Origin | None = None  # the request's, for the manifest
 
 
 class ExportError(MoetoolError):
@@ -45,6 +63,7 @@ class ExportRequest:
     eval_text: str | None = None  # held-out text for parity; default: the zoo's or a built-in sample
     context: int | None = None  # context length for the memory estimate (default: the device's)
     options: dict[str, Any] = field(default_factory=dict)
+    origin: Origin | None = None  # set when model_dir is a derived copy of the model the user named
 
 
 NOT_VERIFIED = "not verified (--no-verify)"  # a manifest's parity when the check was skipped

@@ -19,6 +19,7 @@ def manifest_base(target: str, plan: ArtifactPlan, files: dict[str, Path], main:
     """The manifest fields every artifact has: files with sizes and hashes, the source weights' hashes, the device,
     the memory estimate, the plan and its notes. Exporters add their runtime, parity and timing."""
 
+    origin = {} if plan.origin is None else {plan.origin.key: plan.origin.record}
     return {
         "format": "moetool-artifact/1",
         "target": target,
@@ -26,7 +27,7 @@ def manifest_base(target: str, plan: ArtifactPlan, files: dict[str, Path], main:
         "files": {n: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for n, p in files.items()},
         "model": {
             "name": plan.name,
-            "path": str(plan.model_dir),
+            "path": str(plan.model_dir if plan.origin is None else plan.origin.path),
             "model_type": plan.config.get("model_type"),
             "weights_sha256": {f.name: sha256_file(f) for f in Checkpoint(plan.model_dir).weight_files},
         },
@@ -44,6 +45,7 @@ def manifest_base(target: str, plan: ArtifactPlan, files: dict[str, Path], main:
         "plan": plan.quant.to_json(),
         "notes": plan.quant.notes(),
         "moetool": __version__,
+        **origin,
     }
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
+from moetool.arch.outputs import OUTPUT_ARCHS
 from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import RecipeBase, StrictModel
 from moetool.recipe.export import TargetSpec
@@ -21,6 +23,21 @@ def _has_text(prompt: str) -> str:
 
 
 Prompt = Annotated[str, AfterValidator(_has_text)]
+
+_ARCH_CHOICES = ("auto", *OUTPUT_ARCHS)
+
+
+def _known_arch(name: str) -> str:
+    if name not in _ARCH_CHOICES:
+        expected = ", ".join(f"{c!r}" for c in _ARCH_CHOICES[:-1]) + f" or {_ARCH_CHOICES[-1]!r}"
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return name
+
+
+# the output architectures are the records in moetool.arch.outputs: a new record is a new allowed value
+ArchitectureName = Annotated[
+    str, AfterValidator(_known_arch), WithJsonSchema({"type": "string", "enum": list(_ARCH_CHOICES)})
+]
 
 
 class ExpertSpec(StrictModel):
@@ -50,7 +67,7 @@ class MoFERecipe(RecipeBase):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     method: Literal["mofe"]
     base_model: str
-    architecture: Literal["auto", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"] = "auto"
+    architecture: ArchitectureName = "auto"
     experts_per_token: int = Field(default=2, ge=1)
     gate_mode: Literal["hidden", "cheap_embed", "random"] = "hidden"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -102,10 +119,15 @@ class MoFERecipe(RecipeBase):
         for i, n in enumerate(names):
             if n in names[:i]:
                 raise ValueError(f"targets.{i}: a second target named {n!r}; give it a distinct `name`")
-        if self.norm_topk_prob is False and self.architecture == "mixtral":
-            raise ValueError("norm_topk_prob: mixtral always renormalises its top-k weights; use qwen2_moe")
-        if self.shared_expert is not None and self.architecture not in ("auto", "qwen2_moe"):
+        arch = OUTPUT_ARCHS.get(self.architecture)
+        if self.norm_topk_prob is False and arch is not None and arch.topk == "always":
+            switchable = [a.name for a in OUTPUT_ARCHS.values() if a.topk == "config"]
             raise ValueError(
-                f"shared_expert: only the qwen2_moe architecture has a shared expert, not {self.architecture!r}"
+                f"norm_topk_prob: {arch.name} always renormalises its top-k weights; use {' or '.join(switchable)}"
+            )
+        if self.shared_expert is not None and arch is not None and not arch.has_shared_expert:
+            shared = [a.name for a in OUTPUT_ARCHS.values() if a.has_shared_expert]
+            raise ValueError(
+                f"shared_expert: only the {', '.join(shared)} architecture has a shared expert, not {arch.name!r}"
             )
         return self

@@ -52,9 +52,20 @@ class GGUFExporter:
         shapes = {n: t.shape for n, t in ckpt.tensors.items()}
         layout = plan_layout(cfg, shapes)
         entries = [t.entry() for t in layout.tensors]
-        name = model_name(req.model_dir)
+        name = model_name(req.origin.path if req.origin else req.model_dir)
         c = choose_plan(req, entries, cfg, "gguf", cannot=_ROUTER_K)
-        return GGUFPlan(req.model_dir, cfg, c.quant, name, c.device, c.memory, c.context, c.candidates, layout=layout)
+        return GGUFPlan(
+            req.model_dir,
+            cfg,
+            c.quant,
+            name,
+            c.device,
+            c.memory,
+            c.context,
+            c.candidates,
+            origin=req.origin,
+            layout=layout,
+        )
 
     def export(self, req: ExportRequest, plan: GGUFPlan, console: Console | None = None) -> dict[str, Any]:
 

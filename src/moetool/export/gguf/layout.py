@@ -6,9 +6,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from moetool.arch.facts import LlamaCppArch, ModelFacts
 from moetool.arch.outputs import expert_count, shared_expert_width
+from moetool.arch.records import MODEL_RECORDS, model_record
 from moetool.export.base import ExportError
-from moetool.export.gguf.names import ARCHS, gguf_name, split_names
+from moetool.export.gguf.names import gguf_name, split_names
 from moetool.export.gguf.rope import ROPE_TENSORS, plan_rope
 from moetool.quant.plan import TensorEntry
 
@@ -38,9 +40,10 @@ class GGUFTensor:
 
 @dataclass
 class Layout:
-    arch: str
+    arch: str  # llama.cpp's architecture name (``llama_cpp.name``)
     model_type: str
     tensors: list[GGUFTensor]
+    llama_cpp: LlamaCppArch
     n_experts: int = 0
     top_k: int = 0
     expert_ff: int | None = None
@@ -48,11 +51,19 @@ class Layout:
     notes: list[str] = field(default_factory=list)
 
 
-def _moe_facts(cfg: dict[str, Any]) -> tuple[int, int, bool]:
+def _moe_facts(cfg: dict[str, Any], rec: ModelFacts) -> tuple[int, int, bool]:
     n = expert_count(cfg)
     k = int(cfg.get("num_experts_per_tok") or 0)
-    norm = bool(cfg.get("norm_topk_prob", True)) if cfg["model_type"] != "mixtral" else True
-    return n, k, norm
+    return n, k, rec.normalises_topk(cfg)
+
+
+def _record(cfg: dict[str, Any]) -> ModelFacts:
+    rec = model_record(cfg.get("model_type"))
+    if rec is None:
+        raise ExportError(
+            f"model_type {cfg.get('model_type')!r} has no GGUF mapping; supported: {', '.join(MODEL_RECORDS)}"
+        )
+    return rec
 
 
 def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> Layout:
@@ -63,30 +74,32 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
             differently (naming the reason and what would work).
     """
     mt = str(cfg.get("model_type"))
-    arch, permute, notes = _choose_arch(cfg)
-    n, k, _ = _moe_facts(cfg)
-    out = _map_tensors(cfg, tensor_shapes, permute)
-    rope = plan_rope(cfg, arch)  # scaled rope's keys and factor tensors; refuses what llama.cpp cannot compute
+    rec = _record(cfg)
+    ll, notes = _choose_arch(cfg, rec)
+    n, k, _ = _moe_facts(cfg, rec)
+    out = _map_tensors(cfg, tensor_shapes, ll.permute_qk, n)
+    rope = plan_rope(cfg, ll.name)  # scaled rope's keys and factor tensors; refuses what llama.cpp cannot compute
     out |= {nm: GGUFTensor(nm, [], arr.shape) for nm, arr in rope.tensors.items()}
     notes += rope.notes
-    shared_ff = cfg.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
-    if arch == "qwen2moe" and not shared_ff:
+    shared_ff = cfg.get("shared_expert_intermediate_size") if rec.has_shared_expert else None
+    if ll.shared_expert and not shared_ff:
         shared_ff = _pad_shared_expert(out, cfg)
         notes.append(f"zero-width shared expert written as {SHEXP_PAD} zero columns (llama.cpp requires one)")
-    elif arch == "qwen2moe" and not shared_expert_width(cfg):
+    elif ll.shared_expert and not shared_expert_width(cfg):
         notes.append(
             f"moetool's null shared expert ({shared_ff} zero column) written as it is: it adds exactly nothing"
         )
-    elif arch == "llama" and mt == "qwen2_moe":
+    elif not ll.shared_expert and rec.has_shared_expert:  # the unshared form: the null shared expert is left out
         for nm in [x for x in out if "shexp" in x]:
             del out[nm]
-    if "output.weight" not in out and arch == "qwen2moe":  # the one arch whose loader requires output.weight
+    if "output.weight" not in out and ll.shared_expert:  # the one arch whose loader requires output.weight
         emb = out["token_embd.weight"]
         out["output.weight"] = GGUFTensor("output.weight", list(emb.sources), emb.shape)
     return Layout(
-        arch=arch,
+        arch=ll.name,
         model_type=mt,
         tensors=[out[nm] for nm in sorted(out, key=_tensor_order)],
+        llama_cpp=ll,
         n_experts=n,
         top_k=k,
         expert_ff=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if n else None,
@@ -95,43 +108,43 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     )
 
 
-def _choose_arch(cfg: dict[str, Any]) -> tuple[str, bool, list[str]]:
-    """(llama.cpp arch, whether Q/K rows are permuted for NORM rope, notes), refusing what llama.cpp would compute
-    differently from transformers."""
-    mt = cfg.get("model_type")
-    if mt not in ARCHS:
-        raise ExportError(f"model_type {mt!r} has no GGUF mapping; supported: {', '.join(ARCHS)}")
-    arch, permute = ARCHS[mt]
+def _choose_arch(cfg: dict[str, Any], rec: ModelFacts) -> tuple[LlamaCppArch, list[str]]:
+    """(llama.cpp architecture, notes), refusing what llama.cpp would compute differently from transformers."""
+    ll = rec.gguf
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ExportError(f"hidden_act {cfg.get('hidden_act')!r}: llama.cpp's {arch} uses SiLU")
-    n, k, norm = _moe_facts(cfg)
+        raise ExportError(f"hidden_act {cfg.get('hidden_act')!r}: llama.cpp's {ll.name} uses SiLU")
+    n, k, norm = _moe_facts(cfg, rec)
     notes: list[str] = []
-    if mt == "qwen2_moe":
-        shared_ff = shared_expert_width(cfg)  # 0 for the null shared expert moetool writes in place of none
-        if not shared_ff and (norm or k == n):
-            # llama.cpp's qwen2moe never renormalises top-k weights; its llama arch (Mixtral) does, and takes
-            # q/k/v biases: the same computation, exactly
-            arch, permute = "llama", True
-            notes.append(
-                "Qwen2-MoE without a shared expert and with norm_topk_prob is written as llama.cpp's "
-                "'llama' MoE (the Mixtral form), which computes the same function"
-            )
-        elif norm and k < n:
-            raise ExportError(
-                "this Qwen2-MoE has a shared expert and norm_topk_prob: true, but llama.cpp's qwen2moe always uses "
-                "un-normalised top-k softmax weights, so a GGUF would compute a different function. Merge with "
-                "`norm_topk_prob: false` in the recipe for a llama.cpp-compatible Qwen2-MoE, or export to ONNX"
-            )
-    if mt == "qwen3_moe" and not norm and k < n:
-        raise ExportError("qwen3_moe with norm_topk_prob: false: llama.cpp's qwen3moe always renormalises top-k")
-    return arch, permute, notes
+    if not n:
+        return ll, notes
+    shared_ff = shared_expert_width(cfg)  # 0 for the null shared expert moetool writes in place of none
+    unshared = rec.gguf_unshared
+    if not shared_ff and unshared is not None and (k == n or norm == unshared.renormalises_topk):
+        notes.append(
+            f"{rec.model_type} without a shared expert and with norm_topk_prob: {str(norm).lower()} is written as "
+            f"llama.cpp's {unshared.name!r} MoE (the Mixtral form), which computes the same function"
+        )
+        return unshared, notes
+    if k < n and norm != ll.renormalises_topk:
+        rule = "always" if ll.renormalises_topk else "never"
+        way_out = (
+            f"Merge with `norm_topk_prob: {str(not norm).lower()}` in the recipe for a llama.cpp-compatible "
+            f"{rec.model_type}, or export to ONNX"
+            if rec.topk == "config"
+            else "export to ONNX"
+        )
+        raise ExportError(
+            f"this {rec.model_type} {'has a shared expert and ' if shared_ff else ''}norm_topk_prob: "
+            f"{str(norm).lower()}, but llama.cpp's {ll.name} {rule} renormalises the top-k softmax weights, so a "
+            f"GGUF would compute a different function. {way_out}"
+        )
+    return ll, notes
 
 
 def _map_tensors(
-    cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], permute: bool
+    cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], permute: bool, n: int
 ) -> dict[str, GGUFTensor]:
-    """GGUF name → tensor for every HF tensor; per-expert tensors are stacked into one [n_experts, ...] tensor."""
-    n, _, _ = _moe_facts(cfg)
+    """GGUF name → tensor for every HF tensor; per-expert tensors are stacked into one [n, ...] tensor."""
     n_head = int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_head)
     out: dict[str, GGUFTensor] = {}

@@ -25,13 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from moetool.arch.facts import LLAMA_CPP_ARCHS
+from moetool.arch.records import MODEL_RECORDS
 from moetool.export.base import ExportError
 
 CONFIG = "config.json"
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-# llama.cpp architectures (of those moetool writes) whose loader reads the factor tensors; the others fail to load
-# a file that has them (checked in llama-cpp-python 0.3.36's llama.cpp)
-_FACTOR_ARCHS = ("llama",)
 
 
 @dataclass
@@ -76,11 +75,12 @@ def plan_rope(cfg: dict[str, Any], arch: str) -> GGUFRope:
         return GGUFRope(kind)
     if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
         raise _refuse(kind, "partial_rotary_factor != 1 (moetool writes rope over the whole head)")
-    if kind in ("llama3", "longrope") and arch not in _FACTOR_ARCHS:
+    if kind in ("llama3", "longrope") and not LLAMA_CPP_ARCHS[arch].rope_factors:
+        readers = [r.model_type for r in MODEL_RECORDS.values() if r.gguf.rope_factors]
         raise _refuse(
             kind,
-            f"llama.cpp's {arch!r} architecture loads no rope factor tensors (its 'llama' architecture does: "
-            "Llama, Mistral, Mixtral)",
+            f"llama.cpp's {arch!r} architecture loads no rope factor tensors (those written for "
+            f"{', '.join(readers)} do)",
         )
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     if kind == "linear":

@@ -98,7 +98,7 @@ def _metadata(w: Any, cfg: dict[str, Any], layout: Layout, name: str, file_type:
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     write_rope_metadata(w, plan_rope(cfg, layout.arch))
-    write_scales(w, cfg, layout.arch)
+    write_scales(w, cfg, layout.llama_cpp)
     w.add_rope_dimension_count(head_dim)
     if head_dim * heads != hidden:
         w.add_key_length(head_dim)
@@ -109,9 +109,9 @@ def _metadata(w: Any, cfg: dict[str, Any], layout: Layout, name: str, file_type:
     if layout.n_experts:
         w.add_expert_count(layout.n_experts)
         w.add_expert_used_count(layout.top_k)
-        if layout.arch in ("qwen2moe", "qwen3moe") and layout.expert_ff:
+        if layout.llama_cpp.expert_ff_key and layout.expert_ff:
             w.add_expert_feed_forward_length(layout.expert_ff)
-        if layout.arch == "qwen2moe" and layout.shared_ff:
+        if layout.llama_cpp.shared_expert and layout.shared_ff:
             w.add_expert_shared_feed_forward_length(layout.shared_ff)
 
 

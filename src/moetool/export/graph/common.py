@@ -69,7 +69,15 @@ def plan_graph(req: ExportRequest, fmt: str) -> GraphPlan:
     entries = plan_entries(meta_export_model(cfg))
     c = choose_plan(req, entries, cfg, fmt, precision_of=graph_precision, fit_rows=False)
     return GraphPlan(
-        req.model_dir, cfg, c.quant, model_name(req.model_dir), c.device, c.memory, c.context, c.candidates
+        req.model_dir,
+        cfg,
+        c.quant,
+        model_name(req.origin.path if req.origin else req.model_dir),
+        c.device,
+        c.memory,
+        c.context,
+        c.candidates,
+        origin=req.origin,
     )
 
 

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetool.arch.facts import ModelFacts
 from moetool.arch.outputs import NULL_SHARED_KEY
+from moetool.arch.records import graph_model_types, model_record
 from moetool.export.graph.rope import GraphRope
 from moetool.export.graph.sparse import fuse_experts, sparse_moe
 
@@ -221,7 +223,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ffn_norm(x)), k, v
 
 
-def _moe(mlp: Any, cfg: Any) -> nn.Module:
+def _moe(mlp: Any, cfg: Any, rec: ModelFacts) -> nn.Module:
     """Per-expert MLPs from transformers 5's fused expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
     ex = mlp.experts
     inter = ex.down_proj.shape[-1]
@@ -235,7 +237,7 @@ def _moe(mlp: Any, cfg: Any) -> nn.Module:
     if shared is not None and shared.gate_proj.weight.shape[0] > 0 and not getattr(cfg, NULL_SHARED_KEY, False):
         shared_mlp = GatedMLP(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
     gate = getattr(mlp, "shared_expert_gate", None)
-    norm = bool(getattr(cfg, "norm_topk_prob", True)) if cfg.model_type != "mixtral" else True
+    norm = rec.normalises_topk(cfg)
     return DenseMaskedMoE(
         mlp.gate.weight,
         experts,
@@ -244,9 +246,6 @@ def _moe(mlp: Any, cfg: Any) -> nn.Module:
         shared_mlp,
         None if shared_mlp is None or gate is None else gate.weight,
     )
-
-
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 class ExportLM(nn.Module):
@@ -259,8 +258,9 @@ class ExportLM(nn.Module):
     def __init__(self, hf: Any) -> None:
         super().__init__()
         cfg = hf.config
-        if cfg.model_type not in SUPPORTED:
-            raise ValueError(f"model_type {cfg.model_type!r}: graph export supports {', '.join(SUPPORTED)}")
+        rec = model_record(cfg.model_type)
+        if rec is None or not rec.graph_targets:
+            raise ValueError(f"model_type {cfg.model_type!r}: graph export supports {', '.join(graph_model_types())}")
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         inner = hf.model
         self.embed = nn.Embedding.from_pretrained(inner.embed_tokens.weight.detach().clone(), freeze=True)
@@ -268,7 +268,7 @@ class ExportLM(nn.Module):
         for layer in inner.layers:
             m = layer.mlp
             mlp = (
-                _moe(m, cfg)
+                _moe(m, cfg, rec)
                 if hasattr(m, "experts")
                 else GatedMLP(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
             )

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetool.arch.records import require_record
 from moetool.export.graph.common import onnx_export
 from moetool.export.graph.model import NEG, ExportLM
 
@@ -32,9 +33,6 @@ SIDE_FILES = (
     "config.json",
     "generation_config.json",
 )
-# onnxruntime-genai's model types (it checks `type`; the graph I/O below is what it runs)
-GENAI_TYPES = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
-GENAI_KNOWN = ("llama", "mistral", "qwen2", "qwen3")
 SCOPE = "em."  # OnnxDecoder's ExportLM attribute: the traced module names' prefix before the plan's names
 
 
@@ -126,7 +124,8 @@ def genai_config(model_dir: Path, em: ExportLM, filename: str, context: int) -> 
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     eos = _token_ids(gen.get("eos_token_id", cfg.get("eos_token_id")))
     pad = gen.get("pad_token_id", cfg.get("pad_token_id"))
-    kind = GENAI_TYPES.get(cfg["model_type"], cfg["model_type"])
+    # onnxruntime-genai checks `type` (the record's); the graph I/O is what it runs
+    rec = require_record(cfg["model_type"], "onnxruntime-genai model type")
     attn: Any = em.layers[0].attn
     return {
         "model": {
@@ -134,7 +133,7 @@ def genai_config(model_dir: Path, em: ExportLM, filename: str, context: int) -> 
             "eos_token_id": eos,
             "pad_token_id": eos[0] if pad is None and eos else pad,
             "context_length": context,
-            "type": kind if kind in GENAI_KNOWN else "llama",
+            "type": rec.genai_type,
             "vocab_size": int(cfg["vocab_size"]),
             "decoder": {
                 "session_options": {"log_id": "moetool", "provider_options": []},

@@ -48,10 +48,11 @@ def to_mixtral(model: ComigsForCausalLM) -> Any:
 
     cfg = model.config
     dense = cfg.dense_config()
-    if dense.model_type not in ("llama", "mistral") or getattr(dense, "attention_bias", False):
+    verdict = MIXTRAL.supports(dense, shared=False)
+    if not verdict.ok:
         raise MoetoolError(
-            f"bake: a Mixtral output needs a llama or mistral base without attention biases (base is "
-            f"{dense.model_type!r}); use `moetool comigs adapters` for GGUF LoRA adapters instead"
+            f"bake: a Mixtral output needs a {' or '.join(MIXTRAL.accepts)} base without attention biases "
+            f"(mixtral {verdict.reason}); use `moetool comigs adapters` for GGUF LoRA adapters instead"
         )
     n, k = cfg.n_experts, cfg.experts_per_token
     mix_cfg = MixtralConfig.from_dict(MIXTRAL.make_config(dense, n_experts=n, top_k=k, shared_intermediate=None))

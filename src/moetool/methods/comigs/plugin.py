@@ -12,7 +12,7 @@ from rich.console import Console
 
 from moetool import registry
 from moetool.errors import MoetoolError
-from moetool.export.base import Exporter, ExportRequest, get_exporter
+from moetool.export.base import Exporter, ExportRequest, Origin, get_exporter
 from moetool.methods.base import MethodExportPlan, MethodPlugin, TrainOptions, TrainOutcome
 from moetool.recipe.base import RecipeBase
 from moetool.recipe.comigs import ComigsRecipe
@@ -30,7 +30,7 @@ def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str,
 
     req.output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{req.output.name}.bake-", dir=req.output.parent) as tmp:
-        baked = Path(tmp) / "mixtral"
+        baked = Path(tmp) / "baked"
         bake = bake_user(req.model_dir, baked)
         console.print(
             f"bake: {req.model_dir.name} → Mixtral ({len(bake['experts'])} experts, top-{bake['top_k']}); "
@@ -38,15 +38,22 @@ def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str,
             highlight=False,
         )
         exporter = get_exporter(target)
-        sub = replace(
-            req, model_dir=baked, quant=resolve_quant(baked, req.options.get("quant"), None, exporter.default_quant)
+        # the manifest names the user's folder and records the bake in its one write (not the temporary copy)
+        origin = Origin(
+            path=req.model_dir,
+            key="baked_from",
+            record={
+                "comigs_user": str(req.model_dir),
+                "parity_max_abs_logit_diff": bake["parity_max_abs_logit_diff"],
+            },
         )
-        manifest = exporter.export(sub, exporter.plan(sub), console=console)
-    manifest["baked_from"] = {
-        "comigs_user": str(req.model_dir),
-        "parity_max_abs_logit_diff": bake["parity_max_abs_logit_diff"],
-    }
-    return manifest
+        sub = replace(
+            req,
+            model_dir=baked,
+            quant=resolve_quant(baked, req.options.get("quant"), None, exporter.default_quant),
+            origin=origin,
+        )
+        return exporter.export(sub, exporter.plan(sub), console=console)
 
 
 class ComigsPlugin(MethodPlugin):

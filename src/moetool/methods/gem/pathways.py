@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from moetool.arch.families import FOUNDATION_KEYS
+from moetool.arch.families import FOUNDATION_KEYS, LLAMA
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.sources import ResolvedSource, resolve_sources
@@ -22,7 +22,7 @@ from moetool.methods.gem.model import GemConfig, GemForCausalLM
 from moetool.methods.gem.scar import kmeans_cosine
 from moetool.recipe.gem import GemRecipe
 
-TOKEN_FAMILIES = ("llama",)  # the token-level model class is llama-architecture
+TOKEN_FAMILIES = (LLAMA.model_type,)  # the token-level model class is llama-architecture
 _MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight")
 
 

@@ -17,6 +17,30 @@ from typing import Any
 import numpy as np
 
 
+def trained_bos_id(manifest: dict[str, Any], root: Path) -> int:
+    """The BOS id every training request started with: the export's record of the training tokenizer's special ids
+    (exports before it was recorded: the BOS token named in the copied ``tokenizer_config.json``)."""
+    special = manifest.get("router", {}).get("special_ids") or {}
+    if special.get("bos_token_id") is not None:
+        return int(special["bos_token_id"])
+    from tokenizers import Tokenizer
+
+    folder = root / manifest["tokenizer"]
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    bos = config.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    bos_id = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(bos) if bos else None
+    if bos_id is None:
+        raise SystemExit(f"{folder}: no BOS token in tokenizer_config.json; re-export with moetool hybrid export")
+    return int(bos_id)
+
+
+def request_ids(tokenizer: Any, text: str, bos_id: int) -> list[int]:
+    """``[bos_id, *ids]``: a request as training built it (``moetool.train.data.tokenize_stream``, no special tokens,
+    then the BOS in front)."""
+    return [bos_id, *tokenizer.encode(text, add_special_tokens=False).ids]
+
+
 class Dispatcher:
     def __init__(self, root: str | Path) -> None:
         import onnxruntime as ort
@@ -34,13 +58,13 @@ class Dispatcher:
         self.domains: list[str] = router["config"]["domains"]
         self.n_domains = int(router["config"]["layout"]["n_domains"])
         self.tokenizer = Tokenizer.from_file(str(self.root / self.manifest["tokenizer"] / "tokenizer.json"))
+        self.bos_id = trained_bos_id(self.manifest, self.root)
         self.experts = self.manifest["experts"]
         self._llms: dict[int, Any] = {}
 
     def ids(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text).ids
-        bos = self.tokenizer.token_to_id("<s>")
-        return ids if not ids or bos is None or ids[0] == bos else [bos, *ids]
+        """The ids the router was trained on: the training tokenizer's BOS, then the text without special tokens."""
+        return request_ids(self.tokenizer, text, self.bos_id)
 
     def route(self, ids: list[int], domain: str | None = None) -> tuple[int, list[float]]:
         feed: dict[str, Any] = {"input_ids": np.array([ids], dtype=np.int64)}

@@ -221,6 +221,8 @@ def export_hybrid(
                 "file": ROUTER_ONNX,
                 "files": router_files,
                 "config": meta["router"],
+                # the training tokenizer's special ids: dispatch.py starts every request with this BOS, as training
+                "special_ids": meta["tokenizer"]["special_ids"],
                 "parity": parity,
                 "bytes": sum((tmp / f).stat().st_size for f in router_files),
             },
