@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool import __version__
+from moetool.arch.records import converter_caveat
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.hashes import cached_sha256, sha256_file
 
@@ -62,6 +63,12 @@ def base_model_ids(sources: dict[str, Any]) -> list[str]:
         if src.kind in _REPO_ID_LIKE and src.ref not in seen:
             seen.append(src.ref)
     return seen
+
+
+def limits_section(config: dict[str, Any]) -> str:
+    """A model card's "Known limits" section for ``config`` (config.json as a dict); empty when it has none."""
+    caveat = converter_caveat(config)
+    return f"## Known limits\n\n- {caveat}.\n\n" if caveat else ""
 
 
 def model_card(

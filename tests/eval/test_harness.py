@@ -135,3 +135,51 @@ def test_evaluate_reports_tasks_beside_perplexity(tmp_path, lm, monkeypatch):
     written = write_report(report, tmp_path / "eval.json", tmp_path / "plots")
     assert tmp_path / "plots" / "tasks.png" in written
     print_report(report)  # the task table renders beside the perplexity table
+
+
+def test_task_files_removed_between_models_are_rebuilt(tmp_path, lm, monkeypatch):
+    """The demo lost 65 minutes to another process clearing the task cache before its fourth model: a cache entry
+    that vanished is written again at use, and every model is scored."""
+    import shutil
+
+    from moetool.api import evaluate
+
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    model, tok = lm
+    for name in ("a", "b"):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    (tmp_path / "legal.txt").write_text(TEXT)
+    seen = []
+
+    def clear_cache(m: str) -> None:
+        seen.append(m)
+        shutil.rmtree(tmp_path / "cache" / "lm-eval-tasks", ignore_errors=True)
+
+    models = [str(tmp_path / "a"), str(tmp_path / "b")]
+    data = {"legal": tmp_path / "legal.txt"}
+    report = evaluate(models, data=data, max_tokens=512, tasks=["local"], limit=4, on_model=clear_cache)
+    assert seen == models
+    assert all(report["tasks"][m]["moetool_cont_legal"]["n"] == 4 for m in models)
+
+
+def test_optional_tasks_fail_per_model_and_the_evaluation_goes_on(tmp_path, lm, monkeypatch):
+    from moetool.api import evaluate
+    from moetool.eval import harness
+
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    model, tok = lm
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    (tmp_path / "legal.txt").write_text(TEXT)
+
+    def broken(*args, **kwargs):
+        raise TaskError("lm-eval could not run moetool_cont_legal: no such file")
+
+    monkeypatch.setattr(harness, "task_scores", broken)
+    m, data = str(tmp_path / "m"), {"legal": tmp_path / "legal.txt"}
+    with pytest.raises(TaskError):
+        evaluate([m], data=data, max_tokens=512, tasks=["local"], limit=4)
+    report = evaluate([m], data=data, max_tokens=512, tasks=["local"], limit=4, optional_tasks=True)
+    assert report["task_failures"] == {m: "lm-eval could not run moetool_cont_legal: no such file"}
+    assert report["perplexity"][m]["legal"] > 0 and report["tasks"] == {}

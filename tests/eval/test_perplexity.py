@@ -117,3 +117,26 @@ def test_matrix_from_paths_and_render(tmp_path, model, tokenizer):
     table = render_matrix(matrix, "ppl")
     assert [c.header for c in table.columns] == ["model", "a", "b"]
     assert table.row_count == 3
+
+
+def test_eval_reads_every_data_file_and_refuses_one_it_would_ignore(model, tokenizer, tmp_path, monkeypatch):
+    """``moetool eval --data NAME=FILE`` evaluates NAME on FILE without --domains (it used to evaluate the zoo's
+    code, legal and medical instead), and refuses a --domains list that would leave the file unread."""
+    from typer.testing import CliRunner
+
+    from moetool.cli import app
+
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    (tmp_path / "notes.txt").write_text(TEXT, encoding="utf-8")
+    runner = CliRunner()
+    args = ["eval", str(tmp_path / "m"), "--data", f"notes={tmp_path / 'notes.txt'}", "--seq-len", "32"]
+    res = runner.invoke(app, [*args, "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    import json
+
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert list(report["perplexity"][str(tmp_path / "m")]) == ["notes"]
+    res = runner.invoke(app, [*args, "--domains", "code"])
+    assert res.exit_code != 0 and "notes is not among --domains code" in res.output

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from rich.console import Console
 
+from moetool.errors import MoetoolError
 from moetool.eval.report import evaluate as run
 from moetool.export.base import Exporter, ExportError, ExportRequest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
@@ -107,7 +108,7 @@ def train(
 def evaluate(
     models: list[str],
     *,
-    domains: list[str],
+    domains: list[str] | None = None,
     data: dict[str, Path] | None = None,
     own: dict[str, str] | None = None,
     seq_len: int = 256,
@@ -116,33 +117,54 @@ def evaluate(
     limit: int | None = None,
     num_fewshot: int | None = None,
     on_model: Callable[[str], None] | None = None,
+    optional_tasks: bool = False,
 ) -> dict[str, Any]:
     """Per-domain held-out perplexity, routing statistics and GEM metrics of every model (dirs or ``zoo:NAME``), and
     lm-evaluation-harness ``tasks`` when asked for.
 
+    ``domains`` default to the names in ``data`` when it has any, else the zoo's (code, legal, medical).
     Held-out text per domain comes from ``data`` (DOMAIN → file) or the zoo; a model's own domain (for GG/DSI) from
     ``own``, else its zoo name or directory name. ``tasks`` are lm-eval task names, ``local`` (a continuation task
     per evaluated domain with enough held-out text, :mod:`moetool.eval.tasks`) or ``moetool_cont_DOMAIN``; ``limit`` documents per task,
-    ``num_fewshot`` examples in each prompt. Task scores go under ``tasks[model][task]``.
+    ``num_fewshot`` examples in each prompt. Task scores go under ``tasks[model][task]``. A local task's file that
+    vanished from the cache since the start is rebuilt before each model is scored. With ``optional_tasks``, a
+    model whose tasks fail is recorded under ``task_failures[model]`` (the reason) and the evaluation goes on.
+
+    Raises:
+        MoetoolError: a ``data`` domain left out of ``domains``, a text too short for its task.
+        TaskError: lm-eval could not run the tasks (unless ``optional_tasks``).
     """
 
     files = data or {}
+    domains = eval_domains(domains, files)
     texts = {d: (files[d].read_text(encoding="utf-8") if d in files else _zoo_text(d)) for d in domains}
     paths = {m: resolve_source(m).path for m in models}
     owners = {m: _own_domain(m, p, domains) for m, p in paths.items()} | (own or {})
     configs = _task_configs(tasks, texts, files) if tasks else []  # a text too short fails before any model runs
     scores: dict[str, dict[str, dict[str, float]]] = {}
 
+    failures: dict[str, str] = {}
+
     def tasks_of(name: str, model: Any, tok: Any) -> None:
-        from moetool.eval.harness import task_scores
+        from moetool.eval.harness import TaskError, task_scores
 
         if on_model is not None:
             on_model(name)
-        scores[name] = task_scores(model, tok, configs, limit=limit, num_fewshot=num_fewshot)
+        try:
+            # the cache is disposable: a task file removed since the start (another process clearing the cache) is
+            # written again, from the same text, under the same name
+            now = _task_configs(tasks or [], texts, files)
+            scores[name] = task_scores(model, tok, now, limit=limit, num_fewshot=num_fewshot)
+        except TaskError as exc:
+            if not optional_tasks:
+                raise
+            failures[name] = str(exc)
 
     report = run(
         paths, texts, own_domains=owners, seq_len=seq_len, max_tokens=max_tokens, also=tasks_of if configs else None
     )
+    if failures:
+        report["task_failures"] = failures
     if configs:
         report["tasks"] = scores
         report["settings"]["tasks"] = {
@@ -151,6 +173,28 @@ def evaluate(
             "num_fewshot": num_fewshot,
         }
     return report
+
+
+ZOO_DOMAINS = ("code", "legal", "medical")
+
+
+def eval_domains(domains: list[str] | None, data: dict[str, Path]) -> list[str]:
+    """The domains to evaluate: ``domains`` as given (each file in ``data`` must be one of them), else the names in
+    ``data``, else the zoo's.
+
+    Raises:
+        MoetoolError: ``data`` names a domain ``domains`` leaves out (its file would be ignored).
+    """
+    if domains is None:
+        return list(data) or list(ZOO_DOMAINS)
+    ignored = [d for d in data if d not in domains]
+    if ignored:
+        raise MoetoolError(
+            f"--data {', '.join(f'{d}={data[d]}' for d in ignored)}: {', '.join(ignored)} is not among --domains "
+            f"{','.join(domains)}, so the file would not be read; add it to --domains, or leave --domains out to "
+            "evaluate the --data domains"
+        )
+    return domains
 
 
 def _task_name(task: str | dict[str, Any]) -> str:

@@ -8,10 +8,12 @@ onnxruntime-genai type and the graph targets that take it are all read from that
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from moetool.arch.facts import GraphTarget, ModelFacts
 from moetool.arch.families import FAMILIES, MLP_PROJS
-from moetool.arch.outputs import OUTPUT_ARCHS, MoEArch
+from moetool.arch.outputs import OUTPUT_ARCHS, MoEArch, expert_count, shared_expert_width
 from moetool.errors import UnsupportedArchitecture
 
 MODEL_RECORDS: dict[str, ModelFacts] = {
@@ -108,3 +110,29 @@ def _gguf_maps() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[st
 
 # every HF tensor name moetool maps to GGUF: (HF regex, GGUF template), and the split stacked tensors
 GGUF_TENSOR_MAP, GGUF_SPLIT_MAP = _gguf_maps()
+
+
+def converter_caveat(cfg: Mapping[str, Any]) -> str | None:
+    """Why llama.cpp's own converter (``convert_hf_to_gguf.py``) would turn a model of config ``cfg`` (config.json
+    as a dict) into a GGUF that computes something else; None when it converts it faithfully (as far as moetool
+    knows). The converter writes every model type as its own llama.cpp architecture (``ModelFacts.gguf_arch``).
+    """
+    rec = model_record(cfg.get("model_type"))
+    n, k = expert_count(cfg), int(cfg.get("num_experts_per_tok") or 0)
+    if rec is None or not n or k >= n or rec.gguf.renormalises_topk is None:
+        return None
+    norm = rec.normalises_topk(cfg)
+    if norm == rec.gguf.renormalises_topk:
+        return None
+    rule = "always" if rec.gguf.renormalises_topk else "never"
+    ways = []
+    unshared = rec.gguf_unshared
+    if not shared_expert_width(cfg) and unshared is not None and unshared.renormalises_topk == norm:
+        ways.append(f"`moetool export --target gguf` (exact: it writes llama.cpp's {unshared.name!r} form)")
+    if rec.topk == "config":
+        ways.append(f"a merge with `norm_topk_prob: {str(not norm).lower()}`")
+    return (
+        f"llama.cpp's convert_hf_to_gguf.py writes this {rec.model_type} as its {rec.gguf.name!r} architecture, which "
+        f"{rule} renormalises the top-k routing weights, but this model has norm_topk_prob: {str(norm).lower()}: a "
+        f"GGUF from that converter computes a different function. Use {' or '.join(ways) or 'ONNX'} instead"
+    )

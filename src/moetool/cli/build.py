@@ -53,10 +53,21 @@ def build(
     """The recipe's whole pipeline: merge → tune (if asked) → evaluate → export every `targets:` entry → package."""
     from moetool import api
 
-    api.build(
+    res = api.build(
         recipe, output, tune=train, max_tokens=max_tokens, tasks=[t for t in (tasks or "").split(",") if t] or None,
         task_limit=task_limit, force=force, console=console, on_stage=_printer,
     )  # fmt: skip
+    _report_failures(res.failed)
+
+
+def _report_failures(failed: list[str]) -> None:
+    """End a build whose optional steps failed with their reasons and exit status 1 (everything else was written)."""
+    if not failed:
+        return
+    console.print(f"[red]{len(failed)} optional step(s) failed; every other stage finished:[/]")
+    for why in failed:
+        console.print(f"  - {why}", highlight=False)
+    raise typer.Exit(1)
 
 
 _DEMO_RECIPES = {"smollm2": "recipes/real-mofe.yaml", "default": "recipes/demo-mofe.yaml"}
@@ -117,6 +128,7 @@ def demo(
         acceptance(res.report, [str(res.merged), *[str(p) for p in res.tuned.values()]])
     if res.answers:
         print_answers(res.answers)
+    _report_failures(res.failed)
 
 
 def register(app: typer.Typer) -> None:

@@ -27,7 +27,12 @@ def run_eval(
 @friendly
 def eval_cmd(
     models: Annotated[list[str], typer.Argument(help="Model directories or zoo:NAME references.")],
-    domains: Annotated[str, typer.Option(help="Comma-separated zoo domains.")] = "code,legal,medical",
+    domains: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated domains (default: the --data names if any, else the zoo's code,legal,medical)."
+        ),
+    ] = None,
     data: Annotated[
         list[str] | None, typer.Option(help="DOMAIN=FILE: held-out text for a domain (overrides the zoo's).")
     ] = None,
@@ -52,7 +57,7 @@ def eval_cmd(
     owners = dict(x.split("=", 1) for x in (own or []))
     run_eval(
         models,
-        domains=[d for d in domains.split(",") if d],
+        domains=None if domains is None else [d for d in domains.split(",") if d],
         data=files,
         own=owners,
         seq_len=seq_len,

@@ -63,6 +63,8 @@ def print_report(report: dict[str, Any]) -> None:
         out.print(t)
     if report.get("tasks"):
         print_tasks(report)
+    for model, why in report.get("task_failures", {}).items():
+        out.print(f"[yellow]task accuracy not measured for {model}:[/] {why}", highlight=False)
 
 
 def print_tasks(report: dict[str, Any]) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moetool.io.safe import parse_yaml
+from moetool.card import limits_section
+from moetool.io.safe import parse_yaml, read_json
 from moetool.package.inputs import REPO_ID_PLACEHOLDER, Artifact, PackageError
 
 
@@ -297,6 +298,9 @@ def render_card(
     if artifacts:
         body += _artifacts_section(artifacts)
     body += _usage_section(artifacts)
+    config = model / "config.json"
+    if config.is_file():
+        body += limits_section(read_json(config, what="model config"))
     if recipe:
         body += "## Recipe\n\n" + _fence(recipe, "yaml") + "\n"
     if train_recipe:

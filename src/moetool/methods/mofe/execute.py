@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 
 from moetool.arch.outputs import NULL_SHARED_GATE
-from moetool.card import model_card, provenance, source_hashes
+from moetool.card import limits_section, model_card, provenance, source_hashes
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.files import copy_tokenizer
@@ -178,6 +178,7 @@ def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str, hashes: dict[P
         gate_mode=recipe.gate_mode,
         sources=plan.sources,
         recipe_text=recipe_text,
+        extra_sections=limits_section(plan.config),
     )
     (tmp / "README.md").write_text(card)
 

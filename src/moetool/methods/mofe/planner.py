@@ -18,6 +18,7 @@ from transformers import AutoConfig
 
 from moetool.arch.families import FOUNDATION_KEYS, MLP_PROJS, MOFE_FAMILIES, REFUSED_FAMILIES, dense_mlp_name
 from moetool.arch.outputs import MoEArch, select_output_arch
+from moetool.arch.records import converter_caveat
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.safe import read_json
@@ -213,6 +214,9 @@ def plan_mofe(recipe: MoFERecipe, *, allow_pickle: bool = False) -> MergePlan:
         if "norm_topk_prob" not in config:
             raise PreflightError(f"norm_topk_prob: the {arch.name} output has no such option")
         config["norm_topk_prob"] = recipe.norm_topk_prob
+    caveat = converter_caveat(config)  # the usual GGUF path for a downloaded folder: warn before it is shared
+    if caveat:
+        warnings.append(caveat)
     ops = _ops(arch, base_t, recipe, base_cfg.num_hidden_layers, shared_inter, base_cfg.hidden_size)
     return MergePlan(
         recipe=recipe,
