@@ -57,6 +57,8 @@ def test_export_and_dispatcher_follow_the_router(bundle, tmp_path):
     m = export_sequence_bundle(out, tmp_path / "exp", target="gguf", quant="f32")  # llama.cpp runs the pathways
     par = m["router"]["parity"]
     assert par["seq_lens"] == [32, 128] and par["same_route"] == par["windows"] and par["max_abs_prob_diff"] < 1e-5
+    # the probes cover every domain's held-out text (local text files here), one window per length each
+    assert par["windows"] == 2 * len(DOMAINS)
     assert set(m["pathways"]) == {"general", *DOMAINS}
     for entry in m["pathways"].values():  # each pathway went through the GGUF exporter and its llama.cpp parity gate
         assert (tmp_path / "exp" / entry["file"]).is_file()

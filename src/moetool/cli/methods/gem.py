@@ -79,17 +79,11 @@ def eval_cmd(
 
     from moetool.io.sources import resolve_source
     from moetool.methods.gem.evaluate import gem_report
-    from moetool.recipe.load import parse_recipe
-    from moetool.train.data import load_source
+    from moetool.methods.gem.heldout import built_recipe, domain_held_out
 
     torch.set_num_threads(1)
-    rpath = model / "moetool-recipe.yaml"
-    if not rpath.is_file():
-        from moetool.errors import MoetoolError
-
-        raise MoetoolError(f"{model}: no moetool-recipe.yaml (not written by `moetool merge` for method: gem)")
-    r: Any = parse_recipe(rpath.read_text(encoding="utf-8"), rpath)
-    texts = {d.name: load_source(d.name, d.data, base_dir=None, fraction=0.1, seed=0)[1] for d in r.domains}
+    r = built_recipe(model)
+    texts = domain_held_out(model)
     experts = {d.name: resolve_source(d.source).path for d in r.domains}
     report = gem_report(model, resolve_source(r.general).path, experts, texts, seq_len=seq_len, max_tokens=max_tokens)
     _print_report(report)

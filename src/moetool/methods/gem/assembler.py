@@ -147,15 +147,22 @@ def _probe(streams: dict[str, tuple[torch.Tensor, torch.Tensor]], bos: int | Non
     return torch.cat([torch.tensor([bos]), first])[None] if bos is not None else first[None]
 
 
-def _recipe_yaml(recipe: GemRecipe) -> str:
-    """The validated recipe (defaults filled in); ``moetool gem eval`` reads the domains' held-out text from it."""
-    result: str = yaml.safe_dump(recipe.model_dump(mode="json", exclude_none=True), sort_keys=False)
+def _recipe_yaml(recipe: GemRecipe, recipe_dir: Path) -> str:
+    """The validated recipe (defaults filled in); ``moetool gem eval`` and the export's parity probes read the
+    domains' held-out text from it, so local data files are written as absolute paths."""
+    data = recipe.model_dump(mode="json", exclude_none=True)
+    for domain in data["domains"]:
+        for key in ("text", "jsonl"):
+            raw = domain["data"].get(key)
+            if raw and not Path(raw).is_absolute() and (Path(recipe_dir) / raw).is_file():
+                domain["data"][key] = str((Path(recipe_dir) / raw).resolve())
+    result: str = yaml.safe_dump(data, sort_keys=False)
     return result
 
 
-def _meta(recipe: GemRecipe, pw: Pathways) -> dict[str, Any]:
+def _meta(recipe: GemRecipe, pw: Pathways, recipe_dir: Path) -> dict[str, Any]:
 
-    text = _recipe_yaml(recipe)
+    text = _recipe_yaml(recipe, recipe_dir)
     srcs = {"general": pw.general} | dict(pw.domains)
     return {
         "method": "gem",
@@ -197,8 +204,8 @@ def assemble_token(
     with atomic_dir(output, force=force) as tmp:
         model.save_pretrained(str(tmp))
         copy_tokenizer(pw.general.path, tmp)
-        (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw), indent=2))
-        (tmp / "moetool-recipe.yaml").write_text(_recipe_yaml(recipe))
+        (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw, recipe_dir), indent=2))
+        (tmp / "moetool-recipe.yaml").write_text(_recipe_yaml(recipe, recipe_dir))
         (tmp / REPORT).write_text(json.dumps(report, indent=2))
     return output
 
@@ -259,8 +266,8 @@ def assemble_sequence(
             "pathways": {n: f"pathways/{n}" for n in ["general", *pw.domains]},
         }
         (tmp / BUNDLE).write_text(json.dumps(bundle, indent=2))
-        (tmp / "moetool-recipe.yaml").write_text(_recipe_yaml(recipe))
-        (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw), indent=2))
+        (tmp / "moetool-recipe.yaml").write_text(_recipe_yaml(recipe, recipe_dir))
+        (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw, recipe_dir), indent=2))
         (tmp / REPORT).write_text(json.dumps(report, indent=2))
         copy_tokenizer(pw.general.path, tmp)
     return output

@@ -19,7 +19,7 @@ import torch
 from moetool.export.graph.model import causal_mask
 from moetool.export.heldout import held_out_text, nll
 from moetool.extras import require
-from moetool.io.safe import read_json
+from moetool.methods.gem.heldout import RECIPE, domain_held_out
 
 __all__ = [
     "PARITY_LIMIT",
@@ -59,18 +59,17 @@ def onnx_feeds(ids: list[int]) -> dict[str, np.ndarray]:
 
 
 def probe_windows(tok: PreTrainedTokenizerBase, model_dir: Path, lengths: tuple[int, ...]) -> list[list[int]]:
-    """One window per length per domain of held-out text (so routes cover general and every pathway)."""
+    """One window per length per domain of held-out text (so routes cover general and every pathway).
 
-    texts: list[str] = []
-    info = model_dir / "moetool.json"
-    meta = read_json(info, what="moetool metadata") if info.is_file() else {}
-    try:
-        from moetool.zoo import zoo_domain_text
+    Raises:
+        MoetoolError: a domain's held-out text cannot be read (naming it).
+    """
 
-        texts = [zoo_domain_text(d, "valid")[:20000] for d in meta.get("domains", [])]
-    except Exception:  # not a zoo domain, or no zoo cache: the mixed held-out sample still exercises the graph
-        texts = []
-    if not texts:
+    # every domain's own held-out text, whatever its source (zoo, a local file, a cached dataset); a model with no
+    # kept recipe (none of moetool's GEM outputs) gets the mixed held-out sample
+    if (model_dir / RECIPE).is_file():
+        texts = [text[:20000] for text in domain_held_out(model_dir).values()]
+    else:
         texts = [held_out_text(model_dir)[0]]
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     tok.model_max_length = 10**9  # windows are cut below

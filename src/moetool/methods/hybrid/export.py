@@ -22,7 +22,7 @@ from moetool.errors import MoetoolError
 from moetool.export.base import ExportError, check_artifact_dir, write_manifest
 from moetool.export.graph.common import onnx_export
 from moetool.export.resolve import plan_export
-from moetool.extras import require
+from moetool.extras import MissingExtraError, require
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
 from moetool.io.safe import read_json
@@ -256,7 +256,7 @@ def _export_expert(
     try:
         exporter, req, plan = plan_export(e["path"], out, target=target, quant=quant, force=True, verify=verify)
         m = exporter.export(req, plan, console=console)
-    except (ExportError, MoetoolError, NotImplementedError, KeyError) as exc:
+    except (ExportError, MissingExtraError) as exc:  # the target cannot take this expert: say why, go on
         return {"target": target, "exported": False, "reason": str(exc)}
     return {"target": target, "dir": f"experts/{e['name']}", "file": m["file"], "parity": m.get("parity")}
 
