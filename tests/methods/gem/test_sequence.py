@@ -65,6 +65,11 @@ def test_export_and_dispatcher_follow_the_router(bundle, tmp_path):
         assert max(entry["parity"]["max_abs_logit_diff"].values()) < 1e-4
     disp = GemDispatcher(tmp_path / "exp")
     seq = SequenceGem(out)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out))
+    # the dispatcher's ids are what router training saw: BOS, then the text without special tokens
+    assert disp.ids("def f(): pass") == [tok.bos_token_id, *tok("def f(): pass", add_special_tokens=False).input_ids]
     seen = set()
     for d in DOMAINS:
         for seed in range(3):

@@ -1,6 +1,7 @@
 """Reference dispatcher for a sequence-level GEM export (what an on-device runtime does, in ~60 lines of Python).
 
-1. read ``gem-manifest.json``; tokenize the prompt with ``tokenizer.json`` (BOS prepended as the tokenizer says);
+1. read ``gem-manifest.json``; tokenize the prompt with ``tokenizer.json`` and prepend the BOS the manifest records
+   (what router training did);
 2. run ``router.onnx`` on (input_ids, position_ids 0..T-1, additive causal mask): it returns P(d|x) and the route,
    the threshold rule already applied (0 = general, d+1 = domains[d]);
 3. load the chosen pathway's artifact (``pathways/<name>/``, any exported format) and generate with it.
@@ -43,7 +44,13 @@ class GemDispatcher:
         self.tokenizer = Tokenizer.from_file(str(self.root / self.manifest["tokenizer"]))
 
     def ids(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text).ids)
+        """The ids the router was trained on: the tokenizer's BOS (as recorded in the manifest), then the text's ids
+        without special tokens; an older manifest without the record lets the tokenizer add what it adds."""
+        if "bos_token_id" not in self.manifest:
+            return list(self.tokenizer.encode(text).ids)
+        bos = self.manifest["bos_token_id"]
+        body = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return body if bos is None else [int(bos), *body]
 
     def route_ids(self, ids: list[int]) -> tuple[str, dict[str, float]]:
         t = len(ids)

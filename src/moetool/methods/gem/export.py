@@ -265,6 +265,8 @@ def export_sequence_bundle(
     # the router is router.onnx whatever --target the pathways take: without the extra no pathway is written either
     # (a bundle without its router cannot dispatch), so refuse once, up front, saying why
     require_onnx(f"the sequence-level GEM router (router.onnx, written beside the {target} pathways)", verify=verify)
+    from transformers import AutoTokenizer
+
     if quant is None and target != "gguf":
         quant = "f32"  # plan_export's default for a plain checkpoint is f16, which the graph targets do not store
     spec = read_json(bundle / "gem.json", what="GEM bundle spec")
@@ -294,6 +296,8 @@ def export_sequence_bundle(
             "route_names": seq.names,
             "pathways": pathways,
             "tokenizer": "tokenizer.json",
+            # the router was trained on BOS + the text's ids without special tokens: the dispatcher does the same
+            "bos_token_id": AutoTokenizer.from_pretrained(str(bundle)).bos_token_id,
             "timing_s": round(time.perf_counter() - t0, 2),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
