@@ -92,7 +92,7 @@ def build(
         if devices is not None and t.device not in devices:
             continue
         console.rule(f"export {t.dir_name}")
-        exporter, req, the_plan = plan_export(
+        job = plan_export(
             result.model,
             out / "exports" / t.dir_name,
             target=t.target,
@@ -102,10 +102,10 @@ def build(
             force=force,
             verify=verify,
         )
-        stage("export_plan", (t.dir_name, exporter, the_plan))
-        with console.status(f"writing and verifying {exporter.name} …"):
-            result.manifests[t.dir_name] = exporter.export(req, the_plan, console=console)
-        stage("exported", (req.output, result.manifests[t.dir_name]))
+        stage("export_plan", (t.dir_name, job.exporter, job.plan))
+        with console.status(f"writing and verifying {job.exporter.name} …"):
+            result.manifests[t.dir_name] = job.run(console)
+        stage("exported", (job.request.output, result.manifests[t.dir_name]))
     _build_answers(r, out, result, console, stage)
     console.rule("Hugging Face repo folder")
     has_report = result.report is not None

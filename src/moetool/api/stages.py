@@ -11,15 +11,14 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.eval.report import evaluate as run
-from moetool.export.base import Exporter, ExportError, ExportRequest, check_artifact_dir
+from moetool.export.base import ExportError, ExportJob, ExportRequest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
-from moetool.export.resolve import ExportOptions
-from moetool.export.resolve import plan_export as plan_standard
+from moetool.export.resolve import ExportOptions, plan_standard_export
 from moetool.io.checks import check_finished_model_dir, check_output_path, is_moetool_temp
 from moetool.io.safe import read_json
 from moetool.io.sources import resolve_source
 from moetool.methods import get_plugin, plugin_for_model
-from moetool.methods.base import MethodExportPlan, MethodPlugin, TrainOptions, TrainOutcome
+from moetool.methods.base import MethodPlugin, TrainOptions, TrainOutcome
 from moetool.package import build_repo
 from moetool.progress import silent
 from moetool.quant.plan import QuantSpec
@@ -29,7 +28,6 @@ from moetool.recipe.load import load_recipe
 from moetool.zoo import split_zoo_name, zoo_domain_text
 
 if TYPE_CHECKING:
-    from moetool.export.planning import ArtifactPlan
     from moetool.methods.mofe.plan import MergePlan
 
 RecipeLike = RecipeBase | str | Path
@@ -244,18 +242,23 @@ def write_report(report: dict[str, Any], json_file: Path | None, plots: Path | N
     return written
 
 
-def plan_export(
-    model: str | Path, output: str | Path, **opts: Unpack[ExportOptions]
-) -> tuple[Exporter[Any], ExportRequest, ArtifactPlan | MethodExportPlan]:
-    """(exporter, request, plan) for ``model`` without writing (options: :class:`~moetool.export.resolve.ExportOptions`);
-    a method's own output gets its method's exporter."""
+def plan_export(model: str | Path, output: str | Path, **opts: Unpack[ExportOptions]) -> ExportJob[Any]:
+    """The planned export of ``model`` (exporter, request, plan) without writing (options:
+    :class:`~moetool.export.resolve.ExportOptions`); a method's own output gets its method's exporter.
+    ``plan_export(...).run(console)`` writes it.
+
+    Raises:
+        ExportError: what :func:`~moetool.export.resolve.plan_standard_export` refuses; ``--device`` for a
+            method's output.
+        OutputPathError: ``output`` names an artifact file or lies inside the model.
+    """
     model_dir = resolve_source(str(model)).path
     check_artifact_dir(output)
     check_output_path(output, [model_dir])
     owner = None if is_moetool_temp(model_dir) else plugin_for_model(model_dir)
     if owner is None:  # a standard model: not a killed run's temp dir, not a half-written folder
         check_finished_model_dir(model_dir)
-        return plan_standard(model_dir, output, **opts)
+        return plan_standard_export(model_dir, output, **opts)
     if opts.get("device") is not None:
         raise ExportError(f"{model_dir} is a {owner.name} model: --device applies to standard MoE models; use --target")
     exporter = owner.exporter(model_dir, opts.get("target"))
@@ -270,7 +273,7 @@ def plan_export(
         context=opts.get("context"),
         options={"quant": quant if isinstance(quant, str) else None},
     )
-    return exporter, req, exporter.plan(req)
+    return ExportJob(exporter, req, exporter.plan(req))
 
 
 def adapter_base(adapter: Path, base: str | Path | None) -> Path:
@@ -308,10 +311,9 @@ def export(
             eval_text=kw.get("eval_text"),
             out_type=str(kw.get("quant") or "f32"),
         )
-    exporter, req, the_plan = plan_export(model, output, **kw)
-    req.options.update(options or {})
-    manifest: dict[str, Any] = exporter.export(req, the_plan, console=console or silent())
-    return manifest
+    job = plan_export(model, output, **kw)
+    job.request.options.update(options or {})
+    return job.run(console or silent())
 
 
 def package(

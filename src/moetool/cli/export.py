@@ -66,7 +66,6 @@ def export_cmd(
     from moetool import api
     from moetool.cli.render import print_export_plan, print_manifest
     from moetool.export.gguf.lora import is_adapter
-    from moetool.io.atomic import check_output
 
     text = eval_text.read_text(encoding="utf-8") if eval_text else None
     if is_adapter(Path(model)):
@@ -76,19 +75,18 @@ def export_cmd(
             manifest = api.export(model, output, base=base, quant=quant, force=force, verify=verify, eval_text=text)
         print_manifest(output, manifest)
         return
-    exporter, req, plan = api.plan_export(
+    job = api.plan_export(
         model, output, target=target, quant=quant, device=device, force=force, verify=verify, eval_text=text,
         context=context,
     )  # fmt: skip
-    req.options["compute_units"] = compute_units
-    req.options["moe_kernel"] = moe_kernel
-    print_export_plan(exporter, plan, f"{exporter.name} plan '{getattr(getattr(plan, 'quant', None), 'label', '')}' "
-                      f"for {plan.name}")  # fmt: skip
+    job.request.options["compute_units"] = compute_units
+    job.request.options["moe_kernel"] = moe_kernel
+    label = getattr(getattr(job.plan, "quant", None), "label", "")
+    print_export_plan(job.exporter, job.plan, f"{job.exporter.name} plan '{label}' for {job.plan.name}")
     if dry_run:
         return
-    check_output(output, force=force)
-    with console.status(f"writing and verifying {exporter.name} …"):
-        manifest = exporter.export(req, plan, console=console)
+    with console.status(f"writing and verifying {job.exporter.name} …"):
+        manifest = job.run(console)
     print_manifest(output, manifest)
 
 

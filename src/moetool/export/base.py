@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from rich.console import Console
 
@@ -87,6 +87,29 @@ class Exporter(Protocol[PlanT]):
     def export(self, req: ExportRequest, plan: PlanT, console: Console | None = None) -> dict[str, Any]:
         """Write the artifact and its manifest into ``req.output`` atomically; return the manifest."""
         ...
+
+
+class ExportJob(NamedTuple, Generic[PlanT]):
+    """One planned export: the exporter, its request and its plan (nothing written yet). Unpacks as
+    ``exporter, request, plan``; :meth:`run` is the one place an artifact is written, for the API, the CLI, the
+    build and the methods that export their parts (GEM pathways, hybrid experts, baked CoMiGS users)."""
+
+    exporter: Exporter[PlanT]
+    request: ExportRequest
+    plan: PlanT
+
+    def run(self, console: Console | None = None) -> dict[str, Any]:
+        """Write, verify and describe the artifact; returns its manifest (also written beside it).
+
+        Raises:
+            OutputExistsError: the output exists and the request has no ``force`` (before anything is written).
+            ExportError: the artifact failed its parity check, or the target cannot take the model.
+        """
+        from moetool.io.atomic import check_output
+
+        check_output(self.request.output, force=self.request.force)
+        manifest: dict[str, Any] = self.exporter.export(self.request, self.plan, console=console)
+        return manifest
 
 
 # target -> "module:Class" (moetool.registry); the module is imported only when the target is used

@@ -1,6 +1,6 @@
 """Resolve a standard export without writing: target, quantization plan and memory estimate.
 
-Shared by the pipeline (:func:`moetool.api.plan_export`) and by methods that export their parts (a GEM pathway, a
+Shared by the pipeline (:func:`moetool.api.plan_export`, for a standard model) and by methods that export their parts (a GEM pathway, a
 hybrid expert) through the standard exporters.
 """
 
@@ -11,7 +11,7 @@ from typing import Any, TypedDict, Unpack
 
 from pydantic import ValidationError
 
-from moetool.export.base import TARGETS, Exporter, ExportError, ExportRequest, get_exporter
+from moetool.export.base import TARGETS, ExportError, ExportJob, ExportRequest, get_exporter
 from moetool.export.planning import ArtifactPlan
 from moetool.io.safe import read_yaml
 from moetool.quant.devices import get_device
@@ -92,10 +92,14 @@ class ExportOptions(TypedDict, total=False):
     context: int | None  # context length for the memory estimate
 
 
-def plan_export(
-    model_dir: Path, output: str | Path, **opts: Unpack[ExportOptions]
-) -> tuple[Exporter[ArtifactPlan], ExportRequest, ArtifactPlan]:
-    """(exporter, request, plan) for a standard transformers model in ``model_dir``; writes nothing."""
+def plan_standard_export(model_dir: Path, output: str | Path, **opts: Unpack[ExportOptions]) -> ExportJob[ArtifactPlan]:
+    """The planned export (exporter, request, plan) of a standard transformers model in ``model_dir``; writes
+    nothing. :meth:`ExportJob.run` writes it.
+
+    Raises:
+        ExportError: an unknown target or device, a target the device does not run, a bad ``quant``, a plan that
+            does not fit the device, or a model the target cannot take.
+    """
     device = opts.get("device")
     target, _ = resolve_target(device, opts.get("target"))
     exporter = get_exporter(target)
@@ -110,4 +114,4 @@ def plan_export(
         eval_text=opts.get("eval_text"),
         context=opts.get("context"),
     )
-    return exporter, req, exporter.plan(req)
+    return ExportJob(exporter, req, exporter.plan(req))

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from moetool import registry
 from moetool.errors import MoetoolError
-from moetool.export.base import Exporter, ExportRequest, Origin, get_exporter
+from moetool.export.base import Exporter, ExportJob, ExportRequest, Origin, get_exporter
 from moetool.methods.base import MethodExportPlan, MethodPlugin, TrainOptions, TrainOutcome
 from moetool.recipe.base import RecipeBase
 from moetool.recipe.comigs import ComigsRecipe
@@ -53,7 +53,7 @@ def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str,
             quant=resolve_quant(baked, req.options.get("quant"), None, exporter.default_quant),
             origin=origin,
         )
-        return exporter.export(sub, exporter.plan(sub), console=console)
+        return ExportJob(exporter, sub, exporter.plan(sub)).run(console)
 
 
 class ComigsPlugin(MethodPlugin):

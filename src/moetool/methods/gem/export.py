@@ -25,7 +25,7 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.export.onnx.quantize import quantize_graph, save_model
-from moetool.export.resolve import plan_export
+from moetool.export.resolve import plan_standard_export
 from moetool.export.tflite.runner import litert_python, run_worker
 from moetool.extras import require
 from moetool.io.atomic import atomic_dir
@@ -231,15 +231,14 @@ def _export_pathways(
     for name in names:
         if console is not None:
             console.print(f"exporting pathway {name} → {target}")
-        exporter, req, plan = plan_export(
+        m = plan_standard_export(
             bundle / spec["pathways"][name],
             out / "pathways" / name,
             target=target,
             quant=quant,
             force=True,
             verify=verify,
-        )
-        m = exporter.export(req, plan, console=console)
+        ).run(console)
         pathways[name] = {
             "dir": f"pathways/{name}",
             "file": f"pathways/{name}/{m['file']}",
@@ -268,7 +267,9 @@ def export_sequence_bundle(
     from transformers import AutoTokenizer
 
     if quant is None and target != "gguf":
-        quant = "f32"  # plan_export's default for a plain checkpoint is f16, which the graph targets do not store
+        quant = (
+            "f32"  # plan_standard_export's default for a plain checkpoint is f16, which the graph targets do not store
+        )
     spec = read_json(bundle / "gem.json", what="GEM bundle spec")
     seq = SequenceGem(bundle)
     graph = RouterGraph(seq.pathways[0], spec["encoder"]["layers"], seq.router.weight, seq.router.bias, seq.tau).eval()

@@ -21,7 +21,7 @@ from torch import nn
 from moetool.errors import MoetoolError
 from moetool.export.base import ExportError, check_artifact_dir, write_manifest
 from moetool.export.graph.common import onnx_export
-from moetool.export.resolve import plan_export
+from moetool.export.resolve import plan_standard_export
 from moetool.extras import MissingExtraError, require
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
@@ -254,8 +254,8 @@ def _export_expert(
         return {"target": "gguf", "dir": f"experts/{e['name']}", "file": m["file"], "parity": m["parity"]}
 
     try:
-        exporter, req, plan = plan_export(e["path"], out, target=target, quant=quant, force=True, verify=verify)
-        m = exporter.export(req, plan, console=console)
+        job = plan_standard_export(e["path"], out, target=target, quant=quant, force=True, verify=verify)
+        m = job.run(console)
     except (ExportError, MissingExtraError) as exc:  # the target cannot take this expert: say why, go on
         return {"target": target, "exported": False, "reason": str(exc)}
     return {"target": target, "dir": f"experts/{e['name']}", "file": m["file"], "parity": m.get("parity")}
