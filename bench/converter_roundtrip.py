@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "support")]
 
 from conftest import TEXT, save_dense, write_recipe  # noqa: E402
-from moetool.api import export, merge  # noqa: E402
+from moetool.api import assemble, export  # noqa: E402
 from moetool.export.gguf.tokenizer import read_vocab  # noqa: E402
 from moetool.export.gguf.verify import compare  # noqa: E402
 
@@ -86,7 +86,7 @@ def _mofe(root: Path, name: str, family: str, extra: str) -> Path:
         f"name: {slug}\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\n"
         f"{extra.format(base=m['base'])}experts:\n{experts}"
     )
-    return merge(write_recipe(root / f"{slug}.yaml", text), root / slug)
+    return assemble(write_recipe(root / f"{slug}.yaml", text), root / slug)
 
 
 def _comigs(root: Path, variant: str) -> Path:

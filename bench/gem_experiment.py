@@ -41,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from moetool.api import merge
+    from moetool.api import assemble
     from moetool.methods.gem.evaluate import gem_report
     from moetool.zoo import resolve_zoo_model, zoo_domain_text
 
@@ -61,7 +61,7 @@ def main() -> None:
                 r["router"]["seed"] = r["qat"]["seed"] = args.seed
             path = Path(tmp) / "gem.yaml"
             path.write_text(yaml.safe_dump(r))
-            out = merge(path, Path(tmp) / "model", force=True)
+            out = assemble(path, Path(tmp) / "model", force=True)
             rep = json.loads((out / "gem-report.json").read_text())
             ev = gem_report(out, resolve_zoo_model("base"), experts, texts, max_tokens=args.max_tokens)
             variants[name] = {

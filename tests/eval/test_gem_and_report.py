@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import TEXT, write_recipe
-from moetool.api import merge
+from moetool.api import assemble
 from moetool.errors import MoetoolError
 from moetool.eval.gem import (
     cross_domain_transfer_ratio,
@@ -60,7 +60,7 @@ experts:
   - {{name: legal, source: {m["e2"]}, positive_prompts: ["Permission is hereby granted"]}}
 """,
     )
-    moe = merge(recipe, tmp_path / "moe")
+    moe = assemble(recipe, tmp_path / "moe")
     texts = {"code": TEXT.split("\n")[0] * 3, "legal": TEXT.split("\n")[1] * 3}
     report = evaluate({"moe": moe, "base": m["base"]}, texts, own_domains={"base": None}, seq_len=16)
     report = json.loads(json.dumps(report))  # JSON-ready

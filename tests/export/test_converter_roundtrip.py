@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import TEXT, write_recipe
-from moetool.api import export, merge
+from moetool.api import assemble, export
 from moetool.export import ExportError
 from moetool.export.gguf.exporter import GATES
 from moetool.export.gguf.tokenizer import read_vocab
@@ -46,7 +46,7 @@ def _merge(tmp: Path, m: dict[str, Path], name: str, extra: str) -> Path:
         for i, p in ((1, "def main():"), (2, "Permission is hereby granted"), (3, "acute bronchitis"))
     )
     text = f"name: {name}\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\n{extra}\nexperts:\n{experts}"
-    return merge(write_recipe(tmp / f"{name}.yaml", text), tmp / name)
+    return assemble(write_recipe(tmp / f"{name}.yaml", text), tmp / name)
 
 
 def _arch(path: Path) -> str:

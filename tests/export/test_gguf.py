@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import save_dense, write_recipe
-from moetool.api import export, merge, plan_export
+from moetool.api import assemble, export, plan_export
 from moetool.errors import OutputExistsError
 from moetool.export import ExportError
 
@@ -26,7 +26,7 @@ def _merge(tmp, m, name, extra=""):
     text = f"name: {name}\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\n{extra}\n" + EXPERTS3.format(
         e1=m["e1"], e2=m["e2"], e3=m["e3"]
     )
-    return merge(write_recipe(tmp / f"{name}.yaml", text), tmp / name)
+    return assemble(write_recipe(tmp / f"{name}.yaml", text), tmp / name)
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,7 @@ def test_dense_adapter_matches_merged(tiny_models, tmp_path, rslora):
 def test_expert_adapter_is_stacked(tiny_models, tmp_path):
     """A LoRA on every expert's w1 becomes 3-D lora_a/lora_b tensors llama.cpp applies per expert."""
     from conftest import write_recipe
-    from moetool.api import merge
+    from moetool.api import assemble
 
     m = tiny_models("llama")
     recipe = write_recipe(
@@ -68,7 +68,7 @@ gate_mode: random
 experts: [{{name: a, source: {m["e1"]}}}, {{name: b, source: {m["e2"]}}}, {{name: c, source: {m["e3"]}}}]
 """,
     )
-    moe = merge(recipe, tmp_path / "moe")
+    moe = assemble(recipe, tmp_path / "moe")
     torch.manual_seed(1)
     tensors = {}
     for layer in range(2):

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import TEXT, save_dense, write_recipe
-from moetool.api import export, merge
+from moetool.api import assemble, export
 from moetool.export.gguf.exporter import GATES
 from moetool.export.gguf.tokenizer import read_vocab
 from moetool.export.gguf.verify import compare
@@ -51,7 +51,7 @@ def granitemoe(granite, tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp / "r.yaml",
         f"name: gm\nmethod: mofe\nbase_model: {granite['base']}\nexperts_per_token: 2\nexperts:\n{experts}\n",
     )
-    return merge(recipe, tmp / "moe")
+    return assemble(recipe, tmp / "moe")
 
 
 def test_granitemoe_three_experts_f32(granitemoe, tmp_path):
@@ -89,7 +89,7 @@ def test_granitemoe_with_attention_bias_and_tied_head(tmp_path):
     e1 = save_dense(tmp_path / "e1", "granite", seed=1, base=base, mlp_noise=0.3)
     text = f"name: gb\nmethod: mofe\nbase_model: {base}\ngate_mode: random\nexperts:\n"
     text += f"  - {{name: a, source: {base}}}\n  - {{name: b, source: {e1}}}\n"
-    man = export(merge(write_recipe(tmp_path / "r.yaml", text), tmp_path / "moe"), tmp_path / "o", quant="f32")
+    man = export(assemble(write_recipe(tmp_path / "r.yaml", text), tmp_path / "moe"), tmp_path / "o", quant="f32")
     assert _max_diff(man) <= 1e-3
     names = {t.name for t in gguf.GGUFReader(str(tmp_path / "o" / man["file"])).tensors}
     assert "blk.0.attn_q.bias" in names and "output.weight" not in names

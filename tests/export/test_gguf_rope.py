@@ -15,7 +15,7 @@ from rope_cases import LONG, LONGROPE_ORIG, ORIG, SHORT, rope_kwargs, unscaled_k
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import save_dense, write_recipe
-from moetool.api import export, merge
+from moetool.api import assemble, export
 from moetool.export import ExportError
 from moetool.export.gguf.layout import plan_layout
 from moetool.export.gguf.rope import llama3_factors, rope_parameters
@@ -32,7 +32,7 @@ def _moe(tmp, family: str, case: str, extra: str = "") -> object:
     base = save_dense(tmp / "base", family, **rope_kwargs(case))
     e = {f"e{i}": save_dense(tmp / f"e{i}", family, seed=i, base=base, mlp_noise=0.3) for i in (1, 2)}
     text = f"name: m\nmethod: mofe\nbase_model: {base}\nexperts_per_token: 2\n{extra}" + EXPERTS.format(**e)
-    return merge(write_recipe(tmp / "m.yaml", text), tmp / "moe")
+    return assemble(write_recipe(tmp / "m.yaml", text), tmp / "moe")
 
 
 def _logits(model: object, ids: list[int]) -> np.ndarray:

@@ -21,10 +21,10 @@ MIXED = "experts=q4_0,router=f32,*=q8_0"
 
 
 def _merge(tmp, m, name, extra=""):
-    from moetool.api import merge
+    from moetool.api import assemble
 
     text = f"name: {name}\nmethod: mofe\nbase_model: {m['base']}\n{extra}\n" + EXPERTS.format(**m)
-    return merge(write_recipe(tmp / f"{name}.yaml", text), tmp / name)
+    return assemble(write_recipe(tmp / f"{name}.yaml", text), tmp / name)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import onnx
 import pytest
 
 from conftest import write_recipe
-from moetool.api import export, merge, plan_export
+from moetool.api import assemble, export, plan_export
 from moetool.export import ExportError
 
 EXPERTS = """experts:
@@ -18,7 +18,7 @@ EXPERTS = """experts:
 
 def _merge(tmp, m, name, extra=""):
     text = f"name: {name}\nmethod: mofe\nbase_model: {m['base']}\n{extra}\n" + EXPERTS.format(**m)
-    return merge(write_recipe(tmp / f"{name}.yaml", text), tmp / name)
+    return assemble(write_recipe(tmp / f"{name}.yaml", text), tmp / name)
 
 
 @pytest.fixture(scope="module")

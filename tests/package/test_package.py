@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from conftest import TEXT, write_recipe
-from moetool.api import export, merge
+from moetool.api import assemble, export
 from moetool.cli import app
 from moetool.errors import OutputExistsError
 from moetool.package import PackageError, PushError, build_repo, push, upload_files
@@ -53,7 +53,7 @@ experts:
   - {{name: legal, source: {m["e2"]}}}
 """,
     )
-    merged = merge(recipe, root / "merged")
+    merged = assemble(recipe, root / "merged")
     export(merged, root / "exports" / "q8", target="gguf", quant="q8_0", verify=False)
     texts = {"code": TEXT, "legal": TEXT[::-1]}
     report = evaluate({"e1": m["e1"], str(merged): merged}, texts, seq_len=32, max_tokens=256)

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import write_recipe
-from moetool.api import merge
+from moetool.api import assemble
 from moetool.routing.init import cheap_embed_gates, random_gates
 
 POS = {"a": ["def main():", "import os, sys"], "b": ["Permission is hereby granted", "free of charge"]}
@@ -62,7 +62,7 @@ experts:
   - {{name: b, source: {m["e2"]}, positive_prompts: {fmt(POS["b"])}}}
 """,
     )
-    out = merge(recipe, tmp_path / "moe")
+    out = assemble(recipe, tmp_path / "moe")
     weights = load_file(str(out / "model.safetensors"))
     ref = {e: _reference_rows(m["base"], POS[e], NEG[e]) for e in ("a", "b")}
     for layer in range(2):

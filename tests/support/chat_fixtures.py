@@ -7,7 +7,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from conftest import write_recipe
-from moetool.api import merge
+from moetool.api import assemble
 
 TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
 PROMPTS = {"code": "def main():", "legal": "Permission is hereby granted", "medical": "acute bronchitis"}
@@ -28,4 +28,4 @@ def chat_moe(models: dict[str, Path], tmp: Path, experts: tuple[str, ...] = ("co
         for i, name in enumerate(experts, 1)
     )
     text = f"name: chat-moe\nmethod: mofe\nbase_model: {models['base']}\nexperts_per_token: 2\nexperts:\n{lines}"
-    return add_chat_template(merge(write_recipe(tmp / "r.yaml", text), tmp / "moe"))
+    return add_chat_template(assemble(write_recipe(tmp / "r.yaml", text), tmp / "moe"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tuning_fixtures import write_tuning_recipe
 
-from moetool.api import merge
+from moetool.api import assemble
 from moetool.errors import MoetoolError
 from moetool.recipe import load_recipe
 from moetool.train.distributed import local_micro_batches, make_accelerator
@@ -72,7 +72,7 @@ def moe(tiny_models, tmp_path_factory):
     m = tiny_models("llama")
     d = tmp_path_factory.mktemp("multiprocess")
     recipe = write_tuning_recipe(d, m, steps=4)
-    model = merge(recipe, d / "moe")
+    model = assemble(recipe, d / "moe")
     train_router(load_recipe(recipe), model, d / "one")
     return recipe, model, d / "one"
 

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from tuning_fixtures import write_tuning_recipe
 
-from moetool.api import merge
+from moetool.api import assemble
 from moetool.recipe import load_recipe
 from moetool.train.router_tuning import checkpoint_dir, train_router
 
@@ -28,7 +28,7 @@ def moe(tiny_models, tmp_path_factory):
     m = tiny_models("llama")
     d = tmp_path_factory.mktemp("train")
     recipe = write_tuning_recipe(d, m, steps=6, legal_jsonl=True)
-    return load_recipe(recipe), merge(recipe, d / "moe")
+    return load_recipe(recipe), assemble(recipe, d / "moe")
 
 
 def test_trains_routers_and_freezes_experts(moe, tmp_path):

@@ -166,14 +166,14 @@ def test_moe_of_smollm2_experts_generates_and_its_gguf_answers_the_same(built, m
     and its special tokens, matches in llama.cpp, and gives the same greedy answer on the same ids."""
     import gguf as gguf_py
 
-    from moetool.api import ask, export, merge
+    from moetool.api import ask, assemble, export
 
     _res, cache = built
     monkeypatch.setenv("MOETOOL_CACHE", str(cache))
     build_smollm2(config=TINY, console=Console(file=io.StringIO()))  # the plumbing experts (reused if built)
     recipe = tmp_path / "moe.yaml"
     recipe.write_text(REAL_MOE)
-    moe = merge(recipe, tmp_path / "moe")
+    moe = assemble(recipe, tmp_path / "moe")
     tok = AutoTokenizer.from_pretrained(moe)
     assert tok.chat_template and len(tok) == 49152
     manifest = export(moe, tmp_path / "gguf", quant="f32")

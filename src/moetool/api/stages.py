@@ -58,12 +58,8 @@ def plan(recipe: RecipeLike, *, allow_pickle: bool = False) -> MergePlan | str:
     """What ``assemble`` would build, from configs and headers only: a :class:`~moetool.methods.mofe.MergePlan`
     for mofe (every output tensor), a description for the other methods. Nothing is written."""
     r = load(recipe)
-    return plugin(r).describe(r, allow_pickle=allow_pickle)
-
-
-def plan_merge(recipe: RecipeLike, *, allow_pickle: bool = False) -> MergePlan | str:
-    """The mofe tensor plan (kept name of :func:`plan`)."""
-    return plan(recipe, allow_pickle=allow_pickle)
+    described: MergePlan | str = plugin(r).describe(r, allow_pickle=allow_pickle)
+    return described
 
 
 def assemble(
@@ -80,9 +76,6 @@ def assemble(
     return Path(
         plugin(r).assemble(r, Path(output), force=force, allow_pickle=allow_pickle, console=console or silent())
     )
-
-
-merge = assemble
 
 
 def train(

@@ -8,18 +8,23 @@ The registry (:data:`moetool.registry.METHODS`) names them as data; plugins are 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from moetool import registry
 from moetool.methods.base import MethodPlugin, register_causal_lm
 
 
-def get_plugin(method: str) -> MethodPlugin:
-    """The plugin of ``method`` (an unknown name gets "did you mean")."""
-    plugin: MethodPlugin = registry.load(registry.method_entry(method).plugin)
+def get_plugin(method: str) -> MethodPlugin[Any, Any]:
+    """The plugin of ``method`` (an unknown name gets "did you mean").
+
+    Raises:
+        RecipeError: no such method.
+    """
+    plugin: MethodPlugin[Any, Any] = registry.load(registry.method_entry(method).plugin)
     return plugin
 
 
-def plugin_for_model(model_dir: Path) -> MethodPlugin | None:
+def plugin_for_model(model_dir: Path) -> MethodPlugin[Any, Any] | None:
     """The method whose own model class or bundle ``model_dir`` is, or None for a standard transformers model."""
     for name in registry.METHODS:
         plugin = get_plugin(name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from rich.console import Console
 
@@ -21,10 +21,14 @@ from moetool.io.safe import read_json
 from moetool.recipe.base import RecipeBase
 
 if TYPE_CHECKING:  # the mofe plan imports torch; the CLI imports this module at start-up
-    from moetool.methods.mofe.plan import MergePlan
+    pass
 
 # what ``api.build`` reports after each stage: (stage name, its result)
 Stage = Callable[[str, Any], None]
+
+RecipeT = TypeVar("RecipeT", bound=RecipeBase)  # a method's recipe model
+PlanT = TypeVar("PlanT")  # what a method's ``describe`` returns (mofe: MergePlan; the others: their description)
+RecipeT_contra = TypeVar("RecipeT_contra", bound=RecipeBase, contravariant=True)
 
 
 def register_causal_lm(config_cls: Any, model_cls: Any) -> None:
@@ -95,8 +99,10 @@ def config_model_type(model_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class MethodPlugin:
-    """Base of every method plugin; a method overrides what it supports, the rest refuses with the reason.
+class MethodPlugin(Generic[RecipeT, PlanT]):
+    """Base of every method plugin, generic over its recipe model ``RecipeT`` and its plan ``PlanT`` (what
+    :meth:`describe` returns), so each stage's ``recipe`` is typed without runtime casts. A method overrides what
+    it supports; the rest refuses with the reason.
 
     Attributes:
         name: the recipe's ``method:`` value.
@@ -112,25 +118,37 @@ class MethodPlugin:
     marker_files: tuple[str, ...] = ()
     export_targets: tuple[str, ...] = ()
 
-    def check(self, recipe: RecipeBase) -> list[str]:
+    def check(self, recipe: RecipeT) -> list[str]:
         """What can be checked without weights beyond the recipe's own validation (``moetool validate``, and the
         start of every plan): raises a MoetoolError naming file and field; returns warnings."""
         return []
 
-    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> MergePlan | str:
-        """What :meth:`assemble` would build (``moetool merge --dry-run``); reads no weights."""
+    def describe(self, recipe: RecipeT, *, allow_pickle: bool = False) -> PlanT:
+        """What :meth:`assemble` would build (``moetool merge --dry-run``); reads no weights.
+
+        Raises:
+            NotImplementedError: the method has no merge stage.
+        """
         raise NotImplementedError
 
     def assemble(
-        self, recipe: RecipeBase, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+        self, recipe: RecipeT, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
     ) -> Path:
-        """Build the model into ``output`` atomically (refusing an existing one without ``force``); returns it."""
+        """Build the model into ``output`` atomically (refusing an existing one without ``force``); returns it.
+
+        Raises:
+            NotImplementedError: the method has no merge stage.
+        """
         raise NotImplementedError
 
     def train(
-        self, recipe: RecipeBase, model: Path | None, output: Path, options: TrainOptions, console: Console
+        self, recipe: RecipeT, model: Path | None, output: Path, options: TrainOptions, console: Console
     ) -> TrainOutcome:
-        """Train what the recipe's training section says, from ``model`` (the merged output) into ``output``."""
+        """Train what the recipe's training section says, from ``model`` (the merged output) into ``output``.
+
+        Raises:
+            MoetoolError: the method has nothing to train after the merge.
+        """
         raise MoetoolError(
             f"method {self.name}: its routers are trained inside `moetool merge` (see docs/{self.name}.md); "
             "`moetool train` has nothing more to do"
@@ -164,23 +182,33 @@ class MethodPlugin:
         return FunctionExporter(name=chosen, requires=chosen, description=describe(chosen), fn=fn(chosen))
 
 
-class AssemblerPlugin(MethodPlugin):
-    """A method whose ``moetool merge`` is an assembler object (``describe(recipe, recipe_dir=…)`` and
-    ``assemble(recipe, recipe_dir=…, output=…, force=…, console=…)``), named by :attr:`assembler`."""
+class Assembler(Protocol[RecipeT_contra]):
+    """What an :class:`AssemblerPlugin` names: describe and build a method's model from its recipe."""
+
+    def describe(self, recipe: RecipeT_contra, *, recipe_dir: Path) -> str: ...
+
+    def assemble(
+        self, recipe: RecipeT_contra, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None
+    ) -> Path: ...
+
+
+class AssemblerPlugin(MethodPlugin[RecipeT, str]):
+    """A method whose ``moetool merge`` is an :class:`Assembler` object, named by :attr:`assembler` (imported on
+    first use), and whose plan is the assembler's description."""
 
     assembler: str = ""  # "module:Class"
 
-    def _assembler(self) -> Any:
+    def _assembler(self) -> Assembler[RecipeT]:
         from moetool import registry
 
-        return registry.load(self.assembler)()
+        built: Assembler[RecipeT] = registry.load(self.assembler)()
+        return built
 
-    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> str:
-        text: str = self._assembler().describe(recipe, recipe_dir=recipe.recipe_dir)
-        return text
+    def describe(self, recipe: RecipeT, *, allow_pickle: bool = False) -> str:
+        return self._assembler().describe(recipe, recipe_dir=recipe.recipe_dir)
 
     def assemble(
-        self, recipe: RecipeBase, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+        self, recipe: RecipeT, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
     ) -> Path:
         built = self._assembler().assemble(
             recipe, recipe_dir=recipe.recipe_dir, output=output, force=force, console=console

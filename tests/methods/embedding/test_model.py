@@ -206,12 +206,12 @@ train:
 
 
 def test_merge_builds_and_checks(tiny, tmp_path):
-    from moetool.api import merge
+    from moetool.api import assemble
 
     (tmp_path / "data.txt").write_text("\n\n".join([TEXT] * 6))
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE.format(model=tiny))
-    out = merge(recipe, tmp_path / "out")
+    out = assemble(recipe, tmp_path / "out")
     meta = json.loads((out / "moetool.json").read_text())["embedding"]
     assert meta["step0"]["max_abs_vs_svd"] < 1e-5 and meta["step0"]["svd_rank"] == 6
     assert meta["cached_vs_full_max_abs_logit_diff"] < 1e-4 and meta["reload_max_abs_logit_diff"] == 0
@@ -224,7 +224,7 @@ def test_merge_builds_and_checks(tiny, tmp_path):
     ppl = evaluate({"emb": out}, {"mixed": TEXT}, seq_len=16, max_tokens=64)["perplexity"]["emb"]["mixed"]
     assert 1 < ppl < 1e4
     with pytest.raises(OutputExistsError):
-        merge(recipe, tmp_path / "out")
+        assemble(recipe, tmp_path / "out")
 
 
 @pytest.mark.parametrize(
@@ -250,13 +250,13 @@ def test_recipe_errors_name_field_and_line(tmp_path, edit, expected):
 
 
 def test_missing_model_is_named(tmp_path):
-    from moetool.api import merge
+    from moetool.api import assemble
     from moetool.errors import PreflightError
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE.format(model=tmp_path / "nope"))
     with pytest.raises(PreflightError, match="^model: "):
-        merge(recipe, tmp_path / "out")
+        assemble(recipe, tmp_path / "out")
 
 
 def test_dry_run_describes_parameters(tiny, tmp_path):

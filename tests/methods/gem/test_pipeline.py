@@ -17,7 +17,7 @@ DOMAINS = ("code", "legal", "medical")
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from moetool.api import merge
+    from moetool.api import assemble
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("gem")
@@ -28,7 +28,7 @@ def built(tmp_path_factory):
     )
     recipe = root / "gem.yaml"
     recipe.write_text(recipe_text(paths, extra=extra))
-    out = merge(recipe, root / "out")
+    out = assemble(recipe, root / "out")
     return paths, recipe, out
 
 
@@ -70,11 +70,11 @@ def test_assembly_report_and_reload(built):
 
 
 def test_existing_output_is_refused(built):
-    from moetool.api import merge
+    from moetool.api import assemble
 
     _, recipe, out = built
     with pytest.raises(OutputExistsError, match="--force"):
-        merge(recipe, out)
+        assemble(recipe, out)
 
 
 def _fresh_model(paths):

@@ -14,14 +14,14 @@ DOMAINS = ("code", "medical")
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from moetool.api import merge
+    from moetool.api import assemble
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("gemseq")
     paths = make_gem_inputs(root, DOMAINS)
     recipe = root / "gem.yaml"
     recipe.write_text(recipe_text(paths, DOMAINS, level="sequence").replace("tau: 0.7", "tau: 0.6"))
-    return paths, merge(recipe, root / "bundle")
+    return paths, assemble(recipe, root / "bundle")
 
 
 def test_bundle_layout_and_router(bundle):

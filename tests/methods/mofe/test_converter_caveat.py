@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from conftest import save_dense, write_recipe
-from moetool.api import merge, plan
+from moetool.api import assemble, plan
 
 
 def _recipe(tmp: Path, base: Path, k: int, extra: str = "") -> Path:
@@ -44,6 +44,6 @@ def test_merge_warns_when_llama_cpps_converter_would_differ(tmp_path, family, k,
     if extra or k == 3 or family == "qwen3":
         return  # the plan is what the merge prints; two merges below show the printout and the card
     log = Console(record=True, width=300)
-    out = merge(recipe, tmp_path / "moe", console=log)
+    out = assemble(recipe, tmp_path / "moe", console=log)
     assert ("convert_hf_to_gguf.py" in log.export_text()) == warned
     assert ("## Known limits" in (out / "README.md").read_text()) == warned

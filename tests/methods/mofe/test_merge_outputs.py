@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import write_recipe
-from moetool.api import merge, plan_merge
+from moetool.api import assemble, plan
 from moetool.inspect import inspect_model
 from moetool.io.checkpoint import Checkpoint
 
@@ -36,7 +36,7 @@ experts:
   - {{name: medical, source: {m["e3"]}, positive_prompts: ["acute bronchitis"]}}
 """,
     )
-    return m, merge(recipe, d / "moe")
+    return m, assemble(recipe, d / "moe")
 
 
 def test_loads_and_generates(merged):
@@ -113,11 +113,11 @@ experts:
   - {{name: c, source: {m["e3"]}}}
 """,
     )
-    plan = plan_merge(recipe)
-    kinds = {op.kind for op in plan.ops}
+    merge_plan = plan(recipe)
+    kinds = {op.kind for op in merge_plan.ops}
     assert kinds == {"copy", "expert", "router"}
-    assert plan.total_bytes == sum(op.numel for op in plan.ops) * 4
-    assert any("not a power of two" in w for w in plan.warnings)
+    assert merge_plan.total_bytes == sum(op.numel for op in merge_plan.ops) * 4
+    assert any("not a power of two" in w for w in merge_plan.warnings)
     assert not (tmp_path / "moe").exists()
 
 
@@ -126,9 +126,9 @@ def test_peak_memory_estimate(tiny_models, tmp_path):
     text = f"name: mem\nmethod: mofe\nbase_model: {m['base']}\ngate_mode: {{mode}}\nexperts:\n" + "".join(
         f"  - {{{{name: e{i}, source: {m[f'e{i}']}, positive_prompts: [x]}}}}\n" for i in (1, 2)
     )
-    random_plan = plan_merge(write_recipe(tmp_path / "a.yaml", text.format(mode="random")))
+    random_plan = plan(write_recipe(tmp_path / "a.yaml", text.format(mode="random")))
     largest = max(op.numel for op in random_plan.ops) * 4
     assert random_plan.peak_memory_estimate() == 2 * largest  # streaming: one tensor at a time, not a shard
-    hidden_plan = plan_merge(write_recipe(tmp_path / "b.yaml", text.format(mode="hidden")))
+    hidden_plan = plan(write_recipe(tmp_path / "b.yaml", text.format(mode="hidden")))
     dense_params = sum(t.numel for t in Checkpoint(m["base"]).tensors.values())
     assert hidden_plan.peak_memory_estimate() == dense_params * 4  # the base model, freed before streaming

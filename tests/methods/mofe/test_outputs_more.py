@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import save_dense, write_recipe
-from moetool.api import merge, plan
+from moetool.api import assemble, plan
 from moetool.errors import PreflightError
 
 # granite's four scales away from 1, so a merge that dropped one would show in the logits
@@ -46,14 +46,14 @@ def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_granitemoe_of_identical_experts_equals_granite(granite, tmp_path, seed):
-    out = merge(_recipe(tmp_path, granite["base"], [granite["base"]] * 3, seed), tmp_path / "moe")
+    out = assemble(_recipe(tmp_path, granite["base"], [granite["base"]] * 3, seed), tmp_path / "moe")
     _equal_to_dense(out, granite["base"], seed)
 
 
 def test_granitemoe_with_attention_bias_and_tied_head(tmp_path):
     """Granite 3's tied embeddings and the attention_bias option carry over."""
     base = save_dense(tmp_path / "b", "granite", attention_bias=True, tie_word_embeddings=True, **GRANITE_SCALES)
-    out = merge(_recipe(tmp_path, base, [base] * 3), tmp_path / "moe")
+    out = assemble(_recipe(tmp_path, base, [base] * 3), tmp_path / "moe")
     cfg = AutoConfig.from_pretrained(str(out))
     assert cfg.attention_bias and cfg.tie_word_embeddings
     _equal_to_dense(out, base, 0)
@@ -72,7 +72,7 @@ def test_granitemoe_stacks_each_expert_gate_then_up(granite, tmp_path):
     """input_linear[e] = [gate; up] of expert e, output_linear[e] = its down: distinct experts land in place."""
     from safetensors.torch import load_file
 
-    out = merge(_recipe(tmp_path, granite["base"], [granite["base"], granite["e1"]]), tmp_path / "moe")
+    out = assemble(_recipe(tmp_path, granite["base"], [granite["base"], granite["e1"]]), tmp_path / "moe")
     moe = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
     e1 = load_file(next(granite["e1"].glob("*.safetensors")))
     fused = moe["model.layers.1.block_sparse_moe.input_linear.weight"]
@@ -155,7 +155,7 @@ def test_granitemoe_router_tuning_trains_the_router_only(granite, tmp_path):
         "  seq_len: 16\n  learning_rate: 0.05\n"
     )
     recipe = _recipe(tmp_path, granite["base"], [granite["base"], granite["e1"]], extra=extra)
-    src = merge(recipe, tmp_path / "moe")
+    src = assemble(recipe, tmp_path / "moe")
     res = train_router(load_recipe(recipe), src, tmp_path / "tuned")
     before = load_file(next(src.glob("*.safetensors")))
     after = load_file(next((tmp_path / "tuned").glob("*.safetensors")))

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import write_recipe
-from moetool.api import merge
+from moetool.api import assemble
 
 
 def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,7 @@ experts:
   - {{name: c, source: {m["base"]}}}
 """,
     )
-    out = merge(recipe, tmp_path / "moe")
+    out = assemble(recipe, tmp_path / "moe")
     ids = torch.randint(4, 300, (2, 11), generator=torch.Generator().manual_seed(seed))
     moe = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     assert type(moe).__name__ == expected_cls
@@ -69,6 +69,6 @@ experts:
   - {{name: b, source: {m["e2"]}}}
 """,
     )
-    out = merge(recipe, tmp_path / "moe")
+    out = assemble(recipe, tmp_path / "moe")
     ids = torch.randint(4, 300, (1, 9))
     assert (_logits(out, ids) - _logits(m["base"], ids)).abs().max().item() > 1e-3

@@ -6,7 +6,7 @@ import pytest
 
 import moetool.io.writer as writer_mod
 from conftest import make_tokenizer, save_dense, write_recipe
-from moetool.api import merge
+from moetool.api import assemble
 from moetool.errors import OutputExistsError, PreflightError, SourceError, UnsupportedArchitecture
 
 
@@ -21,7 +21,7 @@ def _recipe(tmp_path, base, experts, extra=""):
 
 def _fails(tmp_path, recipe, exc, *fragments):
     with pytest.raises(exc) as info:
-        merge(recipe, tmp_path / "out")
+        assemble(recipe, tmp_path / "out")
     for frag in fragments:
         assert frag in str(info.value), str(info.value)
     assert not (tmp_path / "out").exists()
@@ -146,7 +146,7 @@ def test_pickle_only_checkpoint_needs_flag(tiny_models, tmp_path):
     (p / "model.safetensors").unlink()
     r = _recipe(tmp_path, m["base"], [p])
     _fails(tmp_path, r, PreflightError, "only pickle weights", "--allow-pickle")
-    assert merge(r, tmp_path / "ok", allow_pickle=True).is_dir()
+    assert assemble(r, tmp_path / "ok", allow_pickle=True).is_dir()
 
 
 def test_zoo_source_without_zoo(tmp_path, monkeypatch, tiny_models):
@@ -166,9 +166,9 @@ def test_existing_output_needs_force(tiny_models, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(OutputExistsError, match="--force"):
-        merge(r, out)
+        assemble(r, out)
     assert (out / "keep.txt").read_text() == "mine"
-    merge(r, out, force=True)
+    assemble(r, out, force=True)
     assert not (out / "keep.txt").exists() and (out / "config.json").exists()
 
 
@@ -186,7 +186,7 @@ def test_failure_midway_leaves_nothing(tiny_models, tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer_mod.ShardedWriter, "add", flaky)
     with pytest.raises(KeyboardInterrupt):
-        merge(r, tmp_path / "out")
+        assemble(r, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if "moetool" in p.name]
 
@@ -194,7 +194,7 @@ def test_failure_midway_leaves_nothing(tiny_models, tmp_path, monkeypatch):
 def test_failure_midway_keeps_previous_output(tiny_models, tmp_path, monkeypatch):
     m = tiny_models("llama")
     r = _recipe(tmp_path, m["base"], [m["e1"]])
-    out = merge(r, tmp_path / "out")
+    out = assemble(r, tmp_path / "out")
     before = (out / "model.safetensors").read_bytes()
 
     def boom(self, name, tensor):
@@ -202,5 +202,5 @@ def test_failure_midway_keeps_previous_output(tiny_models, tmp_path, monkeypatch
 
     monkeypatch.setattr(writer_mod.ShardedWriter, "add", boom)
     with pytest.raises(RuntimeError):
-        merge(r, out, force=True)
+        assemble(r, out, force=True)
     assert (out / "model.safetensors").read_bytes() == before

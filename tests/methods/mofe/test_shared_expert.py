@@ -7,7 +7,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from conftest import write_recipe
-from moetool.api import merge
+from moetool.api import assemble
 
 
 def test_shared_expert_exact(tiny_models, tmp_path):
@@ -26,7 +26,7 @@ shared_expert:
   source: {m["base"]}
 """,
     )
-    out = merge(recipe, tmp_path / "moe")
+    out = assemble(recipe, tmp_path / "moe")
     moe = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert type(moe).__name__ == "Qwen2MoeForCausalLM" and moe.config.shared_expert_intermediate_size == 48
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -58,7 +58,7 @@ shared_expert:
   positive_prompts: ["Permission is hereby granted"]
 """,
     )
-    out = merge(recipe, tmp_path / "moe")
+    out = assemble(recipe, tmp_path / "moe")
     with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(m["e3"] / "model.safetensors"), "pt") as g:
         gate = f.get_tensor("model.layers.1.mlp.shared_expert_gate.weight")
         assert gate.shape == (1, 32) and abs(gate.norm().item() - 1) < 1e-5

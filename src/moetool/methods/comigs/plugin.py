@@ -14,13 +14,7 @@ from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportJob, ExportRequest, Origin, get_exporter
 from moetool.methods.base import MethodExportPlan, MethodPlugin, TrainOptions, TrainOutcome
-from moetool.recipe.base import RecipeBase
 from moetool.recipe.comigs import ComigsRecipe
-
-
-def _as_comigs(recipe: RecipeBase) -> ComigsRecipe:
-    assert isinstance(recipe, ComigsRecipe)
-    return recipe
 
 
 def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str, Any]:
@@ -56,33 +50,33 @@ def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str,
         return ExportJob(exporter, sub, exporter.plan(sub)).run(console)
 
 
-class ComigsPlugin(MethodPlugin):
+class ComigsPlugin(MethodPlugin[ComigsRecipe, str]):
     name = "comigs"
     model_types = ("moetool_comigs",)
     model_modules = ("moetool.methods.comigs.model",)
     export_targets = tuple(registry.TARGETS)
 
-    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> str:
+    def describe(self, recipe: ComigsRecipe, *, allow_pickle: bool = False) -> str:
         from moetool.methods.comigs.pipeline import describe
 
-        return describe(_as_comigs(recipe), recipe.recipe_dir)
+        return describe(recipe, recipe.recipe_dir)
 
     def assemble(
-        self, recipe: RecipeBase, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+        self, recipe: ComigsRecipe, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
     ) -> Path:
         from moetool.methods.comigs.pipeline import assemble
 
-        return assemble(_as_comigs(recipe), recipe.recipe_dir, output, force=force, console=console)
+        return assemble(recipe, recipe.recipe_dir, output, force=force, console=console)
 
     def train(
-        self, recipe: RecipeBase, model: Path | None, output: Path, options: TrainOptions, console: Console
+        self, recipe: ComigsRecipe, model: Path | None, output: Path, options: TrainOptions, console: Console
     ) -> TrainOutcome:
         """The federation in one process (``moetool comigs train --engine flower`` runs it on Flower); options
         ``variant`` (comigs or a baseline) and ``rounds``."""
         from moetool.methods.comigs.federated import VARIANTS
         from moetool.methods.comigs.pipeline import train
 
-        r = _as_comigs(recipe)
+        r = recipe
         variant = options.extra.get("variant", "comigs")
         rounds = options.extra.get("rounds")
         if variant not in VARIANTS:

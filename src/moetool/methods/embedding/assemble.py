@@ -34,7 +34,6 @@ from moetool.io.sources import resolve_source
 from moetool.methods.embedding.retrofit import TrainSettings, retrofit, svd_seed, train_embedding
 from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import EmbeddingConfig, measured_counts, param_counts
-from moetool.recipe.base import RecipeBase
 from moetool.recipe.embedding import EmbeddingRecipe
 from moetool.train.data import load_source, sample_batch, tokenize_stream
 
@@ -122,10 +121,9 @@ class EmbeddingAssembler:
 
     name = "embedding"
 
-    def describe(self, recipe: RecipeBase, *, recipe_dir: Path) -> str:
+    def describe(self, recipe: EmbeddingRecipe, *, recipe_dir: Path) -> str:
         from transformers import AutoConfig
 
-        assert isinstance(recipe, EmbeddingRecipe)
         try:
             src = resolve_source(recipe.model, relative_to=recipe_dir)
             cfg = AutoConfig.from_pretrained(str(src.path))
@@ -154,11 +152,16 @@ class EmbeddingAssembler:
         return "\n".join(lines)
 
     def assemble(
-        self, recipe: RecipeBase, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
+        self,
+        recipe: EmbeddingRecipe,
+        *,
+        recipe_dir: Path,
+        output: Path,
+        force: bool = False,
+        console: Console | None = None,
     ) -> Path:
         import yaml
 
-        assert isinstance(recipe, EmbeddingRecipe)
         output = Path(output)
         check_output(output, force=force)  # before any work, not only at the final move
         torch.manual_seed(recipe.train.seed)

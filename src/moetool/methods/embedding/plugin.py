@@ -11,6 +11,7 @@ from rich.console import Console
 
 from moetool.export.base import Exporter, ExportRequest
 from moetool.methods.base import AssemblerPlugin, ExportFn, MethodExportPlan
+from moetool.recipe.embedding import EmbeddingRecipe
 
 
 def _export(target: str) -> ExportFn:
@@ -22,7 +23,7 @@ def _export(target: str) -> ExportFn:
     return run
 
 
-class EmbeddingPlugin(AssemblerPlugin):
+class EmbeddingPlugin(AssemblerPlugin[EmbeddingRecipe]):
     name = "embedding"
     assembler = "moetool.methods.embedding.assemble:EmbeddingAssembler"
     model_types = ("moetool_routed_embedding",)

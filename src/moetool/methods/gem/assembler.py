@@ -35,7 +35,6 @@ from moetool.methods.gem.training import (
 )
 from moetool.quant.devices import estimate_memory, get_device
 from moetool.quant.plan import TensorEntry, resolve
-from moetool.recipe.base import RecipeBase
 from moetool.recipe.gem import GemRecipe
 
 PARITY_LIMIT = 1e-4  # max |Δlogit| of a forced pathway against its source model (float32, same ops)
@@ -101,8 +100,7 @@ class GemAssembler:
 
     name = "gem"
 
-    def describe(self, recipe: RecipeBase, *, recipe_dir: Path) -> str:
-        assert isinstance(recipe, GemRecipe)
+    def describe(self, recipe: GemRecipe, *, recipe_dir: Path) -> str:
         pw = resolve_pathways(recipe, recipe_dir)
         mem = memory_table(pw, recipe)
         lines = [
@@ -124,9 +122,8 @@ class GemAssembler:
         return "\n".join(lines)
 
     def assemble(
-        self, recipe: RecipeBase, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
+        self, recipe: GemRecipe, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
     ) -> Path:
-        assert isinstance(recipe, GemRecipe)
         console = console or Console(stderr=True)
         check_output(output, force=force)
         console.print(self.describe(recipe, recipe_dir=recipe_dir))

@@ -12,6 +12,7 @@ from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportError, ExportRequest
 from moetool.methods.base import AssemblerPlugin, ExportFn, FunctionExporter, MethodExportPlan
+from moetool.recipe.gem import GemRecipe
 
 TOKEN_TARGETS = ("onnx", "tflite")
 
@@ -44,7 +45,7 @@ def _sequence(target: str) -> ExportFn:
     return run
 
 
-class GemPlugin(AssemblerPlugin):
+class GemPlugin(AssemblerPlugin[GemRecipe]):
     name = "gem"
     assembler = "moetool.methods.gem.assembler:GemAssembler"
     model_types = ("moetool_gem",)

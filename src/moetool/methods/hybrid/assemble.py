@@ -26,7 +26,6 @@ from moetool.methods.hybrid.pipeline import Prepared, prepare
 from moetool.methods.hybrid.profile import PROFILE_FILE
 from moetool.methods.hybrid.router import HybridRouter, router_param_count
 from moetool.methods.hybrid.training import evaluate_choice, oracle_choice, route, soft_nll
-from moetool.recipe.base import RecipeBase
 from moetool.recipe.hybrid import HybridRecipe
 
 HYBRID_JSON = "hybrid.json"
@@ -80,8 +79,7 @@ def _router_config(p: Prepared) -> dict[str, Any]:
 class HybridAssembler:
     name = "hybrid"
 
-    def describe(self, recipe: RecipeBase, *, recipe_dir: Path) -> str:
-        assert isinstance(recipe, HybridRecipe)
+    def describe(self, recipe: HybridRecipe, *, recipe_dir: Path) -> str:
         r = recipe
         width_note = "the encoder's hidden size" if "hidden" in r.router.features else "0"
         lines = [
@@ -99,9 +97,14 @@ class HybridAssembler:
         return "\n".join(lines)
 
     def assemble(
-        self, recipe: RecipeBase, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
+        self,
+        recipe: HybridRecipe,
+        *,
+        recipe_dir: Path,
+        output: Path,
+        force: bool = False,
+        console: Console | None = None,
     ) -> Path:
-        assert isinstance(recipe, HybridRecipe)
         r = recipe
         console = console or Console(stderr=True)
         check_output(Path(output), force=force)

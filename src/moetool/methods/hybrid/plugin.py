@@ -11,6 +11,7 @@ from rich.console import Console
 from moetool import registry
 from moetool.export.base import Exporter, ExportRequest
 from moetool.methods.base import AssemblerPlugin, ExportFn, MethodExportPlan
+from moetool.recipe.hybrid import HybridRecipe
 
 
 def _export(target: str) -> ExportFn:
@@ -31,7 +32,7 @@ def _export(target: str) -> ExportFn:
     return run
 
 
-class HybridPlugin(AssemblerPlugin):
+class HybridPlugin(AssemblerPlugin[HybridRecipe]):
     name = "hybrid"
     assembler = "moetool.methods.hybrid.assemble:HybridAssembler"
     marker_files = ("hybrid.json",)

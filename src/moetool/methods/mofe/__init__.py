@@ -12,22 +12,20 @@ from rich.console import Console
 
 from moetool.methods.base import MethodPlugin, TrainOptions, TrainOutcome
 from moetool.methods.mofe.plan import MergePlan, TensorOp
-from moetool.recipe.base import RecipeBase
 from moetool.recipe.mofe import MoFERecipe
 
 
-class MoFEPlugin(MethodPlugin):
+class MoFEPlugin(MethodPlugin[MoFERecipe, MergePlan]):
     """Its outputs are plain transformers MoE models: the standard exporters serve them."""
 
     name = "mofe"
 
-    def check(self, recipe: RecipeBase) -> list[str]:
+    def check(self, recipe: MoFERecipe) -> list[str]:
         """The prompts (and chat template) against the base's tokenizer, when the base is available here."""
         from moetool.errors import MoetoolError
         from moetool.io.sources import resolve_source
         from moetool.methods.mofe.checks import check_prompts, load_tokenizer
 
-        assert isinstance(recipe, MoFERecipe)
         try:
             base = resolve_source(recipe.base_model, relative_to=recipe.recipe_dir).path
         except MoetoolError:
@@ -39,14 +37,13 @@ class MoFEPlugin(MethodPlugin):
             return [f"base_model {base} has no tokenizer: prompts not checked"]
         return check_prompts(recipe, base, tok)
 
-    def describe(self, recipe: RecipeBase, *, allow_pickle: bool = False) -> MergePlan:
+    def describe(self, recipe: MoFERecipe, *, allow_pickle: bool = False) -> MergePlan:
         from moetool.methods.mofe.planner import plan_mofe
 
-        assert isinstance(recipe, MoFERecipe)
         return plan_mofe(recipe, allow_pickle=allow_pickle)
 
     def assemble(
-        self, recipe: RecipeBase, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+        self, recipe: MoFERecipe, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
     ) -> Path:
         from moetool.methods.mofe.execute import execute
 
@@ -54,12 +51,11 @@ class MoFEPlugin(MethodPlugin):
         return execute(plan, output, force=force, recipe_text=recipe.text, console=console)
 
     def train(
-        self, recipe: RecipeBase, model: Path | None, output: Path, options: TrainOptions, console: Console
+        self, recipe: MoFERecipe, model: Path | None, output: Path, options: TrainOptions, console: Console
     ) -> TrainOutcome:
         from moetool.errors import MoetoolError
         from moetool.train.router_tuning import train_router
 
-        assert isinstance(recipe, MoFERecipe)
         if model is None:
             raise MoetoolError("--model: router tuning needs the merged MoE (moetool merge RECIPE -o DIR)")
         res = train_router(
