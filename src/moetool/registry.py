@@ -88,20 +88,33 @@ def load(spec: str) -> Any:
 
 
 def method_entry(name: object) -> MethodEntry:
+    """The registry entry of method ``name``.
+
+    Raises:
+        UnknownPluginError: not a registered method (with "did you mean").
+    """
     if not isinstance(name, str) or name not in METHODS:
         raise UnknownPluginError(f"method: {name!r} is not a known method ({did_you_mean(name, METHODS)})")
     return METHODS[name]
 
 
 def target_spec(target: object) -> str:
+    """The ``"module:Class"`` of the exporter of ``target``.
+
+    Raises:
+        UnknownPluginError: not a registered target (with "did you mean").
+    """
     if not isinstance(target, str) or target not in TARGETS:
         raise UnknownPluginError(f"unknown target {target!r} ({did_you_mean(target, TARGETS)})")
     return TARGETS[target]
 
 
 def load_all_methods() -> None:
-    """Import every method plugin, which registers moetool's own model classes (``moetool_gem``, …) with
-    transformers' Auto classes, so ``AutoModelForCausalLM.from_pretrained`` loads any moetool output."""
+    """Import every method plugin's model modules.
+
+    That registers moetool's own model classes (``moetool_gem``, …) with transformers' Auto classes, so
+    ``AutoModelForCausalLM.from_pretrained`` loads any moetool output.
+    """
     for entry in METHODS.values():
         for module in load(entry.plugin).model_modules:
             importlib.import_module(module)

@@ -15,8 +15,11 @@ __all__ = ["AskedQuestion", "GgufAnswer", "ask"]
 
 @dataclass
 class GgufAnswer:
-    """A GGUF's greedy answer to the same chat-templated ids; ``same_prefix``: how many of its first tokens equal
-    transformers' answer (``matches``: all of them, and the same length)."""
+    """A GGUF's greedy answer to the same chat-templated ids.
+
+    ``same_prefix``: how many of its first tokens equal transformers' answer (``matches``: all of them, and the
+    same length).
+    """
 
     text: str
     ids: list[int]
@@ -25,6 +28,7 @@ class GgufAnswer:
     tokens_per_s: float
 
     def to_json(self) -> dict[str, Any]:
+        """The answer as ``answers.json`` holds it."""
         return {
             "answer": self.text,
             "tokens": len(self.ids),
@@ -42,6 +46,7 @@ class AskedQuestion:
     gguf: dict[str, GgufAnswer] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        """The question's answers (transformers, then each GGUF) as ``answers.json`` holds them."""
         return self.answer.to_json() | {"gguf": {k: v.to_json() for k, v in self.gguf.items()}}
 
 
@@ -61,9 +66,10 @@ def ask(
     ggufs: dict[str, Path] | None = None,
     max_new_tokens: int = 48,
 ) -> list[AskedQuestion]:
-    """Each question (label → text) as a user turn of the model's chat template: the greedy answer of the model in
-    transformers with the expert shares that produced it, and of each GGUF (name → file) in llama.cpp, which gets the
-    same prompt ids (so the tokenizer is not what differs).
+    """Ask each question (label → text) as a user turn of the model's chat template.
+
+    Returns the greedy answer of the model in transformers with the expert shares that produced it, and of each
+    GGUF (name → file) in llama.cpp, which gets the same prompt ids (so the tokenizer is not what differs).
 
     Raises:
         MoetoolError: the model's tokenizer has no chat template.

@@ -58,13 +58,18 @@ def build(
     console: Console | None = None,
     on_stage: Stage | None = None,
 ) -> BuildResult:
-    """The recipe's whole pipeline: assemble → tune (``tune``, default: when the recipe has ``train:``; once per preset) → evaluate
-    (the merged and tuned models beside ``compare``; lm-eval ``tasks`` too, ``task_limit`` documents each) → export every ``targets:`` entry (or only ``devices``) →
-    package. The recipe's ``questions:`` are asked of the final model and of each GGUF written (``answers.json``).
+    """Run the recipe's whole pipeline: assemble → tune → evaluate → export → package.
 
-    ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures there).
+    Tuning runs when ``tune`` says (default: when the recipe has ``train:``), once per preset; evaluation covers the
+    merged and tuned models beside ``compare`` (lm-eval ``tasks`` too, ``task_limit`` documents each, optional: a
+    failure is recorded in ``BuildResult.failed`` and the build goes on); every ``targets:`` entry (or only
+    ``devices``) is exported; the recipe's ``questions:`` are asked of the final model and of each GGUF written
+    (``answers.json``). ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures).
+
+    Raises:
+        MoetoolError: a recipe of another method than mofe (its own commands are named).
+        OutputExistsError: ``output`` exists and ``force`` is not given.
     """
-
     r = load(recipe)
     out, console = Path(output), console or silent()
     stage: Stage = on_stage or (lambda name, value: None)

@@ -44,8 +44,10 @@ def plugin(recipe: RecipeBase) -> MethodPlugin:
 
 
 def check(recipe: RecipeLike) -> list[str]:
-    """Everything knowable without weights (``moetool validate``): the recipe's own validation, then the method's
-    checks against what it names (mofe: every prompt through the base's tokenizer). Returns warnings.
+    """Check everything knowable without weights (``moetool validate``); returns warnings.
+
+    The recipe's own validation, then the method's checks against what it names (mofe: every prompt through the
+    base's tokenizer).
 
     Raises:
         MoetoolError: naming the recipe file and the field.
@@ -55,8 +57,10 @@ def check(recipe: RecipeLike) -> list[str]:
 
 
 def plan(recipe: RecipeLike, *, allow_pickle: bool = False) -> MergePlan | str:
-    """What ``assemble`` would build, from configs and headers only: a :class:`~moetool.methods.mofe.MergePlan`
-    for mofe (every output tensor), a description for the other methods. Nothing is written."""
+    """What ``assemble`` would build, from configs and headers only; nothing is written.
+
+    A :class:`~moetool.methods.mofe.MergePlan` for mofe (every output tensor), a description for the other methods.
+    """
     r = load(recipe)
     described: MergePlan | str = plugin(r).describe(r, allow_pickle=allow_pickle)
     return described
@@ -110,9 +114,10 @@ def evaluate(
     on_model: Callable[[str], None] | None = None,
     optional_tasks: bool = False,
 ) -> dict[str, Any]:
-    """Per-domain held-out perplexity, routing statistics and GEM metrics of every model (dirs or ``zoo:NAME``), and
-    lm-evaluation-harness ``tasks`` when asked for.
+    """Evaluate every model (dirs or ``zoo:NAME``) side by side.
 
+    Per-domain held-out perplexity, routing statistics and GEM metrics, and lm-evaluation-harness ``tasks`` when
+    asked for.
     ``domains`` default to the names in ``data`` when it has any, else the zoo's (code, legal, medical).
     Held-out text per domain comes from ``data`` (DOMAIN → file) or the zoo; a model's own domain (for GG/DSI) from
     ``own``, else its zoo name or directory name. ``tasks`` are lm-eval task names, ``local`` (a continuation task
@@ -125,7 +130,6 @@ def evaluate(
         MoetoolError: a ``data`` domain left out of ``domains``, a text too short for its task.
         TaskError: lm-eval could not run the tasks (unless ``optional_tasks``).
     """
-
     files = data or {}
     domains = eval_domains(domains, files)
     texts = {d: (files[d].read_text(encoding="utf-8") if d in files else _zoo_text(d)) for d in domains}
@@ -170,8 +174,9 @@ ZOO_DOMAINS = ("code", "legal", "medical")
 
 
 def eval_domains(domains: list[str] | None, data: dict[str, Path]) -> list[str]:
-    """The domains to evaluate: ``domains`` as given (each file in ``data`` must be one of them), else the names in
-    ``data``, else the zoo's.
+    """The domains to evaluate.
+
+    ``domains`` as given (each file in ``data`` must be one of them), else the names in ``data``, else the zoo's.
 
     Raises:
         MoetoolError: ``data`` names a domain ``domains`` leaves out (its file would be ignored).
@@ -236,8 +241,9 @@ def write_report(report: dict[str, Any], json_file: Path | None, plots: Path | N
 
 
 def plan_export(model: str | Path, output: str | Path, **opts: Unpack[ExportOptions]) -> ExportJob[Any]:
-    """The planned export of ``model`` (exporter, request, plan) without writing (options:
-    :class:`~moetool.export.resolve.ExportOptions`); a method's own output gets its method's exporter.
+    """The planned export of ``model`` (exporter, request, plan); nothing is written.
+
+    ``opts``: :class:`~moetool.export.resolve.ExportOptions`. A method's own output gets its method's exporter.
     ``plan_export(...).run(console)`` writes it.
 
     Raises:
@@ -270,8 +276,11 @@ def plan_export(model: str | Path, output: str | Path, **opts: Unpack[ExportOpti
 
 
 def adapter_base(adapter: Path, base: str | Path | None) -> Path:
-    """The base model of a PEFT adapter: ``base`` if given, else its ``base_model_name_or_path`` (resolved locally)."""
+    """The base model of a PEFT adapter: ``base`` if given, else its ``base_model_name_or_path`` (resolved locally).
 
+    Raises:
+        ExportError: the adapter names no base model and none is given.
+    """
     config = Path(adapter) / "adapter_config.json"
     ref = base or read_json(config, what="PEFT adapter config", error=ExportError).get("base_model_name_or_path")
     if not isinstance(ref, str | Path) or not str(ref):
@@ -292,7 +301,6 @@ def export(
 
     A PEFT adapter directory as ``model`` becomes a GGUF LoRA adapter for ``base``.
     """
-
     if is_adapter(Path(model)):
         check_artifact_dir(output)
         return export_adapter(
@@ -319,7 +327,6 @@ def package(
     force: bool = False,
 ) -> Path:
     """A Hugging Face repo folder: weights, tokenizer, provenance, artifacts, evaluation, model card."""
-
     return Path(
         build_repo(Path(source), Path(output), artifacts=artifacts or [], eval_json=eval_json, plots=plots, force=force)
     )

@@ -78,4 +78,5 @@ FOUNDATION_KEYS = (
 
 
 def dense_mlp_name(layer: int, proj: str) -> str:
+    """The dense MLP projection ``proj`` (gate_proj, up_proj, down_proj) of ``layer`` in a base or expert."""
     return DENSE_MLP.format(layer=layer, proj=proj)

@@ -62,8 +62,10 @@ def shared_expert_width(cfg: Mapping[str, Any]) -> int:
 
 
 def expert_count(cfg: Mapping[str, Any]) -> int:
-    """Routed experts per MoE layer of a config dict: ``num_local_experts`` (Mixtral) or ``num_experts`` (Qwen
-    MoE); 0 for a dense model."""
+    """Routed experts per MoE layer of a config dict; 0 for a dense model.
+
+    ``num_local_experts`` (Mixtral, GraniteMoE) or ``num_experts`` (Qwen MoE).
+    """
     return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
 
 
@@ -73,8 +75,10 @@ def _common(base: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True, kw_only=True)
 class MoEArch(ModelFacts):
-    """An output architecture as data: its facts for every stage (``ModelFacts``: config class, llama.cpp
-    architecture, top-k rule, onnxruntime-genai type, graph targets) and how the merge writes it.
+    """An output architecture as data: its facts for every stage and how the merge writes it.
+
+    The facts (``ModelFacts``) are its config class, llama.cpp architecture, top-k rule, onnxruntime-genai type and
+    graph targets.
 
     Attributes:
         name: recipe name (``architecture:``).
@@ -135,14 +139,18 @@ class MoEArch(ModelFacts):
         return self.shared is not None
 
     def router_name(self, layer: int) -> str:
+        """The router weight ``[E, H]`` of ``layer``."""
         return self.router.format(layer=layer)
 
     def expert_name(self, layer: int, expert: int, proj: str) -> str:
+        """Dense projection ``proj`` (gate_proj, up_proj, down_proj) of ``expert`` in ``layer``."""
         return self.expert.format(layer=layer, expert=expert, proj=self.proj_map[proj])
 
     def null_shared(self, layer: int, hidden: int) -> list[tuple[str, tuple[int, ...], float]]:
-        """The null shared expert of ``layer`` (see ``NULL_SHARED_WIDTH``) as (tensor name, shape, constant value):
-        projections ``[1, H]``/``[H, 1]`` of zeros and the gate ``[1, H]``; empty for an architecture without one."""
+        """The null shared expert of ``layer`` (see ``NULL_SHARED_WIDTH``) as (tensor name, shape, constant value).
+
+        Projections ``[1, H]``/``[H, 1]`` of zeros and the gate ``[1, H]``; empty for an architecture without one.
+        """
         if self.shared is None or self.shared_gate is None:
             return []
         w = NULL_SHARED_WIDTH

@@ -113,9 +113,11 @@ GGUF_TENSOR_MAP, GGUF_SPLIT_MAP = _gguf_maps()
 
 
 def converter_caveat(cfg: Mapping[str, Any]) -> str | None:
-    """Why llama.cpp's own converter (``convert_hf_to_gguf.py``) would turn a model of config ``cfg`` (config.json
-    as a dict) into a GGUF that computes something else; None when it converts it faithfully (as far as moetool
-    knows). The converter writes every model type as its own llama.cpp architecture (``ModelFacts.gguf_arch``).
+    """Why llama.cpp's own converter (``convert_hf_to_gguf.py``) would mis-convert a model of config ``cfg``.
+
+    ``cfg`` is config.json as a dict. None when the converter gives a GGUF that computes the same function (as far
+    as moetool knows). The converter writes every model type as its own llama.cpp architecture
+    (``ModelFacts.gguf_arch``), whose top-k rule may differ from the model's.
     """
     rec = model_record(cfg.get("model_type"))
     n, k = expert_count(cfg), int(cfg.get("num_experts_per_tok") or 0)

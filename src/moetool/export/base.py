@@ -18,9 +18,10 @@ from moetool.quant.plan import QuantPlan, QuantSpec
 
 @dataclass(frozen=True)
 class Origin:
-    """Where an artifact's model came from when the exporter reads a derived copy (a CoMiGS user baked into a
-    Mixtral in a temporary folder): the manifest names ``path``, not the copy, and records ``record`` under
-    ``key``, in the one write of the manifest.
+    """Where an artifact's model came from when the exporter reads a derived copy.
+
+    For a CoMiGS user baked into a Mixtral in a temporary folder: the manifest names ``path``, not the copy, and
+    records ``record`` under ``key``, in the one write of the manifest.
 
     Attributes:
         path: the model the user named.
@@ -54,6 +55,21 @@ class ExportError(MoetoolError):
 
 @dataclass
 class ExportRequest:
+    """What to export and how: the model, the output folder, the precision, the device and the checks.
+
+    Attributes:
+        model_dir: the model folder the exporter reads.
+        output: the artifact folder (artifact + manifest.json), written atomically.
+        quant: the precision plan's spec (a preset, a type, or rules by role and glob).
+        device: a device profile whose budget the plan must fit.
+        verify: check the artifact in its runtime (parity at two sequence lengths).
+        force: replace an existing output.
+        eval_text: held-out text for parity; default: the zoo's or a built-in sample.
+        context: context length for the memory estimate (default: the device's).
+        options: exporter-specific settings (``compute_units``, ``moe_kernel``, a method's ``quant``).
+        origin: set when ``model_dir`` is a derived copy of the model the user named.
+    """
+
     model_dir: Path
     output: Path
     quant: QuantSpec
@@ -73,8 +89,11 @@ PlanT = TypeVar("PlanT")
 
 
 class Exporter(Protocol[PlanT]):
-    """A target's exporter; ``PlanT`` is what its :meth:`plan` decides (an :class:`ArtifactPlan` for the standard
-    targets), and :meth:`export` takes that same plan back."""
+    """A target's exporter, generic over its plan.
+
+    ``PlanT`` is what its :meth:`plan` decides (an :class:`ArtifactPlan` for the standard targets), and
+    :meth:`export` takes that same plan back.
+    """
 
     name: str
     requires: str  # the pip extra that provides the runtime used for verification
@@ -90,9 +109,11 @@ class Exporter(Protocol[PlanT]):
 
 
 class ExportJob(NamedTuple, Generic[PlanT]):
-    """One planned export: the exporter, its request and its plan (nothing written yet). Unpacks as
-    ``exporter, request, plan``; :meth:`run` is the one place an artifact is written, for the API, the CLI, the
-    build and the methods that export their parts (GEM pathways, hybrid experts, baked CoMiGS users)."""
+    """One planned export: the exporter, its request and its plan (nothing written yet).
+
+    Unpacks as ``exporter, request, plan``; :meth:`run` is the one place an artifact is written, for the API, the
+    CLI, the build and the methods that export their parts (GEM pathways, hybrid experts, baked CoMiGS users).
+    """
 
     exporter: Exporter[PlanT]
     request: ExportRequest
@@ -117,7 +138,11 @@ TARGETS = registry.TARGETS
 
 
 def get_exporter(target: str) -> Exporter[ArtifactPlan]:
-    """The standard exporter of ``target`` (an unknown name gets "did you mean")."""
+    """The standard exporter of ``target``.
+
+    Raises:
+        ExportError: an unknown target (with "did you mean").
+    """
     if target not in TARGETS:
         hint = registry.did_you_mean(target, TARGETS).split("?")[0]
         close = f" ({hint}?)" if hint.startswith("did you mean") else ""
@@ -151,12 +176,18 @@ def check_artifact_dir(output: Path | str) -> None:
 
 
 def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
+    """Write ``manifest`` as ``out_dir/manifest.json`` (inside the exporter's temporary folder); returns the path."""
     path = out_dir / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     return path
 
 
 def read_manifest(artifact_dir: Path) -> dict[str, Any]:
+    """The manifest of an export folder.
+
+    Raises:
+        ExportError: the folder has no manifest.json, or it is not valid JSON.
+    """
     path = Path(artifact_dir) / MANIFEST
     if not path.is_file():
         raise ExportError(f"{artifact_dir}: no {MANIFEST}; not a moetool export")
