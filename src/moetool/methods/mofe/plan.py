@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 
+from moetool.arch.outputs import MoEArch
 from moetool.io.sources import ResolvedSource
 from moetool.recipe.mofe import MoFERecipe
 
@@ -61,7 +62,7 @@ class MergePlan:
     """A complete, weight-free description of a merge (what ``--dry-run`` prints)."""
 
     recipe: MoFERecipe
-    arch: Any
+    arch: MoEArch
     config: dict[str, Any]
     ops: list[TensorOp]
     sources: dict[str, ResolvedSource]
