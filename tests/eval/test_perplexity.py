@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -140,3 +141,57 @@ def test_eval_reads_every_data_file_and_refuses_one_it_would_ignore(model, token
     assert list(report["perplexity"][str(tmp_path / "m")]) == ["notes"]
     res = runner.invoke(app, [*args, "--domains", "code"])
     assert res.exit_code != 0 and "notes is not among --domains code" in res.output
+
+
+def test_eval_refuses_bad_input_before_any_work(model, tokenizer, tmp_path, monkeypatch):
+    """Named errors, not tracebacks, and the user's held-out file never overwritten by --json."""
+    from typer.testing import CliRunner
+
+    from moetool.cli import app
+
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    held = tmp_path / "notes.txt"
+    held.write_text(TEXT, encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    runner = CliRunner()
+    m = str(tmp_path / "m")
+
+    def run(*args: str) -> tuple[int, str]:
+        res = runner.invoke(app, ["eval", m, *args])
+        return res.exit_code, " ".join(re.sub("[│╭╮╰╯─]", " ", res.output).split())
+
+    code, text = run("--data", f"notes={held}", "--json", str(held))
+    assert code != 0 and "is an input" in text
+    assert held.read_text(encoding="utf-8") == TEXT
+    code, text = run("--data", f"notes={held}", "--json", str(tmp_path))
+    assert code != 0 and "is a directory" in text
+    code, text = run("--data", str(held))
+    assert code == 2 and "is not DOMAIN=FILE" in text
+    code, text = run("--data", f"notes={held}", "--seq-len", "0")
+    assert code == 2 and "seq-len" in text
+    code, text = run("--data", f"x={tmp_path / 'latin1.txt'}")
+    assert code != 0 and "not UTF-8 text (byte 3" in text
+    code, text = run("--data", f"x={tmp_path}")
+    assert code != 0 and "is a directory, not a file" in text
+
+
+def test_eval_of_a_model_with_nan_weights_fails_naming_it(model, tokenizer, tmp_path, monkeypatch):
+    import copy
+
+    from typer.testing import CliRunner
+
+    from moetool.cli import app
+
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    broken.save_pretrained(tmp_path / "nan")
+    tokenizer.save_pretrained(tmp_path / "nan")
+    (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    res = CliRunner().invoke(
+        app, ["eval", str(tmp_path / "nan"), "--data", f"t={tmp_path / 't.txt'}", "--seq-len", "32"]
+    )
+    assert res.exit_code != 0 and "perplexity is not finite" in " ".join(res.output.split())

@@ -67,3 +67,51 @@ def test_resume_equals_uninterrupted(moe, tmp_path):
     a, b = _all_tensors(tmp_path / "straight"), _all_tensors(tmp_path / "resumed")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_divergence_stops_with_a_named_error_and_writes_nothing(moe, tmp_path):
+    """A learning rate of 1e30 used to train to NaN and write a model with half its tensors NaN, exit 0."""
+    from moetool.errors import MoetoolError
+
+    recipe, src = moe
+    wild = recipe.model_copy(
+        update={"train": recipe.train.model_copy(update={"learning_rate": 1e30, "router_learning_rate": 1e30})}
+    )
+    with pytest.raises(MoetoolError, match=r"router tuning diverged at step \d+ .*Nothing was written"):
+        train_router(wild, src, tmp_path / "tuned")
+    assert not (tmp_path / "tuned").exists()
+
+
+def test_non_finite_learning_rate_is_a_recipe_error():
+    from pydantic import ValidationError
+
+    from moetool.recipe.train import TrainSpec
+
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValidationError, match="learning_rate"):
+            TrainSpec(learning_rate=bad)
+
+
+def test_a_checkpoint_is_not_resumed_onto_another_model_at_the_same_path(moe, tmp_path, tiny_models):
+    """Checkpoints are keyed by the model's content: a re-merged --model (same path, other content) is refused with
+    the way out, not resumed into a crash."""
+    import shutil
+
+    from moetool.errors import MoetoolError
+
+    recipe, src = moe
+    model = tmp_path / "model"
+    shutil.copytree(src, model)
+
+    def interrupt(step, _metrics):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_router(recipe, model, tmp_path / "tuned", callback=interrupt)
+    assert checkpoint_dir(tmp_path / "tuned").exists()
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["rms_norm_eps"] = cfg.get("rms_norm_eps", 1e-6) * 2  # a different model now lives at the same path
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MoetoolError, match="belongs to a different run.*--no-resume"):
+        train_router(recipe, model, tmp_path / "tuned")

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
 from rich.console import Console
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, OutputPathError
 from moetool.eval.report import evaluate as run
 from moetool.export.base import ExportError, ExportJob, ExportRequest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
 from moetool.export.resolve import ExportOptions, plan_standard_export
 from moetool.io.checks import check_finished_model_dir, check_output_path, is_moetool_temp
-from moetool.io.safe import read_json
+from moetool.io.safe import read_json, read_text
 from moetool.io.sources import resolve_source
 from moetool.methods import get_plugin, plugin_for_model
 from moetool.methods.base import MethodPlugin, TrainOptions, TrainOutcome
@@ -132,7 +133,7 @@ def evaluate(
     """
     files = data or {}
     domains = eval_domains(domains, files)
-    texts = {d: (files[d].read_text(encoding="utf-8") if d in files else _zoo_text(d)) for d in domains}
+    texts = {d: (read_text(files[d], what=f"--data {d}") if d in files else _zoo_text(d)) for d in domains}
     paths = {m: resolve_source(m).path for m in models}
     owners = {m: _own_domain(m, p, domains) for m, p in paths.items()} | (own or {})
     configs = _task_configs(tasks, texts, files) if tasks else []  # a text too short fails before any model runs
@@ -212,7 +213,7 @@ def _task_configs(tasks: list[str], texts: dict[str, str], files: dict[str, Path
 
 
 def _domain_text(domain: str, files: dict[str, Path]) -> str:
-    return files[domain].read_text(encoding="utf-8") if domain in files else _zoo_text(domain)
+    return read_text(files[domain], what=f"--data {domain}") if domain in files else _zoo_text(domain)
 
 
 def _zoo_text(domain: str) -> str:
@@ -224,6 +225,29 @@ def _own_domain(ref: str, path: Path, domains: list[str]) -> str | None:
     """An expert's own domain: ``zoo:DOMAIN`` or a directory named after a domain."""
     name = split_zoo_name(ref.removeprefix("zoo:"))[1] if ref.startswith("zoo:") else path.name
     return name if name in domains else None
+
+
+def check_report_outputs(json_file: Path | None, plots: Path | None, inputs: list[Path]) -> None:
+    """Refuse, before any evaluation runs, report paths that could not be written or would replace an input.
+
+    Raises:
+        OutputPathError: ``json_file`` is a directory, lies under a file or an unwritable folder, or is one of
+            ``inputs`` (a ``--data`` file, a model); likewise ``plots``.
+    """
+    if json_file is not None:
+        if Path(json_file).is_dir():
+            raise OutputPathError(f"--json {json_file} is a directory; name the JSON file to write")
+        check_output_path(json_file, inputs)
+    if plots is not None:
+        check_output_path(plots, inputs)
+
+
+def nonfinite_figures(report: dict[str, Any]) -> list[str]:
+    """The ``model on domain`` pairs whose perplexity is not a finite number (NaN weights, an overflow)."""
+    bad = []
+    for model, row in report.get("perplexity", {}).items():
+        bad += [f"{model} on {domain}" for domain, v in row.items() if not math.isfinite(float(v))]
+    return bad
 
 
 def write_report(report: dict[str, Any], json_file: Path | None, plots: Path | None) -> list[Path]:

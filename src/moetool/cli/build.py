@@ -43,11 +43,11 @@ def build(
     train: Annotated[
         bool | None, typer.Option("--train/--no-train", help="Tune routers (default: when the recipe has train:).")
     ] = None,
-    max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain in the evaluation.")] = 8192,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Held-out tokens per domain in the evaluation.")] = 8192,
     tasks: Annotated[
         str | None, typer.Option(help="lm-eval tasks to score too (comma-separated; 'local': one per zoo domain).")
     ] = None,
-    task_limit: Annotated[int | None, typer.Option(help="Documents per lm-eval task.")] = None,
+    task_limit: Annotated[int | None, typer.Option(min=1, help="Documents per lm-eval task.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace existing outputs.")] = False,
 ) -> None:
     """The recipe's whole pipeline: merge → tune (if asked) → evaluate → export every `targets:` entry → package."""
@@ -84,9 +84,9 @@ def demo(
         Path | None,
         typer.Option(help="Recipe to merge and tune (default: recipes/real-mofe.yaml, or demo-mofe.yaml for tiny)."),
     ] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="Held-out tokens per domain in the evaluation.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(min=1, help="Held-out tokens per domain in the evaluation.")] = None,
     task_limit: Annotated[
-        int | None, typer.Option(help="Documents per local lm-eval task (default: 50 on smollm2, all on tiny).")
+        int | None, typer.Option(min=1, help="Documents per local lm-eval task (default: 50 on smollm2, all on tiny).")
     ] = None,
 ) -> None:
     """Zoo → merge → router tuning → evaluation with a verdict → verified GGUF for a Raspberry Pi → HF repo folder →

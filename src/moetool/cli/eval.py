@@ -16,11 +16,21 @@ def run_eval(
     """Evaluate (options: :func:`moetool.api.evaluate`'s), print the tables, write the report and plots."""
     from moetool import api
     from moetool.cli.render import print_report
+    from moetool.errors import MoetoolError
 
+    data: dict[str, Path] = options.get("data") or {}
+    model_dirs = [Path(m) for m in models if not m.startswith("zoo:")]
+    api.check_report_outputs(json_file, plots, [*data.values(), *model_dirs])
     report = api.evaluate(models, **options)
     print_report(report)
     for path in api.write_report(report, json_file, plots):
         out.print(f"wrote {path}")
+    bad = api.nonfinite_figures(report)
+    if bad:
+        raise MoetoolError(
+            f"perplexity is not finite for {', '.join(bad)}: the model computes NaN or overflows (check its weights "
+            "with `moetool inspect`)"
+        )
     return report
 
 
@@ -37,8 +47,8 @@ def eval_cmd(
         list[str] | None, typer.Option(help="DOMAIN=FILE: held-out text for a domain (overrides the zoo's).")
     ] = None,
     own: Annotated[list[str] | None, typer.Option(help="MODEL=DOMAIN: a model's own domain for GG/DSI.")] = None,
-    seq_len: Annotated[int, typer.Option(help="Window length in tokens.")] = 256,
-    max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain.")] = 32768,
+    seq_len: Annotated[int, typer.Option(min=2, help="Window length in tokens.")] = 256,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Held-out tokens per domain.")] = 32768,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write the full report as JSON.")] = None,
     plots: Annotated[Path | None, typer.Option(help="Directory for PNG plots.")] = None,
     tasks: Annotated[
@@ -48,13 +58,13 @@ def eval_cmd(
             "'local' (a continuation task per domain, built from the held-out text) or moetool_cont_DOMAIN."
         ),
     ] = None,
-    limit: Annotated[int | None, typer.Option(help="Documents per task (all when not given).")] = None,
-    num_fewshot: Annotated[int | None, typer.Option(help="Few-shot examples per prompt (task default).")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Documents per task (all when not given).")] = None,
+    num_fewshot: Annotated[int | None, typer.Option(min=0, help="Few-shot examples per prompt (task default).")] = None,
 ) -> None:
     """Per-domain held-out perplexity, routing statistics and GEM metrics for every model given; with --tasks,
     lm-evaluation-harness task scores side by side."""
-    files = {d: Path(f) for d, f in (item.split("=", 1) for item in (data or []))}
-    owners = dict(x.split("=", 1) for x in (own or []))
+    files = {d: Path(f) for d, f in (_pair("--data", "DOMAIN=FILE", item) for item in (data or []))}
+    owners = dict(_pair("--own", "MODEL=DOMAIN", x) for x in (own or []))
     run_eval(
         models,
         domains=None if domains is None else [d for d in domains.split(",") if d],
@@ -69,6 +79,14 @@ def eval_cmd(
         num_fewshot=num_fewshot,
         on_model=(lambda m: out.print(f"lm-eval tasks: {m} …")) if tasks else None,
     )
+
+
+def _pair(option: str, form: str, item: str) -> tuple[str, str]:
+    """``NAME=VALUE`` of a repeated option, both sides non-empty."""
+    name, sep, value = item.partition("=")
+    if not sep or not name or not value:
+        raise typer.BadParameter(f"{item!r} is not {form}", param_hint=option)
+    return name, value
 
 
 def register(app: typer.Typer) -> None:

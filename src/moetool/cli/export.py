@@ -34,7 +34,7 @@ def export_cmd(
     device: Annotated[
         str | None, typer.Option(help="Device profile (`moetool devices`): picks format and the best plan that fits.")
     ] = None,
-    context: Annotated[int | None, typer.Option(help="Context length for the memory estimate.")] = None,
+    context: Annotated[int | None, typer.Option(min=1, help="Context length for the memory estimate.")] = None,
     eval_text: Annotated[Path | None, typer.Option(help="Held-out text file for the parity check.")] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan and memory estimate; write nothing.")
@@ -66,8 +66,9 @@ def export_cmd(
     from moetool import api
     from moetool.cli.render import print_export_plan, print_manifest
     from moetool.export.gguf.lora import is_adapter
+    from moetool.io.safe import read_text
 
-    text = eval_text.read_text(encoding="utf-8") if eval_text else None
+    text = read_text(eval_text, what="--eval-text") if eval_text else None
     if is_adapter(Path(model)):
         if dry_run:
             raise typer.BadParameter("--dry-run is for models, not adapters")

@@ -29,7 +29,7 @@ def zoo_build(
     dtype: Annotated[str, typer.Option(help="smollm2: the checkpoints' dtype, f32 or bf16.")] = "f32",
     base_only: Annotated[bool, typer.Option("--base-only", help="smollm2: the base only, no experts.")] = False,
     expert_steps: Annotated[
-        int | None, typer.Option(help="smollm2: training steps per expert (default 60, batch 4 x 128 tokens).")
+        int | None, typer.Option(min=1, help="smollm2: training steps per expert (default 60, batch 4 x 128 tokens).")
     ] = None,
     expert_train: Annotated[
         str, typer.Option(help="smollm2: what the experts train: mlp (MoFE's setting) or all.")

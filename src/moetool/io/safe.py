@@ -54,6 +54,23 @@ def read_bytes(
     return data
 
 
+MAX_TEXT_BYTES = 4 * 1024**3  # a domain corpus read whole; beyond this the user wants a dataset, not a file
+
+
+def read_text(
+    path: Path, *, what: str = "text file", max_bytes: int = MAX_TEXT_BYTES, error: type[MoetoolError] = InputFileError
+) -> str:
+    """A UTF-8 text file, whole: :func:`read_bytes` then :func:`decode_utf8`.
+
+    Raises:
+        error: a missing file, a directory, one over ``max_bytes``, or bytes that are not UTF-8 (with the line and
+            byte offset of the first bad byte).
+    """
+    return decode_utf8(
+        read_bytes(path, what=what, max_bytes=max_bytes, error=error), Path(path), what=what, error=error
+    )
+
+
 def decode_utf8(data: bytes, path: Path, *, what: str = "file", error: type[MoetoolError] = InputFileError) -> str:
     """``data`` as text; a UTF-8 byte-order mark is dropped.
 

@@ -47,17 +47,18 @@ class TrainSpec(StrictModel):
         description="Domain name → its text; batches sample domains equally.",
     )
     steps: int = Field(default=150, ge=1)
-    learning_rate: float = Field(default=1e-3, gt=0)
+    learning_rate: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
     router_learning_rate: float | None = Field(
         default=None,
         gt=0,
+        allow_inf_nan=False,
         description="Learning rate of router (gate) weights; None: learning_rate. Routers start from unit-norm "
         "prompt vectors and must grow to route sharply, so they usually want a larger step than the rest.",
     )
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
     warmup_steps: int = Field(default=10, ge=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    max_grad_norm: float = Field(default=1.0, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    max_grad_norm: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     batch_size: int = Field(default=8, ge=1)
     seq_len: int = Field(default=128, ge=8)
     # micro-batches of batch_size rows per optimizer step, over all processes: the global batch is
@@ -69,6 +70,8 @@ class TrainSpec(StrictModel):
     )
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between resumable checkpoints.")
     log_every: int = Field(default=10, ge=1)
-    load_balancing_coef: float = Field(default=0.01, ge=0, description="Switch-style balance loss weight.")
-    z_loss_coef: float = Field(default=0.001, ge=0, description="Router z-loss weight.")
+    load_balancing_coef: float = Field(
+        default=0.01, ge=0, allow_inf_nan=False, description="Switch-style balance loss weight."
+    )
+    z_loss_coef: float = Field(default=0.001, ge=0, allow_inf_nan=False, description="Router z-loss weight.")
     router_jitter: float = Field(default=0.0, ge=0, lt=1, description="Multiplicative noise on router inputs.")

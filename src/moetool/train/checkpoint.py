@@ -20,6 +20,27 @@ from moetool.io.safe import read_json
 CHECKPOINT_FORMAT = 1
 
 
+def model_content_key(model_dir: Path) -> str:
+    """A key of a model folder's content, cheap to compute at any size: config.json and, for every weight file, its
+    name, size and safetensors header (every tensor's name, dtype, shape and offsets).
+
+    A checkpoint keyed by it is not resumed onto another model merged into the same path (one more expert, other
+    experts), which a key of the path alone allowed.
+    """
+    import hashlib
+
+    from moetool.io.checkpoint import Checkpoint
+
+    h = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    for f in Checkpoint(Path(model_dir)).weight_files:
+        h.update(f"\0{f.name}\0{f.stat().st_size}\0".encode())
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            if f.suffix == ".safetensors" and len(head) == 8:
+                h.update(fh.read(min(int.from_bytes(head, "little"), 100_000_000)))
+    return h.hexdigest()
+
+
 def checkpoint_dir(output: Path) -> Path:
     """Where a run writing ``output`` keeps its resumable state (removed after success)."""
     return output.parent / f".{output.name}.moetool-train"

@@ -16,6 +16,7 @@ import torch
 
 from moetool import registry
 from moetool.errors import MoetoolError
+from moetool.io.safe import read_text
 from moetool.recipe.train import DataSource
 
 
@@ -45,10 +46,10 @@ def load_source(name: str, src: DataSource, *, base_dir: Path | None, fraction: 
         if not path.is_file():
             raise MoetoolError(f"{where}: no such file {raw}")
         if src.text:
-            docs = [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
+            docs = [d for d in read_text(path, what=where, error=MoetoolError).split("\n\n") if d.strip()]
         else:
             docs = []
-            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for i, line in enumerate(read_text(path, what=where, error=MoetoolError).splitlines(), 1):
                 if not line.strip():
                     continue
                 try:

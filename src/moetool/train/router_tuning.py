@@ -28,7 +28,7 @@ from moetool.recipe.mofe import MoFERecipe
 from moetool.recipe.train import TrainSpec
 from moetool.routing.losses import expert_load, routing_entropy, routing_losses
 from moetool.routing.tap import RouterTap
-from moetool.train.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+from moetool.train.checkpoint import checkpoint_dir, load_checkpoint, model_content_key, save_checkpoint
 from moetool.train.data import load_source, sample_batch, tokenize_stream
 from moetool.train.distributed import local_micro_batches, make_accelerator, reduce_sum, single_cpu_launch
 from moetool.train.freeze import FreezeReport, apply_freeze
@@ -119,7 +119,7 @@ def _setup(recipe: MoFERecipe, model_dir: Path, accelerator: Any, console: Conso
         streams.append(tokenize_stream(tok, train_text))
     opt = make_optimizer(model, spec)
     # no process count in it: a checkpoint resumes under any count
-    fingerprint = json.dumps([recipe.train.model_dump(), recipe.freeze.model_dump(), str(model_dir.resolve())])
+    fingerprint = json.dumps([recipe.train.model_dump(), recipe.freeze.model_dump(), model_content_key(model_dir)])
     return _Run(
         accelerator=accelerator,
         model=model,
@@ -192,6 +192,28 @@ def _metrics(figures: torch.Tensor, spec: TrainSpec, done: int, lr: float, obser
     return metrics
 
 
+def _check_finite(run: _Run, spec: TrainSpec, metrics: dict[str, Any], done: int, ckpt: Path) -> None:
+    """Stop on a non-finite loss or trainable weight: nothing is written, and the last good checkpoint stays.
+
+    Raises:
+        MoetoolError: naming the step, the loss, the learning rates and the way out.
+    """
+    trainable = ((n, p) for n, p in run.model.named_parameters() if p.requires_grad)
+    bad = next((n for n, p in trainable if not bool(torch.isfinite(p).all())), None)
+    if math.isfinite(metrics["loss"]) and bad is None:
+        return
+    what = f"loss {metrics['loss']}" + (f", {bad} not finite" if bad else "")
+    if done == 1:
+        why = "at the first step: check the model's weights (moetool inspect) and the learning rates"
+    else:
+        why = "lower train.learning_rate or train.router_learning_rate, or raise train.warmup_steps"
+    kept = f"; the last good checkpoint ({ckpt}) is kept" if ckpt.exists() else ""
+    raise MoetoolError(
+        f"router tuning diverged at step {done} ({what}; learning_rate {spec.learning_rate}, router_learning_rate "
+        f"{spec.router_learning_rate}): {why}. Nothing was written{kept}"
+    )
+
+
 def _loop(
     run: _Run,
     spec: TrainSpec,
@@ -212,6 +234,7 @@ def _loop(
             figures = reduce_sum(acc, _step(run, model, opt, spec, step, observe))
             tokens += float(figures[3])
             metrics = _metrics(figures, spec, done, float(run.sched.get_last_lr()[0]), observe)
+            _check_finite(run, spec, metrics, done, ckpt)
             info = f"loss {metrics['loss']:.3f} ce {metrics['ce']:.3f} lb {metrics['lb']:.3f}"
             if observe:
                 metrics["tokens_per_s"] = tokens / max(1e-9, time.perf_counter() - t0)

@@ -40,7 +40,7 @@ def train_cmd(
     engine: Annotated[
         str, typer.Option(help="inprocess, or flower (simulation engine; needs .venv-flwr).")
     ] = "inprocess",
-    rounds: Annotated[int | None, typer.Option(help="Override training.rounds.")] = None,
+    rounds: Annotated[int | None, typer.Option(min=1, help="Override training.rounds.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Train every user's model: bi-level expert/router steps, generalists averaged each round."""

@@ -34,9 +34,10 @@ def embedding_export_cmd(
 
     if not (model / "config.json").is_file():  # a local folder: never a Hub lookup for a mistyped path
         raise MoetoolError(f"{model}: not a routed-embedding model directory (no config.json)")
+    from moetool.io.safe import read_text
     from moetool.methods.embedding.export import export_routed
 
-    text = eval_text.read_text(encoding="utf-8") if eval_text is not None else None
+    text = read_text(eval_text, what="--eval-text") if eval_text is not None else None
     m = export_routed(model, target, output, force=force, eval_text=text)
     p = m["parity"]
     diffs = list(p.get("max_abs_logit_diff", p.get("converted_wrapper_vs_transformers", {})).values())
@@ -52,9 +53,9 @@ def embedding_export_cmd(
 def embedding_report_cmd(
     model: Annotated[str, typer.Argument(help="Causal LM directory or zoo:NAME.")] = "zoo:base",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write report.json and report.md here.")] = None,
-    steps: Annotated[int, typer.Option(help="Training steps per arm and learning rate.")] = 120,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps per arm and learning rate.")] = 120,
     lrs: Annotated[str, typer.Option(help="Comma-separated learning rates swept for every arm.")] = "1e-3,3e-3,1e-2",
-    eval_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain, per split.")] = 2048,
+    eval_tokens: Annotated[int, typer.Option(min=1, help="Held-out tokens per domain, per split.")] = 2048,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Parameters and held-out perplexity of routed embeddings against fair dense baselines (zoo domains)."""

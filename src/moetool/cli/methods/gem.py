@@ -70,8 +70,8 @@ def _print_report(report: dict[str, Any]) -> None:
 def eval_cmd(
     model: Annotated[Path, typer.Argument(help="A GEM model or bundle written by `moetool merge`.")],
     json_file: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
-    seq_len: Annotated[int, typer.Option(help="Window length in tokens.")] = 256,
-    max_tokens: Annotated[int, typer.Option(help="Held-out tokens per domain.")] = 8192,
+    seq_len: Annotated[int, typer.Option(min=2, help="Window length in tokens.")] = 256,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Held-out tokens per domain.")] = 8192,
 ) -> None:
     """GG, CDTR, DSI of the GEM model (at its tau, tau 0 and tau 1), its general model and every expert, on each
     domain's held-out text from the recipe it was built from."""

@@ -26,8 +26,8 @@ def profile_cmd(
         Path | None, typer.Option(help="A `moetool hybrid export` directory: time its GGUF experts in llama.cpp.")
     ] = None,
     lengths: Annotated[str, typer.Option(help="Comma-separated request lengths (tokens).")] = "16,32,64,128,256",
-    repeats: Annotated[int, typer.Option(help="Timed runs per length; the fastest counts.")] = 10,
-    threads: Annotated[int, typer.Option(help="torch / llama.cpp threads while measuring.")] = 1,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per length; the fastest counts.")] = 10,
+    threads: Annotated[int, typer.Option(min=1, help="torch / llama.cpp threads while measuring.")] = 1,
     clock: Annotated[str, typer.Option(help="cpu (compute thread's CPU time) or wall.")] = "cpu",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of MODEL.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing profile.")] = False,
@@ -104,7 +104,7 @@ def pareto_cmd(
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for pareto.json/.md/.png.")],
     parameter: Annotated[str | None, typer.Option(help="lambda_penalty, threshold or cost_weight.")] = None,
     values: Annotated[str | None, typer.Option(help="Comma-separated values (default: the recipe's sweep).")] = None,
-    timed_requests: Annotated[int, typer.Option(help="Held-out requests timed live per point (0: none).")] = 48,
+    timed_requests: Annotated[int, typer.Option(min=0, help="Held-out requests timed live per point (0: none).")] = 48,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Sweep λ2 (or T_u, or the cost weight): held-out quality vs expected and measured latency and costly share."""
