@@ -220,3 +220,29 @@ def test_unknown_pretokenizer_is_refused(tmp_path):
     with pytest.raises(ExportError, match="not one llama.cpp implements"):
         export(d, tmp_path / "o", quant="f32")
     assert not (tmp_path / "o").exists()
+
+
+def test_verification_copy_lives_in_the_outputs_temporary_folder(mixtral, tmp_path, monkeypatch):
+    """The dequantized copy of the artifact's weights used to go to $TMPDIR, where a SIGKILL left a full copy of
+    the model that no later run removed; inside the output's temporary folder, the next run sweeps it."""
+    import tempfile
+
+    from moetool.export.gguf import verify
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    tempfile.tempdir = None  # re-read TMPDIR
+    seen = []
+    real = verify.compare
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["artifact_weights"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "compare", spy)
+    try:
+        export(mixtral, tmp_path / "out", quant="q8_0")
+    finally:
+        tempfile.tempdir = None
+    assert seen and ".out.moetool-tmp-" in str(seen[0]) and not list((tmp_path / "tmp").iterdir())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []

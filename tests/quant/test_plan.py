@@ -128,3 +128,16 @@ quantization:
         load_recipe(write_recipe(tmp_path / "r.yaml", body))
     ok = load_recipe(write_recipe(tmp_path / "ok.yaml", body.replace("expertz", "attention")))
     assert ok.quantization.effective()[0] == "q8_0"
+
+
+def test_a_rule_that_matches_no_tensor_is_an_error_naming_it():
+    """A typo in a glob used to leave every tensor at the default (f32: twice the planned size), silently."""
+    from moetool.quant.plan import UnmatchedRuleError
+
+    with pytest.raises(UnmatchedRuleError, match=r"rule 'blk\.0\.ffn_gate_expz\*=q4_0' matches no tensor"):
+        resolve(parse_quant("blk.0.ffn_gate_expz*=q4_0,*=q8_0"), ENTRIES)
+    dense = [e for e in ENTRIES if "shared" not in e.hf_name]
+    with pytest.raises(UnmatchedRuleError, match="'shared_expert=q8_0' matches no tensor"):
+        resolve(parse_quant("shared_expert=q8_0,*=q4_0"), dense)
+    resolve(parse_quant("moe-q4"), dense)  # a preset's rules need not all apply
+    resolve(parse_quant("blk.0.ffn_gate_exps*=q4_0,*=q8_0"), ENTRIES)

@@ -12,7 +12,7 @@ from moetool.export.base import ArtifactPlan, ExportError, ExportRequest
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.hashes import sha256_file
 from moetool.quant.devices import MemoryEstimate, estimate_memory, get_device
-from moetool.quant.plan import QuantPlan, QuantSpec, TensorEntry, resolve
+from moetool.quant.plan import QuantPlan, QuantSpec, TensorEntry, UnmatchedRuleError, resolve
 
 
 def manifest_base(target: str, plan: ArtifactPlan, files: dict[str, Path], main: str) -> dict[str, Any]:
@@ -74,11 +74,15 @@ def choose_plan(
     int4 for graph formats); types the target cannot store at all raise ``ValueError`` there.
 
     Raises:
-        ExportError: a type the target cannot store, or no plan within the device's budget (with every estimate).
+        ExportError: a type the target cannot store, a rule of the user's plan that matches no tensor, or no plan
+            within the device's budget (with every estimate).
     """
 
     def resolve_checked(spec: QuantSpec) -> QuantPlan:
-        q = resolve(spec, entries, cannot=cannot, fit_rows=fit_rows)
+        try:
+            q = resolve(spec, entries, cannot=cannot, fit_rows=fit_rows)
+        except UnmatchedRuleError as exc:
+            raise ExportError(f"plan {spec.label()!r} for {fmt}: {exc}") from None
         try:
             for a in q.assignments:
                 precision_of(a.type)

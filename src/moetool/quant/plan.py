@@ -15,9 +15,14 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from moetool.errors import MoetoolError
 from moetool.quant.roles import ROLES, Role, role_of
 from moetool.quant.types import TYPES, fit_type, get_type
 from moetool.strict import StrictModel
+
+
+class UnmatchedRuleError(MoetoolError):
+    """A rule of the user's plan matches no tensor of the model (a typo would otherwise go unnoticed)."""
 
 
 class QuantRule(StrictModel):
@@ -37,6 +42,10 @@ class QuantRule(StrictModel):
         if (self.role is None) == (self.match is None):
             raise ValueError("a rule needs exactly one of 'role' or 'match'")
         return self
+
+    def describe(self) -> str:
+        """The rule as ``--quant`` writes it: ``role=type`` or ``glob=type``."""
+        return f"'{self.role or self.match}={self.type}'"
 
     def matches(self, names: tuple[str, ...], role: Role) -> bool:
         if self.role is not None:
@@ -256,8 +265,10 @@ def resolve(
     default, rules = spec.effective()
     out = QuantPlan(label=spec.label(), spec=spec)
     cannot = cannot or {}
+    unmatched = list(spec.rules)  # the user's own rules (a preset's may not apply to every model)
     for e in entries:
         role = e.role or role_of(e.hf_name)
+        unmatched = [r for r in unmatched if not r.matches(e.names, role)]
         requested = next((r.type for r in rules if r.matches(e.names, role)), default)
         note = None
         if len(e.shape) < 2:
@@ -271,4 +282,11 @@ def resolve(
             if swap:
                 t, note = swap, f"{role} cannot be {t} in this format; using {swap}"
         out.assignments.append(Assignment(e, role, requested, t, note))
+    if unmatched and entries:
+        sample = ", ".join(sorted({e.out_name or e.hf_name for e in entries})[:3])
+        roles = ", ".join(sorted({a.role for a in out.assignments}))
+        raise UnmatchedRuleError(
+            f"quantization rule {unmatched[0].describe()} matches no tensor of this model (its roles: {roles}; "
+            f"names look like {sample}, …); fix or remove it"
+        )
     return out

@@ -92,7 +92,10 @@ class GGUFExporter:
 
                 text, text_src = held_out_text(req.model_dir, req.eval_text)
                 lossless = all(a.type == "f32" for a in plan.quant.assignments)
-                with tempfile.TemporaryDirectory(prefix="moetool-parity-") as work:
+                # inside the output's own temporary folder, not $TMPDIR: a killed run's full-size copy of the
+                # weights is swept with the rest of that folder by the next run (io.atomic), and it lands on the
+                # output's filesystem, whose free space the output needs anyway
+                with tempfile.TemporaryDirectory(prefix=".parity-", dir=tmp) as work:
                     own = None if lossless else artifact_checkpoint(target, req.model_dir, plan.layout, Path(work))
                     report = compare(
                         target,

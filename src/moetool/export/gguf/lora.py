@@ -206,7 +206,8 @@ def export_adapter(
         if verify:
             from moetool.export.gguf.tokenizer import read_vocab
 
-            with tempfile.TemporaryDirectory(prefix="moetool-lora-check-") as work:
+            # inside the output's temporary folder (swept after a kill), not $TMPDIR
+            with tempfile.TemporaryDirectory(prefix=".lora-check-", dir=tmp) as work:
                 layout = plan_layout(base.config, shapes)
                 plan = resolve(QuantSpec(preset="f32"), [t.entry() for t in layout.tensors])
                 base_gguf = Path(work) / "base.f32.gguf"
