@@ -326,3 +326,20 @@ def test_task_scores_become_model_index(run, tmp_path):
     }
     assert f"| **{merged}** (this model) | 0.610 ± 0.050 |" in text and "| zoo:code | 0.550 ± 0.050 |" in text
     assert "0-shot, first 100 documents" in text
+
+
+def test_a_link_out_of_the_model_folder_is_refused(run, tmp_path):
+    """A symlink in the model folder that points at a secrets file used to be copied into the repo as a plain file."""
+    model = shutil.copytree(run / "merged", tmp_path / "linked")
+    secret = tmp_path / "secrets.txt"
+    secret.write_text("token=hf_xxx\n")
+    (model / "generation_config.json").unlink(missing_ok=True)
+    (model / "generation_config.json").symlink_to(secret)
+    with pytest.raises(PackageError, match=r"generation_config.json is a link to .*secrets.txt, outside"):
+        build_repo(model, tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+    # a link that stays inside the folder is fine
+    (model / "generation_config.json").unlink()
+    (model / "real.json").write_text("{}")
+    (model / "generation_config.json").symlink_to(model / "real.json")
+    build_repo(model, tmp_path / "repo2")

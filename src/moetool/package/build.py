@@ -13,7 +13,16 @@ from pathlib import Path
 from moetool.io.atomic import atomic_dir
 from moetool.io.safe import read_json
 from moetool.package.card import render_card
-from moetool.package.inputs import Artifact, Inputs, PackageError, model_files, read_eval, resolve_inputs, text_of
+from moetool.package.inputs import (
+    Artifact,
+    Inputs,
+    PackageError,
+    check_contained,
+    model_files,
+    read_eval,
+    resolve_inputs,
+    text_of,
+)
 
 __all__ = ["PackageError", "build_repo"]
 
@@ -75,6 +84,8 @@ def build_repo(
     if inp.plots and not inp.plots.is_dir():
         raise PackageError(f"{inp.plots}: no such plots directory")
     pngs = sorted(inp.plots.glob("*.png")) if inp.plots else []
+    if inp.plots:
+        check_contained(pngs, inp.plots)
 
     with atomic_dir(Path(output), force=force) as tmp:
         weights = {f.name: _copy(f, tmp / f.name) for f in weight_files}
@@ -116,6 +127,7 @@ def _check_destinations(inp: Inputs, source: Path, output: Path) -> None:
 def _copy_artifact(art: Artifact, dest: Path, weights: dict[str, str], model: Path) -> None:
     """Copy an artifact's files and manifest to ``dest``; the hashes taken while copying are the ones checked, so a
     file that changes during the copy cannot slip through."""
+    check_contained([art.dir / rel for rel in art.files()], art.dir)
     shas = {rel: _copy(art.dir / rel, dest / rel) for rel in art.files()}
     _check_artifact(art, weights, model, shas)
     shutil.copy2(art.dir / "manifest.json", dest / "manifest.json")

@@ -143,7 +143,27 @@ def model_files(model: Path) -> tuple[list[Path], list[Path]]:
     if not (model / "moetool.json").is_file():
         raise PackageError(f"{model}: no moetool.json; package the output of `moetool merge` or `moetool train`")
     others = [model / n for n in (*MODEL_FILES, *MOETOOL_FILES) if (model / n).is_file()]
+    check_contained([*weights, *others], model)
     return weights, others
+
+
+def check_contained(files: list[Path], folder: Path) -> None:
+    """Refuse a file that is a link resolving outside ``folder``: packaging copies what it points to, and a link to a
+    secrets file would be published as a plain file. A Hugging Face cache snapshot's links into its repo's
+    ``blobs/`` are allowed.
+
+    Raises:
+        PackageError: naming the link and where it points.
+    """
+    root = Path(folder).resolve()
+    roots = [root, root.parent.parent] if root.parent.name == "snapshots" else [root]
+    for f in files:
+        target = Path(f).resolve()
+        if not any(target.is_relative_to(r) for r in roots):
+            raise PackageError(
+                f"{f} is a link to {target}, outside {root}; packaging would publish that file. Copy the real "
+                "file into the model folder if it belongs there"
+            )
 
 
 def text_of(path: Path) -> str | None:
