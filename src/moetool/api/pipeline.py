@@ -93,6 +93,34 @@ def build(
             stage("trained", (preset, outcome))
     tasks_ = (tasks, task_limit)
     result.report = _build_eval(r, out, result, compare or [], max_tokens, tasks_, console, stage)
+    _build_exports(r, out, result, devices, force=force, verify=verify, console=console, stage=stage)
+    _build_answers(r, out, result, console, stage)
+    console.rule("Hugging Face repo folder")
+    has_report = result.report is not None
+    result.repo = package(
+        result.model,
+        out / "hf-repo",
+        artifacts=[out / "exports" / n for n in result.manifests],
+        eval_json=out / "eval.json" if has_report else None,
+        plots=out / "plots" if has_report else None,
+        force=True,
+    )
+    stage("packaged", result.repo)
+    return result
+
+
+def _build_exports(
+    r: MoFERecipe,
+    out: Path,
+    result: BuildResult,
+    devices: list[str] | None,
+    *,
+    force: bool,
+    verify: bool,
+    console: Console,
+    stage: Stage,
+) -> None:
+    """Export every ``targets:`` entry of the recipe (or only those for ``devices``) into ``out/exports``."""
     for t in r.targets:
         if devices is not None and t.device not in devices:
             continue
@@ -111,19 +139,6 @@ def build(
         with console.status(f"writing and verifying {job.exporter.name} …"):
             result.manifests[t.dir_name] = job.run(console)
         stage("exported", (job.request.output, result.manifests[t.dir_name]))
-    _build_answers(r, out, result, console, stage)
-    console.rule("Hugging Face repo folder")
-    has_report = result.report is not None
-    result.repo = package(
-        result.model,
-        out / "hf-repo",
-        artifacts=[out / "exports" / n for n in result.manifests],
-        eval_json=out / "eval.json" if has_report else None,
-        plots=out / "plots" if has_report else None,
-        force=True,
-    )
-    stage("packaged", result.repo)
-    return result
 
 
 def _build_eval(
