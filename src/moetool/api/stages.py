@@ -114,6 +114,8 @@ def evaluate(
     num_fewshot: int | None = None,
     on_model: Callable[[str], None] | None = None,
     optional_tasks: bool = False,
+    dtype: str = "auto",
+    device: str = "auto",
 ) -> dict[str, Any]:
     """Evaluate every model (dirs or ``zoo:NAME``) side by side.
 
@@ -126,6 +128,7 @@ def evaluate(
     ``num_fewshot`` examples in each prompt. Task scores go under ``tasks[model][task]``. A local task's file that
     vanished from the cache since the start is rebuilt before each model is scored. With ``optional_tasks``, a
     model whose tasks fail is recorded under ``task_failures[model]`` (the reason) and the evaluation goes on.
+    Every model runs in ``dtype`` (``auto``: its checkpoint's own) on ``device`` (``auto``: a GPU when there is one).
 
     Raises:
         MoetoolError: a ``data`` domain left out of ``domains``, a text too short for its task.
@@ -157,7 +160,14 @@ def evaluate(
             failures[name] = str(exc)
 
     report = run(
-        paths, texts, own_domains=owners, seq_len=seq_len, max_tokens=max_tokens, also=tasks_of if configs else None
+        paths,
+        texts,
+        own_domains=owners,
+        seq_len=seq_len,
+        max_tokens=max_tokens,
+        also=tasks_of if configs else None,
+        dtype=dtype,
+        device=device,
     )
     if failures:
         report["task_failures"] = failures

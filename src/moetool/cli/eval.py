@@ -60,6 +60,10 @@ def eval_cmd(
     ] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="Documents per task (all when not given).")] = None,
     num_fewshot: Annotated[int | None, typer.Option(min=0, help="Few-shot examples per prompt (task default).")] = None,
+    dtype: Annotated[
+        str, typer.Option(help="auto (each model's own dtype, nothing upcast), float32, bfloat16 or float16.")
+    ] = "auto",
+    device: Annotated[str, typer.Option(help="auto (a GPU when there is one), cpu, cuda or cuda:N.")] = "auto",
 ) -> None:
     """Per-domain held-out perplexity, routing statistics and GEM metrics for every model given; with --tasks,
     lm-evaluation-harness task scores side by side."""
@@ -77,6 +81,8 @@ def eval_cmd(
         tasks=[t for t in (tasks or "").split(",") if t] or None,
         limit=limit,
         num_fewshot=num_fewshot,
+        dtype=dtype,
+        device=device,
         on_model=(lambda m: out.print(f"lm-eval tasks: {m} …")) if tasks else None,
     )
 

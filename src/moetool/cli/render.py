@@ -42,7 +42,8 @@ def print_report(report: dict[str, Any]) -> None:
     from moetool.eval.perplexity import render_matrix
 
     matrix = {m: dict(row) | {"mean": sum(row.values()) / len(row)} for m, row in report["perplexity"].items()}
-    out.print(render_matrix(matrix, "held-out perplexity (lower is better)"))
+    ran = sorted({f"{v['dtype']} on {v['device']}" for v in report.get("models", {}).values() if "dtype" in v})
+    out.print(render_matrix(matrix, "held-out perplexity (lower is better)" + (f"; {', '.join(ran)}" if ran else "")))
     g = Table(title="GEM metrics (Perf = 1/perplexity)")
     for col in ("model", "own domain", "GG", "DSI"):
         g.add_column(col, justify="right" if col in ("GG", "DSI") else "left")

@@ -80,7 +80,9 @@ def task_scores(
 
     names = [t if isinstance(t, str) else str(t["task"]) for t in tasks]
     with _quiet_offline():
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device="cpu", dtype="float32")
+        # the loaded model's own device and dtype (the evaluation's), not a fixed float32 CPU
+        dtype = str(model.dtype).removeprefix("torch.")
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device), dtype=dtype)
         try:
             res = lm_eval.simple_evaluate(
                 model=lm,

@@ -127,12 +127,22 @@ def perplexity(
     return math.exp(nll / n)
 
 
-def load_causal_lm(path: str | Path) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory, in float32 and eval mode."""
+def load_causal_lm(path: str | Path, *, dtype: str | None = "float32", device: str | None = "cpu") -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory in eval mode.
+
+    ``dtype``: float32, bfloat16, float16, or ``auto`` (the checkpoint's own); ``device``: cpu, cuda[:N] or
+    ``auto`` (a GPU when there is one).
+
+    Raises:
+        MoetoolError: an unknown dtype or device, or CUDA asked for where there is none.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moetool.train.precision import resolve_device, resolve_dtype
+
     registry.load_all_methods()  # a moetool output (moetool_gem, …) loads through the Auto classes only once registered
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype, Path(path)))
+    model = model.to(resolve_device(device))
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return model, tokenizer

@@ -44,9 +44,12 @@ def evaluate(
     max_tokens: int | None = 32768,
     batch_size: int = 8,
     also: Callable[[str, Any, Any], None] | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
 ) -> dict[str, Any]:
     """Evaluate each model on each domain's held-out text; ``also(name, model, tokenizer)`` runs after a model's
-    perplexity pass while it is still loaded (lm-eval tasks: each model is read from disk once).
+    perplexity pass while it is still loaded (lm-eval tasks: each model is read from disk once). Each model runs in
+    ``dtype`` (``auto``: its checkpoint's own, nothing upcast) on ``device`` (``auto``: a GPU when there is one).
 
     Returns:
         A JSON-ready dict: ``perplexity[model][domain]``, ``nll``/``tokens`` likewise, ``routing[model][domain]``
@@ -64,10 +67,16 @@ def evaluate(
         "gem": {},
     }
     for name, path in models.items():
-        model, tok = load_causal_lm(path)
+        model, tok = load_causal_lm(path, dtype=dtype, device=device)
         is_moe = has_moe_layers(model)
         tap = RouterTap(model) if is_moe else None
-        out["models"][name] = {"path": str(path), "moe": is_moe, "own_domain": own_domains.get(name)}
+        out["models"][name] = {
+            "path": str(path),
+            "moe": is_moe,
+            "own_domain": own_domains.get(name),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device),
+        }
         ppl, routing = {}, {}
         try:
             for domain, text in texts.items():

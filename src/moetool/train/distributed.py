@@ -49,8 +49,11 @@ def single_cpu_launch() -> bool:
     return parse_flag_from_env("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and _launched_world_size() == 1
 
 
-def make_accelerator(grad_accum: int) -> Any:
+def make_accelerator(grad_accum: int, *, device: torch.device | None = None) -> Any:
     """The run's Accelerator, accumulating this process's share (``grad_accum / num_processes``) of micro-batches.
+
+    ``device`` (a single-process run's ``--device``): the CPU even where a GPU is, or that CUDA device; None: what
+    the launch gives (a GPU when there is one).
 
     Raises:
         MoetoolError: ``train.grad_accum`` is not a multiple of the process count; the launcher asked for several
@@ -58,7 +61,9 @@ def make_accelerator(grad_accum: int) -> Any:
     """
     from accelerate import Accelerator, PartialState
 
-    cpu = _cpu_only()
+    cpu = _cpu_only() or (device is not None and device.type == "cpu")
+    if device is not None and device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)
     state = PartialState(cpu=cpu)
     n, wanted = state.num_processes, _launched_world_size()
     if wanted > 1 and n != wanted:

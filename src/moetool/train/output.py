@@ -59,6 +59,7 @@ def write_output(
             "steps": recipe.train.steps,
             "seconds": round(seconds, 1),
             "processes": processes,
+            "dtype": str(next(iter(model.parameters())).dtype).removeprefix("torch."),
             "freeze": {
                 "preset": recipe.freeze.preset,
                 "trainable_params": report.trainable_params,

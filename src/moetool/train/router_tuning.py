@@ -33,6 +33,7 @@ from moetool.train.data import load_source, sample_batch, tokenize_stream
 from moetool.train.distributed import local_micro_batches, make_accelerator, reduce_sum, single_cpu_launch
 from moetool.train.freeze import FreezeReport, apply_freeze
 from moetool.train.output import write_output
+from moetool.train.precision import compute_in, keep_trainable_float32, resolve_device, resolve_dtype
 
 __all__ = ["TrainResult", "checkpoint_dir", "make_optimizer", "train_router"]
 
@@ -90,18 +91,24 @@ class _Run:
     micro: range
     start: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    dtype: torch.dtype = torch.float32  # the compute dtype (frozen weights stored in it; trainable ones float32)
 
 
-def _setup(recipe: MoFERecipe, model_dir: Path, accelerator: Any, console: Console) -> _Run:
-    """Load the MoE, apply the freeze spec, tokenize the training data, make the optimizer and schedule."""
+def _setup(recipe: MoFERecipe, model_dir: Path, accelerator: Any, console: Console, dtype: torch.dtype) -> _Run:
+    """Load the MoE in ``dtype``, apply the freeze spec (trainable weights float32), tokenize the training data,
+    make the optimizer and schedule."""
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec: TrainSpec = recipe.train
     set_seed(spec.seed)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     report = apply_freeze(model, recipe.freeze.preset, recipe.freeze.trainable, recipe.freeze.frozen)
+    keep_trainable_float32(model)
+    label = str(dtype).removeprefix("torch.")
+    mixed = "" if dtype == torch.float32 else " (trainable weights float32, autocast)"
+    console.print(f"training in {label}{mixed} on {accelerator.device}; the tuned model is written in {label}")
     console.print(
         f"parameters: [bold]{report.trainable_params:,}[/] trainable, {report.frozen_params:,} frozen "
         f"({len(report.trainable)} trainable tensors; preset {recipe.freeze.preset})"
@@ -119,7 +126,8 @@ def _setup(recipe: MoFERecipe, model_dir: Path, accelerator: Any, console: Conso
         streams.append(tokenize_stream(tok, train_text))
     opt = make_optimizer(model, spec)
     # no process count in it: a checkpoint resumes under any count
-    fingerprint = json.dumps([recipe.train.model_dump(), recipe.freeze.model_dump(), model_content_key(model_dir)])
+    key = [recipe.train.model_dump(), recipe.freeze.model_dump(), model_content_key(model_dir), label]
+    fingerprint = json.dumps(key)
     return _Run(
         accelerator=accelerator,
         model=model,
@@ -132,6 +140,7 @@ def _setup(recipe: MoFERecipe, model_dir: Path, accelerator: Any, console: Conso
         bos=tok.bos_token_id,
         fingerprint=fingerprint,
         micro=local_micro_batches(spec.grad_accum, accelerator.process_index, accelerator.num_processes),
+        dtype=dtype,
     )
 
 
@@ -155,9 +164,10 @@ def _step(run: _Run, model: Any, opt: Any, spec: TrainSpec, step: int, observe: 
         run.tap.generator.manual_seed(spec.seed * 31 + index)
         run.tap.logits.clear()
         with acc.accumulate(model):
-            out = model(input_ids=batch, labels=batch, use_cache=False)
-            lb, z = routing_losses(run.tap.logits, top_k)
-            loss = out.loss + spec.load_balancing_coef * lb + spec.z_loss_coef * z
+            with compute_in(run.dtype, acc.device):
+                out = model(input_ids=batch, labels=batch, use_cache=False)
+                lb, z = routing_losses(run.tap.logits, top_k)
+                loss = out.loss + spec.load_balancing_coef * lb + spec.z_loss_coef * z
             acc.backward(loss)
             if acc.sync_gradients:
                 acc.clip_grad_norm_(run.params, spec.max_grad_norm)
@@ -259,6 +269,8 @@ def train_router(
     console: Console | None = None,
     callback: Callable[[int, dict[str, Any]], None] | None = None,
     preset: str | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
 ) -> TrainResult:
     """Tune an assembled MoE as the recipe's ``freeze:`` and ``train:`` sections say; write it to ``output``.
 
@@ -271,6 +283,9 @@ def train_router(
             interrupts the run (the last checkpoint remains, and the next call resumes from it, under any process
             count).
         preset: overrides the recipe's ``freeze.preset``.
+        dtype: float32, bfloat16 or float16; default (or ``auto``): the checkpoint's own dtype, which the tuned
+            model is written in too.
+        device: auto (a GPU when there is one), cpu, cuda or cuda:N; under ``accelerate launch`` the launcher's.
 
     Raises:
         MoetoolError: bad model, data or freeze patterns; an existing output without ``force``; a process count
@@ -286,14 +301,15 @@ def train_router(
     check_output(output, force=force)
     if not (model_dir / "config.json").is_file():
         raise MoetoolError(f"--model: {model_dir} is not a checkpoint directory")
-    acc = make_accelerator(spec.grad_accum)
+    compute = resolve_dtype(dtype, model_dir)
+    acc = make_accelerator(spec.grad_accum, device=resolve_device(device) if device not in (None, "auto") else None)
     console = console if acc.is_main_process else silent()
     if single_cpu_launch():
         console.print(
             "note: `accelerate launch --cpu` started this one process (without MPI it starts no more); for several "
             "CPU processes see examples/accelerate/README.md. One process gives the same result, only slower."
         )
-    run = _setup(recipe, model_dir, acc, console)
+    run = _setup(recipe, model_dir, acc, console, compute)
     ckpt = checkpoint_dir(output)
     if ckpt.exists() and resume:
         run.start, run.history = load_checkpoint(ckpt, run.model, run.opt, run.sched, run.fingerprint)
@@ -306,7 +322,7 @@ def train_router(
     acc.wait_for_everyone()
     result = TrainResult(output, spec.steps, run.report, run.history, seconds, run.start, acc.is_main_process)
     if acc.is_main_process:
-        model = acc.unwrap_model(prepared_model)
+        model = acc.unwrap_model(prepared_model).to(compute)  # the trainable float32 weights back to the input's dtype
         args = (model, model_dir, output, recipe, run.report, run.history, seconds, force)
         write_output(*args, processes=acc.num_processes)
         shutil.rmtree(ckpt, ignore_errors=True)

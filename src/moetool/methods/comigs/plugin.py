@@ -77,6 +77,9 @@ class ComigsPlugin(MethodPlugin[ComigsRecipe, str]):
         from moetool.methods.comigs.pipeline import train
 
         r = recipe
+        unknown = sorted(set(options.extra) - {"variant", "rounds"})
+        if unknown:
+            raise MoetoolError(f"{', '.join(f'--{k}' for k in unknown)}: not an option of CoMiGS training (mofe only)")
         variant = options.extra.get("variant", "comigs")
         rounds = options.extra.get("rounds")
         if variant not in VARIANTS:

@@ -1,0 +1,94 @@
+"""The dtype and device a stage runs in: the checkpoint's own dtype unless asked otherwise, a GPU when there is one.
+
+Training in a 16-bit dtype keeps the frozen weights (the experts: most of an MoE's bytes) in that dtype, the trainable
+ones in float32 (their small updates would round away in bf16: a step of 1e-5 on a weight of 0.05 is below bf16's
+resolution), and computes under autocast in the 16-bit dtype. The tuned model is written in the input's dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.io.checkpoint import Checkpoint
+from moetool.io.safe import read_json
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def checkpoint_dtype(model_dir: Path) -> str:
+    """The dtype a checkpoint's floating-point weights are stored in: config.json's ``dtype`` (or ``torch_dtype``),
+    else the most common float dtype of its safetensors headers, else float32."""
+    cfg = read_json(Path(model_dir) / "config.json", what="model config")
+    named = cfg.get("dtype") or cfg.get("torch_dtype")
+    if isinstance(named, str) and named in DTYPES:
+        return named
+    counts: Counter[str] = Counter()
+    for info in Checkpoint(Path(model_dir)).tensors.values():
+        name = _SAFETENSORS.get(str(info.dtype))
+        if name:
+            counts[name] += info.numel
+    return counts.most_common(1)[0][0] if counts else "float32"
+
+
+def resolve_dtype(requested: str | None, model_dir: Path) -> torch.dtype:
+    """``requested`` (float32, bfloat16, float16), or the checkpoint's own dtype for None or ``auto``.
+
+    Raises:
+        MoetoolError: an unknown dtype name.
+    """
+    name = checkpoint_dtype(model_dir) if requested in (None, "auto") else str(requested)
+    if name not in DTYPES:
+        raise MoetoolError(f"--dtype {requested!r}: choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(requested: str | None) -> torch.device:
+    """``auto`` (or None): the first CUDA device when there is one, else the CPU; ``cpu``; ``cuda`` or ``cuda:N``.
+
+    Raises:
+        MoetoolError: an unknown device, or CUDA asked for where there is none (or not that many).
+    """
+    text = (requested or "auto").strip().lower()
+    if text == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    if text == "cuda" or text.startswith("cuda:"):
+        index = text.partition(":")[2]
+        if index and not index.isdigit():
+            raise MoetoolError(f"--device {requested!r}: write cuda or cuda:N")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (index and int(index) >= count):
+            raise MoetoolError(
+                f"--device {requested}: this machine has {count} CUDA device(s); use --device cpu (or auto)"
+            )
+        return torch.device(text)
+    raise MoetoolError(f"--device {requested!r}: choose auto, cpu, cuda or cuda:N")
+
+
+def keep_trainable_float32(model: torch.nn.Module) -> int:
+    """Cast the trainable parameters of a 16-bit ``model`` to float32 (the master copy the optimizer updates);
+    frozen ones keep their dtype. Returns how many tensors were cast."""
+    cast = 0
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+            cast += 1
+    return cast
+
+
+@contextlib.contextmanager
+def compute_in(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Autocast to ``dtype`` on ``device`` for a 16-bit run (float32 weights cast per matmul); nothing for float32."""
+    if dtype == torch.float32:
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        yield

@@ -1,0 +1,93 @@
+"""dtype end to end in router tuning: a bf16 MoE is tuned in bf16 (trainable weights float32) and written in bf16,
+and its tuned routers stay within a stated tolerance of a float32 run's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from tuning_fixtures import write_tuning_recipe
+
+from moetool.api import assemble
+from moetool.errors import MoetoolError
+from moetool.recipe import load_recipe
+from moetool.train.precision import checkpoint_dtype, resolve_device, resolve_dtype
+from moetool.train.router_tuning import train_router
+
+# tuned router rows of a bf16 run against a float32 run of the same recipe, seed and batches: relative to each
+# row's norm (bf16 rounds activations to 8 bits of mantissa; 8 steps compound it a little)
+ROUTER_TOLERANCE = 0.05
+
+
+def _tensors(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118  (a safetensors handle, not a dict)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_moe(tiny_models, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bf16")
+    recipe = write_tuning_recipe(d, tiny_models("llama"), steps=8)
+    text = recipe.read_text().replace("gate_mode: random\n", "gate_mode: random\ndtype: bfloat16\n")
+    recipe.write_text(text)
+    return load_recipe(recipe), assemble(recipe, d / "moe")
+
+
+def test_a_bf16_moe_stays_bf16_and_matches_float32_tuning(bf16_moe, tmp_path):
+    recipe, moe = bf16_moe
+    assert checkpoint_dtype(moe) == "bfloat16"
+    train_router(recipe, moe, tmp_path / "bf16")  # auto: the checkpoint's dtype
+    train_router(recipe, moe, tmp_path / "f32", dtype="float32")
+    low, full = _tensors(tmp_path / "bf16"), _tensors(tmp_path / "f32")
+    assert {t.dtype for t in low.values()} == {torch.bfloat16}, "the tuned folder is written in the input's dtype"
+    assert {t.dtype for t in full.values()} == {torch.float32}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    meta = json.loads((tmp_path / "bf16" / "moetool.json").read_text())
+    assert meta["training"]["dtype"] == "bfloat16"
+    source = _tensors(moe)
+    routers = [k for k in low if k.endswith("block_sparse_moe.gate.weight")]
+    assert routers
+    for k in routers:
+        a, b = low[k].float(), full[k].float()
+        assert not torch.equal(a, source[k].float()), f"{k} did not train"
+        rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max()
+        assert rel < ROUTER_TOLERANCE, f"{k}: bf16 router rows differ from float32 by {rel:.3f} (relative)"
+    for k in (k for k in low if ".experts." in k):  # frozen experts: the same bf16 bytes
+        assert torch.equal(low[k], source[k])
+
+
+def test_dtype_and_device_choices():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(MoetoolError, match="--device 'tpu'"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(MoetoolError, match="0 CUDA device"):
+            resolve_device("cuda:1")
+
+
+def test_unknown_dtype_is_refused(bf16_moe):
+    _, moe = bf16_moe
+    assert resolve_dtype("float32", moe) == torch.float32
+    with pytest.raises(MoetoolError, match="--dtype 'int8'"):
+        resolve_dtype("int8", moe)
+
+
+def test_eval_runs_in_the_models_own_dtype(bf16_moe, tmp_path, monkeypatch):
+    """``moetool eval`` used to upcast every model to float32 on the CPU; a bf16 MoE is now evaluated in bf16 (said
+    in the report), within a stated tolerance of a float32 evaluation."""
+    from moetool.api import evaluate
+
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    _, moe = bf16_moe
+    data = {"code": moe.parent / "code.txt"}
+    low = evaluate([str(moe)], data=data, seq_len=32, max_tokens=512)
+    full = evaluate([str(moe)], data=data, seq_len=32, max_tokens=512, dtype="float32", device="cpu")
+    assert low["models"][str(moe)]["dtype"] == "bfloat16" and full["models"][str(moe)]["dtype"] == "float32"
+    a, b = low["perplexity"][str(moe)]["code"], full["perplexity"][str(moe)]["code"]
+    assert abs(a - b) / b < 0.02, (a, b)  # the same bf16 weights; only the activations round differently
