@@ -91,3 +91,36 @@ def test_eval_runs_in_the_models_own_dtype(bf16_moe, tmp_path, monkeypatch):
     assert low["models"][str(moe)]["dtype"] == "bfloat16" and full["models"][str(moe)]["dtype"] == "float32"
     a, b = low["perplexity"][str(moe)]["code"], full["perplexity"][str(moe)]["code"]
     assert abs(a - b) / b < 0.02, (a, b)  # the same bf16 weights; only the activations round differently
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "what"),
+    [("MOETOOL_MEMORY_BUDGET", "1M", "of memory"), ("MOETOOL_DISK_BUDGET", "10K", "MOETOOL_DISK_BUDGET")],
+)
+def test_stages_that_cannot_fit_say_so_before_they_start(bf16_moe, tmp_path, monkeypatch, env, value, what):
+    """Tuning, evaluation and GGUF export check their memory and disk need against what is available (here an
+    artificially small budget) and refuse up front, naming the need and the way out, with nothing written."""
+    from moetool.api import evaluate, export
+    from moetool.io.budget import BudgetError
+
+    recipe, moe = bf16_moe
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(env, value)
+    with pytest.raises(BudgetError, match=rf"router tuning (needs|writes) about .*{what}.*nothing was written"):
+        train_router(recipe, moe, tmp_path / "tuned")
+    assert not (tmp_path / "tuned").exists() and not list(tmp_path.glob(".tuned*"))
+    with pytest.raises(BudgetError, match=rf"GGUF export \(q8_0\) (needs|writes) about .*{what}"):
+        export(moe, tmp_path / "gguf", quant="q8_0")
+    assert not (tmp_path / "gguf").exists()
+    if env == "MOETOOL_MEMORY_BUDGET":
+        with pytest.raises(BudgetError, match="evaluating .* needs about .*--dtype bfloat16"):
+            evaluate([str(moe)], data={"code": moe.parent / "code.txt"}, seq_len=32, max_tokens=256)
+
+
+def test_budget_sizes():
+    from moetool.io.budget import BudgetError, parse_size
+
+    assert parse_size("8G", what="x") == 8 << 30 and parse_size("512M", what="x") == 512 << 20
+    assert parse_size("1024", what="x") == 1024 and parse_size("1.5GiB", what="x") == int(1.5 * (1 << 30))
+    with pytest.raises(BudgetError, match="not a size"):
+        parse_size("lots", what="MOETOOL_MEMORY_BUDGET")

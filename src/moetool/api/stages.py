@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 from rich.console import Console
 
 from moetool.errors import MoetoolError, OutputPathError
+from moetool.eval.perplexity import eval_need
 from moetool.eval.report import evaluate as run
 from moetool.export.base import ExportError, ExportJob, ExportRequest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
@@ -138,6 +139,8 @@ def evaluate(
     domains = eval_domains(domains, files)
     texts = {d: (read_text(files[d], what=f"--data {d}") if d in files else _zoo_text(d)) for d in domains}
     paths = {m: resolve_source(m).path for m in models}
+    for path in paths.values():  # before any model is loaded: one that cannot fit is named now
+        eval_need(path, dtype=dtype, seq_len=seq_len).check()
     owners = {m: _own_domain(m, p, domains) for m, p in paths.items()} | (own or {})
     configs = _task_configs(tasks, texts, files) if tasks else []  # a text too short fails before any model runs
     scores: dict[str, dict[str, dict[str, float]]] = {}

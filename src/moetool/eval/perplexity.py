@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from moetool import registry
+from moetool.io.budget import Need, human
 
 __all__ = ["load_causal_lm", "perplexity", "perplexity_matrix", "render_matrix", "token_nll"]
 
@@ -200,3 +201,28 @@ def render_matrix(
             cells.append(f"[bold green]{text}[/]" if value == best[col] else text)
         table.add_row(name, *cells)
     return table
+
+
+def eval_need(path: Path, *, dtype: str | None, seq_len: int, batch_size: int = 8) -> Need:
+    """Peak memory of evaluating the model in ``path``: its weights in ``dtype`` and one batch of ``batch_size``
+    windows (hidden states per layer, the logits and their float32 copy), plus a fixed runtime allowance.
+
+    Raises:
+        MoetoolError: an unknown dtype.
+    """
+    from moetool.io.checkpoint import Checkpoint
+    from moetool.train.precision import resolve_dtype
+
+    ck = Checkpoint(Path(path))
+    cfg = ck.config
+    width = torch.finfo(resolve_dtype(dtype, Path(path))).bits // 8
+    weights = sum(t.numel for t in ck.tensors.values()) * width
+    tokens = batch_size * seq_len
+    acts = tokens * int(cfg["hidden_size"]) * 24 + tokens * int(cfg["vocab_size"]) * (width + 8)
+    return Need(
+        stage=f"evaluating {path}",
+        memory=weights + acts + (512 << 20),
+        memory_detail=f"weights {human(weights)}, activations {human(acts)} for {batch_size} windows of {seq_len}",
+        way_out="Evaluate in bfloat16 (--dtype bfloat16), use a GPU (--device cuda), a shorter --seq-len, or another "
+        "machine",
+    )

@@ -8,6 +8,7 @@ resolution), and computes under autocast in the 16-bit dtype. The tuned model is
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +16,10 @@ from pathlib import Path
 import torch
 
 from moetool.errors import MoetoolError
+from moetool.io.budget import Need, human
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.safe import read_json
+from moetool.recipe.train import TrainSpec
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -92,3 +95,48 @@ def compute_in(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
         return
     with torch.autocast(device_type=device.type, dtype=dtype):
         yield
+
+
+_EXPERT = re.compile(r"\.experts\.|\.(input|output)_linear\.")
+
+
+def tuning_need(model_dir: Path, spec: TrainSpec, preset: str | None, dtype: torch.dtype, output: Path) -> Need:
+    """Peak memory and bytes written of router tuning ``model_dir`` in ``dtype``, from its config and headers.
+
+    Weights in ``dtype``; the trainable ones (every tensor but the experts; all under the ``full`` preset or the
+    user's own patterns, an upper bound) also as
+    float32 masters with a gradient and two AdamW moments; activations of one micro-batch (``batch_size`` ×
+    ``seq_len`` tokens: hidden states and expert intermediates per layer, and three float32 copies of the logits);
+    a fixed allowance for the runtime. On disk: the tuned model in ``dtype`` and the resumable checkpoint.
+    """
+    ck = Checkpoint(Path(model_dir))
+    cfg = ck.config
+    total = sum(t.numel for t in ck.tensors.values())
+    experts = sum(t.numel for n, t in ck.tensors.items() if _EXPERT.search(n))
+    trainable = total - experts if preset in ("mofe", "router_only") else total
+    width = torch.finfo(dtype).bits // 8
+    weights = total * width + (trainable * 4 if width != 4 else 0)
+    optimizer = trainable * 12  # gradient + two AdamW moments, float32
+    tokens = spec.batch_size * spec.seq_len
+    hidden, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 4 * hidden)
+    top_k = int(cfg.get("num_experts_per_tok") or 1)
+    acts = tokens * layers * (hidden * 40 + inter * top_k * 12) + tokens * int(cfg["vocab_size"]) * 4 * 3
+    runtime = 512 << 20
+    detail = (
+        f"weights {human(weights)} in {str(dtype).removeprefix('torch.')}"
+        f"{' + float32 trainable copies' if width != 4 else ''}, optimizer {human(optimizer)}, activations "
+        f"{human(acts)} at {spec.batch_size}×{spec.seq_len} tokens"
+    )
+    way_out = (
+        "Tune in bfloat16 (--dtype bfloat16), lower train.batch_size or train.seq_len (raise grad_accum to keep the "
+        "batch), use a GPU (--device cuda), or another machine"
+    )
+    return Need(
+        stage="router tuning",
+        memory=weights + optimizer + acts + runtime,
+        memory_detail=detail,
+        disk=total * width + trainable * 12,
+        output=Path(output),
+        way_out=way_out,
+    )

@@ -33,7 +33,7 @@ from moetool.train.data import load_source, sample_batch, tokenize_stream
 from moetool.train.distributed import local_micro_batches, make_accelerator, reduce_sum, single_cpu_launch
 from moetool.train.freeze import FreezeReport, apply_freeze
 from moetool.train.output import write_output
-from moetool.train.precision import compute_in, keep_trainable_float32, resolve_device, resolve_dtype
+from moetool.train.precision import compute_in, keep_trainable_float32, resolve_device, resolve_dtype, tuning_need
 
 __all__ = ["TrainResult", "checkpoint_dir", "make_optimizer", "train_router"]
 
@@ -302,6 +302,8 @@ def train_router(
     if not (model_dir / "config.json").is_file():
         raise MoetoolError(f"--model: {model_dir} is not a checkpoint directory")
     compute = resolve_dtype(dtype, model_dir)
+    # before anything is loaded or written: a run that cannot fit says so now, not when it is killed
+    tuning_need(model_dir, spec, recipe.freeze.preset, compute, output).check()
     acc = make_accelerator(spec.grad_accum, device=resolve_device(device) if device not in (None, "auto") else None)
     console = console if acc.is_main_process else silent()
     if single_cpu_launch():

@@ -19,6 +19,7 @@ from moetool.export.gguf.write import requantize_k, write_gguf
 from moetool.export.heldout import held_out_text, model_name
 from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
 from moetool.io.atomic import atomic_dir
+from moetool.io.budget import Need
 from moetool.io.checkpoint import Checkpoint
 from moetool.quant.plan import QuantPlan
 from moetool.quant.types import TYPES
@@ -73,6 +74,7 @@ class GGUFExporter:
         ckpt = Checkpoint(req.model_dir)
         needs_k = any(not TYPES[a.type].python for a in plan.quant.assignments)
         fname = f"{plan.name}.{plan.quant.label}.gguf"
+        gguf_need(plan, needs_k=needs_k, verify=req.verify, output=req.output).check()
         t0 = time.perf_counter()
         with atomic_dir(req.output, force=req.force) as tmp:
             target = tmp / fname
@@ -115,6 +117,30 @@ class GGUFExporter:
             }
             write_manifest(tmp, manifest)
         return manifest
+
+
+def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path) -> Need:
+    """Memory and disk of writing (and verifying) ``plan``'s GGUF, from the plan alone.
+
+    Disk: the artifact, a float32 staging file for K-quants (llama.cpp's quantizer reads one), and for a lossy plan
+    the float32 checkpoint of the artifact's dequantized weights that verification compares layer outputs with.
+    Memory: writing streams one tensor at a time; verification holds the model in float32 beside llama.cpp's copy
+    of the artifact (and, for a lossy plan, the dequantized float32 copy).
+    """
+    params = plan.quant.total_params
+    artifact = plan.quant.total_bytes
+    lossy = any(a.type != "f32" for a in plan.quant.assignments)
+    f32 = params * 4
+    disk = artifact + (f32 if needs_k else 0) + (f32 if verify and lossy else 0)
+    memory = (f32 * (2 if lossy else 1) + artifact if verify else 0) + (512 << 20)
+    return Need(
+        stage=f"GGUF export ({plan.quant.label})",
+        memory=memory,
+        memory_detail=f"{'verification: the model in float32 beside the artifact' if verify else 'writing'}",
+        disk=disk,
+        output=output,
+        way_out="Export with --no-verify (the artifact is not checked), or on a machine with more memory",
+    )
 
 
 def check_types(path: Path, plan: QuantPlan) -> None:
