@@ -153,10 +153,14 @@ COMMANDS: list[Cmd] = [
     run("moetool schema"),
     helponly("moetool merge RECIPE --output DIR [--dry-run] [--force] [--allow-pickle]", SYNOPSIS),
     run("moetool inspect MODEL [--json]", run="moetool inspect out/demo/merged --json", why="MODEL: the merged demo"),
-    helponly("moetool train RECIPE --output DIR [--model DIR] [--preset P] [--force] [--no-resume]", SYNOPSIS),
+    helponly(
+        "moetool train RECIPE --output DIR [--model DIR] [--preset P] [--dtype auto|float32|bfloat16|float16] "
+        "[--device auto|cpu|cuda[:N]] [--force] [--no-resume]",
+        SYNOPSIS,
+    ),
     helponly(
         "moetool eval MODEL... [--domains …] [--data D=FILE] [--own M=D] [--json FILE] [--plots DIR] "
-        "[--tasks T,… --limit N --num-fewshot K]",
+        "[--tasks T,… --limit N --num-fewshot K] [--dtype …] [--device …]",
         SYNOPSIS,
     ),
     notrun("bash scripts/setup.sh --eval", SETUP),
