@@ -1,4 +1,4 @@
-"""Killed writes: SIGKILL ``moetool merge`` and ``moetool export`` at chosen points of the write phase.
+"""Killed writes: SIGKILL ``moetool merge``, ``moetool export`` and ``moetool train`` at chosen points.
 
 After any kill, OUT is absent (first write), the complete old output (``--force``, killed before the swap) or the
 complete new one (killed after it); the next run sweeps every ``moetool-tmp``/``moetool-old`` leftover of the dead
@@ -78,6 +78,21 @@ SERVER = textwrap.dedent(
                 hold("after-swap")
             return real_remove(path)
         atomic._remove = remove
+
+        from moetool.export.gguf import verify
+        from moetool.train import checkpoint
+
+        real_compare = verify.compare
+        def compare(*a, **k):
+            hold("verifying")  # the dequantized copy of the artifact's weights exists now
+            return real_compare(*a, **k)
+        verify.compare = compare
+
+        real_save = checkpoint.save_checkpoint
+        def save(*a, **k):
+            real_save(*a, **k)
+            hold("checkpointed")
+        checkpoint.save_checkpoint = save
 
         os.chdir(req["cwd"])
         sys.argv = ["moetool", *req["args"]]
@@ -286,3 +301,39 @@ def test_installed_moetool_killed_when_its_temp_dir_appears(env, tools, sig):
     _ok(tools, ["merge", str(r), "-o", str(out), "--force"])
     assert not tools.leftovers(env.root)
     shutil.rmtree(out)
+
+
+def test_killed_export_during_verification_leaves_nothing_in_tmpdir(server, env, tools):
+    """The dequantized copy of the weights that GGUF verification compares with lives in the output's temporary
+    folder: a SIGKILL there leaves nothing in $TMPDIR, and the next run sweeps the rest."""
+    import tempfile
+
+    art = env.outs / "art"
+    args = ["export", str(env.models["e1"]), "-o", str(art), "--quant", "q8_0"]
+    tmpdir = Path(tempfile.gettempdir())
+    before = {p.name for p in tmpdir.glob("moetool-parity-*")}
+    _kill_at(server, "verifying", args, env.root / "marker", env.work)
+    assert {p.name for p in tmpdir.glob("moetool-parity-*")} == before
+    assert not art.exists() and tools.leftovers(env.outs)
+    _ok(tools, args)
+    assert (art / "manifest.json").is_file() and not tools.leftovers(env.root)
+
+
+def test_killed_training_resumes_to_the_uninterrupted_model(server, env, tools):
+    """SIGKILL after a checkpoint: no output is written, and the same command resumes from the checkpoint to the
+    model an uninterrupted run writes, tensor for tensor."""
+    from tuning_fixtures import read_all_tensors, write_tuning_recipe
+
+    models = {"base": env.models["base"], "e1": env.models["e1"], "e2": env.models["e2"], "e3": env.models["e2"]}
+    recipe = write_tuning_recipe(env.work, models, steps=4)
+    _ok(tools, ["merge", str(recipe), "-o", str(env.outs / "moe")])
+    straight = env.outs / "straight"
+    _ok(tools, ["train", str(recipe), "--model", str(env.outs / "moe"), "-o", str(straight)])
+    tuned = env.outs / "tuned"
+    args = ["train", str(recipe), "--model", str(env.outs / "moe"), "-o", str(tuned)]
+    _kill_at(server, "checkpointed", args, env.root / "marker", env.work)
+    assert not tuned.exists()
+    res = tools.runner.invoke(tools.app, args)
+    assert res.exit_code == 0 and "resuming from step" in res.output, res.output
+    a, b = read_all_tensors(straight), read_all_tensors(tuned)
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)

@@ -46,3 +46,14 @@ train:
   router_jitter: 0.1
 """,
     )
+
+
+def read_all_tensors(path: Path) -> dict[str, object]:
+    """Every tensor of a model folder's safetensors files, by name."""
+    from safetensors import safe_open
+
+    out: dict[str, object] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118  (a safetensors handle, not a dict)
+    return out

@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
-from tuning_fixtures import write_tuning_recipe
+from tuning_fixtures import read_all_tensors, write_tuning_recipe
 
 from moetool.api import assemble
 from moetool.errors import MoetoolError
@@ -19,14 +18,6 @@ from moetool.train.router_tuning import train_router
 # tuned router rows of a bf16 run against a float32 run of the same recipe, seed and batches: relative to each
 # row's norm (bf16 rounds activations to 8 bits of mantissa; 8 steps compound it a little)
 ROUTER_TOLERANCE = 0.05
-
-
-def _tensors(path):
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118  (a safetensors handle, not a dict)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +34,13 @@ def test_a_bf16_moe_stays_bf16_and_matches_float32_tuning(bf16_moe, tmp_path):
     assert checkpoint_dtype(moe) == "bfloat16"
     train_router(recipe, moe, tmp_path / "bf16")  # auto: the checkpoint's dtype
     train_router(recipe, moe, tmp_path / "f32", dtype="float32")
-    low, full = _tensors(tmp_path / "bf16"), _tensors(tmp_path / "f32")
+    low, full = read_all_tensors(tmp_path / "bf16"), read_all_tensors(tmp_path / "f32")
     assert {t.dtype for t in low.values()} == {torch.bfloat16}, "the tuned folder is written in the input's dtype"
     assert {t.dtype for t in full.values()} == {torch.float32}
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     meta = json.loads((tmp_path / "bf16" / "moetool.json").read_text())
     assert meta["training"]["dtype"] == "bfloat16"
-    source = _tensors(moe)
+    source = read_all_tensors(moe)
     routers = [k for k in low if k.endswith("block_sparse_moe.gate.weight")]
     assert routers
     for k in routers:

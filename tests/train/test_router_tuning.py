@@ -6,21 +6,12 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM
-from tuning_fixtures import write_tuning_recipe
+from tuning_fixtures import read_all_tensors, write_tuning_recipe
 
 from moetool.api import assemble
 from moetool.recipe import load_recipe
 from moetool.train.router_tuning import checkpoint_dir, train_router
-
-
-def _all_tensors(path):
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118  (a safetensors handle, not a dict)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +25,7 @@ def moe(tiny_models, tmp_path_factory):
 def test_trains_routers_and_freezes_experts(moe, tmp_path):
     recipe, src = moe
     res = train_router(recipe, src, tmp_path / "tuned")
-    before, after = _all_tensors(src), _all_tensors(tmp_path / "tuned")
+    before, after = read_all_tensors(src), read_all_tensors(tmp_path / "tuned")
     assert set(before) == set(after)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed, "nothing trained"
@@ -64,7 +55,7 @@ def test_resume_equals_uninterrupted(moe, tmp_path):
     assert checkpoint_dir(tmp_path / "resumed").exists()
     res = train_router(recipe, src, tmp_path / "resumed")
     assert res.resumed_from == 2
-    a, b = _all_tensors(tmp_path / "straight"), _all_tensors(tmp_path / "resumed")
+    a, b = read_all_tensors(tmp_path / "straight"), read_all_tensors(tmp_path / "resumed")
     for k in a:
         assert torch.equal(a[k], b[k]), k
 

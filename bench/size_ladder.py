@@ -1,0 +1,187 @@
+"""The size ladder: families of random bf16 weights in real shapes, through every stage, with wall time and peak RSS.
+
+Each rung is a base and four experts (the base with its MLPs re-drawn) in the shape of SmolLM2-135M, -360M or -1.7B,
+stored in bf16, with SmolLM2's tokenizer when the real zoo is built (else a byte-level BPE of the same vocabulary
+size trained on Python's documentation). Each stage runs as its own ``moetool`` process, so its peak RSS is its own
+(``wait4``):
+
+    merge (top-2 of 4, cheap_embed routers, bf16) → train (a few steps, the model's own dtype) → eval (perplexity on
+    4,096 tokens) → GGUF q8_0 export with verification → ONNX q8_0 export
+
+and the table gives each stage's wall time, peak RSS and that peak as a multiple of the MoE's bf16 bytes. A stage
+that refuses up front (its budget check) is reported as refused, with the first line of its reason.
+
+    .venv/bin/python bench/size_ladder.py --rungs 135m,360m [--work DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BIN = Path(sys.executable).parent
+RUNGS = {
+    "135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+             "num_key_value_heads": 3},
+    "360m": {"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 15,
+             "num_key_value_heads": 5},
+    "1.7b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 32,
+             "num_key_value_heads": 32},
+}  # fmt: skip
+VOCAB = 49152
+EXPERTS = ("code", "legal", "medical", "math")
+
+
+def _tokenizer(out: Path) -> None:
+    """SmolLM2's tokenizer from the real zoo when it is built, else a byte-level BPE trained here."""
+    zoo = Path(os.environ.get("MOETOOL_CACHE", Path.home() / ".cache" / "moetool")) / "zoo" / "smollm2" / "base"
+    if (zoo / "tokenizer.json").is_file():
+        for f in zoo.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy2(f, out / f.name)
+        return
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.train_from_iterator(list(topics.values()), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    fast.save_pretrained(str(out))
+
+
+def _family(root: Path, shape: dict[str, int]) -> dict[str, Path]:
+    """Base and experts as bf16 safetensors, written one model at a time (each tensor drawn from its own seed)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2, rope_theta=100000.0, **shape)  # fmt: skip
+    with torch.device("meta"):
+        names = {n: tuple(p.shape) for n, p in LlamaForCausalLM(cfg).state_dict().items()}
+    paths = {}
+    for k, name in enumerate(("base", *EXPERTS)):
+        out = root / name
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for i, (n, shp) in enumerate(sorted(names.items())):
+            if n == "lm_head.weight":
+                continue
+            seed = i * 97 + (k if ".mlp." in n else 0)
+            g = torch.Generator().manual_seed(seed)
+            if len(shp) == 1:
+                tensors[n] = torch.ones(shp, dtype=torch.bfloat16)
+            else:
+                tensors[n] = (torch.randn(shp, generator=g) * 0.02).to(torch.bfloat16)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        d = cfg.to_dict() | {"dtype": "bfloat16", "architectures": ["LlamaForCausalLM"]}
+        (out / "config.json").write_text(json.dumps(d, indent=2))
+        _tokenizer(out)
+        paths[name] = out
+    return paths
+
+
+def _texts(root: Path) -> dict[str, Path]:
+    from pydoc_data.topics import topics
+
+    body = "\n\n".join(topics.values())
+    out = {}
+    for i, d in enumerate(EXPERTS):
+        p = root / f"{d}.txt"
+        p.write_text(body[i * 60_000 : (i + 1) * 60_000] + "\n\n" + body[-40_000:], encoding="utf-8")
+        out[d] = p
+    return out
+
+
+def _recipe(root: Path, paths: dict[str, Path], texts: dict[str, Path]) -> Path:
+    experts = "\n".join(
+        f"  - {{name: {d}, source: {paths[d]}, positive_prompts: [{json.dumps(texts[d].read_text()[:80])}]}}"
+        for d in EXPERTS
+    )
+    data = "\n".join(f"    {d}: {{text: {texts[d]}}}" for d in EXPERTS)
+    text = (
+        f"name: ladder\nmethod: mofe\nbase_model: {paths['base']}\nexperts_per_token: 2\ngate_mode: cheap_embed\n"
+        f"dtype: bfloat16\nexperts:\n{experts}\nfreeze:\n  preset: mofe\ntrain:\n  data:\n{data}\n  steps: 3\n"
+        "  batch_size: 2\n  seq_len: 128\n  warmup_steps: 0\n  checkpoint_every: 1000\n"
+    )
+    path = root / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def _run(args: list[str], log: Path) -> tuple[float, int, int, str]:
+    """(wall seconds, peak RSS bytes, exit code, last line of output) of one process."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    return wall, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), lines[-1] if lines else ""
+
+
+def rung(name: str, work: Path) -> list[tuple[str, float, int, int, str]]:
+    root = work / name
+    root.mkdir(parents=True, exist_ok=True)
+    paths = _family(root / "models", RUNGS[name])
+    texts = _texts(root)
+    recipe = _recipe(root, paths, texts)
+    moe, tuned = root / "moe", root / "tuned"
+    moetool = str(BIN / "moetool")
+    stages = [
+        ("merge", [moetool, "merge", str(recipe), "-o", str(moe), "--force"]),
+        ("train", [moetool, "train", str(recipe), "--model", str(moe), "-o", str(tuned), "--force", "--no-resume"]),
+        ("eval", [moetool, "eval", str(tuned), "--data", f"code={texts['code']}", "--max-tokens", "4096"]),
+        ("gguf q8_0", [moetool, "export", str(tuned), "-o", str(root / "gguf"), "--quant", "q8_0", "--force"]),
+        ("onnx q8_0", [moetool, "export", str(tuned), "-o", str(root / "onnx"), "--target", "onnx", "--quant",
+                       "q8_0", "--force"]),
+    ]  # fmt: skip
+    rows = []
+    for stage, args in stages:
+        wall, rss, code, last = _run(args, root / f"{stage.split()[0]}.log")
+        rows.append((stage, wall, rss, code, last))
+        print(f"  {name} {stage}: {wall:.1f} s, peak {rss / 1e9:.2f} GB, exit {code}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rungs", default="135m,360m")
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the models and outputs")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="moetool-ladder-"))
+    table = []
+    for name in args.rungs.split(","):
+        rows = rung(name, work)
+        moe_bytes = sum(f.stat().st_size for f in (work / name / "moe").glob("*.safetensors"))
+        table += [(name, moe_bytes, *r) for r in rows]
+        if not args.keep:
+            shutil.rmtree(work / name, ignore_errors=True)
+    print("\n| rung | MoE (bf16) | stage | wall | peak RSS | × MoE | result |\n|---|---|---|---|---|---|---|")
+    for name, moe_bytes, stage, wall, rss, code, last in table:
+        result = "ok" if code == 0 else f"exit {code}: {last[:90]}"
+        print(
+            f"| {name} | {moe_bytes / 1e9:.2f} GB | {stage} | {wall:.0f} s | {rss / 1e9:.2f} GB | "
+            f"{rss / max(moe_bytes, 1):.1f}× | {result} |"
+        )
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
