@@ -75,3 +75,24 @@ targets:
         assert "needs a device, a target, or both" in str(exc)
     else:
         raise AssertionError("a target without device or target must be refused")
+
+
+def test_failed_optional_steps_end_the_build_with_their_reasons(monkeypatch):
+    """A build whose task accuracy failed for a model still wrote everything else; it ends with exit status 1 and
+    the reasons (api.build records them in BuildResult.failed)."""
+    import pytest
+    import typer
+
+    from rich.console import Console
+
+    from moetool.cli import build
+    from moetool.cli.build import _report_failures
+
+    log = Console(record=True, width=200)
+    monkeypatch.setattr(build, "console", log)
+    _report_failures([])  # nothing failed: returns
+    with pytest.raises(typer.Exit) as exc:
+        _report_failures(["task accuracy of out/merged: lm-eval could not run moetool_cont_legal: missing file"])
+    assert exc.value.exit_code == 1
+    text = " ".join(log.export_text().split())
+    assert "1 optional step(s) failed; every other stage finished" in text and "moetool_cont_legal" in text

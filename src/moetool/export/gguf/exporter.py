@@ -124,15 +124,15 @@ def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path) -> N
 
     Disk: the artifact, a float32 staging file for K-quants (llama.cpp's quantizer reads one), and for a lossy plan
     the float32 checkpoint of the artifact's dequantized weights that verification compares layer outputs with.
-    Memory: writing streams one tensor at a time; verification holds the model in float32 beside llama.cpp's copy
-    of the artifact (and, for a lossy plan, the dequantized float32 copy).
+    Memory: writing streams one tensor at a time; verification holds one float32 copy of the weights at a time (the
+    source model beside llama.cpp's copy of the artifact, then the artifact's dequantized weights).
     """
     params = plan.quant.total_params
     artifact = plan.quant.total_bytes
     lossy = any(a.type != "f32" for a in plan.quant.assignments)
     f32 = params * 4
     disk = artifact + (f32 if needs_k else 0) + (f32 if verify and lossy else 0)
-    memory = (f32 * (2 if lossy else 1) + artifact if verify else 0) + (512 << 20)
+    memory = (f32 + artifact if verify else 0) + (512 << 20)
     return Need(
         stage=f"GGUF export ({plan.quant.label})",
         memory=memory,
