@@ -82,7 +82,6 @@ def test_failed_optional_steps_end_the_build_with_their_reasons(monkeypatch):
     the reasons (api.build records them in BuildResult.failed)."""
     import pytest
     import typer
-
     from rich.console import Console
 
     from moetool.cli import build
