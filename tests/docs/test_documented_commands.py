@@ -151,7 +151,10 @@ COMMANDS: list[Cmd] = [
     dry("moetool push out/demo/hf-repo --repo-id YOU/NAME", "uploads to the Hub; --dry-run lists what it would send"),
     run("moetool validate RECIPE", run="moetool validate recipes/demo-mofe.yaml", why="RECIPE: the demo recipe"),
     run("moetool schema"),
-    helponly("moetool merge RECIPE --output DIR [--dry-run] [--force] [--allow-pickle]", SYNOPSIS),
+    helponly(
+        "moetool merge RECIPE --output DIR [--dry-run] [--force] [--allow-pickle] [--device auto|cpu|cuda[:N]]",
+        SYNOPSIS,
+    ),
     run("moetool inspect MODEL [--json]", run="moetool inspect out/demo/merged --json", why="MODEL: the merged demo"),
     helponly(
         "moetool train RECIPE --output DIR [--model DIR] [--preset P] [--dtype auto|float32|bfloat16|float16] "

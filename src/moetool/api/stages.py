@@ -75,12 +75,18 @@ def assemble(
     force: bool = False,
     allow_pickle: bool = False,
     console: Console | None = None,
+    device: str | None = None,
 ) -> Path:
-    """Build the recipe's model into ``output`` (atomically; an existing output only with ``force``)."""
+    """Build the recipe's model into ``output`` (atomically; an existing output only with ``force``).
+
+    ``device``: where a mofe merge runs the base for hidden-state routers (auto: a GPU when there is one).
+    """
     r = load(recipe)
     check_output_path(output, recipe_inputs(r))  # before any work: never into, over or around an input
     return Path(
-        plugin(r).assemble(r, Path(output), force=force, allow_pickle=allow_pickle, console=console or silent())
+        plugin(r).assemble(
+            r, Path(output), force=force, allow_pickle=allow_pickle, console=console or silent(), device=device
+        )
     )
 
 

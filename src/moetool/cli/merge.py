@@ -41,6 +41,12 @@ def merge(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; read no weights, write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept pytorch_model*.bin inputs.")] = False,
+    device: Annotated[
+        str,
+        typer.Option(
+            help="mofe: where hidden-state routers run the base: auto (a GPU when there is one), cpu, cuda[:N]."
+        ),
+    ] = "auto",
 ) -> None:
     """Build the recipe's model: experts merged into one MoE checkpoint (mofe), or the method's own model."""
     # Before torch loads OpenMP: the merge runs the router forward pass beside the tensor stream and the hashing, so
@@ -58,7 +64,7 @@ def merge(
         return
     if output is None:
         raise MoetoolError("--output is required (or use --dry-run)")
-    path = api.assemble(r, output, force=force, allow_pickle=allow_pickle, console=console)
+    path = api.assemble(r, output, force=force, allow_pickle=allow_pickle, console=console, device=device)
     out.print(f"[green]wrote[/] {path} (method {r.method})")
 
 

@@ -132,14 +132,33 @@ class MethodPlugin(Generic[RecipeT, PlanT]):
         raise NotImplementedError
 
     def assemble(
-        self, recipe: RecipeT, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+        self,
+        recipe: RecipeT,
+        output: Path,
+        *,
+        force: bool = False,
+        allow_pickle: bool = False,
+        console: Console,
+        device: str | None = None,
     ) -> Path:
         """Build the model into ``output`` atomically (refusing an existing one without ``force``); returns it.
+
+        ``device``: where the merge runs a model, if it does (mofe's hidden-state routers); None or ``auto``: a GPU
+        when there is one.
 
         Raises:
             NotImplementedError: the method has no merge stage.
         """
         raise NotImplementedError
+
+    def refuse_device(self, device: str | None) -> None:
+        """Refuse ``--device`` for a method whose merge does not take one (rather than ignore it).
+
+        Raises:
+            MoetoolError: a device other than auto was asked for.
+        """
+        if device not in (None, "auto"):
+            raise MoetoolError(f"--device: method {self.name}'s merge runs on the CPU and takes no --device")
 
     def train(
         self, recipe: RecipeT, model: Path | None, output: Path, options: TrainOptions, console: Console
@@ -208,8 +227,16 @@ class AssemblerPlugin(MethodPlugin[RecipeT, str]):
         return self._assembler().describe(recipe, recipe_dir=recipe.recipe_dir)
 
     def assemble(
-        self, recipe: RecipeT, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+        self,
+        recipe: RecipeT,
+        output: Path,
+        *,
+        force: bool = False,
+        allow_pickle: bool = False,
+        console: Console,
+        device: str | None = None,
     ) -> Path:
+        self.refuse_device(device)
         built = self._assembler().assemble(
             recipe, recipe_dir=recipe.recipe_dir, output=output, force=force, console=console
         )

@@ -95,17 +95,20 @@ def mlp_input_means(
     def hook(_mod: Any, args: tuple[torch.Tensor, ...]) -> None:
         captured.append(args[0].float())
 
+    device = next(model.parameters()).device
+
     handles = [layer.mlp.register_forward_pre_hook(hook) for layer in layers]
     sums = torch.zeros(len(layers), model.config.hidden_size)
     try:
         for start in range(0, len(prompts), batch_size):
             enc = encode_prompts(tokenizer, prompts[start : start + batch_size], chat_template=chat_template)
             captured.clear()
-            model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], use_cache=False)
-            mask = enc["content_mask"].unsqueeze(-1).float()  # [P, T, 1]
+            ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+            model(input_ids=ids, attention_mask=attn, use_cache=False)
+            mask = enc["content_mask"].unsqueeze(-1).float().to(device)  # [P, T, 1]
             for li, h in enumerate(captured):  # h: [P, T, H]
                 per_prompt = (h * mask).sum(1) / mask.sum(1)  # [P, H]
-                sums[li] += per_prompt.sum(0)
+                sums[li] += per_prompt.sum(0).cpu()
     finally:
         for handle in handles:
             handle.remove()

@@ -47,3 +47,28 @@ def test_merge_warns_when_llama_cpps_converter_would_differ(tmp_path, family, k,
     out = assemble(recipe, tmp_path / "moe", console=log)
     assert ("convert_hf_to_gguf.py" in log.export_text()) == warned
     assert ("## Known limits" in (out / "README.md").read_text()) == warned
+
+
+def test_merge_device_is_checked_and_used(tmp_path):
+    """``--device`` places the hidden-state router pass; the CPU gives the same merge as the default here, and a
+    device this machine lacks is refused before anything is written."""
+    import torch
+
+    from moetool.errors import MoetoolError
+    from moetool.io.checkpoint import Checkpoint
+
+    base = save_dense(tmp_path / "base", "llama")
+    text = (
+        f"name: dev\nmethod: mofe\nbase_model: {base}\nexperts_per_token: 2\ngate_mode: hidden\n"
+        "experts:\n"
+        + "".join(f"  - {{name: x{i}, source: {base}, positive_prompts: ['prompt {i} words']}}\n" for i in range(3))
+    )
+    recipe = write_recipe(tmp_path / "r.yaml", text)
+    a = assemble(recipe, tmp_path / "a")
+    b = assemble(recipe, tmp_path / "b", device="cpu")
+    ta, tb = Checkpoint(a), Checkpoint(b)
+    assert all(torch.equal(ta.get(n), tb.get(n)) for n in ta.tensors)
+    if not torch.cuda.is_available():
+        with pytest.raises(MoetoolError, match="CUDA device"):
+            assemble(recipe, tmp_path / "c", device="cuda:0")
+        assert not (tmp_path / "c").exists()

@@ -62,9 +62,18 @@ class ComigsPlugin(MethodPlugin[ComigsRecipe, str]):
         return describe(recipe, recipe.recipe_dir)
 
     def assemble(
-        self, recipe: ComigsRecipe, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+        self,
+        recipe: ComigsRecipe,
+        output: Path,
+        *,
+        force: bool = False,
+        allow_pickle: bool = False,
+        console: Console,
+        device: str | None = None,
     ) -> Path:
         from moetool.methods.comigs.pipeline import assemble
+
+        self.refuse_device(device)
 
         return assemble(recipe, recipe.recipe_dir, output, force=force, console=console)
 

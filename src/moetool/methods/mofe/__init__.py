@@ -43,11 +43,22 @@ class MoFEPlugin(MethodPlugin[MoFERecipe, MergePlan]):
         return plan_mofe(recipe, allow_pickle=allow_pickle)
 
     def assemble(
-        self, recipe: MoFERecipe, output: Path, *, force: bool = False, allow_pickle: bool = False, console: Console
+        self,
+        recipe: MoFERecipe,
+        output: Path,
+        *,
+        force: bool = False,
+        allow_pickle: bool = False,
+        console: Console,
+        device: str | None = None,
     ) -> Path:
-        from moetool.methods.mofe.execute import execute
+        from dataclasses import replace
 
-        plan = self.describe(recipe, allow_pickle=allow_pickle)
+        from moetool.methods.mofe.execute import execute
+        from moetool.train.precision import resolve_device
+
+        resolve_device(device)  # an unusable --device is refused before any work
+        plan = replace(self.describe(recipe, allow_pickle=allow_pickle), device=device or "auto")
         return execute(plan, output, force=force, recipe_text=recipe.text, console=console)
 
     def train(

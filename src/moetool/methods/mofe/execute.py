@@ -22,6 +22,7 @@ from moetool.methods.mofe.plan import DTYPES, MergePlan, Parts
 from moetool.progress import silent, task
 from moetool.recipe.mofe import MoFERecipe
 from moetool.routing import init as rinit
+from moetool.train.precision import resolve_device
 
 Routers = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -59,7 +60,10 @@ def compute_router_weights(plan: MergePlan) -> Routers:
         return gates, shared_gate
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32).eval()
+    # float32 for the router rows' precision, on the plan's device (a GPU when there is one)
+    device = resolve_device(plan.device)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+    model = model.to(device).eval()
     gates = rinit.hidden_gates(model, tok, sets, chat_template=recipe.chat_template)
     shared_gate = (
         rinit.hidden_gates(model, tok, shared_sets, chat_template=recipe.chat_template) if shared_sets else None

@@ -69,6 +69,7 @@ class MergePlan:
     dtype: str
     warnings: list[str] = field(default_factory=list)
     allow_pickle: bool = False
+    device: str = "auto"  # where hidden-state router initialisation runs the base (auto: a GPU when there is one)
 
     @property
     def element_size(self) -> int:
