@@ -139,3 +139,30 @@ def test_profile_gguf_needs_a_hybrid_export_folder(env, refused, kind):
     }[kind]
     inputs = [model, *([folder] if folder.exists() else [])]
     refused(["profile", str(model), "--gguf", str(folder)], expected, inputs=inputs, sandbox=env.root)
+
+
+def test_a_full_disk_mid_merge_is_a_named_error_that_leaves_nothing(env, cli, tools, monkeypatch):
+    """ENOSPC while the merge streams its shards: one message naming the full disk, exit 2, no traceback, and
+    neither the output nor its temporary folder left behind (what filled the disk is given back)."""
+    import errno
+
+    from moetool.io import writer
+
+    real_add = writer.ShardedWriter.add
+    calls = {"n": 0}
+
+    def add(self, name, tensor):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_add(self, name, tensor)
+
+    monkeypatch.setattr(writer.ShardedWriter, "add", add)
+    recipe = env.recipe(
+        f"name: full\nmethod: mofe\nbase_model: {env.models['base']}\ngate_mode: random\nexperts_per_token: 1\n"
+        f"experts:\n  - {{name: a, source: {env.models['e1']}}}\n  - {{name: b, source: {env.models['e2']}}}\n"
+    )
+    res = cli(["merge", str(recipe), "-o", str(env.outs / "moe")])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "the disk filled up while writing" in text and "Traceback" not in res.output
+    assert list(env.outs.iterdir()) == [] and not tools.leftovers(env.outs)

@@ -3,6 +3,7 @@ commands and the methods' sub-apps (``moetool.methods.*.cli``) share it without 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import warnings
@@ -32,8 +33,25 @@ def friendly(fn: F) -> F:
         except MoetoolError as exc:
             console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except Exception as exc:
+            if not _disk_full(exc):
+                raise
+            console.print(
+                f"[bold red]error:[/] the disk filled up while writing ({escape(str(exc))}); the unfinished output "
+                "was removed and nothing else changed. Free space or write to another filesystem (-o)",
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """ENOSPC/EDQUOT, as an OSError or as the text of a library's own error (safetensors' SafetensorError)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
 
 
 def human(n: float) -> str:
