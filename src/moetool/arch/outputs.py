@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 from moetool.arch.facts import ModelFacts
 from moetool.arch.families import FAMILIES
@@ -69,7 +72,7 @@ def expert_count(cfg: Mapping[str, Any]) -> int:
     return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
 
 
-def _common(base: Any) -> dict[str, Any]:
+def _common(base: PretrainedConfig) -> dict[str, Any]:
     return {k: getattr(base, k) for k in _COMMON_KEYS if getattr(base, k, None) is not None}
 
 
@@ -101,14 +104,14 @@ class MoEArch(ModelFacts):
     router: str
     expert: str
     proj_map: dict[str, str]
-    config_extra: Callable[[Any, int, int, int | None], dict[str, Any]]
+    config_extra: Callable[[PretrainedConfig, int, int, int | None], dict[str, Any]]
     shared: str | None = None
     shared_gate: str | None = None
     zero_attn_bias: tuple[str, ...] = ()
-    checks: tuple[Callable[[Any], str | None], ...] = field(default=())
+    checks: tuple[Callable[[PretrainedConfig], str | None], ...] = field(default=())
     stacked: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
-    def supports(self, base: Any, *, shared: bool) -> Verdict:
+    def supports(self, base: PretrainedConfig, *, shared: bool) -> Verdict:
         """Explain whether this architecture can hold a MoE built on dense config ``base``."""
         if base.model_type not in self.accepts:
             return Verdict(False, f"accepts {'/'.join(self.accepts)} bases, not {base.model_type!r}")
@@ -122,7 +125,9 @@ class MoEArch(ModelFacts):
                 return Verdict(False, reason)
         return Verdict(True)
 
-    def make_config(self, base: Any, *, n_experts: int, top_k: int, shared_intermediate: int | None) -> dict[str, Any]:
+    def make_config(
+        self, base: PretrainedConfig, *, n_experts: int, top_k: int, shared_intermediate: int | None
+    ) -> dict[str, Any]:
         """The output config.json as a dict, validated by the transformers config class."""
         import transformers
 
@@ -161,13 +166,13 @@ class MoEArch(ModelFacts):
         ]
 
 
-def _no_attn_bias(base: Any) -> str | None:
+def _no_attn_bias(base: PretrainedConfig) -> str | None:
     if getattr(base, "attention_bias", False):
         return "has no attention biases (base has attention_bias: true)"
     return None
 
 
-def _mixtral_extra(base: Any, n: int, k: int, _shared: int | None) -> dict[str, Any]:
+def _mixtral_extra(base: PretrainedConfig, n: int, k: int, _shared: int | None) -> dict[str, Any]:
     return {
         "intermediate_size": base.intermediate_size,
         "num_local_experts": n,
@@ -177,7 +182,7 @@ def _mixtral_extra(base: Any, n: int, k: int, _shared: int | None) -> dict[str, 
     }
 
 
-def _qwen_moe_extra(base: Any, n: int, k: int, shared: int | None) -> dict[str, Any]:
+def _qwen_moe_extra(base: PretrainedConfig, n: int, k: int, shared: int | None) -> dict[str, Any]:
     extra: dict[str, Any] = {
         "intermediate_size": base.intermediate_size,
         "moe_intermediate_size": base.intermediate_size,
@@ -261,7 +266,7 @@ QWEN3_MOE = MoEArch(
 )
 
 
-def _granite_extra(base: Any, n: int, k: int, _shared: int | None) -> dict[str, Any]:
+def _granite_extra(base: PretrainedConfig, n: int, k: int, _shared: int | None) -> dict[str, Any]:
     # GraniteMoE's router softmaxes the top-k logits (renormalised top-k, as Mixtral); the scales carry over
     keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "attention_bias")
     return {
@@ -272,7 +277,7 @@ def _granite_extra(base: Any, n: int, k: int, _shared: int | None) -> dict[str, 
     } | {key: getattr(base, key) for key in keys if getattr(base, key, None) is not None}
 
 
-def _granite_head_dim(base: Any) -> str | None:
+def _granite_head_dim(base: PretrainedConfig) -> str | None:
     head_dim = getattr(base, "head_dim", None)
     if head_dim and head_dim * base.num_attention_heads != base.hidden_size:
         return f"has head_dim = hidden_size / num_attention_heads only (base has head_dim {head_dim})"
@@ -304,7 +309,7 @@ OUTPUT_ARCHS: dict[str, MoEArch] = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN
 _PREFERRED = {f.model_type: f.moe_output for f in FAMILIES.values()}
 
 
-def select_output_arch(requested: str, base: Any, *, shared: bool) -> MoEArch:
+def select_output_arch(requested: str, base: PretrainedConfig, *, shared: bool) -> MoEArch:
     """Pick the output architecture for dense config ``base``.
 
     Raises:

@@ -17,7 +17,10 @@ Shapes: ``input_ids`` [B, T] int64; ``position_ids`` [B, T] int64; ``mask`` [B, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 import torch
 from torch import nn
@@ -170,7 +173,7 @@ def attend(
 
 
 class Attention(nn.Module):
-    def __init__(self, attn: Any, cfg: Any, eps: float) -> None:
+    def __init__(self, attn: Any, cfg: PretrainedConfig, eps: float) -> None:
         super().__init__()
         self.n_head = int(cfg.num_attention_heads)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_head)
@@ -202,7 +205,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, layer: Any, cfg: Any, eps: float, mlp: nn.Module) -> None:
+    def __init__(self, layer: Any, cfg: PretrainedConfig, eps: float, mlp: nn.Module) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(layer.input_layernorm.weight, eps)
         self.attn = Attention(layer.self_attn, cfg, eps)
@@ -223,7 +226,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ffn_norm(x)), k, v
 
 
-def _moe(mlp: Any, cfg: Any, rec: ModelFacts) -> nn.Module:
+def _moe(mlp: Any, cfg: PretrainedConfig, rec: ModelFacts) -> nn.Module:
     """Per-expert MLPs from transformers 5's fused expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
     ex = mlp.experts
     inter = ex.down_proj.shape[-1]

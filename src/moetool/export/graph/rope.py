@@ -18,7 +18,10 @@ Shapes: ``position_ids`` [B, T] int64 → cos, sin [B, 1, T, head_dim].
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 import torch
 from torch import nn
@@ -26,7 +29,7 @@ from torch import nn
 SUPPORTED_ROPE = ("default", "linear", "yarn", "llama3", "longrope")
 
 
-def rope_type(cfg: Any) -> str:
+def rope_type(cfg: PretrainedConfig) -> str:
     params = getattr(cfg, "rope_parameters", None) or {}
     return str(params.get("rope_type", "default"))
 
@@ -37,7 +40,7 @@ class GraphRope(nn.Module):
     inv_freq: torch.Tensor
     long_inv_freq: torch.Tensor
 
-    def __init__(self, cfg: Any, rotary: Any) -> None:
+    def __init__(self, cfg: PretrainedConfig, rotary: Any) -> None:
         super().__init__()
         kind = rope_type(cfg)
         if kind not in SUPPORTED_ROPE:

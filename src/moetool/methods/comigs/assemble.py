@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -53,7 +56,7 @@ def user_experts(recipe: ComigsRecipe, user: UserSpec) -> list[LoRAExpertSpec]:
     return [*recipe.generalists, *user.specialists]
 
 
-def user_config(recipe: ComigsRecipe, user: UserSpec, base_cfg: Any) -> ComigsConfig:
+def user_config(recipe: ComigsRecipe, user: UserSpec, base_cfg: PretrainedConfig) -> ComigsConfig:
     lora = recipe.lora
     return ComigsConfig(
         base_config=base_cfg.to_dict(),
@@ -165,7 +168,7 @@ def load_dense(recipe: ComigsRecipe, recipe_dir: Path | None) -> tuple[Any, Any,
     return dense, tok, path
 
 
-def count_params(recipe: ComigsRecipe, base_cfg: Any) -> dict[str, Any]:
+def count_params(recipe: ComigsRecipe, base_cfg: PretrainedConfig) -> dict[str, Any]:
     """Per user: experts, router and LoRA parameter counts, and what one upload carries (no weights read)."""
     d, inter, layers = base_cfg.hidden_size, base_cfg.intermediate_size, base_cfg.num_hidden_layers
     r = recipe.lora.rank

@@ -10,7 +10,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 import torch
 from torch import nn
@@ -34,7 +37,7 @@ def _ffn(mlp: Any) -> GatedMLP:
 class _Layer(nn.Module):
     """One decoder layer's parts; the graphs run them themselves (GEM's masks and pathway mix sit in between)."""
 
-    def __init__(self, layer: Any, cfg: Any) -> None:
+    def __init__(self, layer: Any, cfg: PretrainedConfig) -> None:
         super().__init__()
         eps = float(cfg.rms_norm_eps)
         self.attn_norm = RMSNorm(layer.input_layernorm.weight, eps)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 import re
 from pathlib import Path
@@ -100,7 +100,7 @@ def _base_tensors(ck: Checkpoint, arch: MoEArch, problems: list[str]) -> dict[st
 def _check_expert(
     fieldname: str,
     ck: Checkpoint,
-    base_cfg: Any,
+    base_cfg: PretrainedConfig,
     mlp_shapes: dict[str, Any],
     base_sig: tuple[Any, ...] | None,
     *,
