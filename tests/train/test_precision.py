@@ -104,6 +104,9 @@ def test_stages_that_cannot_fit_say_so_before_they_start(bf16_moe, tmp_path, mon
         export(moe, tmp_path / "gguf", quant="q8_0")
     assert not (tmp_path / "gguf").exists()
     if env == "MOETOOL_MEMORY_BUDGET":
+        with pytest.raises(BudgetError, match=r"onnx export needs about .*× the float32 weights"):
+            export(moe, tmp_path / "onnx", target="onnx", quant="f32")
+        assert not (tmp_path / "onnx").exists()
         with pytest.raises(BudgetError, match="evaluating .* needs about .*--dtype bfloat16"):
             evaluate([str(moe)], data={"code": moe.parent / "code.txt"}, seq_len=32, max_tokens=256)
 

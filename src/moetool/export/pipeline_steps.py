@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 
 from moetool.export.base import ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
+from moetool.export.graph.common import GraphPlan, graph_manifest, graph_need, plan_graph
 from moetool.export.graph.model import load_export_model
 from moetool.export.graph.parity import Decode, Prefill, gate, graph_parity
 from moetool.export.heldout import held_out_text
@@ -33,6 +33,9 @@ class GraphExporter:
     requires: str  # the pip extra that provides the runtime used for verification
     runtime_modules: tuple[str, ...] = ()  # what that extra installs and the target imports
     default_quant = "f32"  # graph runtimes store fp32, int8 or int4 weights; fp32 is the exact one
+    # peak RSS as a multiple of the float32 weights (measured on the real demo MoE at q8_0 where ``peak_measured``)
+    peak_multiple: float = 3.0
+    peak_measured: bool = False
 
     def plan(self, req: ExportRequest) -> GraphPlan:
         return plan_graph(req, self.name)
@@ -42,6 +45,7 @@ class GraphExporter:
         for module in self.runtime_modules:
             require(module, self.requires, why=f"--target {self.name}")
         self.check(req)
+        graph_need(self.name, plan, self.peak_multiple, self.peak_measured, req.output).check()
         started = time.perf_counter()
         step = step_printer(console, started)
         step(f"loading {req.model_dir}")

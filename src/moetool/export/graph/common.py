@@ -15,6 +15,7 @@ from moetool.export.graph.names import plan_entries
 from moetool.export.graph.precision import graph_precision
 from moetool.export.heldout import model_name
 from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
+from moetool.io.budget import Need, human
 from moetool.io.checkpoint import Checkpoint
 
 
@@ -78,6 +79,23 @@ def plan_graph(req: ExportRequest, fmt: str) -> GraphPlan:
         c.context,
         c.candidates,
         origin=req.origin,
+    )
+
+
+def graph_need(target: str, plan: GraphPlan, multiple: float, measured: bool, output: Path) -> Need:
+    """Peak memory of a graph export as ``multiple`` × the model's float32 weights, and its artifact on disk.
+
+    ``measured``: the multiple is the peak RSS measured exporting the real demo MoE at q8_0 (README), not a guess.
+    """
+    f32 = plan.quant.total_params * 4
+    how = "as measured on the real MoE" if measured else "estimated: the model, its export copy and the graph"
+    return Need(
+        stage=f"{target} export",
+        memory=int(f32 * multiple) + (512 << 20),
+        memory_detail=f"{multiple:g}× the float32 weights ({human(f32)}), {how}",
+        disk=plan.quant.total_bytes,
+        output=output,
+        way_out="Export to GGUF (written one tensor at a time), or on a machine with more memory",
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 
 from moetool.export.base import ExportError, ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, graph_manifest, plan_graph
+from moetool.export.graph.common import GraphPlan, graph_manifest, graph_need, plan_graph
 from moetool.export.graph.parity import gate
 from moetool.export.heldout import held_out_text
 from moetool.export.tflite.runner import REPO, litert_python, run_worker
@@ -41,6 +41,8 @@ class TFLiteExporter:
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> dict[str, Any]:
 
         litert_python()  # no litert-torch: refuse before anything is written
+        # 8.6 GB peak for the 1.29 GB (float32) real MoE
+        graph_need(self.name, plan, 6.7, True, req.output).check()
         max_pos = int(plan.config.get("max_position_embeddings", 2048))
         capacity = min(max_pos, plan.context, 512)
         prefill_len = min(128, capacity - 8)
