@@ -300,7 +300,7 @@ def train_router(
     spec: TrainSpec = recipe.train
     check_output(output, force=force)
     if not (model_dir / "config.json").is_file():
-        raise MoetoolError(f"--model: {model_dir} is not a checkpoint directory")
+        raise MoetoolError(f"--model: {model_dir} is not a checkpoint directory (no config.json)")
     compute = resolve_dtype(dtype, model_dir)
     # before anything is loaded or written: a run that cannot fit says so now, not when it is killed
     tuning_need(model_dir, spec, recipe.freeze.preset, compute, output).check()
