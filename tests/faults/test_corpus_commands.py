@@ -232,3 +232,29 @@ def test_size_parser_any_text(value):
         assert parse_size(value, what="X") >= 0
     except BudgetError as exc:
         assert "X=" in str(exc)
+
+
+@pytest.mark.parametrize(("key", "value"), [("num_hidden_layers", "two"), ("hidden_size", 32.5), ("vocab_size", 0)])
+@pytest.mark.parametrize("command", ["inspect", "eval", "export"])
+def test_config_sizes_that_are_not_positive_integers(env, refused, key, value, command):
+    """``moetool inspect`` printed ``layers: two`` and exited 0; every command reading the config now names it."""
+    import json
+
+    model = env.root / "models" / "given"
+    shutil.copytree(env.models["e1"], model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg[key] = value
+    (model / "config.json").write_text(json.dumps(cfg))
+    t = _texts(env)["good"]
+    args = {
+        "inspect": ["inspect", str(model)],
+        "eval": ["eval", str(model), "--data", f"code={t}"],
+        "export": ["export", str(model), "-o", str(env.outs / "art"), "--no-verify"],
+    }[command]
+    refused(
+        args,
+        ["config.json", f"{key} is {value!r}, not a positive integer"],
+        inputs=[model, t],
+        sandbox=env.root,
+        allowed_new=lambda p: p.suffix == ".txt",
+    )

@@ -142,6 +142,19 @@ def _tensor_entry(path: Path, name: str, v: Any, data_start: int, size: int) -> 
 INDEX = "model.safetensors.index.json"
 
 
+# config.json fields every stage sizes tensors and loops by: a string or a fraction there is a broken file
+SIZE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "num_local_experts",
+    "num_experts_per_tok",
+)
+
+
 class Checkpoint:
     """A checkpoint directory read tensor by tensor; at most one shard is open at a time.
 
@@ -165,10 +178,21 @@ class Checkpoint:
 
     @cached_property
     def config(self) -> dict[str, Any]:
+        """config.json as a dict, its size fields checked (positive integers where present).
+
+        Raises:
+            SourceError: no config.json.
+            CheckpointError: a size field that is not a positive integer (naming the file and the field).
+        """
         cfg = self.path / "config.json"
         if not cfg.is_file():
             raise SourceError(f"{self.path}: no config.json (not a Hugging Face model directory)")
-        return dict(read_json(cfg, what="model config"))
+        data = dict(read_json(cfg, what="model config"))
+        for key in SIZE_KEYS:
+            value = data.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise CheckpointError(f"{cfg}: {key} is {value!r}, not a positive integer")
+        return data
 
     @cached_property
     def index(self) -> dict[str, str] | None:
