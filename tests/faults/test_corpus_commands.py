@@ -55,7 +55,9 @@ def _texts(env) -> dict[str, Path]:
     good.write_text(TEXT, encoding="utf-8")
     latin = env.work / "latin1.txt"
     latin.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
-    return {"good": good, "latin": latin}
+    empty = env.work / "empty.txt"
+    empty.write_text(" \n", encoding="utf-8")
+    return {"good": good, "latin": latin, "empty": empty}
 
 
 def _checkpoint_cases():
@@ -102,10 +104,12 @@ def _eval_cases(env) -> list[tuple[list[str], list[str]]]:
         (["--data", f"code={t['good']}", "--device", "cuda:7"], ["CUDA device"]),
         (["--data", f"code={t['good']}", "--own", "nonsense"], ["Invalid value for --own", "MODEL=DOMAIN"]),
         (["--data", f"code={t['good']}", "--limit", "0"], ["--limit"]),
+        (["--data", f"code={t['empty']}"], ["empty.txt", "no text to score"]),
+        (["--data", "code=a\x00b"], ["cannot contain a NUL byte"]),  # found by the property test below
     ]
 
 
-@pytest.mark.parametrize("case", range(16))
+@pytest.mark.parametrize("case", range(18))
 def test_eval_option(env, refused, case):
     pytest.importorskip("torch")
     if case == 13:

@@ -144,6 +144,9 @@ def evaluate(
     files = data or {}
     domains = eval_domains(domains, files)
     texts = {d: (read_text(files[d], what=f"--data {d}") if d in files else _zoo_text(d)) for d in domains}
+    empty = [d for d, t in texts.items() if not t.strip()]
+    if empty:
+        raise MoetoolError(f"--data {empty[0]}={files.get(empty[0], '')}: the file has no text to score")
     paths = {m: resolve_source(m).path for m in models}
     for path in paths.values():  # before any model is loaded: one that cannot fit is named now
         eval_need(path, dtype=dtype, seq_len=seq_len).check()

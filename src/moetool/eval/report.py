@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from moetool.errors import MoetoolError
 from moetool.eval.gem import gem_metrics
 from moetool.eval.perplexity import load_causal_lm, token_nll
 from moetool.io.safe import read_json
@@ -83,7 +84,10 @@ def evaluate(
                 layer_logits: list[list[torch.Tensor]] = []
                 if tap is not None:
                     tap.logits.clear()
-                nll, n = token_nll(model, tok, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
+                try:
+                    nll, n = token_nll(model, tok, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
+                except ValueError as exc:  # a text too short for one window: name the domain, not the call
+                    raise MoetoolError(f"held-out text of {domain!r}: {exc}") from None
                 ppl[domain] = math.exp(nll / n)
                 if tap is not None:
                     n_layers = len(tap.routers)

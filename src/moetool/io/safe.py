@@ -39,6 +39,8 @@ def read_bytes(
         error: naming the file and ``what`` it should have been.
     """
     path = Path(path)
+    if "\0" in str(path):  # open() would raise ValueError: no file name holds a NUL byte
+        raise _fail(error, f"{str(path)!r}: a file name cannot contain a NUL byte")
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
