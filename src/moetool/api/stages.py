@@ -143,17 +143,13 @@ def evaluate(
     """
     files = data or {}
     domains = eval_domains(domains, files)
-    texts = {d: (read_text(files[d], what=f"--data {d}") if d in files else _zoo_text(d)) for d in domains}
-    empty = [d for d, t in texts.items() if not t.strip()]
-    if empty:
-        raise MoetoolError(f"--data {empty[0]}={files.get(empty[0], '')}: the file has no text to score")
+    texts = _held_out_texts(domains, files)
     paths = {m: resolve_source(m).path for m in models}
     for path in paths.values():  # before any model is loaded: one that cannot fit is named now
         eval_need(path, dtype=dtype, seq_len=seq_len).check()
     owners = {m: _own_domain(m, p, domains) for m, p in paths.items()} | (own or {})
     configs = _task_configs(tasks, texts, files) if tasks else []  # a text too short fails before any model runs
     scores: dict[str, dict[str, dict[str, float]]] = {}
-
     failures: dict[str, str] = {}
 
     def tasks_of(name: str, model: Any, tok: Any) -> None:
@@ -194,6 +190,19 @@ def evaluate(
 
 
 ZOO_DOMAINS = ("code", "legal", "medical")
+
+
+def _held_out_texts(domains: list[str], files: dict[str, Path]) -> dict[str, str]:
+    """Each domain's held-out text: its ``--data`` file (UTF-8, named errors) or the zoo's.
+
+    Raises:
+        MoetoolError: a file that cannot be read, is not UTF-8, or has no text.
+    """
+    texts = {d: (read_text(files[d], what=f"--data {d}") if d in files else _zoo_text(d)) for d in domains}
+    empty = [d for d, t in texts.items() if not t.strip()]
+    if empty:
+        raise MoetoolError(f"--data {empty[0]}={files.get(empty[0], '')}: the file has no text to score")
+    return texts
 
 
 def eval_domains(domains: list[str] | None, data: dict[str, Path]) -> list[str]:
