@@ -104,3 +104,22 @@ def test_expert_adapter_converts_to_gguf_lora_checked_in_llama_cpp(trained, tmp_
     assert man["target"] == "gguf-lora" and man["scaling_folded_into_b"]  # rsLoRA α/√r folded for llama.cpp
     p = man["parity"]
     assert p["tokenizer_match"] and max(p["max_abs_logit_diff"].values()) <= 1e-3
+
+
+def test_export_of_a_user_writes_the_bake_into_the_manifest_once(trained, tmp_path):
+    """``moetool export <comigs-user>`` printed the bake parity but its manifest.json had no ``baked_from`` (added to
+    the returned dict after the file was written) and named the deleted temporary bake folder as the model."""
+    from moetool.api import export
+    from moetool.io.files import copy_tokenizer
+
+    base, fed = trained
+    user = tmp_path / "user"
+    fed.clients[1].model.save_pretrained(str(user))
+    copy_tokenizer(base, user)
+    man = export(user, tmp_path / "gg", target="gguf", quant="f32", verify=False)
+    on_disk = json.loads((tmp_path / "gg" / "manifest.json").read_text())
+    assert on_disk == json.loads(json.dumps(man))
+    assert on_disk["baked_from"]["comigs_user"] == str(user)
+    assert on_disk["baked_from"]["parity_max_abs_logit_diff"] <= 1e-5
+    assert on_disk["model"]["path"] == str(user) and on_disk["model"]["name"] == "user"
+    assert not list(tmp_path.glob(".gg.bake-*"))  # the temporary bake is gone, and nothing names it
