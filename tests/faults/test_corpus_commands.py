@@ -262,3 +262,20 @@ def test_config_sizes_that_are_not_positive_integers(env, refused, key, value, c
         sandbox=env.root,
         allowed_new=lambda p: p.suffix == ".txt",
     )
+
+
+def _other_cases(env) -> list[tuple[list[str], list[str]]]:
+    return [
+        (["zoo", "build", "--profile", "huge"], ["unknown zoo profile 'huge'"]),
+        (["zoo", "build", "--profile", "smollm2", "--expert-steps", "0"], ["--expert-steps"]),
+        (["push", str(env.work / "nowhere"), "--repo-id", "a/b", "--dry-run"], ["nowhere: no such directory"]),
+        (["push", str(env.models["e1"]), "--repo-id", "a/b", "--dry-run"], ["no README.md", "moetool package"]),
+        (["package", str(env.work / "nowhere"), "-o", str(env.outs / "repo")], ["nowhere: no such directory"]),
+        (["inspect", str(env.work / "nowhere")], ["nowhere"]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_zoo_push_package_inspect(env, refused, case):
+    args, expected = _other_cases(env)[case]
+    refused(args, expected, inputs=list(env.models.values()), sandbox=env.root)
