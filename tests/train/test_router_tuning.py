@@ -106,3 +106,30 @@ def test_a_checkpoint_is_not_resumed_onto_another_model_at_the_same_path(moe, tm
     (model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(MoetoolError, match="belongs to a different run.*--no-resume"):
         train_router(recipe, model, tmp_path / "tuned")
+
+
+@pytest.mark.parametrize("damage", ["truncated-tensors", "missing-moments", "state-garbage"])
+def test_a_corrupt_checkpoint_is_named_with_the_way_out(moe, tmp_path, damage):
+    """A checkpoint cut short (a kill or a full disk mid-save) is refused naming --no-resume, not a traceback."""
+    from moetool.errors import MoetoolError
+
+    recipe, src = moe
+
+    def interrupt(step, _metrics):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_router(recipe, src, tmp_path / "tuned", callback=interrupt)
+    ckpt = checkpoint_dir(tmp_path / "tuned")
+    if damage == "truncated-tensors":
+        data = (ckpt / "trainable.safetensors").read_bytes()
+        (ckpt / "trainable.safetensors").write_bytes(data[: len(data) // 2])
+    elif damage == "missing-moments":
+        (ckpt / "optimizer.safetensors").unlink()
+    else:
+        (ckpt / "state.json").write_text("{")
+    with pytest.raises(MoetoolError, match="--no-resume"):
+        train_router(recipe, src, tmp_path / "tuned")
+    assert not (tmp_path / "tuned").exists()
+    train_router(recipe, src, tmp_path / "tuned", resume=False)  # the way out works

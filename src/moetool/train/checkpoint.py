@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moetool.errors import MoetoolError
@@ -96,16 +97,20 @@ def load_checkpoint(
             f"{ckpt} belongs to a different run (recipe, model or freeze changed); pass --no-resume to start over"
         )
     params = dict(model.named_parameters())
-    with torch.no_grad():
-        for n, t in load_file(str(ckpt / "trainable.safetensors")).items():
-            params[n].copy_(t)
-    moments = load_file(str(ckpt / "optimizer.safetensors"))
+    try:  # a file cut short by a kill or a full disk, or tensors of another shape: the checkpoint is unusable
+        with torch.no_grad():
+            for n, t in load_file(str(ckpt / "trainable.safetensors")).items():
+                params[n].copy_(t)
+        moments = load_file(str(ckpt / "optimizer.safetensors"))
+        sched.load_state_dict(state["scheduler"])
+        step, history = int(state["step"]), list(state["history"])
+    except (SafetensorError, OSError, KeyError, RuntimeError, ValueError, TypeError) as exc:
+        raise MoetoolError(f"{ckpt}: the checkpoint is incomplete or corrupt ({exc}); pass --no-resume") from None
     for n, p in params.items():
         st = {k.split("::", 1)[1]: v.to(p.device) for k, v in moments.items() if k.split("::", 1)[0] == n}
         if st:
             opt.state[p] = st
-    sched.load_state_dict(state["scheduler"])
     # the scheduler writes the lr into the optimizer only when it steps; restore the lr it last set
     for group, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
         group["lr"] = lr
-    return int(state["step"]), list(state["history"])
+    return step, history

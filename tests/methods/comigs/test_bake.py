@@ -122,4 +122,4 @@ def test_export_of_a_user_writes_the_bake_into_the_manifest_once(trained, tmp_pa
     assert on_disk["baked_from"]["comigs_user"] == str(user)
     assert on_disk["baked_from"]["parity_max_abs_logit_diff"] <= 1e-5
     assert on_disk["model"]["path"] == str(user) and on_disk["model"]["name"] == "user"
-    assert not list(tmp_path.glob(".gg.bake-*"))  # the temporary bake is gone, and nothing names it
+    assert not list(tmp_path.glob(".gg.*"))  # the temporary bake is gone, and nothing names it

@@ -13,6 +13,7 @@ from rich.console import Console
 from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportJob, ExportRequest, Origin, get_exporter
+from moetool.io.atomic import tmp_prefix
 from moetool.methods.base import MethodExportPlan, MethodPlugin, TrainOptions, TrainOutcome
 from moetool.recipe.comigs import ComigsRecipe
 
@@ -23,7 +24,8 @@ def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str,
     from moetool.methods.comigs.bake import bake_user
 
     req.output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{req.output.name}.bake-", dir=req.output.parent) as tmp:
+    # named as the output's own temporary folder, so a killed bake is swept by the next write of the output
+    with tempfile.TemporaryDirectory(prefix=tmp_prefix(req.output) + "bake-", dir=req.output.parent) as tmp:
         baked = Path(tmp) / "baked"
         bake = bake_user(req.model_dir, baked)
         console.print(
