@@ -30,6 +30,9 @@ import torch
 
 BIN = Path(sys.executable).parent
 RUNGS = {
+    # a smoke test of the script itself (seconds), not a rung of the ladder
+    "smoke": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2},
     "135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
              "num_key_value_heads": 3},
     "360m": {"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 15,
