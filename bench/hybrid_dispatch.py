@@ -49,7 +49,13 @@ def main() -> None:
     d = mod.Dispatcher(args.export)
     tok = AutoTokenizer.from_pretrained(str(args.export / "tokenizer"))
     rng = random.Random(args.seed)
-    counts = {"requests": 0, "shipped ids differ": 0, "shipped route differs": 0, "old route differs": 0}
+    counts = {
+        "requests": 0,
+        "shipped ids differ": 0,
+        "shipped route differs": 0,
+        "old ids differ": 0,
+        "old route differs": 0,
+    }
     for domain, src in recipe.train.data.items():
         _, held = load_source(
             domain, src, base_dir=recipe.recipe_dir, fraction=recipe.train.validation_fraction, seed=recipe.train.seed
@@ -65,7 +71,9 @@ def main() -> None:
             counts["requests"] += 1
             counts["shipped ids differ"] += shipped != trained
             counts["shipped route differs"] += d.route(shipped, domain)[0] != route
-            counts["old route differs"] += d.route(_old_ids(d.tokenizer, text), domain)[0] != route
+            old = _old_ids(d.tokenizer, text)
+            counts["old ids differ"] += old != trained
+            counts["old route differs"] += d.route(old, domain)[0] != route
     print(f"BOS {tok.bos_token!r} = {tok.bos_token_id}; '<s>' = {d.tokenizer.token_to_id('<s>')}")
     for k, v in counts.items():
         print(f"{k:>24}: {v}")
