@@ -40,6 +40,8 @@ SERVER = textwrap.dedent(
     from moetool.io import atomic, writer
 
     def child(req):
+        if req.get("threads"):  # the caller's torch thread count: a resumed run must add up as the caller's does
+            torch.set_num_threads(req["threads"])
         point, marker = req["point"], Path(req["marker"])
         state = {"swapped": False, "added": 0}
 
@@ -140,8 +142,9 @@ class ForkServer:
         self.proc.stdin.flush()
         return self._read()
 
-    def run(self, args: list[str], *, point: str, marker: Path, cwd: Path) -> int:
-        return int(self._send({"op": "run", "args": args, "point": point, "marker": str(marker), "cwd": str(cwd)}))
+    def run(self, args: list[str], *, point: str, marker: Path, cwd: Path, threads: int = 0) -> int:
+        req = {"op": "run", "args": args, "point": point, "marker": str(marker), "cwd": str(cwd), "threads": threads}
+        return int(self._send(req))
 
     def wait(self, pid: int) -> int:
         return int(self._send({"op": "wait", "pid": pid}))
@@ -159,9 +162,11 @@ def server():
     s.close()
 
 
-def _kill_at(server: ForkServer, point: str, args: list[str], marker: Path, cwd: Path, timeout: float = 120) -> None:
+def _kill_at(
+    server: ForkServer, point: str, args: list[str], marker: Path, cwd: Path, timeout: float = 120, threads: int = 0
+) -> None:
     """Run ``moetool ARGS`` in a forked child, SIGKILL it once it reaches ``point``."""
-    pid = server.run(args, point=point, marker=marker, cwd=cwd)
+    pid = server.run(args, point=point, marker=marker, cwd=cwd, threads=threads)
     deadline = time.monotonic() + timeout
     try:
         while not marker.exists():
@@ -331,7 +336,10 @@ def test_killed_training_resumes_to_the_uninterrupted_model(server, env, tools):
     _ok(tools, ["train", str(recipe), "--model", str(env.outs / "moe"), "-o", str(straight)])
     tuned = env.outs / "tuned"
     args = ["train", str(recipe), "--model", str(env.outs / "moe"), "-o", str(tuned)]
-    _kill_at(server, "checkpointed", args, env.root / "marker", env.work)
+    import torch
+
+    # the same thread count as this process (another test module may have set 1): float sums then add up alike
+    _kill_at(server, "checkpointed", args, env.root / "marker", env.work, threads=torch.get_num_threads())
     assert not tuned.exists()
     res = tools.runner.invoke(tools.app, args)
     assert res.exit_code == 0 and "resuming from step" in res.output, res.output
