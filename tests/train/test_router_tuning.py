@@ -14,6 +14,16 @@ from moetool.recipe import load_recipe
 from moetool.train.router_tuning import checkpoint_dir, train_router
 
 
+def _interrupt_at(n: int):
+    """A training callback that stops the run (as Ctrl-C would) after step ``n``."""
+
+    def interrupt(step, _metrics):
+        if step == n:
+            raise KeyboardInterrupt
+
+    return interrupt
+
+
 @pytest.fixture(scope="module")
 def moe(tiny_models, tmp_path_factory):
     m = tiny_models("llama")
@@ -44,13 +54,8 @@ def test_trains_routers_and_freezes_experts(moe, tmp_path):
 def test_resume_equals_uninterrupted(moe, tmp_path):
     recipe, src = moe
     train_router(recipe, src, tmp_path / "straight")
-
-    def interrupt(step, _metrics):
-        if step == 3:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train_router(recipe, src, tmp_path / "resumed", callback=interrupt)
+        train_router(recipe, src, tmp_path / "resumed", callback=_interrupt_at(3))
     assert not (tmp_path / "resumed").exists()
     assert checkpoint_dir(tmp_path / "resumed").exists()
     res = train_router(recipe, src, tmp_path / "resumed")
@@ -94,12 +99,8 @@ def test_a_checkpoint_is_not_resumed_onto_another_model_at_the_same_path(moe, tm
     model = tmp_path / "model"
     shutil.copytree(src, model)
 
-    def interrupt(step, _metrics):
-        if step == 2:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train_router(recipe, model, tmp_path / "tuned", callback=interrupt)
+        train_router(recipe, model, tmp_path / "tuned", callback=_interrupt_at(2))
     assert checkpoint_dir(tmp_path / "tuned").exists()
     cfg = json.loads((model / "config.json").read_text())
     cfg["rms_norm_eps"] = cfg.get("rms_norm_eps", 1e-6) * 2  # a different model now lives at the same path
@@ -115,12 +116,8 @@ def test_a_corrupt_checkpoint_is_named_with_the_way_out(moe, tmp_path, damage):
 
     recipe, src = moe
 
-    def interrupt(step, _metrics):
-        if step == 2:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train_router(recipe, src, tmp_path / "tuned", callback=interrupt)
+        train_router(recipe, src, tmp_path / "tuned", callback=_interrupt_at(2))
     ckpt = checkpoint_dir(tmp_path / "tuned")
     if damage == "truncated-tensors":
         data = (ckpt / "trainable.safetensors").read_bytes()
