@@ -33,7 +33,7 @@ class GraphExporter:
     requires: str  # the pip extra that provides the runtime used for verification
     runtime_modules: tuple[str, ...] = ()  # what that extra installs and the target imports
     default_quant = "f32"  # graph runtimes store fp32, int8 or int4 weights; fp32 is the exact one
-    # peak RSS as a multiple of the float32 weights (measured on the real demo MoE at q8_0 where ``peak_measured``)
+    # peak RSS as a multiple of the float32 weights (measured at q8_0 where ``peak_measured``; each target sets its own)
     peak_multiple: float = 3.0
     peak_measured: bool = False
 

@@ -88,7 +88,7 @@ def graph_need(target: str, plan: GraphPlan, multiple: float, measured: bool, ou
     ``measured``: the multiple is the peak RSS measured exporting the real demo MoE at q8_0 (README), not a guess.
     """
     f32 = plan.quant.total_params * 4
-    how = "as measured on the real MoE" if measured else "estimated: the model, its export copy and the graph"
+    how = "as measured (bench/size_ladder.py, the real MoE)" if measured else "estimated"
     return Need(
         stage=f"{target} export",
         memory=int(f32 * multiple) + (512 << 20),
