@@ -140,7 +140,10 @@ def _run(args: list[str], log: Path) -> tuple[float, int, int, str]:
 def rung(name: str, work: Path) -> list[tuple[str, float, int, int, str]]:
     root = work / name
     root.mkdir(parents=True, exist_ok=True)
-    paths = _family(root / "models", RUNGS[name])
+    # the family is drawn in a process of its own: a child forked from a parent that holds gigabytes of weights
+    # reports the parent's resident pages in its own peak RSS (Linux counts them until exec)
+    subprocess.run([sys.executable, __file__, "--family", name, str(root / "models")], check=True)
+    paths = {n: root / "models" / n for n in ("base", *EXPERTS)}
     texts = _texts(root)
     recipe = _recipe(root, paths, texts)
     moe, tuned = root / "moe", root / "tuned"
@@ -166,7 +169,11 @@ def main() -> None:
     ap.add_argument("--rungs", default="135m,360m")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the models and outputs")
+    ap.add_argument("--family", nargs=2, metavar=("RUNG", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.family:  # internal: draw one rung's family into DIR (see rung())
+        _family(Path(args.family[1]), RUNGS[args.family[0]])
+        return
     work = args.work or Path(tempfile.mkdtemp(prefix="moetool-ladder-"))
     table = []
     for name in args.rungs.split(","):

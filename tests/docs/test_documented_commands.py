@@ -340,7 +340,7 @@ COMMANDS: list[Cmd] = [
     run('python out/hybrid-export/dispatch.py out/hybrid-export "Permission is hereby granted" --domain legal'),
     run("moetool hybrid pareto recipes/demo-hybrid.yaml -o out/hybrid-pareto"),
     helponly(".venv/bin/python bench/hybrid_pareto.py", BENCH),
-    helponly(".venv/bin/python bench/size_ladder.py --rungs 135m,360m", BENCH),
+    helponly(".venv/bin/python bench/size_ladder.py --rungs 135m,360m,1.7b", BENCH),
     helponly(
         ".venv/bin/python bench/hybrid_dispatch.py recipes/real-hybrid.yaml out/real-hybrid-export --per-domain 30",
         BENCH,
