@@ -215,7 +215,7 @@ def eval_need(path: Path, *, dtype: str | None, seq_len: int, batch_size: int = 
 
     ck = Checkpoint(Path(path))
     cfg = ck.config
-    width = torch.finfo(resolve_dtype(dtype, Path(path))).bits // 8
+    width = resolve_dtype(dtype, Path(path)).itemsize
     weights = sum(t.numel for t in ck.tensors.values()) * width
     tokens = batch_size * seq_len
     acts = tokens * int(cfg["hidden_size"]) * 24 + tokens * int(cfg["vocab_size"]) * (width + 8)

@@ -15,6 +15,7 @@ from moetool.eval.gem import gem_metrics
 from moetool.eval.perplexity import load_causal_lm, token_nll
 from moetool.io.safe import read_json
 from moetool.routing.tap import RouterTap, has_moe_layers
+from moetool.train.precision import dtype_name
 
 
 def expert_names(path: str | Path) -> list[str] | None:
@@ -75,7 +76,7 @@ def evaluate(
             "path": str(path),
             "moe": is_moe,
             "own_domain": own_domains.get(name),
-            "dtype": str(model.dtype).removeprefix("torch."),
+            "dtype": dtype_name(model.dtype),
             "device": str(model.device),
         }
         ppl, routing = {}, {}

@@ -14,6 +14,7 @@ from moetool.io.safe import read_json
 from moetool.recipe.mofe import MoFERecipe
 from moetool.recipe.train import TrainSpec
 from moetool.train.freeze import FreezeReport
+from moetool.train.precision import dtype_name
 
 
 def card_section(recipe: MoFERecipe, report: FreezeReport, history: list[dict[str, Any]], steps: int) -> str:
@@ -59,7 +60,7 @@ def write_output(
             "steps": recipe.train.steps,
             "seconds": round(seconds, 1),
             "processes": processes,
-            "dtype": str(next(iter(model.parameters())).dtype).removeprefix("torch."),
+            "dtype": dtype_name(next(iter(model.parameters())).dtype),
             "freeze": {
                 "preset": recipe.freeze.preset,
                 "trainable_params": report.trainable_params,

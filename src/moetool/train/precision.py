@@ -8,7 +8,6 @@ resolution), and computes under autocast in the 16-bit dtype. The tuned model is
 from __future__ import annotations
 
 import contextlib
-import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,24 +16,30 @@ import torch
 
 from moetool.errors import MoetoolError
 from moetool.io.budget import Need, human
-from moetool.io.checkpoint import Checkpoint
-from moetool.io.safe import read_json
+from moetool.io.checkpoint import SAFETENSORS_DTYPES, Checkpoint
+from moetool.quant.roles import role_of
 from moetool.recipe.train import TrainSpec
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAFETENSORS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``bfloat16``: how config.json, manifests and messages name a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 def checkpoint_dtype(model_dir: Path) -> str:
     """The dtype a checkpoint's floating-point weights are stored in: config.json's ``dtype`` (or ``torch_dtype``),
     else the most common float dtype of its safetensors headers, else float32."""
-    cfg = read_json(Path(model_dir) / "config.json", what="model config")
-    named = cfg.get("dtype") or cfg.get("torch_dtype")
+    ck = Checkpoint(Path(model_dir))
+    named = ck.config.get("dtype") or ck.config.get("torch_dtype")
     if isinstance(named, str) and named in DTYPES:
         return named
     counts: Counter[str] = Counter()
-    for info in Checkpoint(Path(model_dir)).tensors.values():
-        name = _SAFETENSORS.get(str(info.dtype))
+    for info in ck.tensors.values():
+        tag = SAFETENSORS_DTYPES.get(info.dtype)
+        name = _NAMES.get(tag[0]) if tag else None
         if name:
             counts[name] += info.numel
     return counts.most_common(1)[0][0] if counts else "float32"
@@ -97,7 +102,12 @@ def compute_in(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
         yield
 
 
-_EXPERT = re.compile(r"\.experts\.|\.(input|output)_linear\.")
+def _is_expert(name: str) -> bool:
+    """A routed expert's tensor, by the roles the quantization plans use (a name no role knows is not one)."""
+    try:
+        return role_of(name) == "experts"
+    except ValueError:
+        return False
 
 
 def tuning_need(model_dir: Path, spec: TrainSpec, preset: str | None, dtype: torch.dtype, output: Path) -> Need:
@@ -112,9 +122,9 @@ def tuning_need(model_dir: Path, spec: TrainSpec, preset: str | None, dtype: tor
     ck = Checkpoint(Path(model_dir))
     cfg = ck.config
     total = sum(t.numel for t in ck.tensors.values())
-    experts = sum(t.numel for n, t in ck.tensors.items() if _EXPERT.search(n))
+    experts = sum(t.numel for n, t in ck.tensors.items() if _is_expert(n))
     trainable = total - experts if preset in ("mofe", "router_only") else total
-    width = torch.finfo(dtype).bits // 8
+    width = dtype.itemsize
     weights = total * width + (trainable * 4 if width != 4 else 0)
     optimizer = trainable * 12  # gradient + two AdamW moments, float32
     tokens = spec.batch_size * spec.seq_len
@@ -124,7 +134,7 @@ def tuning_need(model_dir: Path, spec: TrainSpec, preset: str | None, dtype: tor
     acts = tokens * layers * (hidden * 40 + inter * top_k * 12) + tokens * int(cfg["vocab_size"]) * 4 * 3
     runtime = 512 << 20
     detail = (
-        f"weights {human(weights)} in {str(dtype).removeprefix('torch.')}"
+        f"weights {human(weights)} in {dtype_name(dtype)}"
         f"{' + float32 trainable copies' if width != 4 else ''}, optimizer {human(optimizer)}, activations "
         f"{human(acts)} at {spec.batch_size}×{spec.seq_len} tokens"
     )

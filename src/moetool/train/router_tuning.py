@@ -33,7 +33,14 @@ from moetool.train.data import load_source, sample_batch, tokenize_stream
 from moetool.train.distributed import local_micro_batches, make_accelerator, reduce_sum, single_cpu_launch
 from moetool.train.freeze import FreezeReport, apply_freeze
 from moetool.train.output import write_output
-from moetool.train.precision import compute_in, keep_trainable_float32, resolve_device, resolve_dtype, tuning_need
+from moetool.train.precision import (
+    compute_in,
+    dtype_name,
+    keep_trainable_float32,
+    resolve_device,
+    resolve_dtype,
+    tuning_need,
+)
 
 __all__ = ["TrainResult", "checkpoint_dir", "make_optimizer", "train_router"]
 
@@ -106,7 +113,7 @@ def _setup(recipe: MoFERecipe, model_dir: Path, accelerator: Any, console: Conso
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     report = apply_freeze(model, recipe.freeze.preset, recipe.freeze.trainable, recipe.freeze.frozen)
     keep_trainable_float32(model)
-    label = str(dtype).removeprefix("torch.")
+    label = dtype_name(dtype)
     mixed = "" if dtype == torch.float32 else " (trainable weights float32, autocast)"
     console.print(f"training in {label}{mixed} on {accelerator.device}; the tuned model is written in {label}")
     console.print(

@@ -12,16 +12,11 @@ import torch
 from moetool.arch.outputs import MoEArch
 from moetool.io.sources import ResolvedSource
 from moetool.recipe.mofe import MoFERecipe
+from moetool.train.precision import DTYPES  # the dtype names every stage reads
 
 OpKind = Literal["copy", "expert", "shared", "router", "shared_gate", "zeros", "stacked", "null_gate"]
 # a stacked op's sources: per expert, the (source label, tensor) pairs concatenated along dim 0, then stacked
 Parts = tuple[tuple[tuple[str, str], ...], ...]
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 
 @dataclass(frozen=True)
