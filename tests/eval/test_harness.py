@@ -116,15 +116,21 @@ def test_unknown_task_names_itself(lm):
         task_scores(model, tok, ["no_such_task"], limit=2)
 
 
+def _saved(tmp_path, lm, monkeypatch, *names: str) -> None:
+    """The trained model saved as ``tmp_path/NAME`` for each name, ``legal.txt`` beside them, a private cache."""
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    model, tok = lm
+    for name in names:
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    (tmp_path / "legal.txt").write_text(TEXT)
+
+
 def test_evaluate_reports_tasks_beside_perplexity(tmp_path, lm, monkeypatch):
     from moetool.api import evaluate, write_report
     from moetool.cli.render import print_report
 
-    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
-    model, tok = lm
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    (tmp_path / "legal.txt").write_text(TEXT)
+    _saved(tmp_path, lm, monkeypatch, "m")
     m = str(tmp_path / "m")
     report = evaluate(
         [m], domains=["legal"], data={"legal": tmp_path / "legal.txt"}, max_tokens=512, tasks=["local"], limit=8
@@ -144,12 +150,7 @@ def test_task_files_removed_between_models_are_rebuilt(tmp_path, lm, monkeypatch
 
     from moetool.api import evaluate
 
-    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
-    model, tok = lm
-    for name in ("a", "b"):
-        model.save_pretrained(tmp_path / name)
-        tok.save_pretrained(tmp_path / name)
-    (tmp_path / "legal.txt").write_text(TEXT)
+    _saved(tmp_path, lm, monkeypatch, "a", "b")
     seen = []
 
     def clear_cache(m: str) -> None:
@@ -167,11 +168,7 @@ def test_optional_tasks_fail_per_model_and_the_evaluation_goes_on(tmp_path, lm, 
     from moetool.api import evaluate
     from moetool.eval import harness
 
-    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
-    model, tok = lm
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    (tmp_path / "legal.txt").write_text(TEXT)
+    _saved(tmp_path, lm, monkeypatch, "m")
 
     def broken(*args, **kwargs):
         raise TaskError("lm-eval could not run moetool_cont_legal: no such file")

@@ -198,7 +198,7 @@ def _held_out_texts(domains: list[str], files: dict[str, Path]) -> dict[str, str
     Raises:
         MoetoolError: a file that cannot be read, is not UTF-8, or has no text.
     """
-    texts = {d: (read_text(files[d], what=f"--data {d}") if d in files else _zoo_text(d)) for d in domains}
+    texts = {d: _domain_text(d, files) for d in domains}
     empty = [d for d, t in texts.items() if not t.strip()]
     if empty:
         raise MoetoolError(f"--data {empty[0]}={files.get(empty[0], '')}: the file has no text to score")

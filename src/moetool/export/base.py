@@ -11,6 +11,7 @@ from rich.console import Console
 
 from moetool import registry
 from moetool.errors import MoetoolError, OutputPathError
+from moetool.io.atomic import check_output
 from moetool.io.safe import read_json
 from moetool.quant.devices import MemoryEstimate
 from moetool.quant.plan import QuantPlan, QuantSpec
@@ -81,6 +82,11 @@ class ExportRequest:
     options: dict[str, Any] = field(default_factory=dict)
     origin: Origin | None = None  # set when model_dir is a derived copy of the model the user named
 
+    @property
+    def named_model(self) -> Path:
+        """The model the user named: ``origin.path`` for a derived copy, else ``model_dir``."""
+        return self.origin.path if self.origin else self.model_dir
+
 
 NOT_VERIFIED = "not verified (--no-verify)"  # a manifest's parity when the check was skipped
 
@@ -126,8 +132,6 @@ class ExportJob(NamedTuple, Generic[PlanT]):
             OutputExistsError: the output exists and the request has no ``force`` (before anything is written).
             ExportError: the artifact failed its parity check, or the target cannot take the model.
         """
-        from moetool.io.atomic import check_output
-
         check_output(self.request.output, force=self.request.force)
         manifest: dict[str, Any] = self.exporter.export(self.request, self.plan, console=console)
         return manifest

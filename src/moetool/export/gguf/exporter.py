@@ -53,7 +53,7 @@ class GGUFExporter:
         shapes = {n: t.shape for n, t in ckpt.tensors.items()}
         layout = plan_layout(cfg, shapes)
         entries = [t.entry() for t in layout.tensors]
-        name = model_name(req.origin.path if req.origin else req.model_dir)
+        name = model_name(req.named_model)
         c = choose_plan(req, entries, cfg, "gguf", cannot=_ROUTER_K)
         return GGUFPlan(
             req.model_dir,

@@ -8,7 +8,8 @@ from typing import Any
 
 from moetool.arch.facts import LlamaCppArch, ModelFacts
 from moetool.arch.outputs import expert_count, shared_expert_width
-from moetool.arch.records import MODEL_RECORDS, model_record
+from moetool.arch.records import require_record
+from moetool.errors import UnsupportedArchitecture
 from moetool.export.base import ExportError
 from moetool.export.gguf.names import gguf_name, split_names
 from moetool.export.gguf.rope import ROPE_TENSORS, plan_rope
@@ -58,12 +59,10 @@ def _moe_facts(cfg: dict[str, Any], rec: ModelFacts) -> tuple[int, int, bool]:
 
 
 def _record(cfg: dict[str, Any]) -> ModelFacts:
-    rec = model_record(cfg.get("model_type"))
-    if rec is None:
-        raise ExportError(
-            f"model_type {cfg.get('model_type')!r} has no GGUF mapping; supported: {', '.join(MODEL_RECORDS)}"
-        )
-    return rec
+    try:
+        return require_record(cfg.get("model_type"), "GGUF mapping")
+    except UnsupportedArchitecture as exc:  # an export error like the other refusals of the layout
+        raise ExportError(str(exc)) from None
 
 
 def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> Layout:

@@ -73,7 +73,7 @@ def plan_graph(req: ExportRequest, fmt: str) -> GraphPlan:
         req.model_dir,
         cfg,
         c.quant,
-        model_name(req.origin.path if req.origin else req.model_dir),
+        model_name(req.named_model),
         c.device,
         c.memory,
         c.context,
@@ -85,7 +85,8 @@ def plan_graph(req: ExportRequest, fmt: str) -> GraphPlan:
 def graph_need(target: str, plan: GraphPlan, multiple: float, measured: bool, output: Path) -> Need:
     """Peak memory of a graph export as ``multiple`` × the model's float32 weights, and its artifact on disk.
 
-    ``measured``: the multiple is the peak RSS measured exporting the real demo MoE at q8_0 (README), not a guess.
+    ``measured``: the multiple is a peak RSS measured at q8_0 (the real demo MoE, or the size ladder's 135M rung for
+    ONNX; README), not a guess.
     """
     f32 = plan.quant.total_params * 4
     how = "as measured (bench/size_ladder.py, the real MoE)" if measured else "estimated"

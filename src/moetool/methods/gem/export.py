@@ -266,10 +266,9 @@ def export_sequence_bundle(
     require_onnx(f"the sequence-level GEM router (router.onnx, written beside the {target} pathways)", verify=verify)
     from transformers import AutoTokenizer
 
+    # plan_standard_export's default for a plain checkpoint is f16, which the graph targets do not store
     if quant is None and target != "gguf":
-        quant = (
-            "f32"  # plan_standard_export's default for a plain checkpoint is f16, which the graph targets do not store
-        )
+        quant = "f32"
     spec = read_json(bundle / "gem.json", what="GEM bundle spec")
     seq = SequenceGem(bundle)
     graph = RouterGraph(seq.pathways[0], spec["encoder"]["layers"], seq.router.weight, seq.router.bias, seq.tau).eval()
