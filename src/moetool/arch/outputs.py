@@ -72,6 +72,20 @@ def expert_count(cfg: Mapping[str, Any]) -> int:
     return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
 
 
+# the config key that holds the routed expert count, by architecture family of keys
+COUNT_KEYS = ("num_local_experts", "num_experts")
+
+
+def with_expert_count(cfg: Mapping[str, Any], n_experts: int, top_k: int | None = None) -> dict[str, Any]:
+    """A copy of config dict ``cfg`` holding ``n_experts`` routed experts (and ``top_k`` per token when given)."""
+    out = dict(cfg)
+    key = next((k for k in COUNT_KEYS if k in out), COUNT_KEYS[0])
+    out[key] = n_experts
+    if top_k is not None:
+        out["num_experts_per_tok"] = top_k
+    return out
+
+
 def _common(base: PretrainedConfig) -> dict[str, Any]:
     return {k: getattr(base, k) for k in _COMMON_KEYS if getattr(base, k, None) is not None}
 
@@ -151,6 +165,28 @@ class MoEArch(ModelFacts):
         """Dense projection ``proj`` (gate_proj, up_proj, down_proj) of ``expert`` in ``layer``."""
         return self.expert.format(layer=layer, expert=expert, proj=self.proj_map[proj])
 
+    def dense_family(self, cfg: Mapping[str, Any]) -> str:
+        """The dense family one expert of an MoE config dict ``cfg`` is extracted as: the family native to this
+        architecture (a Mixtral with a sliding window: mistral)."""
+        if self.name == "mixtral" and cfg.get("sliding_window"):
+            return "mistral"
+        return next(f.model_type for f in FAMILIES.values() if f.moe_output == self.name and f.model_type in self.accepts)
+
+    def dense_config(self, cfg: Mapping[str, Any], family: str, intermediate: int) -> dict[str, Any]:
+        """The config dict of a dense ``family`` model with ``cfg``'s foundation and an MLP ``intermediate`` wide
+        (one expert of the MoE config dict ``cfg`` as a model of its own), validated by transformers' config class."""
+        import transformers
+
+        keys = (*_COMMON_KEYS, *_DENSE_EXTRA_KEYS)
+        kwargs = {k: cfg[k] for k in keys if cfg.get(k) is not None} | {"intermediate_size": intermediate}
+        if family == "mistral" and cfg.get("sliding_window"):
+            kwargs["sliding_window"] = cfg["sliding_window"]
+        record = FAMILIES[family]
+        config = getattr(transformers, record.config_class)(**kwargs)
+        config.architectures = [record.config_class.replace("Config", "ForCausalLM")]
+        out: dict[str, Any] = config.to_dict()
+        return out
+
     def null_shared(self, layer: int, hidden: int) -> list[tuple[str, tuple[int, ...], float]]:
         """The null shared expert of ``layer`` (see ``NULL_SHARED_WIDTH``) as (tensor name, shape, constant value).
 
@@ -164,6 +200,16 @@ class MoEArch(ModelFacts):
             (self.shared.format(layer=layer, proj="down_proj"), (hidden, w), 0.0),
             (self.shared_gate.format(layer=layer), (1, hidden), NULL_SHARED_GATE),
         ]
+
+
+# config keys a dense family keeps beside the common ones (Granite's scales, Qwen3's attention bias)
+_DENSE_EXTRA_KEYS = (
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
+    "attention_bias",
+)
 
 
 def _no_attn_bias(base: PretrainedConfig) -> str | None:
@@ -307,6 +353,11 @@ GRANITEMOE = MoEArch(
 OUTPUT_ARCHS: dict[str, MoEArch] = {a.name: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, GRANITEMOE)}
 # auto selection prefers the architecture native to the base family
 _PREFERRED = {f.model_type: f.moe_output for f in FAMILIES.values()}
+
+
+def output_arch(model_type: object) -> MoEArch | None:
+    """The output architecture record of a config's ``model_type``, or None for one moetool does not write."""
+    return next((a for a in OUTPUT_ARCHS.values() if a.model_type == model_type), None)
 
 
 def select_output_arch(requested: str, base: PretrainedConfig, *, shared: bool) -> MoEArch:

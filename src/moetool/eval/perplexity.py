@@ -33,7 +33,7 @@ def _model_device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
-def _windows(ids: list[int], seq_len: int, bos_id: int | None) -> list[list[int]]:
+def text_windows(ids: list[int], seq_len: int, bos_id: int | None) -> list[list[int]]:
     """Cut ``ids`` into non-overlapping windows of at most ``seq_len`` model inputs.
 
     With a BOS token every window is ``[bos] + ids[i : i + seq_len - 1]`` and all of its content tokens are scored;
@@ -71,7 +71,7 @@ def token_nll(
     if max_tokens is not None:
         ids = ids[:max_tokens]
     bos_id = getattr(tokenizer, "bos_token_id", None)
-    windows = _windows(ids, seq_len, bos_id)
+    windows = text_windows(ids, seq_len, bos_id)
     if not windows:
         raise ValueError("text is too short to score: it needs at least two tokens (or one with a BOS token)")
 

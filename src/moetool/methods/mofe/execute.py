@@ -17,6 +17,7 @@ from moetool.card import limits_section, model_card, provenance, source_hashes
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.files import copy_tokenizer
+from moetool.io.safe import read_json
 from moetool.io.writer import ShardedWriter
 from moetool.methods.mofe.plan import DTYPES, MergePlan, Parts
 from moetool.progress import silent, task
@@ -170,6 +171,8 @@ def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str, hashes: dict[P
         "shared_expert": recipe.shared_expert is not None,
         "experts_per_token": recipe.experts_per_token,
         "gate_mode": recipe.gate_mode,
+        # the dense base's config: `moetool experts extract` gives an expert back as a model of exactly this family
+        "base_config": read_json(base_path / "config.json", what="model config"),
         "provenance": provenance(plan.sources, recipe_text, allow_pickle=plan.allow_pickle, hashes=hashes),
     }
     (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
