@@ -80,6 +80,7 @@ class EditPlan:
     record: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     zero: list[str] = field(default_factory=list)
+    keep: dict[int, list[Slot]] = field(default_factory=dict)  # per MoE layer, the output's slots (select plans)
 
     @property
     def dense(self) -> bool:
@@ -166,7 +167,7 @@ def select_plan(
         ops.append(EditOp(name, info.shape, info.dtype, (Piece("moe", (name,)),)))
     config = with_expert_count(layout.config, n, top_k)
     sources = {"moe": layout.path}
-    return EditPlan(kind, layout, ops, config, names, sources, record)
+    return EditPlan(kind, layout, ops, config, names, sources, record, keep=keep)
 
 
 def _stacked_layer(layout: MoELayout, name: str) -> int | None:
@@ -251,7 +252,10 @@ def extract_plan(layout: MoELayout, slot: int | Literal["shared"], record: dict[
             "alone (extract `shared` for the shared one)"
         )
     name = "shared" if slot == "shared" else layout.names[slot]
-    return EditPlan("extract", layout, ops, config, [], {"moe": layout.path}, record | {"expert": name}, warnings, zero)
+    keep: dict[int, list[Slot]] = {layer: [slot] for layer in layout.moe_layers} if slot != "shared" else {}
+    return EditPlan(
+        "extract", layout, ops, config, [], {"moe": layout.path}, record | {"expert": name}, warnings, zero, keep
+    )
 
 
 def _dense_order(ops: list[EditOp]) -> list[EditOp]:

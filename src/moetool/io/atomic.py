@@ -292,6 +292,16 @@ def tmp_prefix(out: Path) -> str:
 
 
 @contextmanager
+def scratch_dir(out: Path, label: str) -> Iterator[Path]:
+    """A temporary working directory beside ``out`` (an intermediate model a stage builds on its way to ``out``),
+    removed on exit; named as this process's temporary of ``out``, so a killed run's is swept like any other."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{tmp_prefix(out)}{label}-", dir=out.parent) as tmp:
+        yield Path(tmp)
+
+
+@contextmanager
 def atomic_dir(out: Path, *, force: bool) -> Iterator[Path]:
     """Yield a temporary directory next to ``out``; on success it replaces ``out``, on any failure it vanishes.
 
@@ -344,7 +354,9 @@ __all__ = [
     "exchange",
     "parent_problem",
     "pid_alive",
+    "scratch_dir",
     "sweep_leftovers",
+    "tmp_prefix",
 ]
 
 

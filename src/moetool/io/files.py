@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Everything transformers' AutoTokenizer and generate() read next to the weights: the tokenizer (fast, SentencePiece,
 # and the slow BPE/WordPiece vocabularies), its special-token maps, the chat template (file or json) and the generation
@@ -36,3 +40,17 @@ def copy_tokenizer(src: Path, dst: Path, *, overwrite: bool = True) -> list[str]
             shutil.copy2(Path(src) / name, Path(dst) / name)
             copied.append(name)
     return copied
+
+
+def tokenizer_signature(tok: PreTrainedTokenizerBase | None) -> tuple[Any, ...] | None:
+    """What must match between the tokenizers of models joined into one: the vocabulary and the special tokens.
+    None if there is no tokenizer."""
+    if tok is None:
+        return None
+    return (
+        tuple(sorted(tok.get_vocab().items())),
+        tok.bos_token,
+        tok.eos_token,
+        tok.pad_token,
+        tok.unk_token,
+    )

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from moetool.recipe.base import StrictModel
+from moetool.recipe.base import RecipeBase, StrictModel
 
 
 class FreezeSpec(StrictModel):
@@ -75,3 +75,12 @@ class TrainSpec(StrictModel):
     )
     z_loss_coef: float = Field(default=0.001, ge=0, allow_inf_nan=False, description="Router z-loss weight.")
     router_jitter: float = Field(default=0.0, ge=0, lt=1, description="Multiplicative noise on router inputs.")
+
+
+class TuningRecipe(RecipeBase):
+    """Router tuning of an existing MoE on its own (no merge): what ``moetool experts`` runs to recalibrate the
+    routers after an edit. Built in Python; its ``text`` is its YAML dump."""
+
+    method: Literal["tuning"] = "tuning"
+    freeze: FreezeSpec = Field(default_factory=lambda: FreezeSpec(preset="router_only"))
+    train: TrainSpec

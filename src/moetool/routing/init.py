@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from moetool.routing.tap import moe_block
+
 PromptSet = tuple[Sequence[str], Sequence[str]]  # (positive, negative)
 
 
@@ -82,8 +84,8 @@ def mlp_input_means(
 ) -> torch.Tensor:
     """Mean router input per layer over prompts.
 
-    The router input is what each decoder layer's MLP receives (the post-attention RMSNorm output), captured with
-    forward pre-hooks. Each prompt's states are averaged over its content tokens, then prompts are averaged with equal
+    The router input is what each decoder layer's feed-forward block receives (the post-attention RMSNorm output),
+    captured with forward pre-hooks: the dense MLP of a base, or the MoE block of a merged model. Each prompt's states are averaged over its content tokens, then prompts are averaged with equal
     weight.
 
     Returns:
@@ -97,7 +99,7 @@ def mlp_input_means(
 
     device = next(model.parameters()).device
 
-    handles = [layer.mlp.register_forward_pre_hook(hook) for layer in layers]
+    handles = [moe_block(layer).register_forward_pre_hook(hook) for layer in layers]
     sums = torch.zeros(len(layers), model.config.hidden_size)
     try:
         for start in range(0, len(prompts), batch_size):

@@ -12,12 +12,12 @@ from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
 from moetool.io.safe import read_json
 from moetool.recipe.mofe import MoFERecipe
-from moetool.recipe.train import TrainSpec
+from moetool.recipe.train import TrainSpec, TuningRecipe
 from moetool.train.freeze import FreezeReport
 from moetool.train.precision import dtype_name
 
 
-def card_section(recipe: MoFERecipe, report: FreezeReport, history: list[dict[str, Any]], steps: int) -> str:
+def card_section(recipe: MoFERecipe | TuningRecipe, report: FreezeReport, history: list[dict[str, Any]], steps: int) -> str:
     """The model card's "Router tuning" section."""
     spec: TrainSpec = recipe.train
     last = history[-1] if history else {}
@@ -36,7 +36,7 @@ def write_output(
     model: Any,
     model_dir: Path,
     output: Path,
-    recipe: MoFERecipe,
+    recipe: MoFERecipe | TuningRecipe,
     report: FreezeReport,
     history: list[dict[str, Any]],
     seconds: float,

@@ -25,7 +25,7 @@ from moetool.errors import MoetoolError
 from moetool.io.atomic import check_output
 from moetool.progress import silent, task
 from moetool.recipe.mofe import MoFERecipe
-from moetool.recipe.train import TrainSpec
+from moetool.recipe.train import TrainSpec, TuningRecipe
 from moetool.routing.losses import expert_load, routing_entropy, routing_losses
 from moetool.routing.tap import RouterTap
 from moetool.train.checkpoint import checkpoint_dir, load_checkpoint, model_content_key, save_checkpoint
@@ -101,7 +101,7 @@ class _Run:
     dtype: torch.dtype = torch.float32  # the compute dtype (frozen weights stored in it; trainable ones float32)
 
 
-def _setup(recipe: MoFERecipe, model_dir: Path, accelerator: Any, console: Console, dtype: torch.dtype) -> _Run:
+def _setup(recipe: MoFERecipe | TuningRecipe, model_dir: Path, accelerator: Any, console: Console, dtype: torch.dtype) -> _Run:
     """Load the MoE in ``dtype``, apply the freeze spec (trainable weights float32), tokenize the training data,
     make the optimizer and schedule."""
     from accelerate.utils import set_seed
@@ -267,7 +267,7 @@ def _loop(
 
 
 def train_router(
-    recipe: MoFERecipe,
+    recipe: MoFERecipe | TuningRecipe,
     model_dir: str | Path,
     output: str | Path,
     *,

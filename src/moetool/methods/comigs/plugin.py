@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from rich.console import Console
 from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportJob, ExportRequest, Origin, get_exporter
-from moetool.io.atomic import tmp_prefix
+from moetool.io.atomic import scratch_dir
 from moetool.methods.base import MethodExportPlan, MethodPlugin, TrainOptions, TrainOutcome
 from moetool.recipe.comigs import ComigsRecipe
 
@@ -23,10 +22,9 @@ def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str,
     from moetool.export.resolve import resolve_quant
     from moetool.methods.comigs.bake import bake_user
 
-    req.output.parent.mkdir(parents=True, exist_ok=True)
     # named as the output's own temporary folder, so a killed bake is swept by the next write of the output
-    with tempfile.TemporaryDirectory(prefix=tmp_prefix(req.output) + "bake-", dir=req.output.parent) as tmp:
-        baked = Path(tmp) / "baked"
+    with scratch_dir(req.output, "bake") as tmp:
+        baked = tmp / "baked"
         bake = bake_user(req.model_dir, baked)
         console.print(
             f"bake: {req.model_dir.name} → Mixtral ({len(bake['experts'])} experts, top-{bake['top_k']}); "

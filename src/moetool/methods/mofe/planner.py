@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig
 
 import re
 from pathlib import Path
@@ -21,6 +21,7 @@ from moetool.arch.outputs import MoEArch, select_output_arch
 from moetool.arch.records import converter_caveat
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
+from moetool.io.files import tokenizer_signature
 from moetool.io.safe import read_json
 from moetool.io.sources import ResolvedSource, resolve_sources
 from moetool.methods.mofe.checks import check_prompts, load_tokenizer
@@ -42,19 +43,6 @@ _COPIED = [
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")  # non-persistent buffers some old checkpoints saved
 _MLP = re.compile(r"model\.layers\.(\d+)\.mlp\.")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _tokenizer_signature(tok: PreTrainedTokenizerBase | None) -> tuple[Any, ...] | None:
-    """What must match between tokenizers: the vocabulary and the special tokens. None if there is no tokenizer."""
-    if tok is None:
-        return None
-    return (
-        tuple(sorted(tok.get_vocab().items())),
-        tok.bos_token,
-        tok.eos_token,
-        tok.pad_token,
-        tok.unk_token,
-    )
 
 
 def _refs(recipe: MoFERecipe) -> dict[str, tuple[str, str]]:
@@ -131,7 +119,7 @@ def _check_expert(
                 problems.append(
                     f"{fieldname}: {name} has shape {list(info.shape)}, base has {list(mlp_shapes.get(name, ()))}"
                 )
-    sig = _tokenizer_signature(load_tokenizer(ck.path))
+    sig = tokenizer_signature(load_tokenizer(ck.path))
     if sig is None:
         warnings.append(f"{fieldname}: {ck.path} has no tokenizer; vocabulary match not checked")
     elif base_sig is not None and sig != base_sig:
@@ -183,7 +171,7 @@ def plan_mofe(recipe: MoFERecipe, *, allow_pickle: bool = False) -> MergePlan:
             if (name := dense_mlp_name(layer, proj)) in base_t
         }
         base_tok = load_tokenizer(sources["base"].path)
-        base_sig = _tokenizer_signature(base_tok)
+        base_sig = tokenizer_signature(base_tok)
         for label, ck in ckpts.items():
             if label != "base":
                 _check_expert(

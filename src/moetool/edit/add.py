@@ -1,0 +1,225 @@
+"""``moetool experts add``: a dense expert of the MoE's base (or a LoRA adapter of it, baked) becomes one more expert in
+every MoE layer, with its router row from prompts through the router's real input.
+
+The row is computed as the merge computes one (``gate_mode: hidden``): the mean router input over the prompts' content
+tokens, minus the mean over the negative prompts, L2-normalised; here the input is the edited MoE's own (every layer
+sees the mixture below it, as at run time), and the row is scaled to the mean norm of the layer's existing rows so it
+competes on their scale (a tuned router's rows grow beyond unit norm).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetool.arch.families import FAMILIES, MLP_PROJS, dense_mlp_name
+from moetool.edit.layout import EditError, MoELayout
+from moetool.edit.plan import EditPlan, Slot, select_plan
+from moetool.io.checkpoint import SAFETENSORS_DTYPES, Checkpoint
+from moetool.io.files import tokenizer_signature
+from moetool.io.safe import read_json
+from moetool.io.writer import ShardedWriter
+
+# config keys an added expert must share with the MoE (its foundation)
+FOUNDATION = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def _tokenizer(path: Path) -> Any:
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def check_source(layout: MoELayout, source: Path, name: str) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """The dense MLP shapes an added expert brings, after checking it fits the MoE; and warnings.
+
+    Raises:
+        EditError: a name already taken, a source that is not a dense model of the MoE's foundation, MLPs of another
+            width, or another tokenizer (every problem, one per line).
+    """
+    problems, warnings = [], []
+    if name in layout.names:
+        problems.append(f"--name: the MoE already has an expert {name!r}")
+    ck = Checkpoint(source)
+    try:
+        cfg = ck.config
+        tensors = ck.tensors
+        if cfg.get("model_type") not in FAMILIES:
+            problems.append(
+                f"--source: {source} is a {cfg.get('model_type')!r} model, not a dense model of a supported family "
+                f"({', '.join(FAMILIES)})"
+            )
+        for key in FOUNDATION:
+            if cfg.get(key) != layout.config.get(key):
+                problems.append(f"--source: {key} is {cfg.get(key)!r}, the MoE has {layout.config.get(key)!r}")
+        width = layout.width()
+        shapes: dict[str, tuple[int, ...]] = {}
+        for layer in layout.moe_layers:
+            for p in MLP_PROJS:
+                info = tensors.get(dense_mlp_name(layer, p))
+                if info is None:
+                    problems.append(f"--source: missing tensor {dense_mlp_name(layer, p)}")
+                    continue
+                want = (width, cfg.get("hidden_size")) if p != "down_proj" else (cfg.get("hidden_size"), width)
+                if info.shape != want:
+                    problems.append(f"--source: {info.name} has shape {list(info.shape)}; the MoE's experts {list(want)}")
+                shapes[info.name] = info.shape
+            if len(problems) > 8:
+                break
+        q = "model.layers.0.self_attn.q_proj.weight"
+        if not problems and q in tensors and q in layout.tensors:
+            moe = Checkpoint(layout.path)
+            try:
+                dtype = SAFETENSORS_DTYPES[layout.tensors[q].dtype][0]
+                if not torch.equal(ck.get(q).to(dtype), moe.get(q)):
+                    warnings.append(
+                        f"--source: its attention differs from the MoE's ({q}); an expert is its MLP alone, so only "
+                        "that is taken (as the merge does)"
+                    )
+            finally:
+                moe.close()
+    finally:
+        ck.close()
+    sig, own = tokenizer_signature(_tokenizer(source)), tokenizer_signature(_tokenizer(layout.path))
+    if sig is None:
+        warnings.append(f"--source: {source} has no tokenizer; vocabulary match not checked")
+    elif own is not None and sig != own:
+        problems.append("--source: its tokenizer differs from the MoE's (vocabulary or special tokens)")
+    if problems:
+        raise EditError("\n".join(problems))
+    return shapes, warnings
+
+
+def bake_adapter(adapter: Path, base: Path, out: Path) -> Path:
+    """A LoRA adapter of ``base`` baked into ``base``'s MLPs: ``W + s·B·A`` per adapted projection (``s`` = alpha/r,
+    or alpha/√r with rsLoRA), the MLP tensors, config and tokenizer written to ``out`` (a dense expert to add).
+
+    Raises:
+        EditError: not a LoRA adapter, one that adapts more than the MLPs (attention is shared by every expert), DoRA,
+            or per-module rank or alpha patterns.
+    """
+    cfg = read_json(adapter / "adapter_config.json", what="PEFT adapter config", error=EditError)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise EditError(f"--source: {adapter} is a {cfg.get('peft_type')!r} adapter; only LoRA adapters bake")
+    if cfg.get("use_dora"):
+        raise EditError(f"--source: {adapter} is a DoRA adapter; only plain LoRA bakes exactly")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise EditError(f"--source: {adapter} has per-module rank or alpha patterns, which moetool does not bake")
+    files = sorted(adapter.glob("adapter_model*.safetensors"))
+    if not files:
+        raise EditError(f"--source: {adapter} has no adapter_model.safetensors (pickle adapters are not read)")
+    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    scale = alpha / r**0.5 if cfg.get("use_rslora") else alpha / r
+    from safetensors.torch import load_file
+
+    lora: dict[str, torch.Tensor] = {}
+    for f in files:
+        lora |= load_file(str(f))
+    deltas: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in lora.items():
+        target, _, kind = key.rpartition(".lora_")
+        module = target.removeprefix("base_model.model.")
+        if not any(module.endswith(f".mlp.{p}") for p in MLP_PROJS):
+            raise EditError(
+                f"--source: {adapter} adapts {module}; an expert is an MLP (attention is shared by every expert), "
+                "so only adapters of gate_proj, up_proj and down_proj can be added"
+            )
+        deltas.setdefault(module + ".weight", {})[kind.split(".")[0]] = t
+    base_ck = Checkpoint(base)
+    try:
+        names = [n for n in base_ck.tensors if any(n.endswith(f".mlp.{p}.weight") for p in MLP_PROJS)]
+        entries = [(n, SAFETENSORS_DTYPES[base_ck.tensors[n].dtype][0], base_ck.tensors[n].shape) for n in names]
+        out.mkdir(parents=True, exist_ok=True)
+        with ShardedWriter(out, entries, 2**62) as writer:
+            for n, dtype, _ in entries:
+                w = base_ck.get(n)
+                if n in deltas:
+                    d = deltas[n]
+                    w = (w.double() + scale * (d["B"].double() @ d["A"].double())).to(dtype)
+                writer.add(n, w)
+        config = dict(base_ck.config)
+    finally:
+        base_ck.close()
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    from moetool.io.files import copy_tokenizer
+
+    copy_tokenizer(base, out)
+    return out
+
+
+def adapter_base(adapter: Path, given: Path | None) -> Path:
+    """The dense model a LoRA adapter was trained on: ``given`` (``--base``), else its ``base_model_name_or_path``.
+
+    Raises:
+        EditError: neither names a local model folder.
+    """
+    if given is not None:
+        return given
+    cfg = read_json(adapter / "adapter_config.json", what="PEFT adapter config", error=EditError)
+    named = cfg.get("base_model_name_or_path")
+    if named and (Path(named) / "config.json").is_file():
+        return Path(named)
+    raise EditError(
+        f"--source: {adapter} is a LoRA adapter of {named!r}, which is not a local model folder; give it with --base"
+    )
+
+
+@torch.inference_mode()
+def router_rows(
+    layout: MoELayout,
+    prompts: list[str],
+    negative: list[str],
+    *,
+    chat_template: bool = False,
+    dtype: str | None = None,
+    device: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """The added expert's router row ``[H]`` of each MoE layer (key ``router.{layer}``), from the MoE's own router
+    inputs over the prompts.
+
+    Raises:
+        EditError: a prompt with no content tokens.
+    """
+    from moetool.eval.perplexity import load_causal_lm
+    from moetool.routing.init import mlp_input_means, normalise_rows
+
+    model, tok = load_causal_lm(layout.path, dtype=dtype or "auto", device=device or "auto")
+    try:
+        v = mlp_input_means(model, tok, prompts, chat_template=chat_template)
+        if negative:
+            v = v - mlp_input_means(model, tok, negative, chat_template=chat_template)
+    except ValueError as exc:
+        raise EditError(f"--prompt: {exc}") from None
+    rows = normalise_rows(v)  # [L, H]
+    ck = Checkpoint(layout.path)
+    try:
+        out = {}
+        for layer in layout.moe_layers:
+            existing = ck.get(layout.router(layer)).float()
+            out[f"router.{layer}"] = rows[layer] * existing.norm(dim=-1).mean()
+        return out
+    finally:
+        ck.close()
+
+
+def add_plan(
+    layout: MoELayout, source: Path, name: str, shapes: dict[str, tuple[int, ...]], record: dict[str, Any]
+) -> EditPlan:
+    """The MoE with the dense ``source``'s MLP as a new last expert ``name`` in every MoE layer."""
+    keep: dict[int, list[Slot]] = {layer: [*range(layout.n_experts), "new"] for layer in layout.moe_layers}
+    plan = select_plan(
+        layout,
+        keep,
+        kind="add",
+        names=[*layout.names, name],
+        top_k=layout.top_k,
+        record=record,
+        new=shapes,
+    )
+    plan.sources["new"] = source
+    return plan

@@ -1,0 +1,108 @@
+"""Every edit checks itself against its input, run by transformers, before the output is moved into place.
+
+The reference is the input model with its routing restricted by forward hooks on the routers: experts outside the
+allowed set get logit −∞, and the top-k is taken and weighted as the architecture does (renormalised, or as
+``norm_topk_prob`` says). So:
+
+* remove / prune: the output equals the input restricted to the kept experts: a removed expert's tokens go to the
+  remaining ones exactly as the architecture would send them;
+* add: the output restricted to its old experts equals the input (nothing else moved); and, where the added expert
+  shares the MoE's attention, the output restricted to the new expert equals the dense source model;
+* extract: the dense output equals the input restricted to that expert (weight 1), its shared expert silenced.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetool.arch.outputs import MoEArch
+from moetool.routing.tap import RouterTap, moe_block
+
+# max |Δlogit| an edit may show against its reference: float32 sums in another order, or one rounding in 16 bits
+TOLERANCE = {"F32": 1e-3, "BF16": 0.25, "F16": 0.05}
+
+
+def _restrict(model: Any, arch: MoEArch, config: dict[str, Any], allowed: dict[int, Sequence[int]]) -> list[Any]:
+    """Forward hooks that replace each MoE layer's routing with one over ``allowed[layer]`` only."""
+    renorm = arch.normalises_topk(config)
+    handles = []
+    routers = RouterTap.find_routers(model)
+    layers = [i for i, layer in enumerate(model.model.layers) if hasattr(moe_block(layer), "experts")]
+    for layer, router in zip(layers, routers, strict=True):
+        keep = allowed.get(layer)
+        if keep is None:
+            continue
+        mask = torch.full((router.weight.shape[0],), float("-inf"))
+        mask[list(keep)] = 0.0
+
+        def hook(mod: Any, _args: Any, output: Any, mask: torch.Tensor = mask) -> tuple[Any, Any, Any]:
+            logits = output[0]
+            probs = torch.softmax(logits.float() + mask.to(logits.device), dim=-1)
+            top, index = torch.topk(probs, mod.top_k, dim=-1)
+            if renorm:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(output[1].dtype), index
+
+        handles.append(router.register_forward_hook(hook))
+    return handles
+
+
+def _silence_shared(model: Any) -> list[Any]:
+    """Hooks that zero every shared expert's output (the extracted model holds the routed expert alone)."""
+    handles = []
+    for layer in model.model.layers:
+        shared = getattr(moe_block(layer), "shared_expert", None)
+        if shared is not None:
+            handles.append(shared.register_forward_hook(lambda _m, _a, out: torch.zeros_like(out)))
+    return handles
+
+
+@torch.inference_mode()
+def logits(
+    path: Path,
+    ids: list[int],
+    *,
+    arch: MoEArch | None = None,
+    allowed: dict[int, Sequence[int]] | None = None,
+    silence_shared: bool = False,
+    device: str | None = None,
+) -> torch.Tensor:
+    """Float32 logits ``[T, V]`` of the model at ``path`` on ``ids``, its routing restricted to ``allowed``."""
+    from moetool.eval.perplexity import load_causal_lm
+
+    model, _ = load_causal_lm(path, dtype="auto", device=device or "auto")
+    handles = []
+    try:
+        if allowed is not None and arch is not None:
+            handles += _restrict(model, arch, model.config.to_dict(), allowed)
+        if silence_shared:
+            handles += _silence_shared(model)
+        dev = next(model.parameters()).device
+        out = model(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits[0].float().cpu()
+    finally:
+        for h in handles:
+            h.remove()
+        del model
+        gc.collect()
+    return out
+
+
+def probe_ids(path: Path, n_tokens: int = 96) -> list[int]:
+    """Token ids of held-out text (the zoo's for a zoo-built model, else a built-in multi-domain sample)."""
+    from transformers import AutoTokenizer
+
+    from moetool.export.heldout import held_out_text
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    text, _ = held_out_text(path)
+    ids = tok(text, add_special_tokens=False)["input_ids"][: n_tokens - 1]
+    return [tok.bos_token_id, *ids] if tok.bos_token_id is not None else ids
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())

@@ -1,0 +1,125 @@
+"""Run an edit: plan → (computed router rows) → stream into a temporary folder → parity check there → move into place,
+then optionally recalibrate the routers. Nothing is left at the output unless every step succeeded."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from moetool.edit import parity
+from moetool.edit.execute import check_not_input, stream, write_metadata
+from moetool.edit.layout import EditError
+from moetool.edit.plan import EditPlan
+from moetool.edit.tune import Recalibration, recalibrate
+from moetool.io.atomic import atomic_dir, check_output, scratch_dir
+from moetool.progress import silent
+
+
+@dataclass
+class EditResult:
+    """What an edit wrote and how it checked itself."""
+
+    output: Path
+    plan: EditPlan
+    parity: dict[str, Any] = field(default_factory=dict)
+    tuned: bool = False
+
+
+def check(plan: EditPlan, out: Path, *, device: str | None = None) -> dict[str, Any]:
+    """The edit's parity figures (:mod:`moetool.edit.parity`), the output read from ``out``.
+
+    Raises:
+        EditError: a figure past the dtype's tolerance (the output is then not moved into place).
+    """
+    layout = plan.layout
+    ids = parity.probe_ids(layout.path)
+    tol = parity.TOLERANCE.get(layout.dtype, 1e-3)
+    figures: dict[str, Any] = {"tokens": len(ids), "tolerance": tol}
+    arch = layout.arch
+    if plan.kind in ("remove", "prune"):
+        allowed = {layer: [int(s) for s in slots] for layer, slots in plan.keep.items()}  # type: ignore[arg-type]
+        ref = parity.logits(layout.path, ids, arch=arch, allowed=allowed, device=device)
+        figures["vs_input_restricted"] = parity.max_diff(parity.logits(out, ids, device=device), ref)
+    elif plan.kind == "add":
+        old = {layer: list(range(layout.n_experts)) for layer in layout.moe_layers}
+        ref = parity.logits(layout.path, ids, device=device)
+        figures["old_experts_vs_input"] = parity.max_diff(
+            parity.logits(out, ids, arch=arch, allowed=old, device=device), ref
+        )
+        if not any("attention differs" in w for w in plan.warnings):
+            new = {layer: [layout.n_experts] for layer in layout.moe_layers}
+            ref = parity.logits(plan.sources["new"], ids, device=device)
+            got = parity.logits(out, ids, arch=arch, allowed=new, silence_shared=True, device=device)
+            figures["new_expert_vs_source"] = parity.max_diff(got, ref)
+    elif plan.keep:  # extract of a routed expert
+        ref = parity.logits(layout.path, ids, arch=arch, allowed=plan.keep, silence_shared=True, device=device)  # type: ignore[arg-type]
+        figures["vs_input_one_expert"] = parity.max_diff(parity.logits(out, ids, device=device), ref)
+    else:
+        figures["note"] = "not checked: in the MoE the shared expert runs behind a sigmoid gate, alone it does not"
+    worst = max((v for k, v in figures.items() if isinstance(v, float) and k not in ("tolerance",)), default=0.0)
+    if not worst <= tol:
+        raise EditError(
+            f"{plan.kind}: parity check failed: max |Δlogit| {worst:.3g} > {tol:g} against the input "
+            f"({json.dumps({k: v for k, v in figures.items() if isinstance(v, float)})}); nothing was written"
+        )
+    return figures
+
+
+def run(
+    plan: EditPlan,
+    out: Path,
+    *,
+    computed: dict[str, torch.Tensor] | None = None,
+    force: bool = False,
+    console: Console | None = None,
+    tune: Recalibration | None = None,
+    data: dict[str, str] | None = None,
+    verify: bool = True,
+    dtype: str | None = None,
+    device: str | None = None,
+) -> EditResult:
+    """Write ``plan`` to ``out`` (checked), then recalibrate its routers when ``tune.steps`` > 0.
+
+    Raises:
+        OutputExistsError: ``out`` exists and ``force`` is False (before any work).
+        EditError: ``out`` overlaps an input, the parity check fails, or recalibration has no data.
+    """
+    console = console if console is not None else silent()
+    out = Path(out)
+    check_not_input(out, list(plan.sources.values()))
+    check_output(out, force=force)
+    steps = tune.steps if tune is not None else 0
+    if steps and not data:
+        raise EditError("--tune-steps: router recalibration needs text: give --data NAME=FILE")
+    for note in plan.warnings:
+        console.print(f"[yellow]warning:[/] {note}")
+    result = EditResult(out, plan)
+
+    def write(target: Path, overwrite: bool) -> None:
+        with atomic_dir(target, force=overwrite) as tmp:
+            stream(plan, tmp, computed or {}, console)
+            write_metadata(plan, tmp)
+            if verify:
+                console.print(f"{plan.kind}: checking the output against the input …")
+                result.parity = check(plan, tmp, device=device)
+                plan.record["parity"] = result.parity
+                write_metadata(plan, tmp)
+
+    if not steps:
+        write(out, force)
+        return result
+    assert tune is not None and data is not None
+    with scratch_dir(out, plan.kind) as scratch:
+        edited = scratch / "edited"
+        write(edited, False)
+        console.print(f"recalibrating the routers ({steps} steps, every expert frozen) …")
+        recalibrate(
+            edited, out, data, tune, name=plan.layout.path.name, force=force, console=console, dtype=dtype, device=device
+        )
+    result.tuned = True
+    return result
