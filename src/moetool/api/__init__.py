@@ -11,6 +11,7 @@ the CLI only parses arguments and prints.
     manifest = api.export(tuned, "out/gguf", device="raspberry-pi-4")
 """
 
+from moetool.api import experts
 from moetool.api.ask import AskedQuestion, ask
 from moetool.api.pipeline import BuildResult, build
 from moetool.api.stages import (
@@ -42,6 +43,7 @@ __all__ = [
     "check",
     "check_report_outputs",
     "evaluate",
+    "experts",
     "export",
     "load",
     "nonfinite_figures",

@@ -166,15 +166,21 @@ class MoEArch(ModelFacts):
         return self.expert.format(layer=layer, expert=expert, proj=self.proj_map[proj])
 
     def dense_family(self, cfg: Mapping[str, Any]) -> str:
-        """The dense family one expert of an MoE config dict ``cfg`` is extracted as: the family native to this
-        architecture (a Mixtral with a sliding window: mistral)."""
+        """The dense family one expert of MoE config dict ``cfg`` is extracted as.
+
+        The family native to this architecture (a Mixtral with a sliding window: mistral).
+        """
         if self.name == "mixtral" and cfg.get("sliding_window"):
             return "mistral"
-        return next(f.model_type for f in FAMILIES.values() if f.moe_output == self.name and f.model_type in self.accepts)
+        return next(
+            f.model_type for f in FAMILIES.values() if f.moe_output == self.name and f.model_type in self.accepts
+        )
 
     def dense_config(self, cfg: Mapping[str, Any], family: str, intermediate: int) -> dict[str, Any]:
-        """The config dict of a dense ``family`` model with ``cfg``'s foundation and an MLP ``intermediate`` wide
-        (one expert of the MoE config dict ``cfg`` as a model of its own), validated by transformers' config class."""
+        """The config dict of a dense ``family`` model with ``cfg``'s foundation and an MLP ``intermediate`` wide.
+
+        One expert of the MoE config dict ``cfg`` as a model of its own, validated by transformers' config class.
+        """
         import transformers
 
         keys = (*_COMMON_KEYS, *_DENSE_EXTRA_KEYS)

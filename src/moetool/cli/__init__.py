@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from moetool import registry
-from moetool.cli import build, eval, export, merge, package, train, zoo
+from moetool.cli import build, eval, experts, export, merge, package, train, zoo
 from moetool.cli.console import set_verbosity
 
 app = typer.Typer(
@@ -31,7 +31,7 @@ def _options(
     set_verbosity(verbose)
 
 
-for _module in (merge, train, eval, export, zoo, build, package):
+for _module in (merge, train, eval, export, experts, zoo, build, package):
     _module.register(app)
 for _name, _entry in registry.METHODS.items():
     if _entry.cli is not None:

@@ -255,3 +255,30 @@ def print_answers(answers: list[Any]) -> None:
             same = "same tokens" if g.matches else f"first {g.same_prefix} tokens the same"
             t.add_row("", f"llama.cpp ({escape(name)})", escape(_one_line(g.text)) + f" [dim]({same})[/]", "")
     out.print(t)
+
+
+def experts_table(console: Any, report: dict[str, Any]) -> None:
+    """``moetool experts list``: one row per expert; with routing figures, its share and REAP saliency per layer."""
+    routing: dict[str, Any] = report.get("routing") or {"layers": {}, "domains": {}}
+    table = Table(
+        title=f"{report['path']}: {report['architecture']}, {len(report['experts'])} experts, top-{report['top_k']}, "
+        f"width {report['width']}, {report['dtype']}" + (", shared expert" if report["shared_expert"] else "")
+    )
+    table.add_column("index", justify="right")
+    table.add_column("name")
+    layers = list(routing["layers"])
+    for layer in layers:
+        table.add_column(f"L{layer} share / REAP", justify="right")
+    for d in routing["domains"]:
+        table.add_column(f"share on {escape(d)}", justify="right")
+    for i, name in enumerate(report["experts"]):
+        cells = [str(i), escape(name)]
+        for layer in layers:
+            figures = routing["layers"][layer]
+            cells.append(f"{figures['share'][i]:.3f} / {figures['reap'][i]:.3g}")
+        for d in routing["domains"]:
+            cells.append(f"{routing['domains'][d]['share'][i]:.3f}")
+        table.add_row(*cells)
+    console.print(table)
+    for edit in report["edits"]:
+        console.print(f"edit: {escape(str(edit))}", highlight=False)

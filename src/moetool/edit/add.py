@@ -35,6 +35,24 @@ def _tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def _attention_differs(layout: MoELayout, ck: Checkpoint) -> list[str]:
+    """A warning when the source's first attention weight differs from the MoE's (not a plain expert of its base)."""
+    q = "model.layers.0.self_attn.q_proj.weight"
+    if q not in ck.tensors or q not in layout.tensors:
+        return []
+    moe = Checkpoint(layout.path)
+    try:
+        dtype = SAFETENSORS_DTYPES[layout.tensors[q].dtype][0]
+        if torch.equal(ck.get(q).to(dtype), moe.get(q)):
+            return []
+    finally:
+        moe.close()
+    return [
+        f"--source: its attention differs from the MoE's ({q}); an expert is its MLP alone, so only that is taken "
+        "(as the merge does)"
+    ]
+
+
 def check_source(layout: MoELayout, source: Path, name: str) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     """The dense MLP shapes an added expert brings, after checking it fits the MoE; and warnings.
 
@@ -67,22 +85,14 @@ def check_source(layout: MoELayout, source: Path, name: str) -> tuple[dict[str, 
                     continue
                 want = (width, cfg.get("hidden_size")) if p != "down_proj" else (cfg.get("hidden_size"), width)
                 if info.shape != want:
-                    problems.append(f"--source: {info.name} has shape {list(info.shape)}; the MoE's experts {list(want)}")
+                    problems.append(
+                        f"--source: {info.name} has shape {list(info.shape)}; the MoE's experts {list(want)}"
+                    )
                 shapes[info.name] = info.shape
             if len(problems) > 8:
                 break
-        q = "model.layers.0.self_attn.q_proj.weight"
-        if not problems and q in tensors and q in layout.tensors:
-            moe = Checkpoint(layout.path)
-            try:
-                dtype = SAFETENSORS_DTYPES[layout.tensors[q].dtype][0]
-                if not torch.equal(ck.get(q).to(dtype), moe.get(q)):
-                    warnings.append(
-                        f"--source: its attention differs from the MoE's ({q}); an expert is its MLP alone, so only "
-                        "that is taken (as the merge does)"
-                    )
-            finally:
-                moe.close()
+        if not problems:
+            warnings += _attention_differs(layout, ck)
     finally:
         ck.close()
     sig, own = tokenizer_signature(_tokenizer(source)), tokenizer_signature(_tokenizer(layout.path))

@@ -113,9 +113,8 @@ class MoELayout:
 
 def _names(meta: dict[str, Any], n: int) -> tuple[str, ...]:
     names = meta.get("experts")
-    if isinstance(names, list) and len(names) == n and all(isinstance(x, str) for x in names):
-        if len(set(names)) == n:
-            return tuple(names)
+    if isinstance(names, list) and len(set(names)) == len(names) == n and all(isinstance(x, str) for x in names):
+        return tuple(names)
     return tuple(str(i) for i in range(n))
 
 
@@ -152,7 +151,11 @@ def read_layout(path: Path) -> MoELayout:
     meta_file = path / "moetool.json"
     meta = read_json(meta_file, what="moetool metadata") if meta_file.is_file() else {}
     top_k = int(cfg.get("num_experts_per_tok") or 1)
-    shared = arch.shared is not None and not cfg.get(NULL_SHARED_KEY) and arch.shared.format(layer=layers[0], proj="gate_proj") in tensors
+    shared = (
+        arch.shared is not None
+        and not cfg.get(NULL_SHARED_KEY)
+        and arch.shared.format(layer=layers[0], proj="gate_proj") in tensors
+    )
     layout = MoELayout(path, cfg, arch, n, top_k, layers, _names(meta, n), tensors, meta, shared)
     _check_complete(layout)
     return layout

@@ -14,7 +14,7 @@ allowed set get logit −∞, and the top-k is taken and weighted as the archite
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from moetool.routing.tap import RouterTap, moe_block
 TOLERANCE = {"F32": 1e-3, "BF16": 0.25, "F16": 0.05}
 
 
-def _restrict(model: Any, arch: MoEArch, config: dict[str, Any], allowed: dict[int, Sequence[int]]) -> list[Any]:
+def _restrict(model: Any, arch: MoEArch, config: dict[str, Any], allowed: Mapping[int, Sequence[int]]) -> list[Any]:
     """Forward hooks that replace each MoE layer's routing with one over ``allowed[layer]`` only."""
     renorm = arch.normalises_topk(config)
     handles = []
@@ -68,7 +68,7 @@ def logits(
     ids: list[int],
     *,
     arch: MoEArch | None = None,
-    allowed: dict[int, Sequence[int]] | None = None,
+    allowed: Mapping[int, Sequence[int]] | None = None,
     silence_shared: bool = False,
     device: str | None = None,
 ) -> torch.Tensor:
@@ -83,7 +83,7 @@ def logits(
         if silence_shared:
             handles += _silence_shared(model)
         dev = next(model.parameters()).device
-        out = model(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits[0].float().cpu()
+        out: torch.Tensor = model(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits[0].float().cpu()
     finally:
         for h in handles:
             h.remove()

@@ -142,11 +142,14 @@ def select_plan(
                             src = dense_mlp_name(layer, p)
                             shape = (new or {})[src]
                             ops.append(
-                                EditOp(layout.arch.expert_name(layer, slot, p), shape, info.dtype, (Piece("new", (src,)),))
+                                EditOp(
+                                    layout.arch.expert_name(layer, slot, p), shape, info.dtype, (Piece("new", (src,)),)
+                                )
                             )
             continue
-        layer = _stacked_layer(layout, name)
-        if layer is not None:
+        stacked = _stacked_layer(layout, name)
+        if stacked is not None:
+            layer = stacked
             projs = next(p for t, p in layout.arch.stacked if t.format(layer=layer) == name)
             pieces = tuple(
                 Piece("moe", (name,), index=s)
@@ -189,6 +192,23 @@ def _is_shared(layout: MoELayout, name: str) -> bool:
     return False
 
 
+def _dense_target(layout: MoELayout, slot: int | Literal["shared"]) -> tuple[str, dict[str, Any]]:
+    """The dense family and config an extracted expert gets: the base's own where moetool recorded it (and its MLP
+    is the expert's width), else the family native to the architecture."""
+    arch = layout.arch
+    base_cfg = layout.meta.get("base_config")
+    family = base_cfg.get("model_type") if isinstance(base_cfg, dict) else None
+    if family not in FAMILIES:
+        family, base_cfg = arch.dense_family(layout.config), None
+    if slot == "shared" and arch.shared is not None:
+        width = layout.tensors[arch.shared.format(layer=layout.moe_layers[0], proj="gate_proj")].shape[0]
+    else:
+        width = layout.width()
+    if base_cfg is not None and int(base_cfg.get("intermediate_size") or 0) == width:
+        return str(family), dict(base_cfg)
+    return str(family), arch.dense_config(layout.config, str(family), width)
+
+
 def extract_plan(layout: MoELayout, slot: int | Literal["shared"], record: dict[str, Any]) -> EditPlan:
     """Expert ``slot`` (or the shared expert) of every MoE layer as the MLP of a dense model of the base family.
 
@@ -202,17 +222,7 @@ def extract_plan(layout: MoELayout, slot: int | Literal["shared"], record: dict[
     arch = layout.arch
     if slot == "shared" and not layout.shared:
         raise EditError(f"{layout.path}: the MoE has no shared expert to extract")
-    base_cfg = layout.meta.get("base_config")
-    family = base_cfg.get("model_type") if isinstance(base_cfg, dict) else None
-    if family not in FAMILIES:
-        family, base_cfg = arch.dense_family(layout.config), None
-    if slot == "shared":
-        width = layout.tensors[arch.shared.format(layer=layout.moe_layers[0], proj="gate_proj")].shape[0]  # type: ignore[union-attr]
-    else:
-        width = layout.width()
-    config = arch.dense_config(layout.config, family, width)
-    if base_cfg is not None and int(base_cfg.get("intermediate_size") or 0) == width:
-        config = dict(base_cfg)  # the base's own config, bit for bit, where its MLP is the expert's width
+    family, config = _dense_target(layout, slot)
     keeps_bias = family == "qwen2" or bool(config.get("attention_bias"))
     index = _expert_index(layout)
     ops: list[EditOp] = []
@@ -226,8 +236,9 @@ def extract_plan(layout: MoELayout, slot: int | Literal["shared"], record: dict[
             if e == slot:
                 ops.append(EditOp(dense_mlp_name(layer, proj), info.shape, info.dtype, (Piece("moe", (name,)),)))
             continue
-        layer = _stacked_layer(layout, name)
-        if layer is not None:
+        stacked = _stacked_layer(layout, name)
+        if stacked is not None:
+            layer = stacked
             if slot != "shared":
                 projs = next(p for t, p in arch.stacked if t.format(layer=layer) == name)
                 rows = info.shape[1] // len(projs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from moetool.edit.layout import EditError, MoELayout, read_layout
 from moetool.edit.plan import EditPlan, Slot, extract_plan, select_plan
@@ -43,7 +44,9 @@ def extract(path: Path, ref: str) -> EditPlan:
         EditError: not an MoE, or no such expert.
     """
     layout = read_layout(path)
-    slot = "shared" if ref == "shared" and "shared" not in layout.names else layout.resolve(ref)
+    slot: int | Literal["shared"] = (
+        "shared" if ref == "shared" and "shared" not in layout.names else layout.resolve(ref)
+    )
     record = {"op": "extract", "source": str(layout.path.resolve())}
     plan = extract_plan(layout, slot, record)
     plan.record["summary"] = f"expert {plan.record['expert']} of {layout.path.name} as a dense model"

@@ -42,7 +42,7 @@ def check(plan: EditPlan, out: Path, *, device: str | None = None) -> dict[str, 
     figures: dict[str, Any] = {"tokens": len(ids), "tolerance": tol}
     arch = layout.arch
     if plan.kind in ("remove", "prune"):
-        allowed = {layer: [int(s) for s in slots] for layer, slots in plan.keep.items()}  # type: ignore[arg-type]
+        allowed = {layer: [int(s) for s in slots] for layer, slots in plan.keep.items()}
         ref = parity.logits(layout.path, ids, arch=arch, allowed=allowed, device=device)
         figures["vs_input_restricted"] = parity.max_diff(parity.logits(out, ids, device=device), ref)
     elif plan.kind == "add":
@@ -119,7 +119,15 @@ def run(
         write(edited, False)
         console.print(f"recalibrating the routers ({steps} steps, every expert frozen) …")
         recalibrate(
-            edited, out, data, tune, name=plan.layout.path.name, force=force, console=console, dtype=dtype, device=device
+            edited,
+            out,
+            data,
+            tune,
+            name=plan.layout.path.name,
+            force=force,
+            console=console,
+            dtype=dtype,
+            device=device,
         )
     result.tuned = True
     return result

@@ -65,7 +65,10 @@ class ExpertStats:
                 for i, layer in enumerate(self.layers)
             },
             "domains": {
-                d: {"tokens": n, "share": [round(float(x), 6) for x in (c.sum(0) / max(1, n * self.top_k * len(self.layers)))]}
+                d: {
+                    "tokens": n,
+                    "share": [round(float(x), 6) for x in (c.sum(0) / max(1, n * self.top_k * len(self.layers)))],
+                }
                 for d, (c, n) in self.domains.items()
             },
         }
@@ -157,5 +160,12 @@ def expert_stats(
     finally:
         hooks.remove()
     return ExpertStats(
-        hooks.layers, names, int(model.config.num_experts_per_tok), tokens, hooks.counts, hooks.gate, hooks.reap, domains
+        hooks.layers,
+        names,
+        int(model.config.num_experts_per_tok),
+        tokens,
+        hooks.counts,
+        hooks.gate,
+        hooks.reap,
+        domains,
     )

@@ -17,7 +17,9 @@ from moetool.train.freeze import FreezeReport
 from moetool.train.precision import dtype_name
 
 
-def card_section(recipe: MoFERecipe | TuningRecipe, report: FreezeReport, history: list[dict[str, Any]], steps: int) -> str:
+def card_section(
+    recipe: MoFERecipe | TuningRecipe, report: FreezeReport, history: list[dict[str, Any]], steps: int
+) -> str:
     """The model card's "Router tuning" section."""
     spec: TrainSpec = recipe.train
     last = history[-1] if history else {}

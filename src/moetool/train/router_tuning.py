@@ -101,7 +101,9 @@ class _Run:
     dtype: torch.dtype = torch.float32  # the compute dtype (frozen weights stored in it; trainable ones float32)
 
 
-def _setup(recipe: MoFERecipe | TuningRecipe, model_dir: Path, accelerator: Any, console: Console, dtype: torch.dtype) -> _Run:
+def _setup(
+    recipe: MoFERecipe | TuningRecipe, model_dir: Path, accelerator: Any, console: Console, dtype: torch.dtype
+) -> _Run:
     """Load the MoE in ``dtype``, apply the freeze spec (trainable weights float32), tokenize the training data,
     make the optimizer and schedule."""
     from accelerate.utils import set_seed

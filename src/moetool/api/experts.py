@@ -1,0 +1,257 @@
+"""Edit an MoE after it is built (``moetool experts``): list, add, remove, prune and extract experts.
+
+Each works on moetool's outputs and on third-party folders of every output architecture (Mixtral, Qwen2-MoE with or
+without a shared expert, Qwen3-MoE, GraniteMoE); expert names come from ``moetool.json`` where moetool built the MoE,
+indices work everywhere. Every edit streams one tensor at a time into a temporary folder, checks itself against its
+input there (:mod:`moetool.edit.parity`) and only then moves into place; ``tune`` recalibrates the routers after.
+
+    api.experts.remove(moe, ["medical"], "out/two")
+    api.experts.prune(moe, "out/pruned", keep=2, by="reap", data={"mix": "calib.txt"}, tune=Recalibration(steps=40))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from moetool.edit.layout import EditError, read_layout
+from moetool.edit.run import EditResult, run
+from moetool.edit.tune import Recalibration, data_sources
+from moetool.progress import silent
+
+__all__ = ["EditResult", "Recalibration", "add", "calibration_text", "extract", "listing", "prune", "remove"]
+
+
+def calibration_text(data: dict[str, str], *, seed: int = 0) -> dict[str, str]:
+    """Each ``NAME → FILE | zoo:DOMAIN`` source's training split (the held-out split stays out of calibration).
+
+    Raises:
+        EditError: no source given, or a missing file.
+    """
+    from moetool.train.data import load_source
+
+    if not data:
+        raise EditError("calibration needs text: give --data NAME=FILE (or NAME=zoo:DOMAIN)")
+    out = {}
+    for name, src in data_sources(data).items():
+        train, _ = load_source(name, src, base_dir=None, fraction=0.1, seed=seed)
+        out[name] = train
+    return out
+
+
+def listing(
+    moe: str | Path,
+    data: dict[str, str] | None = None,
+    *,
+    max_tokens: int = 8192,
+    dtype: str | None = None,
+    device: str | None = None,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """The MoE's experts (index, name, width); with ``data``, routing share and REAP saliency per layer and text."""
+    layout = read_layout(Path(moe))
+    report: dict[str, Any] = {
+        "path": str(layout.path),
+        "architecture": layout.arch.name,
+        "experts": list(layout.names),
+        "top_k": layout.top_k,
+        "moe_layers": list(layout.moe_layers),
+        "width": layout.width(),
+        "dtype": layout.dtype,
+        "shared_expert": layout.shared,
+        "edits": [e.get("summary", e.get("op")) for e in layout.meta.get("edits", [])],
+    }
+    if data:
+        from moetool.edit.scoring import expert_stats
+
+        texts = calibration_text(data)
+        stats = expert_stats(
+            layout.path,
+            texts,
+            names=list(layout.names),
+            max_tokens=max_tokens,
+            dtype=dtype,
+            device=device,
+            console=console,
+        )
+        report["routing"] = stats.to_json()
+    return report
+
+
+def remove(
+    moe: str | Path,
+    refs: list[str],
+    out: str | Path,
+    *,
+    top_k: int | None = None,
+    tune: Recalibration | None = None,
+    data: dict[str, str] | None = None,
+    force: bool = False,
+    verify: bool = True,
+    console: Console | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+) -> EditResult:
+    """The MoE without the experts ``refs`` (names or indices), every other tensor bit for bit."""
+    from moetool.edit.remove import remove_plan
+
+    plan = remove_plan(read_layout(Path(moe)), refs, top_k=top_k)
+    return run(
+        plan, Path(out), force=force, console=console, tune=tune, data=data, verify=verify, dtype=dtype, device=device
+    )
+
+
+def extract(
+    moe: str | Path,
+    ref: str,
+    out: str | Path,
+    *,
+    force: bool = False,
+    verify: bool = True,
+    console: Console | None = None,
+) -> EditResult:
+    """Expert ``ref`` (name, index or ``shared``) as a dense model of the base family.
+
+    A moetool-built MoE gives back the source expert bit for bit.
+    """
+    from moetool.edit.remove import extract as extract_plan
+
+    return run(extract_plan(Path(moe), ref), Path(out), force=force, console=console, verify=verify)
+
+
+def prune(
+    moe: str | Path,
+    out: str | Path,
+    *,
+    keep: float,
+    by: str,
+    data: dict[str, str],
+    per_layer: bool = False,
+    power_of_two: bool = False,
+    top_k: int | None = None,
+    seed: int = 0,
+    max_tokens: int = 8192,
+    tune: Recalibration | None = None,
+    force: bool = False,
+    verify: bool = True,
+    console: Console | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+) -> EditResult:
+    """Keep ``keep`` experts per layer (a count, or a fraction below 1) chosen ``by`` reap, frequency or random.
+
+    The experts are scored on the calibration ``data``; the per-layer report goes into ``moetool.json``.
+
+    Raises:
+        EditError: an unknown criterion, a budget that keeps all or none, fewer experts than ``top_k``.
+    """
+    from moetool.edit.prune import CRITERIA, budget, choose, prune_plan
+    from moetool.edit.scoring import expert_stats
+    from moetool.io.atomic import check_output
+
+    if by not in CRITERIA:
+        raise EditError(f"--by {by!r}: choose one of {', '.join(CRITERIA)}")
+    console = console if console is not None else silent()
+    check_output(Path(out), force=force)  # before minutes of calibration
+    layout = read_layout(Path(moe))
+    n = budget(layout.n_experts, keep, power_of_two=power_of_two)
+    k = top_k if top_k is not None else layout.top_k
+    if k > n:
+        raise EditError(
+            f"--keep {keep}: {n} expert(s) per layer is below the MoE's top-k ({layout.top_k}); keep at least "
+            f"{layout.top_k}, or lower it with --top-k"
+        )
+    texts = calibration_text(data, seed=seed)
+    stats = expert_stats(
+        layout.path,
+        texts,
+        names=list(layout.names),
+        max_tokens=max_tokens,
+        reap=by == "reap",
+        dtype=dtype,
+        device=device,
+        console=console,
+    )
+    choice = choose(stats, n, by, per_layer=per_layer, seed=seed)
+    plan = prune_plan(layout, choice, top_k=top_k, data=sorted(data.values()))
+    plan.record["calibration_tokens"] = stats.tokens
+    return run(
+        plan, Path(out), force=force, console=console, tune=tune, data=data, verify=verify, dtype=dtype, device=device
+    )
+
+
+def add(
+    moe: str | Path,
+    source: str | Path,
+    out: str | Path,
+    *,
+    name: str,
+    prompts: list[str],
+    negative: list[str] | None = None,
+    base: str | Path | None = None,
+    chat_template: bool = False,
+    tune: Recalibration | None = None,
+    data: dict[str, str] | None = None,
+    force: bool = False,
+    verify: bool = True,
+    console: Console | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+) -> EditResult:
+    """``source`` (a dense model of the MoE's base, or a baked LoRA adapter of it) as a new last expert ``name``.
+
+    It joins every MoE layer; its router row comes from ``prompts`` through the MoE's own router inputs; top-k is kept.
+
+    Raises:
+        EditError: no prompt, a taken or malformed name, an incompatible source (every problem named).
+    """
+    import re
+
+    from moetool.edit.add import adapter_base, add_plan, bake_adapter, check_source, router_rows
+    from moetool.io.atomic import check_output, scratch_dir
+
+    if not prompts:
+        raise EditError("--prompt: give at least one prompt for the new expert's router row")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        raise EditError(f"--name {name!r}: letters, digits, '_', '.', '-' only, starting with a letter or digit")
+    console = console if console is not None else silent()
+    out, source = Path(out), Path(source)
+    check_output(out, force=force)
+    layout = read_layout(Path(moe))
+    with scratch_dir(out, "add") as scratch:
+        origin: dict[str, Any] = {"source": str(source.resolve())}
+        if (source / "adapter_config.json").is_file():
+            dense_base = adapter_base(source, Path(base) if base is not None else None)
+            origin |= {"adapter_base": str(dense_base.resolve())}
+            source = bake_adapter(source, dense_base, scratch / "baked")
+        shapes, warnings = check_source(layout, source, name)
+        console.print(f"add: router row of {name!r} from {len(prompts)} prompt(s) through the MoE's router inputs …")
+        rows = router_rows(layout, prompts, negative or [], chat_template=chat_template, dtype=dtype, device=device)
+        record = {
+            "op": "add",
+            "moe": str(layout.path.resolve()),
+            "name": name,
+            **origin,
+            "prompts": prompts,
+            "negative_prompts": negative or [],
+            "experts_before": layout.n_experts,
+            "experts_after": layout.n_experts + 1,
+            "top_k": layout.top_k,
+            "summary": f"added {name} ({layout.n_experts} → {layout.n_experts + 1} experts, top-{layout.top_k})",
+        }
+        plan = add_plan(layout, source, name, shapes, record)
+        plan.warnings += warnings
+        return run(
+            plan,
+            out,
+            computed=rows,
+            force=force,
+            console=console,
+            tune=tune,
+            data=data,
+            verify=verify,
+            dtype=dtype,
+            device=device,
+        )

@@ -1,0 +1,234 @@
+"""``moetool experts``: list, add, remove, prune and extract the experts of an existing MoE (:mod:`moetool.api.experts`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from moetool.cli.console import console, friendly, out
+
+if TYPE_CHECKING:
+    from moetool.edit.run import EditResult
+    from moetool.edit.tune import Recalibration
+
+app = typer.Typer(
+    no_args_is_help=True, help="Edit an MoE after it is built: list, add, remove, prune, extract experts."
+)
+
+Output = Annotated[Path, typer.Option("-o", "--output", help="Directory to write (written atomically).")]
+Force = Annotated[bool, typer.Option("--force", help="Replace an existing output.")]
+Data = Annotated[
+    list[str] | None, typer.Option("--data", help="NAME=FILE or NAME=zoo:DOMAIN: calibration / tuning text (repeat).")
+]
+TuneSteps = Annotated[
+    int, typer.Option("--tune-steps", min=0, help="Router-only recalibration steps on --data after the edit (0: none).")
+]
+RouterLR = Annotated[float, typer.Option("--router-lr", min=0.0, help="Recalibration learning rate of the routers.")]
+TopK = Annotated[int | None, typer.Option("--top-k", min=1, help="New experts-per-token (default: kept).")]
+NoCheck = Annotated[bool, typer.Option("--no-check", help="Skip the parity check against the input (large models).")]
+Dtype = Annotated[str, typer.Option(help="auto (the checkpoint's own), float32, bfloat16 or float16.")]
+Device = Annotated[str, typer.Option(help="auto (a GPU when there is one), cpu, cuda or cuda:N.")]
+
+
+def _data(items: list[str] | None) -> dict[str, str]:
+    pairs = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep:  # a bare FILE is named after itself
+            name, value = Path(item).stem, item
+        if not name or not value:
+            raise typer.BadParameter(f"{item!r} is not NAME=FILE", param_hint="--data")
+        pairs[name] = value
+    return pairs
+
+
+def _tune(steps: int, lr: float, seed: int = 0) -> Recalibration:
+    from moetool.edit.tune import Recalibration
+
+    return Recalibration(steps=steps, router_learning_rate=lr, seed=seed)
+
+
+def _report(result: EditResult) -> None:
+    record = result.plan.record
+    out.print(f"{record['summary']}")
+    for key, value in result.parity.items():
+        if isinstance(value, float) and key != "tolerance":
+            out.print(f"  parity {key}: max |Δlogit| {value:.2e} (tolerance {result.parity['tolerance']:g})")
+    if result.tuned:
+        out.print("  routers recalibrated (router-only tuning)")
+    out.print(f"wrote {result.output}")
+
+
+@app.command("list")
+@friendly
+def list_cmd(
+    moe: Annotated[Path, typer.Argument(help="MoE folder.")],
+    data: Data = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Calibration tokens per --data text.")] = 8192,
+    json_file: Annotated[Path | None, typer.Option("--json", help="Write the listing as JSON.")] = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+) -> None:
+    """The experts (index, name) and, with --data, each one's routing share and REAP saliency per layer."""
+    from moetool import api
+    from moetool.cli.render import experts_table
+
+    report = api.experts.listing(moe, _data(data), max_tokens=max_tokens, dtype=dtype, device=device, console=console)
+    experts_table(out, report)
+    if json_file is not None:
+        json_file.write_text(json.dumps(report, indent=2))
+        out.print(f"wrote {json_file}")
+
+
+@app.command("remove")
+@friendly
+def remove_cmd(
+    moe: Annotated[Path, typer.Argument(help="MoE folder.")],
+    experts: Annotated[list[str], typer.Argument(help="Expert names or indices to remove.")],
+    output: Output,
+    top_k: TopK = None,
+    data: Data = None,
+    tune_steps: TuneSteps = 0,
+    router_lr: RouterLR = 0.05,
+    no_check: NoCheck = False,
+    force: Force = False,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+) -> None:
+    """Remove experts from every MoE layer; every other tensor is kept bit for bit."""
+    from moetool import api
+
+    _report(
+        api.experts.remove(
+            moe,
+            experts,
+            output,
+            top_k=top_k,
+            tune=_tune(tune_steps, router_lr),
+            data=_data(data),
+            force=force,
+            verify=not no_check,
+            console=console,
+            dtype=dtype,
+            device=device,
+        )
+    )
+
+
+@app.command("prune")
+@friendly
+def prune_cmd(
+    moe: Annotated[Path, typer.Argument(help="MoE folder.")],
+    output: Output,
+    keep: Annotated[float, typer.Option(help="Experts to keep per layer, or a fraction below 1.")],
+    data: Data = None,
+    by: Annotated[str, typer.Option(help="reap (gate × output norm), frequency or random.")] = "reap",
+    per_layer: Annotated[bool, typer.Option("--per-layer", help="Each layer keeps its own best experts.")] = False,
+    power_of_two: Annotated[
+        bool, typer.Option("--power-of-two", help="Round the budget down to a power of two.")
+    ] = False,
+    top_k: TopK = None,
+    seed: Annotated[int, typer.Option(help="Seed of --by random and of recalibration.")] = 0,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Calibration tokens per --data text.")] = 8192,
+    tune_steps: TuneSteps = 0,
+    router_lr: RouterLR = 0.05,
+    no_check: NoCheck = False,
+    force: Force = False,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+) -> None:
+    """Keep N experts per layer, scored on calibration text; optionally recalibrate the routers after."""
+    from moetool import api
+
+    result = api.experts.prune(
+        moe,
+        output,
+        keep=keep,
+        by=by,
+        data=_data(data),
+        per_layer=per_layer,
+        power_of_two=power_of_two,
+        top_k=top_k,
+        seed=seed,
+        max_tokens=max_tokens,
+        tune=_tune(tune_steps, router_lr, seed),
+        force=force,
+        verify=not no_check,
+        console=console,
+        dtype=dtype,
+        device=device,
+    )
+    for row in result.plan.record["layers"]:
+        scores = ", ".join(f"{n} {s:.3g}" for n, s in row["scores"].items())
+        out.print(f"  layer {row['layer']}: kept {', '.join(row['kept'])} ({scores})", highlight=False)
+    _report(result)
+
+
+@app.command("add")
+@friendly
+def add_cmd(
+    moe: Annotated[Path, typer.Argument(help="MoE folder.")],
+    source: Annotated[Path, typer.Option(help="Dense expert of the MoE's base, or a LoRA adapter of it.")],
+    name: Annotated[str, typer.Option(help="The new expert's name.")],
+    output: Output,
+    prompt: Annotated[list[str], typer.Option("--prompt", help="Text the new expert should receive (repeat).")],
+    negative_prompt: Annotated[
+        list[str] | None, typer.Option("--negative-prompt", help="Text it should not receive (repeat).")
+    ] = None,
+    base: Annotated[Path | None, typer.Option(help="A LoRA source's dense base (default: from its config).")] = None,
+    chat_template: Annotated[bool, typer.Option(help="Prompts through the tokenizer's chat template.")] = False,
+    data: Data = None,
+    tune_steps: TuneSteps = 0,
+    router_lr: RouterLR = 0.05,
+    no_check: NoCheck = False,
+    force: Force = False,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+) -> None:
+    """Add a dense expert (or a baked LoRA adapter) as one more expert in every MoE layer; top-k is kept."""
+    from moetool import api
+
+    _report(
+        api.experts.add(
+            moe,
+            source,
+            output,
+            name=name,
+            prompts=prompt,
+            negative=negative_prompt,
+            base=base,
+            chat_template=chat_template,
+            tune=_tune(tune_steps, router_lr),
+            data=_data(data),
+            force=force,
+            verify=not no_check,
+            console=console,
+            dtype=dtype,
+            device=device,
+        )
+    )
+
+
+@app.command("extract")
+@friendly
+def extract_cmd(
+    moe: Annotated[Path, typer.Argument(help="MoE folder.")],
+    expert: Annotated[str, typer.Argument(help="Expert name, index, or 'shared'.")],
+    output: Output,
+    no_check: NoCheck = False,
+    force: Force = False,
+) -> None:
+    """One expert as a dense model of the base family (a moetool-built MoE gives back the source, bit for bit)."""
+    from moetool import api
+
+    _report(api.experts.extract(moe, expert, output, force=force, verify=not no_check, console=console))
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="experts")
+
+
+__all__: list[Any] = ["app", "register"]
