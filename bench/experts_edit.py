@@ -1,0 +1,214 @@
+"""`moetool experts` on the real default (the SmolLM2-135M zoo): add, remove and prune against MoEs built at once.
+
+* add:    a 2-expert MoE (code + legal) plus `experts add` medical (prompts, then router-only tuning on all three
+          domains) against the 3-expert MoE built at once (merged, then the same tuning), per seed;
+* remove: the 3-expert MoE minus medical against the 2-expert MoE built at once (merged; and both tuned);
+* prune:  a 4-expert MoE (code, legal, medical and the base as `general`, top-2) pruned to 2 per layer by REAP, by
+          routing frequency and at random, each without and with router recalibration.
+
+Every figure is held-out perplexity per domain from `moetool eval` (the zoo's held-out splits, never trained or
+calibrated on), with the local lm-eval continuation tasks for add and remove; ratios are against the peer built at
+once in the same run. Everything goes under OUT (kept, so any model can be inspected) and OUT/results.json.
+
+Run:  .venv/bin/python bench/experts_edit.py -o out/experts-bench [--seeds 0,1,2] [--steps 60] [--only add,remove,prune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moetool import api
+from moetool.edit.tune import Recalibration
+from moetool.io.sources import resolve_source
+
+ROOT = Path(__file__).resolve().parents[1]
+DOMAINS = ["code", "legal", "medical"]
+DATA = {d: f"zoo:smollm2-{d}" for d in DOMAINS}
+GENERAL = {
+    "name": "general",
+    "source": "zoo:smollm2-base",
+    "positive_prompts": [
+        "What is the capital of France?",
+        "Once upon a time there was a little girl who lived in a village near the forest.",
+        "The weather today is sunny with a light breeze from the west.",
+        "Write a short poem about the sea.",
+    ],
+}
+
+
+def recipe(out: Path, name: str, experts: list[str], *, general: bool = False, seed: int = 0, steps: int = 60) -> Path:
+    """A copy of recipes/real-mofe.yaml with only ``experts`` (and the base as `general`), router-only tuning."""
+    doc = yaml.safe_load((ROOT / "recipes" / "real-mofe.yaml").read_text())
+    doc["name"] = name
+    doc["experts"] = [e for e in doc["experts"] if e["name"] in experts] + ([GENERAL] if general else [])
+    doc["freeze"] = {"preset": "router_only"}
+    doc["train"] |= {"steps": steps, "seed": seed, "checkpoint_every": steps, "learning_rate": 0.05}
+    doc.pop("targets", None)
+    path = out / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def merged(out: Path, name: str, experts: list[str], **kw: Any) -> Path:
+    target = out / name
+    if not (target / "config.json").is_file():
+        api.assemble(api.load(recipe(out, name, experts, **kw)), target, force=True)
+    return target
+
+
+def tuned(out: Path, model: Path, name: str, experts: list[str], seed: int, steps: int, **kw: Any) -> Path:
+    target = out / f"{name}-tuned-s{seed}"
+    if not (target / "config.json").is_file():
+        r = api.load(recipe(out, f"{name}-s{seed}", experts, seed=seed, steps=steps, **kw))
+        api.train(r, target, model=model, force=True)
+    return target
+
+
+def evaluate(models: dict[str, Path], tasks: bool, max_tokens: int) -> dict[str, dict[str, float]]:
+    report = api.evaluate(
+        [str(p) for p in models.values()], domains=DOMAINS, max_tokens=max_tokens, tasks=["local"] if tasks else None
+    )
+    rows = {}
+    for label, path in models.items():
+        row = dict(report["perplexity"][str(path)])
+        for task, score in (report.get("tasks", {}).get(str(path)) or {}).items():
+            row[f"task:{task}"] = next(iter(score.values())) if isinstance(score, dict) else score
+        rows[label] = row
+    return rows
+
+
+def tune_settings(seed: int, steps: int) -> Recalibration:
+    return Recalibration(steps=steps, router_learning_rate=0.05, seed=seed)
+
+
+def bench_add(out: Path, seeds: list[int], steps: int, max_tokens: int) -> dict[str, Any]:
+    two = merged(out, "code-legal", ["code", "legal"])
+    three = merged(out, "code-legal-medical", DOMAINS)
+    prompts = next(
+        e for e in yaml.safe_load((ROOT / "recipes/real-mofe.yaml").read_text())["experts"] if e["name"] == "medical"
+    )
+    models: dict[str, Path] = {}
+    for seed in seeds:
+        added = out / f"added-medical-s{seed}"
+        if not (added / "config.json").is_file():
+            src = resolve_source("zoo:smollm2-medical").path
+            api.experts.add(
+                two,
+                src,
+                added,
+                name="medical",
+                prompts=prompts["positive_prompts"],
+                chat_template=True,
+                tune=tune_settings(seed, steps),
+                data=DATA,
+                force=True,
+            )
+        models[f"add s{seed}"] = added
+        models[f"at once s{seed}"] = tuned(out, three, "code-legal-medical", DOMAINS, seed, steps)
+    rows = evaluate(models, True, max_tokens)
+    return {"rows": rows, "ratios": ratios(rows, "add", "at once", seeds)}
+
+
+def bench_remove(out: Path, seeds: list[int], steps: int, max_tokens: int) -> dict[str, Any]:
+    two = merged(out, "code-legal", ["code", "legal"])
+    three = merged(out, "code-legal-medical", DOMAINS)
+    models = {"remove merged": out / "removed-medical", "at once merged": two}
+    if not (models["remove merged"] / "config.json").is_file():
+        api.experts.remove(three, ["medical"], models["remove merged"], force=True)
+    for seed in seeds:
+        src = tuned(out, three, "code-legal-medical", DOMAINS, seed, steps)
+        target = out / f"removed-medical-tuned-s{seed}"
+        if not (target / "config.json").is_file():
+            api.experts.remove(src, ["medical"], target, force=True)
+        models[f"remove tuned s{seed}"] = target
+        models[f"at once tuned s{seed}"] = tuned(out, two, "code-legal", ["code", "legal"], seed, steps)
+    rows = evaluate(models, True, max_tokens)
+    return {
+        "rows": rows,
+        "ratios_merged": ratios(rows, "remove merged", "at once merged", None),
+        "ratios_tuned": ratios(rows, "remove tuned", "at once tuned", seeds),
+    }
+
+
+def bench_prune(out: Path, seeds: list[int], steps: int, max_tokens: int) -> dict[str, Any]:
+    four = merged(out, "four", DOMAINS, general=True)
+    models: dict[str, Path] = {"4 experts": four}
+    for by in ("reap", "frequency", "random"):
+        for per_layer in (False, True):
+            label = f"{by}{' per-layer' if per_layer else ''}"
+            target = out / f"pruned-{by}{'-pl' if per_layer else ''}"
+            if not (target / "config.json").is_file():
+                api.experts.prune(four, target, keep=2, by=by, data=DATA, per_layer=per_layer, force=True)
+            models[label] = target
+            for seed in seeds:
+                rt = out / f"pruned-{by}{'-pl' if per_layer else ''}-recal-s{seed}"
+                if not (rt / "config.json").is_file():
+                    api.experts.prune(
+                        four,
+                        rt,
+                        keep=2,
+                        by=by,
+                        data=DATA,
+                        per_layer=per_layer,
+                        tune=tune_settings(seed, steps),
+                        seed=seed if by == "random" else 0,
+                        force=True,
+                    )
+                models[f"{label} + recal s{seed}"] = rt
+    rows = evaluate(models, False, max_tokens)
+    kept = {
+        label: json.loads((p / "moetool.json").read_text())["edits"][-1].get("layers", [])[:1]
+        for label, p in models.items()
+        if label != "4 experts"
+    }
+    return {"rows": rows, "kept_layer0": kept, "sizes_mb": {k: size_mb(p) for k, p in models.items()}}
+
+
+def size_mb(path: Path) -> float:
+    return round(sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e6, 1)
+
+
+def ratios(rows: dict[str, dict[str, float]], a: str, b: str, seeds: list[int] | None) -> dict[str, Any]:
+    """Per domain (and task): mean and spread over seeds of (a / b − 1) for perplexity, (a − b) for task scores."""
+    out: dict[str, Any] = {}
+    pairs = [(f"{a} s{s}", f"{b} s{s}") for s in seeds] if seeds else [(a, b)]
+    for key in rows[pairs[0][0]]:
+        vals = [
+            (rows[x][key] / rows[y][key] - 1) if not key.startswith("task:") else rows[x][key] - rows[y][key]
+            for x, y in pairs
+        ]
+        out[key] = {"mean": statistics.mean(vals), "spread": (max(vals) - min(vals)) / 2, "values": vals}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-o", "--out", type=Path, required=True)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--max-tokens", type=int, default=16384)
+    ap.add_argument("--only", default="add,remove,prune")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results_file = args.out / "results.json"
+    results = json.loads(results_file.read_text()) if results_file.is_file() else {}
+    for part in args.only.split(","):
+        t0 = time.perf_counter()
+        results[part] = {"add": bench_add, "remove": bench_remove, "prune": bench_prune}[part](
+            args.out, seeds, args.steps, args.max_tokens
+        )
+        results[part]["seconds"] = round(time.perf_counter() - t0)
+        results_file.write_text(json.dumps(results, indent=2))
+        print(json.dumps({part: results[part]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
