@@ -71,16 +71,19 @@ def tuned(out: Path, model: Path, name: str, experts: list[str], seed: int, step
     return target
 
 
-def evaluate(models: dict[str, Path], tasks: bool, max_tokens: int) -> dict[str, dict[str, float]]:
-    report = api.evaluate(
-        [str(p) for p in models.values()], domains=DOMAINS, max_tokens=max_tokens, tasks=["local"] if tasks else None
-    )
-    rows = {}
-    for label, path in models.items():
-        row = dict(report["perplexity"][str(path)])
-        for task, score in (report.get("tasks", {}).get(str(path)) or {}).items():
-            row[f"task:{task}"] = next(iter(score.values())) if isinstance(score, dict) else score
-        rows[label] = row
+def evaluate(
+    models: dict[str, Path], max_tokens: int, with_tasks: tuple[str, ...] = (), limit: int = 30
+) -> dict[str, dict[str, float]]:
+    """Held-out perplexity per domain for every model; the local continuation tasks (``limit`` items each, lm-eval
+    on 2 CPU cores costs minutes per model) for the labels in ``with_tasks``."""
+    report = api.evaluate([str(p) for p in models.values()], domains=DOMAINS, max_tokens=max_tokens)
+    rows = {label: dict(report["perplexity"][str(path)]) for label, path in models.items()}
+    chosen = [models[label] for label in with_tasks]
+    if chosen:
+        scored = api.evaluate([str(p) for p in chosen], domains=DOMAINS, max_tokens=256, tasks=["local"], limit=limit)
+        for label in with_tasks:
+            for task, score in scored["tasks"][str(models[label])].items():
+                rows[label][f"task:{task}"] = next(iter(score.values())) if isinstance(score, dict) else score
     return rows
 
 
@@ -112,7 +115,7 @@ def bench_add(out: Path, seeds: list[int], steps: int, max_tokens: int) -> dict[
             )
         models[f"add s{seed}"] = added
         models[f"at once s{seed}"] = tuned(out, three, "code-legal-medical", DOMAINS, seed, steps)
-    rows = evaluate(models, True, max_tokens)
+    rows = evaluate(models, max_tokens, (f"add s{seeds[0]}", f"at once s{seeds[0]}"))
     return {"rows": rows, "ratios": ratios(rows, "add", "at once", seeds)}
 
 
@@ -129,7 +132,7 @@ def bench_remove(out: Path, seeds: list[int], steps: int, max_tokens: int) -> di
             api.experts.remove(src, ["medical"], target, force=True)
         models[f"remove tuned s{seed}"] = target
         models[f"at once tuned s{seed}"] = tuned(out, two, "code-legal", ["code", "legal"], seed, steps)
-    rows = evaluate(models, True, max_tokens)
+    rows = evaluate(models, max_tokens, ("remove merged", "at once merged"))
     return {
         "rows": rows,
         "ratios_merged": ratios(rows, "remove merged", "at once merged", None),
@@ -140,29 +143,28 @@ def bench_remove(out: Path, seeds: list[int], steps: int, max_tokens: int) -> di
 def bench_prune(out: Path, seeds: list[int], steps: int, max_tokens: int) -> dict[str, Any]:
     four = merged(out, "four", DOMAINS, general=True)
     models: dict[str, Path] = {"4 experts": four}
-    for by in ("reap", "frequency", "random"):
-        for per_layer in (False, True):
-            label = f"{by}{' per-layer' if per_layer else ''}"
-            target = out / f"pruned-{by}{'-pl' if per_layer else ''}"
-            if not (target / "config.json").is_file():
-                api.experts.prune(four, target, keep=2, by=by, data=DATA, per_layer=per_layer, force=True)
-            models[label] = target
-            for seed in seeds:
-                rt = out / f"pruned-{by}{'-pl' if per_layer else ''}-recal-s{seed}"
-                if not (rt / "config.json").is_file():
-                    api.experts.prune(
-                        four,
-                        rt,
-                        keep=2,
-                        by=by,
-                        data=DATA,
-                        per_layer=per_layer,
-                        tune=tune_settings(seed, steps),
-                        seed=seed if by == "random" else 0,
-                        force=True,
-                    )
-                models[f"{label} + recal s{seed}"] = rt
-    rows = evaluate(models, False, max_tokens)
+    # every criterion over the whole MoE, and REAP per layer as its paper prunes
+    for by, per_layer in (("reap", False), ("frequency", False), ("random", False), ("reap", True)):
+        label = f"{by}{' per-layer' if per_layer else ''}"
+        target = out / f"pruned-{by}{'-pl' if per_layer else ''}"
+        if not (target / "config.json").is_file():
+            api.experts.prune(four, target, keep=2, by=by, data=DATA, per_layer=per_layer, force=True)
+        models[label] = target
+        for seed in seeds:
+            rt = out / f"pruned-{by}{'-pl' if per_layer else ''}-recal-s{seed}"
+            if not (rt / "config.json").is_file():
+                api.experts.prune(
+                    four,
+                    rt,
+                    keep=2,
+                    by=by,
+                    data=DATA,
+                    per_layer=per_layer,
+                    tune=tune_settings(seed, steps),
+                    force=True,
+                )
+            models[f"{label} + recal s{seed}"] = rt
+    rows = evaluate(models, max_tokens)
     kept = {
         label: json.loads((p / "moetool.json").read_text())["edits"][-1].get("layers", [])[:1]
         for label, p in models.items()
@@ -179,7 +181,7 @@ def ratios(rows: dict[str, dict[str, float]], a: str, b: str, seeds: list[int] |
     """Per domain (and task): mean and spread over seeds of (a / b − 1) for perplexity, (a − b) for task scores."""
     out: dict[str, Any] = {}
     pairs = [(f"{a} s{s}", f"{b} s{s}") for s in seeds] if seeds else [(a, b)]
-    for key in rows[pairs[0][0]]:
+    for key in [k for k in rows[pairs[0][0]] if all(k in rows[x] and k in rows[y] for x, y in pairs)]:
         vals = [
             (rows[x][key] / rows[y][key] - 1) if not key.startswith("task:") else rows[x][key] - rows[y][key]
             for x, y in pairs

@@ -107,7 +107,7 @@ def check_source(layout: MoELayout, source: Path, name: str) -> tuple[dict[str, 
 
 def bake_adapter(adapter: Path, base: Path, out: Path) -> Path:
     """A LoRA adapter of ``base`` baked into ``base``'s MLPs: ``W + s·B·A`` per adapted projection (``s`` = alpha/r,
-    or alpha/√r with rsLoRA), the MLP tensors, config and tokenizer written to ``out`` (a dense expert to add).
+    or alpha/√r with rsLoRA), written to ``out`` as a whole dense model with ``base``'s config and tokenizer.
 
     Raises:
         EditError: not a LoRA adapter, one that adapts more than the MLPs (attention is shared by every expert), DoRA,
@@ -142,8 +142,8 @@ def bake_adapter(adapter: Path, base: Path, out: Path) -> Path:
         deltas.setdefault(module + ".weight", {})[kind.split(".")[0]] = t
     base_ck = Checkpoint(base)
     try:
-        names = [n for n in base_ck.tensors if any(n.endswith(f".mlp.{p}.weight") for p in MLP_PROJS)]
-        entries = [(n, SAFETENSORS_DTYPES[base_ck.tensors[n].dtype][0], base_ck.tensors[n].shape) for n in names]
+        # the whole model, MLPs baked: a dense expert like any other (the parity check runs it as one)
+        entries = [(n, SAFETENSORS_DTYPES[i.dtype][0], i.shape) for n, i in base_ck.tensors.items()]
         out.mkdir(parents=True, exist_ok=True)
         with ShardedWriter(out, entries, 2**62) as writer:
             for n, dtype, _ in entries:
