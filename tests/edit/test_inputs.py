@@ -132,7 +132,7 @@ def test_budgets():
 
 
 def test_prune_with_recalibration_writes_both_records(moe, tmp_path):
-    m, merged = moe
+    _m, merged = moe
     text = tmp_path / "calib.txt"
     text.write_text(TEXT * 8)
     result = api.experts.prune(

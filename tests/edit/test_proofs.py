@@ -52,7 +52,7 @@ def built(request, tiny_models, tmp_path_factory) -> tuple[str, dict[str, Path],
 
 
 def test_add_then_remove_is_the_input_bit_for_bit(built, tmp_path):
-    case, m, moe = built
+    _case, m, moe = built
     small = api.experts.remove(moe, ["x3"], tmp_path / "small").output
     added = api.experts.add(small, m["e3"], tmp_path / "added", name="x3", prompts=[PROMPTS[3]])
     assert added.parity["old_experts_vs_input"] <= 1e-5  # nothing but the new expert moved (0 but for granite)
@@ -84,7 +84,7 @@ def test_extract_gives_back_the_source_expert(built, tmp_path):
 def test_remove_keeps_every_other_tensor_and_loads(built, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    case, m, moe = built
+    _case, _m, moe = built
     result = api.experts.remove(moe, ["1"], tmp_path / "rm")  # an index works as well as a name
     assert result.parity["vs_input_restricted"] <= 1e-5
     layout = read_layout(result.output)
@@ -100,7 +100,7 @@ def test_remove_keeps_every_other_tensor_and_loads(built, tmp_path):
 
 
 def test_renormalised_shares_after_removal_sum_to_one(built, tmp_path):
-    case, m, moe = built
+    _case, _m, moe = built
     out = api.experts.remove(moe, ["x2"], tmp_path / "rm").output
     text = tmp_path / "mix.txt"
     text.write_text("def f(x): return x\nPermission is hereby granted.\nAcute bronchitis.\n" * 20)

@@ -51,7 +51,7 @@ def third_party(out: Path, arch: str, *, seed: int = 0, tokenizer: bool = True, 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.2)
     model.save_pretrained(str(out))
