@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from moetool.arch.facts import ModelFacts
 
@@ -14,10 +16,12 @@ class DenseFamily(ModelFacts):
     Attributes:
         moe_output: the output MoE architecture native to the family (``architecture: auto`` tries it first).
         mofe_only: only ``method: mofe`` merges it (its only MoE holder is a class the other methods do not write).
+        attention_bias: its attention always has q/k/v biases (others have them as ``attention_bias`` says).
     """
 
     moe_output: str
     mofe_only: bool = False
+    attention_bias: bool = False
 
 
 LLAMA = DenseFamily(
@@ -27,7 +31,12 @@ MISTRAL = DenseFamily(
     model_type="mistral", config_class="MistralConfig", gguf_arch="llama", moe_output="mixtral", genai_type="mistral"
 )
 QWEN2 = DenseFamily(
-    model_type="qwen2", config_class="Qwen2Config", gguf_arch="qwen2", moe_output="qwen2_moe", genai_type="qwen2"
+    model_type="qwen2",
+    config_class="Qwen2Config",
+    gguf_arch="qwen2",
+    moe_output="qwen2_moe",
+    genai_type="qwen2",
+    attention_bias=True,
 )
 QWEN3 = DenseFamily(
     model_type="qwen3", config_class="Qwen3Config", gguf_arch="qwen3", moe_output="qwen3_moe", genai_type="qwen3"
@@ -80,3 +89,51 @@ FOUNDATION_KEYS = (
 def dense_mlp_name(layer: int, proj: str) -> str:
     """The dense MLP projection ``proj`` (gate_proj, up_proj, down_proj) of ``layer`` in a base or expert."""
     return DENSE_MLP.format(layer=layer, proj=proj)
+
+
+# config attributes copied from the dense base when present (None values are skipped)
+COMMON_CONFIG_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "attention_dropout",
+    "initializer_range",
+)
+
+# config keys a dense family keeps beside the common ones (Granite's scales, Qwen3's attention bias)
+_DENSE_EXTRA_KEYS = (
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
+    "attention_bias",
+)
+
+
+def dense_config(cfg: Mapping[str, Any], family: str, intermediate: int) -> dict[str, Any]:
+    """The config dict of a dense ``family`` model with config dict ``cfg``'s foundation and an ``intermediate`` MLP.
+
+    One expert of an MoE as a model of its own, validated by transformers' config class.
+    """
+    import transformers
+
+    keys = (*COMMON_CONFIG_KEYS, *_DENSE_EXTRA_KEYS)
+    kwargs = {k: cfg[k] for k in keys if cfg.get(k) is not None} | {"intermediate_size": intermediate}
+    if family == "mistral" and cfg.get("sliding_window"):
+        kwargs["sliding_window"] = cfg["sliding_window"]
+    record = FAMILIES[family]
+    config = getattr(transformers, record.config_class)(**kwargs)
+    config.architectures = [record.config_class.replace("Config", "ForCausalLM")]
+    out: dict[str, Any] = config.to_dict()
+    return out

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 from moetool.arch.facts import ModelFacts
-from moetool.arch.families import FAMILIES
+from moetool.arch.families import COMMON_CONFIG_KEYS, FAMILIES
 from moetool.errors import UnsupportedArchitecture
 
 
@@ -24,27 +24,6 @@ class Verdict:
 
     ok: bool
     reason: str = ""
-
-
-# config attributes copied from the dense base when present (None values are skipped)
-_COMMON_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "rope_parameters",
-    "tie_word_embeddings",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "attention_dropout",
-    "initializer_range",
-)
 
 
 # Qwen2-MoE always has a shared expert, and llama.cpp refuses a zero-width one (for a width of 0 it expects
@@ -87,7 +66,7 @@ def with_expert_count(cfg: Mapping[str, Any], n_experts: int, top_k: int | None 
 
 
 def _common(base: PretrainedConfig) -> dict[str, Any]:
-    return {k: getattr(base, k) for k in _COMMON_KEYS if getattr(base, k, None) is not None}
+    return {k: getattr(base, k) for k in COMMON_CONFIG_KEYS if getattr(base, k, None) is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,23 +155,6 @@ class MoEArch(ModelFacts):
             f.model_type for f in FAMILIES.values() if f.moe_output == self.name and f.model_type in self.accepts
         )
 
-    def dense_config(self, cfg: Mapping[str, Any], family: str, intermediate: int) -> dict[str, Any]:
-        """The config dict of a dense ``family`` model with ``cfg``'s foundation and an MLP ``intermediate`` wide.
-
-        One expert of the MoE config dict ``cfg`` as a model of its own, validated by transformers' config class.
-        """
-        import transformers
-
-        keys = (*_COMMON_KEYS, *_DENSE_EXTRA_KEYS)
-        kwargs = {k: cfg[k] for k in keys if cfg.get(k) is not None} | {"intermediate_size": intermediate}
-        if family == "mistral" and cfg.get("sliding_window"):
-            kwargs["sliding_window"] = cfg["sliding_window"]
-        record = FAMILIES[family]
-        config = getattr(transformers, record.config_class)(**kwargs)
-        config.architectures = [record.config_class.replace("Config", "ForCausalLM")]
-        out: dict[str, Any] = config.to_dict()
-        return out
-
     def null_shared(self, layer: int, hidden: int) -> list[tuple[str, tuple[int, ...], float]]:
         """The null shared expert of ``layer`` (see ``NULL_SHARED_WIDTH``) as (tensor name, shape, constant value).
 
@@ -206,16 +168,6 @@ class MoEArch(ModelFacts):
             (self.shared.format(layer=layer, proj="down_proj"), (hidden, w), 0.0),
             (self.shared_gate.format(layer=layer), (1, hidden), NULL_SHARED_GATE),
         ]
-
-
-# config keys a dense family keeps beside the common ones (Granite's scales, Qwen3's attention bias)
-_DENSE_EXTRA_KEYS = (
-    "embedding_multiplier",
-    "residual_multiplier",
-    "attention_multiplier",
-    "logits_scaling",
-    "attention_bias",
-)
 
 
 def _no_attn_bias(base: PretrainedConfig) -> str | None:

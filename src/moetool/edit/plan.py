@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from moetool.arch.families import FAMILIES, MLP_PROJS, dense_mlp_name
+from moetool.arch.families import FAMILIES, MLP_PROJS, dense_config, dense_mlp_name
 from moetool.arch.outputs import with_expert_count
 from moetool.edit.layout import EditError, MoELayout
 
@@ -206,7 +206,7 @@ def _dense_target(layout: MoELayout, slot: int | Literal["shared"]) -> tuple[str
         width = layout.width()
     if base_cfg is not None and int(base_cfg.get("intermediate_size") or 0) == width:
         return str(family), dict(base_cfg)
-    return str(family), arch.dense_config(layout.config, str(family), width)
+    return str(family), dense_config(layout.config, str(family), width)
 
 
 def extract_plan(layout: MoELayout, slot: int | Literal["shared"], record: dict[str, Any]) -> EditPlan:
@@ -223,7 +223,7 @@ def extract_plan(layout: MoELayout, slot: int | Literal["shared"], record: dict[
     if slot == "shared" and not layout.shared:
         raise EditError(f"{layout.path}: the MoE has no shared expert to extract")
     family, config = _dense_target(layout, slot)
-    keeps_bias = family == "qwen2" or bool(config.get("attention_bias"))
+    keeps_bias = FAMILIES[family].attention_bias or bool(config.get("attention_bias"))
     index = _expert_index(layout)
     ops: list[EditOp] = []
     zero: list[str] = []
