@@ -307,6 +307,20 @@ COMMANDS: list[Cmd] = [
         slow=True,
     ),
     helponly(".venv/bin/python bench/embedding_report.py --out out/embedding-report", BENCH),
+    # docs/experts.md
+    run("moetool experts list out/demo/merged --data code=zoo:smollm2-code --data medical=zoo:smollm2-medical"),
+    run("moetool experts remove out/demo/merged medical -o out/demo/no-medical"),
+    run(
+        "moetool experts add out/demo/no-medical --source zoo:smollm2-medical --name medical --prompt "
+        '"Acute bronchitis due to respiratory syncytial virus" --chat-template -o out/demo/medical-again '
+        "--tune-steps 20 --data code=zoo:smollm2-code --data legal=zoo:smollm2-legal --data medical=zoo:smollm2-medical"
+    ),
+    run(
+        "moetool experts prune out/demo/merged --keep 2 --by reap --data code=zoo:smollm2-code --data legal=zoo:smollm2-legal --data medical=zoo:smollm2-medical -o out/demo/pruned"
+    ),
+    run("moetool experts extract out/demo/merged legal -o out/demo/legal-again"),
+    helponly("moetool experts", REFERENCE),
+    helponly("moetool experts list|add|remove|prune|extract …", REFERENCE),
     # docs/gem.md
     run("moetool merge recipes/demo-gem.yaml --dry-run"),
     run("moetool gem eval out/gem --json out/gem-eval.json"),

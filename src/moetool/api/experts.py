@@ -24,6 +24,21 @@ from moetool.progress import silent
 __all__ = ["EditResult", "Recalibration", "add", "calibration_text", "extract", "listing", "prune", "remove"]
 
 
+def _local(ref: str | Path, what: str) -> Path:
+    """A model folder from a path, ``zoo:NAME`` or a Hub id already in the local cache (nothing is downloaded).
+
+    Raises:
+        EditError: nothing local matches, naming the option.
+    """
+    from moetool.errors import SourceError
+    from moetool.io.sources import resolve_source
+
+    try:
+        return resolve_source(str(ref)).path
+    except SourceError as exc:
+        raise EditError(f"{what}: {exc}") from None
+
+
 def calibration_text(data: dict[str, str], *, seed: int = 0) -> dict[str, str]:
     """Each ``NAME → FILE | zoo:DOMAIN`` source's training split (the held-out split stays out of calibration).
 
@@ -51,7 +66,7 @@ def listing(
     console: Console | None = None,
 ) -> dict[str, Any]:
     """The MoE's experts (index, name, width); with ``data``, routing share and REAP saliency per layer and text."""
-    layout = read_layout(Path(moe))
+    layout = read_layout(_local(moe, "MOE"))
     report: dict[str, Any] = {
         "path": str(layout.path),
         "architecture": layout.arch.name,
@@ -97,7 +112,7 @@ def remove(
     """The MoE without the experts ``refs`` (names or indices), every other tensor bit for bit."""
     from moetool.edit.remove import remove_plan
 
-    plan = remove_plan(read_layout(Path(moe)), refs, top_k=top_k)
+    plan = remove_plan(read_layout(_local(moe, "MOE")), refs, top_k=top_k)
     return run(
         plan, Path(out), force=force, console=console, tune=tune, data=data, verify=verify, dtype=dtype, device=device
     )
@@ -118,7 +133,7 @@ def extract(
     """
     from moetool.edit.remove import extract as extract_plan
 
-    return run(extract_plan(Path(moe), ref), Path(out), force=force, console=console, verify=verify)
+    return run(extract_plan(_local(moe, "MOE"), ref), Path(out), force=force, console=console, verify=verify)
 
 
 def prune(
@@ -155,7 +170,7 @@ def prune(
         raise EditError(f"--by {by!r}: choose one of {', '.join(CRITERIA)}")
     console = console if console is not None else silent()
     check_output(Path(out), force=force)  # before minutes of calibration
-    layout = read_layout(Path(moe))
+    layout = read_layout(_local(moe, "MOE"))
     n = budget(layout.n_experts, keep, power_of_two=power_of_two)
     k = top_k if top_k is not None else layout.top_k
     if k > n:
@@ -217,9 +232,9 @@ def add(
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
         raise EditError(f"--name {name!r}: letters, digits, '_', '.', '-' only, starting with a letter or digit")
     console = console if console is not None else silent()
-    out, source = Path(out), Path(source)
+    out, source = Path(out), _local(source, "--source")
     check_output(out, force=force)
-    layout = read_layout(Path(moe))
+    layout = read_layout(_local(moe, "MOE"))
     with scratch_dir(out, "add") as scratch:
         origin: dict[str, Any] = {"source": str(source.resolve())}
         if (source / "adapter_config.json").is_file():

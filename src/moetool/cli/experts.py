@@ -171,7 +171,12 @@ def prune_cmd(
 @friendly
 def add_cmd(
     moe: Annotated[Path, typer.Argument(help="MoE folder.")],
-    source: Annotated[Path, typer.Option(help="Dense expert of the MoE's base, or a LoRA adapter of it.")],
+    source: Annotated[
+        str,
+        typer.Option(
+            help="Dense expert of the MoE's base (folder, zoo:NAME or cached Hub id), or a LoRA adapter folder."
+        ),
+    ],
     name: Annotated[str, typer.Option(help="The new expert's name.")],
     output: Output,
     prompt: Annotated[list[str], typer.Option("--prompt", help="Text the new expert should receive (repeat).")],
