@@ -8,10 +8,13 @@ size trained on Python's documentation). Each stage runs as its own ``moetool`` 
     merge (top-2 of 4, cheap_embed routers, bf16) → train (a few steps, the model's own dtype) → eval (perplexity on
     4,096 tokens) → GGUF q8_0 export with verification → ONNX q8_0 export
 
+or, with ``--experts``, the merge followed by ``moetool experts`` remove (without and with its parity check), prune,
+add and extract,
+
 and the table gives each stage's wall time, peak RSS and that peak as a multiple of the MoE's bf16 bytes. A stage
 that refuses up front (its budget check) is reported as refused, with the first line of its reason.
 
-    .venv/bin/python bench/size_ladder.py --rungs 135m,360m [--work DIR] [--keep]
+    .venv/bin/python bench/size_ladder.py --rungs 135m,360m [--work DIR] [--keep] [--experts]
 """
 
 from __future__ import annotations
@@ -137,7 +140,24 @@ def _run(args: list[str], log: Path) -> tuple[float, int, int, str]:
     return wall, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), lines[-1] if lines else ""
 
 
-def rung(name: str, work: Path) -> list[tuple[str, float, int, int, str]]:
+def _edit_stages(root: Path, moe: Path, paths: dict[str, Path], texts: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """``moetool experts`` on the merged MoE: remove (streaming alone, then with its parity check), prune by frequency
+    on calibration text, add the removed expert back (router row from a prompt), extract one as a dense model."""
+    moetool = str(BIN / "moetool")
+    prompt = texts["math"].read_text()[:80]
+    return [
+        ("experts remove --no-check", [moetool, "experts", "remove", str(moe), "math", "-o", str(root / "rm-nc"),
+                                       "--no-check", "--force"]),
+        ("experts remove", [moetool, "experts", "remove", str(moe), "math", "-o", str(root / "rm"), "--force"]),
+        ("experts prune", [moetool, "experts", "prune", str(moe), "--keep", "2", "--by", "frequency", "--data",
+                           f"code={texts['code']}", "--max-tokens", "1024", "-o", str(root / "pruned"), "--force"]),
+        ("experts add", [moetool, "experts", "add", str(root / "rm"), "--source", str(paths["math"]), "--name", "math",
+                         "--prompt", prompt, "-o", str(root / "added"), "--force"]),
+        ("experts extract", [moetool, "experts", "extract", str(moe), "legal", "-o", str(root / "dense"), "--force"]),
+    ]  # fmt: skip
+
+
+def rung(name: str, work: Path, experts: bool = False) -> list[tuple[str, float, int, int, str]]:
     root = work / name
     root.mkdir(parents=True, exist_ok=True)
     # the family is drawn in a process of its own: a child forked from a parent that holds gigabytes of weights
@@ -156,6 +176,8 @@ def rung(name: str, work: Path) -> list[tuple[str, float, int, int, str]]:
         ("onnx q8_0", [moetool, "export", str(tuned), "-o", str(root / "onnx"), "--target", "onnx", "--quant",
                        "q8_0", "--force"]),
     ]  # fmt: skip
+    if experts:  # the merge, then every edit of `moetool experts` on it
+        stages = stages[:1] + _edit_stages(root, moe, paths, texts)
     rows = []
     for stage, args in stages:
         wall, rss, code, last = _run(args, root / f"{stage.split()[0]}.log")
@@ -169,6 +191,9 @@ def main() -> None:
     ap.add_argument("--rungs", default="135m,360m")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the models and outputs")
+    ap.add_argument(
+        "--experts", action="store_true", help="the merge, then `moetool experts` edits instead of the rest"
+    )
     ap.add_argument("--family", nargs=2, metavar=("RUNG", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.family:  # internal: draw one rung's family into DIR (see rung())
@@ -177,7 +202,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="moetool-ladder-"))
     table = []
     for name in args.rungs.split(","):
-        rows = rung(name, work)
+        rows = rung(name, work, args.experts)
         moe_bytes = sum(f.stat().st_size for f in (work / name / "moe").glob("*.safetensors"))
         table += [(name, moe_bytes, *r) for r in rows]
         if not args.keep:
