@@ -197,6 +197,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--only", default="add,remove,prune")
+    ap.add_argument(
+        "--remove-seeds", default="0", help="seeds of the tuned remove comparison (each tunes a 2-expert MoE)"
+    )
+    ap.add_argument("--prune-steps", type=int, default=30, help="recalibration steps after pruning")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -204,8 +208,10 @@ def main() -> None:
     results = json.loads(results_file.read_text()) if results_file.is_file() else {}
     for part in args.only.split(","):
         t0 = time.perf_counter()
+        part_seeds = [int(s) for s in args.remove_seeds.split(",")] if part == "remove" else seeds
+        steps = args.prune_steps if part == "prune" else args.steps
         results[part] = {"add": bench_add, "remove": bench_remove, "prune": bench_prune}[part](
-            args.out, seeds, args.steps, args.max_tokens
+            args.out, part_seeds, steps, args.max_tokens
         )
         results[part]["seconds"] = round(time.perf_counter() - t0)
         results_file.write_text(json.dumps(results, indent=2))

@@ -57,5 +57,8 @@ def test_cli_remove_extract_list_and_a_named_error(edited, tmp_path):
     assert r.exit_code == 0 and (tmp_path / "x2" / "config.json").is_file(), r.output
     r = runner.invoke(app, ["experts", "list", str(tmp_path / "rm"), "--json", str(tmp_path / "l.json")])
     assert r.exit_code == 0 and json.loads((tmp_path / "l.json").read_text())["experts"] == ["x2", "x3"], r.output
+    r = runner.invoke(app, ["experts", "remove", str(edited["moe"]), "x1", "-o", str(tmp_path / "dry"), "--dry-run"])
+    assert r.exit_code == 0 and "(dry run: nothing written)" in r.output and "experts: x2, x3" in r.output, r.output
+    assert not (tmp_path / "dry").exists()
     r = runner.invoke(app, ["experts", "remove", str(edited["moe"]), "nope", "-o", str(tmp_path / "bad")])
     assert r.exit_code == 2 and "no expert 'nope'" in r.output and not (tmp_path / "bad").exists()

@@ -105,6 +105,7 @@ def remove(
     data: dict[str, str] | None = None,
     force: bool = False,
     verify: bool = True,
+    dry_run: bool = False,
     console: Console | None = None,
     dtype: str | None = None,
     device: str | None = None,
@@ -114,7 +115,16 @@ def remove(
 
     plan = remove_plan(read_layout(_local(moe, "MOE")), refs, top_k=top_k)
     return run(
-        plan, Path(out), force=force, console=console, tune=tune, data=data, verify=verify, dtype=dtype, device=device
+        plan,
+        Path(out),
+        force=force,
+        console=console,
+        tune=tune,
+        data=data,
+        verify=verify,
+        dry_run=dry_run,
+        dtype=dtype,
+        device=device,
     )
 
 
@@ -126,6 +136,7 @@ def extract(
     force: bool = False,
     verify: bool = True,
     console: Console | None = None,
+    dry_run: bool = False,
 ) -> EditResult:
     """Expert ``ref`` (name, index or ``shared``) as a dense model of the base family.
 
@@ -133,7 +144,9 @@ def extract(
     """
     from moetool.edit.remove import extract as extract_plan
 
-    return run(extract_plan(_local(moe, "MOE"), ref), Path(out), force=force, console=console, verify=verify)
+    return run(
+        extract_plan(_local(moe, "MOE"), ref), Path(out), force=force, console=console, verify=verify, dry_run=dry_run
+    )
 
 
 def prune(
@@ -151,6 +164,7 @@ def prune(
     tune: Recalibration | None = None,
     force: bool = False,
     verify: bool = True,
+    dry_run: bool = False,
     console: Console | None = None,
     dtype: str | None = None,
     device: str | None = None,
@@ -193,7 +207,16 @@ def prune(
     plan = prune_plan(layout, choice, top_k=top_k, data=sorted(data.values()))
     plan.record["calibration_tokens"] = stats.tokens
     return run(
-        plan, Path(out), force=force, console=console, tune=tune, data=data, verify=verify, dtype=dtype, device=device
+        plan,
+        Path(out),
+        force=force,
+        console=console,
+        tune=tune,
+        data=data,
+        verify=verify,
+        dry_run=dry_run,
+        dtype=dtype,
+        device=device,
     )
 
 
@@ -211,6 +234,7 @@ def add(
     data: dict[str, str] | None = None,
     force: bool = False,
     verify: bool = True,
+    dry_run: bool = False,
     console: Console | None = None,
     dtype: str | None = None,
     device: str | None = None,
@@ -243,7 +267,11 @@ def add(
             source = bake_adapter(source, dense_base, scratch / "baked")
         shapes, warnings = check_source(layout, source, name)
         console.print(f"add: router row of {name!r} from {len(prompts)} prompt(s) through the MoE's router inputs …")
-        rows = router_rows(layout, prompts, negative or [], chat_template=chat_template, dtype=dtype, device=device)
+        rows = (
+            {}
+            if dry_run
+            else router_rows(layout, prompts, negative or [], chat_template=chat_template, dtype=dtype, device=device)
+        )
         record = {
             "op": "add",
             "moe": str(layout.path.resolve()),
@@ -267,6 +295,7 @@ def add(
             tune=tune,
             data=data,
             verify=verify,
+            dry_run=dry_run,
             dtype=dtype,
             device=device,
         )

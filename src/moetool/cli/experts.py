@@ -28,6 +28,7 @@ TuneSteps = Annotated[
 ]
 RouterLR = Annotated[float, typer.Option("--router-lr", min=0.0, help="Recalibration learning rate of the routers.")]
 TopK = Annotated[int | None, typer.Option("--top-k", min=1, help="New experts-per-token (default: kept).")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print what the edit would write; write nothing.")]
 NoCheck = Annotated[bool, typer.Option("--no-check", help="Skip the parity check against the input (large models).")]
 Dtype = Annotated[str, typer.Option(help="auto (the checkpoint's own), float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option(help="auto (a GPU when there is one), cpu, cuda or cuda:N.")]
@@ -51,7 +52,12 @@ def _tune(steps: int, lr: float, seed: int = 0) -> Recalibration:
     return Recalibration(steps=steps, router_learning_rate=lr, seed=seed)
 
 
-def _report(result: EditResult) -> None:
+def _report(result: EditResult, dry_run: bool = False) -> None:
+    if dry_run:
+        from moetool.cli.render import print_edit_plan
+
+        print_edit_plan(out, result.plan)
+        return
     record = result.plan.record
     out.print(f"{record['summary']}")
     for key, value in result.parity.items():
@@ -94,6 +100,7 @@ def remove_cmd(
     tune_steps: TuneSteps = 0,
     router_lr: RouterLR = 0.05,
     no_check: NoCheck = False,
+    dry_run: DryRun = False,
     force: Force = False,
     dtype: Dtype = "auto",
     device: Device = "auto",
@@ -111,10 +118,12 @@ def remove_cmd(
             data=_data(data),
             force=force,
             verify=not no_check,
+            dry_run=dry_run,
             console=console,
             dtype=dtype,
             device=device,
-        )
+        ),
+        dry_run,
     )
 
 
@@ -136,6 +145,7 @@ def prune_cmd(
     tune_steps: TuneSteps = 0,
     router_lr: RouterLR = 0.05,
     no_check: NoCheck = False,
+    dry_run: DryRun = False,
     force: Force = False,
     dtype: Dtype = "auto",
     device: Device = "auto",
@@ -157,6 +167,7 @@ def prune_cmd(
         tune=_tune(tune_steps, router_lr, seed),
         force=force,
         verify=not no_check,
+        dry_run=dry_run,
         console=console,
         dtype=dtype,
         device=device,
@@ -164,7 +175,7 @@ def prune_cmd(
     for row in result.plan.record["layers"]:
         scores = ", ".join(f"{n} {s:.3g}" for n, s in row["scores"].items())
         out.print(f"  layer {row['layer']}: kept {', '.join(row['kept'])} ({scores})", highlight=False)
-    _report(result)
+    _report(result, dry_run)
 
 
 @app.command("add")
@@ -189,6 +200,7 @@ def add_cmd(
     tune_steps: TuneSteps = 0,
     router_lr: RouterLR = 0.05,
     no_check: NoCheck = False,
+    dry_run: DryRun = False,
     force: Force = False,
     dtype: Dtype = "auto",
     device: Device = "auto",
@@ -210,10 +222,12 @@ def add_cmd(
             data=_data(data),
             force=force,
             verify=not no_check,
+            dry_run=dry_run,
             console=console,
             dtype=dtype,
             device=device,
-        )
+        ),
+        dry_run,
     )
 
 
@@ -224,12 +238,15 @@ def extract_cmd(
     expert: Annotated[str, typer.Argument(help="Expert name, index, or 'shared'.")],
     output: Output,
     no_check: NoCheck = False,
+    dry_run: DryRun = False,
     force: Force = False,
 ) -> None:
     """One expert as a dense model of the base family (a moetool-built MoE gives back the source, bit for bit)."""
     from moetool import api
 
-    _report(api.experts.extract(moe, expert, output, force=force, verify=not no_check, console=console))
+    _report(
+        api.experts.extract(moe, expert, output, force=force, verify=not no_check, dry_run=dry_run, console=console)
+    )
 
 
 def register(root: typer.Typer) -> None:

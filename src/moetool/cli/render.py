@@ -282,3 +282,16 @@ def experts_table(console: Any, report: dict[str, Any]) -> None:
     console.print(table)
     for edit in report["edits"]:
         console.print(f"edit: {escape(str(edit))}", highlight=False)
+
+
+def print_edit_plan(console: Any, plan: Any) -> None:
+    """``moetool experts … --dry-run``: what the edit would write, read from its plan (no weights)."""
+    from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES
+
+    total = sum(op.numel * SAFETENSORS_TAG_BYTES[op.dtype] for op in plan.ops)
+    console.print(f"{plan.record['summary']} (dry run: nothing written)", highlight=False)
+    if plan.names:
+        console.print(f"  experts: {', '.join(plan.names)}; top-{plan.config.get('num_experts_per_tok')}")
+    console.print(f"  {len(plan.ops)} tensors, {human(total)}; every tensor streamed one at a time", highlight=False)
+    for note in plan.warnings:
+        console.print(f"  [yellow]warning:[/] {escape(note)}")

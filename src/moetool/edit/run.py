@@ -82,8 +82,10 @@ def run(
     verify: bool = True,
     dtype: str | None = None,
     device: str | None = None,
+    dry_run: bool = False,
 ) -> EditResult:
-    """Write ``plan`` to ``out`` (checked), then recalibrate its routers when ``tune.steps`` > 0.
+    """Write ``plan`` to ``out`` (checked), then recalibrate its routers when ``tune.steps`` > 0; with ``dry_run``
+    only the checks that read no weights run, and nothing is written.
 
     Raises:
         OutputExistsError: ``out`` exists and ``force`` is False (before any work).
@@ -99,6 +101,8 @@ def run(
     for note in plan.warnings:
         console.print(f"[yellow]warning:[/] {note}")
     result = EditResult(out, plan)
+    if dry_run:
+        return result
 
     def write(target: Path, overwrite: bool) -> None:
         with atomic_dir(target, force=overwrite) as tmp:
