@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import TEXT
-from edit.test_proofs import merge
+from edit.test_proofs import SHARED, merge
 from export.test_converter_roundtrip import converter, lc  # noqa: F401  (the session fixture)
 from moetool import api
 from moetool.cli import app
@@ -20,12 +20,22 @@ from moetool.export.gguf.tokenizer import read_vocab
 from moetool.export.gguf.verify import compare
 
 
-@pytest.fixture(scope="module")
-def edited(tiny_models, tmp_path_factory) -> dict[str, Path]:
-    """A 3-expert Mixtral pruned by frequency to 2, with an expert added back: every kind of edit in one folder."""
-    m = tiny_models("llama")
+# name: (dense family, recipe lines): one of each llama.cpp architecture an edited folder becomes
+CASES = {
+    "mixtral": ("llama", ""),
+    "qwen2_moe-shared": ("qwen2", SHARED),
+    "qwen3_moe": ("qwen3", ""),
+    "granitemoe": ("granite", ""),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def edited(request, tiny_models, tmp_path_factory) -> dict[str, Path]:
+    """A 3-expert MoE pruned by frequency to 2, with an expert added back: every kind of edit in one folder."""
+    family, extra = CASES[request.param]
+    m = tiny_models(family)
     tmp = tmp_path_factory.mktemp("edited")
-    moe = merge(tmp, m, "moe", "")
+    moe = merge(tmp, m, "moe", extra.format(base=m["base"]))
     text = tmp / "calib.txt"
     text.write_text(TEXT * 4)
     pruned = api.experts.prune(moe, tmp / "pruned", keep=2, by="frequency", data={"mix": str(text)}).output
