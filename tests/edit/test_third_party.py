@@ -132,3 +132,17 @@ def test_not_an_moe_and_a_fused_folder_are_refused(tiny_models, tmp_path):
     save_file(weights, str(moe / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(EditError, match="fused"):
         read_layout(moe)
+
+
+def test_a_folder_without_a_tokenizer(tmp_path):
+    """Edits that read no text work (the parity check feeds seeded ids); those that read text say what is missing."""
+    moe = third_party(tmp_path / "moe", "qwen3_moe", tokenizer=False)
+    assert api.experts.remove(moe, ["1"], tmp_path / "rm").parity["vs_input_restricted"] <= 1e-5
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    with pytest.raises(EditError, match="has no tokenizer, which calibration on text needs"):
+        api.experts.listing(moe, {"t": str(text)})
+    with pytest.raises(EditError, match="has no tokenizer, which the new expert's router row"):
+        api.experts.add(
+            moe, api.experts.extract(moe, "0", tmp_path / "d").output, tmp_path / "a", name="n", prompts=["x"]
+        )

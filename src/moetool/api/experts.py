@@ -249,6 +249,7 @@ def add(
     import re
 
     from moetool.edit.add import adapter_base, add_plan, bake_adapter, check_source, router_rows
+    from moetool.edit.execute import check_not_input
     from moetool.io.atomic import check_output, scratch_dir
 
     if not prompts:
@@ -257,6 +258,7 @@ def add(
         raise EditError(f"--name {name!r}: letters, digits, '_', '.', '-' only, starting with a letter or digit")
     console = console if console is not None else silent()
     out, source = Path(out), _local(source, "--source")
+    check_not_input(out, [source])
     check_output(out, force=force)
     layout = read_layout(_local(moe, "MOE"))
     with scratch_dir(out, "add") as scratch:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from moetool.arch.families import FAMILIES, MLP_PROJS, dense_mlp_name
-from moetool.edit.layout import EditError, MoELayout
+from moetool.edit.layout import EditError, MoELayout, require_tokenizer
 from moetool.edit.plan import EditPlan, Slot, select_plan
 from moetool.io.checkpoint import SAFETENSORS_DTYPES, Checkpoint
 from moetool.io.files import tokenizer_signature
@@ -198,6 +198,7 @@ def router_rows(
     from moetool.eval.perplexity import load_causal_lm
     from moetool.routing.init import mlp_input_means, normalise_rows
 
+    require_tokenizer(layout.path, "the new expert's router row (its prompts)")
     model, tok = load_causal_lm(layout.path, dtype=dtype or "auto", device=device or "auto")
     try:
         v = mlp_input_means(model, tok, prompts, chat_template=chat_template)

@@ -111,6 +111,21 @@ class MoELayout:
         raise EditError(f"{self.path}: no expert {ref!r} (experts: {known})")
 
 
+def has_tokenizer(path: Path) -> bool:
+    """Whether a model folder carries a tokenizer."""
+    return any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def require_tokenizer(path: Path, why: str) -> None:
+    """Refuse a folder without a tokenizer for a step that reads text.
+
+    Raises:
+        EditError: naming the folder and the step.
+    """
+    if not has_tokenizer(path):
+        raise EditError(f"{path} has no tokenizer, which {why} needs; copy the base model's tokenizer files into it")
+
+
 def _names(meta: dict[str, Any], n: int) -> tuple[str, ...]:
     names = meta.get("experts")
     if isinstance(names, list) and len(set(names)) == len(names) == n and all(isinstance(x, str) for x in names):

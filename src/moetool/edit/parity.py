@@ -93,11 +93,17 @@ def logits(
 
 
 def probe_ids(path: Path, n_tokens: int = 96) -> list[int]:
-    """Token ids of held-out text (the zoo's for a zoo-built model, else a built-in multi-domain sample)."""
+    """Token ids of held-out text (the zoo's for a zoo-built model, else a built-in multi-domain sample); for a folder
+    without a tokenizer, seeded random ids over its vocabulary (parity needs inputs, not meaning)."""
     from transformers import AutoTokenizer
 
+    from moetool.edit.layout import has_tokenizer
     from moetool.export.heldout import held_out_text
+    from moetool.io.checkpoint import Checkpoint
 
+    if not has_tokenizer(path):
+        vocab = int(Checkpoint(path).config["vocab_size"])
+        return torch.randint(0, vocab, (n_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     tok = AutoTokenizer.from_pretrained(str(path))
     text, _ = held_out_text(path)
     ids = tok(text, add_special_tokens=False)["input_ids"][: n_tokens - 1]

@@ -209,6 +209,21 @@ def _dense_target(layout: MoELayout, slot: int | Literal["shared"]) -> tuple[str
     return str(family), dense_config(layout.config, str(family), width)
 
 
+def _check_dense_widths(layout: MoELayout, width: int) -> None:
+    """A dense model has one MLP width: a dense layer of the MoE (``mlp_only_layers``) must have the expert's.
+
+    Raises:
+        EditError: naming the layer and both widths.
+    """
+    for layer in range(layout.n_layers):
+        info = layout.tensors.get(dense_mlp_name(layer, "gate_proj"))
+        if layer not in layout.moe_layers and info is not None and info.shape[0] != width:
+            raise EditError(
+                f"{layout.path}: dense layer {layer} has an MLP {info.shape[0]} wide, the experts {width}; one dense "
+                "model cannot hold both widths"
+            )
+
+
 def extract_plan(layout: MoELayout, slot: int | Literal["shared"], record: dict[str, Any]) -> EditPlan:
     """Expert ``slot`` (or the shared expert) of every MoE layer as the MLP of a dense model of the base family.
 
@@ -223,6 +238,7 @@ def extract_plan(layout: MoELayout, slot: int | Literal["shared"], record: dict[
     if slot == "shared" and not layout.shared:
         raise EditError(f"{layout.path}: the MoE has no shared expert to extract")
     family, config = _dense_target(layout, slot)
+    _check_dense_widths(layout, int(config["intermediate_size"]))
     keeps_bias = FAMILIES[family].attention_bias or bool(config.get("attention_bias"))
     index = _expert_index(layout)
     ops: list[EditOp] = []

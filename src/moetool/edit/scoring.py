@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moetool.edit.layout import EditError
+from moetool.edit.layout import EditError, require_tokenizer
 from moetool.eval.perplexity import load_causal_lm, text_windows
 from moetool.progress import silent, task
 from moetool.routing.tap import moe_block
@@ -130,6 +130,7 @@ def expert_stats(
         EditError: no text gave a window, or the model has no MoE layers.
     """
     console = console if console is not None else silent()
+    require_tokenizer(path, "calibration on text")
     model, tok = load_causal_lm(path, dtype=dtype or "auto", device=device or "auto")
     n_experts = len(names)
     hooks = _Hooks(model, n_experts, reap)
