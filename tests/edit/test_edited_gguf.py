@@ -19,7 +19,6 @@ from moetool.export.gguf.exporter import GATES
 from moetool.export.gguf.tokenizer import read_vocab
 from moetool.export.gguf.verify import compare
 
-
 # name: (dense family, recipe lines): one of each llama.cpp architecture an edited folder becomes
 CASES = {
     "mixtral": ("llama", ""),
