@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from moetool.arch.outputs import MoEArch
 from moetool.routing.tap import RouterTap, moe_block
@@ -37,16 +38,20 @@ def _restrict(model: Any, arch: MoEArch, config: dict[str, Any], allowed: Mappin
         keep = allowed.get(layer)
         if keep is None:
             continue
-        mask = torch.full((router.weight.shape[0],), float("-inf"))
-        mask[list(keep)] = 0.0
+        index = torch.tensor(sorted(keep), dtype=torch.long)
 
-        def hook(mod: Any, _args: Any, output: Any, mask: torch.Tensor = mask) -> tuple[Any, Any, Any]:
-            logits = output[0]
-            probs = torch.softmax(logits.float() + mask.to(logits.device), dim=-1)
-            top, index = torch.topk(probs, mod.top_k, dim=-1)
+        def hook(mod: Any, args: Any, output: Any, index: torch.Tensor = index) -> tuple[Any, Any, Any]:
+            # the allowed rows' logits computed as the edited router computes them (the same rows, the same matmul
+            # shape), so the routing compared is the edited model's own, not a rounding away from it
+            x = args[0].reshape(-1, mod.weight.shape[1])
+            kept = F.linear(x, mod.weight[index.to(x.device)]).float()
+            logits = torch.full((x.shape[0], mod.weight.shape[0]), float("-inf"), device=x.device)
+            logits[:, index.to(x.device)] = kept
+            probs = torch.softmax(logits, dim=-1)
+            top, chosen = torch.topk(probs, mod.top_k, dim=-1)
             if renorm:
                 top = top / top.sum(dim=-1, keepdim=True)
-            return logits, top.to(output[1].dtype), index
+            return output[0], top.to(output[1].dtype), chosen
 
         handles.append(router.register_forward_hook(hook))
     return handles
