@@ -143,14 +143,14 @@ def bench_remove(out: Path, seeds: list[int], steps: int, max_tokens: int) -> di
 def bench_prune(out: Path, seeds: list[int], steps: int, max_tokens: int) -> dict[str, Any]:
     four = merged(out, "four", DOMAINS, general=True)
     models: dict[str, Path] = {"4 experts": four}
-    # every criterion over the whole MoE, and REAP per layer as its paper prunes
+    # every criterion over the whole MoE (with and without recalibration), and REAP per layer as its paper prunes
     for by, per_layer in (("reap", False), ("frequency", False), ("random", False), ("reap", True)):
         label = f"{by}{' per-layer' if per_layer else ''}"
         target = out / f"pruned-{by}{'-pl' if per_layer else ''}"
         if not (target / "config.json").is_file():
             api.experts.prune(four, target, keep=2, by=by, data=DATA, per_layer=per_layer, force=True)
         models[label] = target
-        for seed in seeds:
+        for seed in seeds if not per_layer else []:
             rt = out / f"pruned-{by}{'-pl' if per_layer else ''}-recal-s{seed}"
             if not (rt / "config.json").is_file():
                 api.experts.prune(
@@ -190,6 +190,59 @@ def ratios(rows: dict[str, dict[str, float]], a: str, b: str, seeds: list[int] |
     return out
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} %"
+
+
+def tables(results: dict[str, Any]) -> str:
+    """The README's markdown tables from results.json."""
+    lines: list[str] = []
+    for part, a, b in (("add", "add", "at once"), ("remove", "remove tuned", "at once tuned")):
+        if part not in results:
+            continue
+        res = results[part]
+        ratio = res["ratios"] if part == "add" else res["ratios_tuned"]
+        rows = res["rows"]
+        lines += [
+            f"\n**{part}** ({a} against {b}, mean ± half-range over seeds)\n",
+            "| | " + " | ".join(DOMAINS) + " |",
+        ]
+        lines.append("|---" * (len(DOMAINS) + 1) + "|")
+        for label in rows:
+            lines.append(f"| {label} | " + " | ".join(f"{rows[label][d]:.3f}" for d in DOMAINS) + " |")
+        lines.append(
+            f"| **{a} / {b} − 1** | "
+            + " | ".join(f"{_pct(ratio[d]['mean'])} ± {100 * ratio[d]['spread']:.1f}" for d in DOMAINS)
+            + " |"
+        )
+        if part == "remove":
+            merged = res["ratios_merged"]
+            lines.append(
+                "| **remove merged / at once merged − 1** | "
+                + " | ".join(_pct(merged[d]["mean"]) for d in DOMAINS)
+                + " |"
+            )
+        tasks = sorted({k for r in rows.values() for k in r if k.startswith("task:")})
+        for task in tasks:
+            got = {label: r[task] for label, r in rows.items() if task in r}
+            lines.append(f"\n{task[5:]}: " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()))
+    if "prune" in results:
+        res = results["prune"]
+        lines += ["\n**prune** 4 → 2 experts per layer (held-out perplexity; size of the safetensors)\n"]
+        lines += ["| model | size | " + " | ".join(DOMAINS) + " |", "|---" * (len(DOMAINS) + 2) + "|"]
+        groups: dict[str, list[str]] = {}
+        for label in res["rows"]:
+            groups.setdefault(label.split(" s")[0] if " + recal s" in label else label, []).append(label)
+        for group, labels in groups.items():
+            vals = {d: [res["rows"][x][d] for x in labels] for d in DOMAINS}
+            cells = [
+                f"{statistics.mean(v):.3f}" + (f" ± {(max(v) - min(v)) / 2:.3f}" if len(v) > 1 else "")
+                for v in vals.values()
+            ]
+            lines.append(f"| {group} | {res['sizes_mb'][labels[0]]:.0f} MB | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--out", type=Path, required=True)
@@ -200,8 +253,12 @@ def main() -> None:
     ap.add_argument(
         "--remove-seeds", default="0", help="seeds of the tuned remove comparison (each tunes a 2-expert MoE)"
     )
-    ap.add_argument("--prune-steps", type=int, default=30, help="recalibration steps after pruning")
+    ap.add_argument("--prune-steps", type=int, default=20, help="recalibration steps after pruning")
+    ap.add_argument("--tables", action="store_true", help="print the README tables from OUT/results.json and stop")
     args = ap.parse_args()
+    if args.tables:
+        print(tables(json.loads((args.out / "results.json").read_text())))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
     results_file = args.out / "results.json"
