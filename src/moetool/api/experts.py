@@ -246,16 +246,11 @@ def add(
     Raises:
         EditError: no prompt, a taken or malformed name, an incompatible source (every problem named).
     """
-    import re
-
-    from moetool.edit.add import adapter_base, add_plan, bake_adapter, check_source, router_rows
+    from moetool.edit.add import adapter_base, add_plan, bake_adapter, check_request, check_source, router_rows
     from moetool.edit.execute import check_not_input
     from moetool.io.atomic import check_output, scratch_dir
 
-    if not prompts:
-        raise EditError("--prompt: give at least one prompt for the new expert's router row")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
-        raise EditError(f"--name {name!r}: letters, digits, '_', '.', '-' only, starting with a letter or digit")
+    check_request(name, prompts)
     console = console if console is not None else silent()
     out, source = Path(out), _local(source, "--source")
     check_not_input(out, [source])

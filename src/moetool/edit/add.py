@@ -10,6 +10,7 @@ competes on their scale (a tuned router's rows grow beyond unit norm).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,18 @@ from moetool.io.writer import ShardedWriter
 
 # config keys an added expert must share with the MoE (its foundation)
 FOUNDATION = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def check_request(name: str, prompts: list[str]) -> None:
+    """A usable expert name and at least one prompt, before anything is read.
+
+    Raises:
+        EditError: naming the option.
+    """
+    if not prompts:
+        raise EditError("--prompt: give at least one prompt for the new expert's router row")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        raise EditError(f"--name {name!r}: letters, digits, '_', '.', '-' only, starting with a letter or digit")
 
 
 def _tokenizer(path: Path) -> Any:
