@@ -157,3 +157,15 @@ def test_add_with_prompts_routes_its_domain_to_the_new_expert(tiny_models, tmp_p
     other.write_text("def main(): return 0\n" * 20)
     shares = api.experts.listing(added, {"own": str(own), "other": str(other)}, max_tokens=256)["routing"]["domains"]
     assert shares["own"]["share"][2] > shares["other"]["share"][2]
+
+
+def test_an_edit_that_cannot_fit_is_refused_up_front(moe, tmp_path, monkeypatch):
+    """With the check, the model is loaded: a budget below it refuses, naming --no-check; without it one tensor is held."""
+    m, merged = moe
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", "300MB")
+    from moetool.io.budget import BudgetError
+
+    with pytest.raises(BudgetError, match="experts remove needs about .* --no-check edits with one tensor in memory"):
+        api.experts.remove(merged, ["x1"], tmp_path / "rm")
+    assert not (tmp_path / "rm").exists()
+    assert api.experts.remove(merged, ["x1"], tmp_path / "rm", verify=False).parity == {}

@@ -19,6 +19,7 @@ from rich.console import Console
 from moetool.edit.layout import EditError, read_layout
 from moetool.edit.run import EditResult, run
 from moetool.edit.tune import Recalibration, data_sources
+from moetool.eval.perplexity import eval_need
 from moetool.progress import silent
 
 __all__ = ["EditResult", "Recalibration", "add", "calibration_text", "extract", "listing", "prune", "remove"]
@@ -82,6 +83,7 @@ def listing(
         from moetool.edit.scoring import expert_stats
 
         texts = calibration_text(data)
+        eval_need(layout.path, dtype=dtype, seq_len=256, batch_size=1).check()
         stats = expert_stats(
             layout.path,
             texts,
@@ -193,6 +195,7 @@ def prune(
             f"{layout.top_k}, or lower it with --top-k"
         )
     texts = calibration_text(data, seed=seed)
+    eval_need(layout.path, dtype=dtype, seq_len=256, batch_size=1).check()
     stats = expert_stats(
         layout.path,
         texts,
@@ -264,6 +267,8 @@ def add(
             source = bake_adapter(source, dense_base, scratch / "baked")
         shapes, warnings = check_source(layout, source, name)
         console.print(f"add: router row of {name!r} from {len(prompts)} prompt(s) through the MoE's router inputs …")
+        if not dry_run:
+            eval_need(layout.path, dtype=dtype, seq_len=128, batch_size=1).check()
         rows = (
             {}
             if dry_run

@@ -17,6 +17,8 @@ from moetool.edit.layout import EditError
 from moetool.edit.plan import EditPlan
 from moetool.edit.tune import Recalibration, recalibrate
 from moetool.io.atomic import atomic_dir, check_output, scratch_dir
+from moetool.io.budget import Need
+from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES
 from moetool.progress import silent
 
 
@@ -28,6 +30,31 @@ class EditResult:
     plan: EditPlan
     parity: dict[str, Any] = field(default_factory=dict)
     tuned: bool = False
+
+
+def edit_need(plan: EditPlan, out: Path, *, verify: bool, tuned: bool) -> Need:
+    """What writing ``plan`` needs: one tensor at a time (twice the largest) without the check; with it, the larger
+    of input and output loaded once (they run one after the other); the output's bytes on disk (twice when the
+    edited model is tuned into its final place)."""
+    from moetool.eval.perplexity import eval_need
+
+    sizes = [op.numel * SAFETENSORS_TAG_BYTES[op.dtype] for op in plan.ops]
+    written = sum(sizes)
+    if verify or tuned:
+        need = eval_need(plan.layout.path, dtype="auto", seq_len=128, batch_size=1)
+        grown = max(0, written - sum(i.nbytes for i in plan.layout.tensors.values()))  # an added expert
+        memory, detail = need.memory + grown, f"{need.memory_detail}, to check the edit against its input"
+    else:
+        memory, detail = 2 * max(sizes, default=0) + (256 << 20), "two copies of the largest tensor, streamed"
+    return Need(
+        stage=f"experts {plan.kind}",
+        memory=memory,
+        memory_detail=detail,
+        disk=written * (2 if tuned else 1),
+        output=out,
+        way_out="--no-check edits with one tensor in memory (the check loads the model); a GPU (--device cuda) runs "
+        "the check in its own memory",
+    )
 
 
 def check(plan: EditPlan, out: Path, *, device: str | None = None) -> dict[str, Any]:
@@ -103,6 +130,7 @@ def run(
     result = EditResult(out, plan)
     if dry_run:
         return result
+    edit_need(plan, out, verify=verify and (device in (None, "auto", "cpu")), tuned=bool(steps)).check()
 
     def write(target: Path, overwrite: bool) -> None:
         with atomic_dir(target, force=overwrite) as tmp:
