@@ -161,7 +161,7 @@ def test_add_with_prompts_routes_its_domain_to_the_new_expert(tiny_models, tmp_p
 
 def test_an_edit_that_cannot_fit_is_refused_up_front(moe, tmp_path, monkeypatch):
     """With the check, the model is loaded: a budget below it refuses, naming --no-check; without it one tensor is held."""
-    m, merged = moe
+    _m, merged = moe
     monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", "300MB")
     from moetool.io.budget import BudgetError
 
