@@ -180,7 +180,7 @@ def rung(name: str, work: Path, experts: bool = False) -> list[tuple[str, float,
         stages = stages[:1] + _edit_stages(root, moe, paths, texts)
     rows = []
     for stage, args in stages:
-        wall, rss, code, last = _run(args, root / f"{stage.split()[0]}.log")
+        wall, rss, code, last = _run(args, root / f"{stage.replace(' ', '-')}.log")
         rows.append((stage, wall, rss, code, last))
         print(f"  {name} {stage}: {wall:.1f} s, peak {rss / 1e9:.2f} GB, exit {code}", flush=True)
     return rows

@@ -78,9 +78,16 @@ def logits(
     device: str | None = None,
 ) -> torch.Tensor:
     """Float32 logits ``[T, V]`` of the model at ``path`` on ``ids``, its routing restricted to ``allowed``."""
-    from moetool.eval.perplexity import load_causal_lm
+    from transformers import AutoModelForCausalLM
 
-    model, _ = load_causal_lm(path, dtype="auto", device=device or "auto")
+    from moetool.train.precision import resolve_device, resolve_dtype
+
+    # the eager expert loop on both sides: a grouped kernel's blocking depends on the expert count, and in 16 bits
+    # that rounding alone moves the logits of an edited model
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=resolve_dtype("auto", Path(path)), experts_implementation="eager"
+    )
+    model = model.to(resolve_device(device or "auto")).eval()
     handles = []
     try:
         if allowed is not None and arch is not None:
