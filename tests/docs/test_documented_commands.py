@@ -355,6 +355,8 @@ COMMANDS: list[Cmd] = [
     run("moetool hybrid pareto recipes/demo-hybrid.yaml -o out/hybrid-pareto"),
     helponly(".venv/bin/python bench/hybrid_pareto.py", BENCH),
     helponly(".venv/bin/python bench/size_ladder.py --rungs 135m,360m,1.7b", BENCH),
+    helponly(".venv/bin/python bench/size_ladder.py --rungs 135m,360m --experts", BENCH),
+    helponly(".venv/bin/python bench/experts_edit.py -o out/experts-bench", BENCH),
     helponly(
         ".venv/bin/python bench/hybrid_dispatch.py recipes/real-hybrid.yaml out/real-hybrid-export --per-domain 30",
         BENCH,
