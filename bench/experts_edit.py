@@ -132,8 +132,9 @@ def bench_remove(out: Path, seeds: list[int], steps: int, max_tokens: int) -> di
             api.experts.remove(src, ["medical"], target, force=True)
         models[f"remove tuned s{seed}"] = target
         models[f"at once tuned s{seed}"] = tuned(out, two, "code-legal", ["code", "legal"], seed, steps)
-    rows = evaluate(models, max_tokens, ("remove merged", "at once merged"))
+    rows = evaluate(models, max_tokens)
     return {
+        "bitwise_equal_merged": same_tensors(models["remove merged"], two),
         "rows": rows,
         "ratios_merged": ratios(rows, "remove merged", "at once merged", None),
         "ratios_tuned": ratios(rows, "remove tuned", "at once tuned", seeds),
@@ -164,13 +165,23 @@ def bench_prune(out: Path, seeds: list[int], steps: int, max_tokens: int) -> dic
                     force=True,
                 )
             models[f"{label} + recal s{seed}"] = rt
-    rows = evaluate(models, max_tokens)
+    rows = evaluate(models, max_tokens // 2)
     kept = {
         label: json.loads((p / "moetool.json").read_text())["edits"][-1].get("layers", [])[:1]
         for label, p in models.items()
         if label != "4 experts"
     }
     return {"rows": rows, "kept_layer0": kept, "sizes_mb": {k: size_mb(p) for k, p in models.items()}}
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    """Whether two folders hold the same tensors, bit for bit."""
+    import torch
+
+    from moetool.io.checkpoint import Checkpoint
+
+    ca, cb = Checkpoint(a), Checkpoint(b)
+    return set(ca.tensors) == set(cb.tensors) and all(torch.equal(ca.get(n), cb.get(n)) for n in ca.tensors)
 
 
 def size_mb(path: Path) -> float:
