@@ -265,6 +265,7 @@ def main() -> None:
         "--remove-seeds", default="0", help="seeds of the tuned remove comparison (each tunes a 2-expert MoE)"
     )
     ap.add_argument("--prune-steps", type=int, default=20, help="recalibration steps after pruning")
+    ap.add_argument("--prune-seeds", default=None, help="recalibration seeds after pruning (default: --seeds)")
     ap.add_argument("--tables", action="store_true", help="print the README tables from OUT/results.json and stop")
     args = ap.parse_args()
     if args.tables:
@@ -276,7 +277,8 @@ def main() -> None:
     results = json.loads(results_file.read_text()) if results_file.is_file() else {}
     for part in args.only.split(","):
         t0 = time.perf_counter()
-        part_seeds = [int(s) for s in args.remove_seeds.split(",")] if part == "remove" else seeds
+        part_seeds = {"remove": args.remove_seeds, "prune": args.prune_seeds or args.seeds}.get(part, args.seeds)
+        part_seeds = [int(s) for s in part_seeds.split(",")]
         steps = args.prune_steps if part == "prune" else args.steps
         results[part] = {"add": bench_add, "remove": bench_remove, "prune": bench_prune}[part](
             args.out, part_seeds, steps, args.max_tokens
