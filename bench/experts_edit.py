@@ -272,7 +272,6 @@ def main() -> None:
         print(tables(json.loads((args.out / "results.json").read_text())))
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    seeds = [int(s) for s in args.seeds.split(",")]
     results_file = args.out / "results.json"
     results = json.loads(results_file.read_text()) if results_file.is_file() else {}
     for part in args.only.split(","):
