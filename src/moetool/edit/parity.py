@@ -1,8 +1,8 @@
 """Every edit checks itself against its input, run by transformers, before the output is moved into place.
 
-The reference is the input model with its routing restricted by forward hooks on the routers: experts outside the
-allowed set get logit −∞, and the top-k is taken and weighted as the architecture does (renormalised, or as
-``norm_topk_prob`` says). So:
+The reference is the input model with its routing restricted by forward hooks on the routers: each router's own
+forward runs over the allowed rows alone and its choice is mapped back to the input's expert indices, so the top-k
+is taken and weighted exactly as the architecture does (renormalised, or as ``norm_topk_prob`` says). So:
 
 * remove / prune: the output equals the input restricted to the kept experts: a removed expert's tokens go to the
   remaining ones exactly as the architecture would send them;
@@ -13,24 +13,22 @@ allowed set get logit −∞, and the top-k is taken and weighted as the archite
 
 from __future__ import annotations
 
+import copy
 import gc
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from moetool.arch.outputs import MoEArch
 from moetool.routing.tap import RouterTap, moe_block
 
 # max |Δlogit| an edit may show against its reference: float32 sums in another order, or one rounding in 16 bits
 TOLERANCE = {"F32": 1e-3, "BF16": 0.25, "F16": 0.05}
 
 
-def _restrict(model: Any, arch: MoEArch, config: dict[str, Any], allowed: Mapping[int, Sequence[int]]) -> list[Any]:
+def _restrict(model: Any, allowed: Mapping[int, Sequence[int]]) -> list[Any]:
     """Forward hooks that replace each MoE layer's routing with one over ``allowed[layer]`` only."""
-    renorm = arch.normalises_topk(config)
     handles = []
     routers = RouterTap.find_routers(model)
     layers = [i for i, layer in enumerate(model.model.layers) if hasattr(moe_block(layer), "experts")]
@@ -41,17 +39,16 @@ def _restrict(model: Any, arch: MoEArch, config: dict[str, Any], allowed: Mappin
         index = torch.tensor(sorted(keep), dtype=torch.long)
 
         def hook(mod: Any, args: Any, output: Any, index: torch.Tensor = index) -> tuple[Any, Any, Any]:
-            # the allowed rows' logits computed as the edited router computes them (the same rows, the same matmul
-            # shape), so the routing compared is the edited model's own, not a rounding away from it
-            x = args[0].reshape(-1, mod.weight.shape[1])
-            kept = F.linear(x, mod.weight[index.to(x.device)]).float()
-            logits = torch.full((x.shape[0], mod.weight.shape[0]), float("-inf"), device=x.device)
-            logits[:, index.to(x.device)] = kept
-            probs = torch.softmax(logits, dim=-1)
-            top, chosen = torch.topk(probs, mod.top_k, dim=-1)
-            if renorm:
-                top = top / top.sum(dim=-1, keepdim=True)
-            return output[0], top.to(output[1].dtype), chosen
+            # the router's own forward over the allowed rows alone: the same shapes, kernels and summation order as
+            # the edited router, so the reference routes exactly as the edited model does (a softmax over −∞ columns
+            # sums in another order, and one ulp of a routing weight grows through a deep bf16 model)
+            sub = copy.copy(mod)
+            sub._parameters = dict(mod._parameters)
+            sub._parameters["weight"] = torch.nn.Parameter(mod.weight[index.to(mod.weight.device)], requires_grad=False)
+            sub.num_experts = len(index)
+            sub.top_k = min(mod.top_k, len(index))  # one allowed expert (extract, the added one alone): weight 1
+            _logits, scores, chosen = type(mod).forward(sub, *args)
+            return output[0], scores, index.to(chosen.device)[chosen]
 
         handles.append(router.register_forward_hook(hook))
     return handles
@@ -72,7 +69,6 @@ def logits(
     path: Path,
     ids: list[int],
     *,
-    arch: MoEArch | None = None,
     allowed: Mapping[int, Sequence[int]] | None = None,
     silence_shared: bool = False,
     device: str | None = None,
@@ -90,8 +86,8 @@ def logits(
     model = model.to(resolve_device(device or "auto")).eval()
     handles = []
     try:
-        if allowed is not None and arch is not None:
-            handles += _restrict(model, arch, model.config.to_dict(), allowed)
+        if allowed is not None:
+            handles += _restrict(model, allowed)
         if silence_shared:
             handles += _silence_shared(model)
         dev = next(model.parameters()).device

@@ -67,24 +67,21 @@ def check(plan: EditPlan, out: Path, *, device: str | None = None) -> dict[str, 
     ids = parity.probe_ids(layout.path)
     tol = parity.TOLERANCE.get(layout.dtype, 1e-3)
     figures: dict[str, Any] = {"tokens": len(ids), "tolerance": tol}
-    arch = layout.arch
     if plan.kind in ("remove", "prune"):
         allowed = {layer: [int(s) for s in slots] for layer, slots in plan.keep.items()}
-        ref = parity.logits(layout.path, ids, arch=arch, allowed=allowed, device=device)
+        ref = parity.logits(layout.path, ids, allowed=allowed, device=device)
         figures["vs_input_restricted"] = parity.max_diff(parity.logits(out, ids, device=device), ref)
     elif plan.kind == "add":
         old = {layer: list(range(layout.n_experts)) for layer in layout.moe_layers}
         ref = parity.logits(layout.path, ids, device=device)
-        figures["old_experts_vs_input"] = parity.max_diff(
-            parity.logits(out, ids, arch=arch, allowed=old, device=device), ref
-        )
+        figures["old_experts_vs_input"] = parity.max_diff(parity.logits(out, ids, allowed=old, device=device), ref)
         if not any("attention differs" in w for w in plan.warnings):
             new = {layer: [layout.n_experts] for layer in layout.moe_layers}
             ref = parity.logits(plan.sources["new"], ids, device=device)
-            got = parity.logits(out, ids, arch=arch, allowed=new, silence_shared=True, device=device)
+            got = parity.logits(out, ids, allowed=new, silence_shared=True, device=device)
             figures["new_expert_vs_source"] = parity.max_diff(got, ref)
     elif plan.keep:  # extract of a routed expert
-        ref = parity.logits(layout.path, ids, arch=arch, allowed=plan.keep, silence_shared=True, device=device)  # type: ignore[arg-type]
+        ref = parity.logits(layout.path, ids, allowed=plan.keep, silence_shared=True, device=device)  # type: ignore[arg-type]
         figures["vs_input_one_expert"] = parity.max_diff(parity.logits(out, ids, device=device), ref)
     else:
         figures["note"] = "not checked: in the MoE the shared expert runs behind a sigmoid gate, alone it does not"
