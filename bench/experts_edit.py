@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from moetool import api
-from moetool.edit.tune import Recalibration
+from moetool.edit.tune import Recalibration, recalibrate
 from moetool.io.sources import resolve_source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,18 +152,11 @@ def bench_prune(out: Path, seeds: list[int], steps: int, max_tokens: int) -> dic
             api.experts.prune(four, target, keep=2, by=by, data=DATA, per_layer=per_layer, force=True)
         models[label] = target
         for seed in seeds if not per_layer else []:
+            # the pruned model is the same for every seed (the scores do not depend on it): recalibrate it, as
+            # `experts prune --tune-steps` does after its edit, without scoring and checking it again
             rt = out / f"pruned-{by}{'-pl' if per_layer else ''}-recal-s{seed}"
             if not (rt / "config.json").is_file():
-                api.experts.prune(
-                    four,
-                    rt,
-                    keep=2,
-                    by=by,
-                    data=DATA,
-                    per_layer=per_layer,
-                    tune=tune_settings(seed, steps),
-                    force=True,
-                )
+                recalibrate(target, rt, DATA, tune_settings(seed, steps), name=target.name, force=True)
             models[f"{label} + recal s{seed}"] = rt
     rows = evaluate(models, max_tokens // 2)
     kept = {
