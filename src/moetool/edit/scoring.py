@@ -140,7 +140,11 @@ def expert_stats(
     dev = next(model.parameters()).device
     domains: dict[str, tuple[torch.Tensor, int]] = {}
     windows = {
-        d: text_windows(tok(t, add_special_tokens=False)["input_ids"][:max_tokens], seq_len, tok.bos_token_id)
+        # a character budget first (tokens average a few characters, so 32 each leaves a wide margin): a domain's
+        # whole training text is megabytes, of which calibration reads max_tokens
+        d: text_windows(
+            tok(t[: max_tokens * 32], add_special_tokens=False)["input_ids"][:max_tokens], seq_len, tok.bos_token_id
+        )
         for d, t in texts.items()
     }
     total = sum(len(w) for w in windows.values())
