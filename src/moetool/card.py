@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,11 @@ def model_card(
         f"{extra_sections}"
         f"## Recipe\n\n```yaml\n{recipe_text.rstrip()}\n```\n"
     )
+
+
+def put_section(card: str, heading: str, body: str) -> str:
+    """``card`` with its ``## heading`` section (up to the next ``## ``) replaced by ``body``, placed before the
+    "Recipe" section when the card has one, else at its end."""
+    card = re.sub(rf"## {re.escape(heading)}\n\n.*?\n\n(?=## |\Z)", "", card, flags=re.S)
+    section = f"## {heading}\n\n{body}"
+    return card.replace("## Recipe\n", section + "## Recipe\n", 1) if "## Recipe\n" in card else card + section

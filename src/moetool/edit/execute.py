@@ -1,4 +1,5 @@
-"""Write an edit plan: one output tensor in memory at a time, into a temporary folder moved into place when complete."""
+"""Write an edit plan: one output tensor in memory at a time, into a folder :func:`moetool.edit.run.run` moves into
+place when complete and checked."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from moetool.card import put_section
 from moetool.edit.layout import EditError
 from moetool.edit.plan import EditOp, EditPlan, Piece
-from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import SAFETENSORS_DTYPES, Checkpoint
 from moetool.io.files import TOKENIZER_FILES
 from moetool.io.writer import ShardedWriter
-from moetool.progress import silent, task
+from moetool.progress import task
 
 # files of an MoE folder an edit carries over as they are (the weights, config, card and moetool.json are rewritten)
 CARRIED = (*TOKENIZER_FILES, "LICENSE", "LICENSE.txt", "NOTICE", "moetool-recipe.yaml", "moetool-train-recipe.yaml")
@@ -91,15 +92,9 @@ def _card(plan: EditPlan, meta: dict[str, Any]) -> str:
     """The input's card with its "Edits" section rewritten from every edit in ``meta``."""
     card_file = plan.layout.path / "README.md"
     card = card_file.read_text(encoding="utf-8") if card_file.is_file() else f"# {meta.get('name', 'MoE')}\n\n"
-    head, _, rest = card.partition("## Edits\n")
-    if rest:  # drop the old section up to the next one
-        nxt = rest.find("\n## ")
-        card = head + (rest[nxt + 1 :] if nxt >= 0 else "")
-    lines = ["## Edits\n", "Changed after it was built, with `moetool experts` (details in `moetool.json`):\n"]
-    for i, e in enumerate(meta.get("edits", []), 1):
-        lines.append(f"{i}. {e.get('summary', e.get('op'))}")
-    section = "\n".join(lines) + "\n\n"
-    return card.replace("## Recipe\n", section + "## Recipe\n", 1) if "## Recipe\n" in card else card + section
+    lines = ["Changed after it was built, with `moetool experts` (details in `moetool.json`):\n"]
+    lines += [f"{i}. {e.get('summary', e.get('op'))}" for i, e in enumerate(meta.get("edits", []), 1)]
+    return put_section(card, "Edits", "\n".join(lines) + "\n\n")
 
 
 def write_metadata(plan: EditPlan, tmp: Path) -> None:
@@ -123,29 +118,3 @@ def write_metadata(plan: EditPlan, tmp: Path) -> None:
         meta["edits"] = [*meta.get("edits", []), plan.record]
     (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
     (tmp / "README.md").write_text(_card(plan, meta), encoding="utf-8")
-
-
-def execute(
-    plan: EditPlan,
-    out: Path,
-    *,
-    computed: dict[str, torch.Tensor] | None = None,
-    force: bool = False,
-    console: Console | None = None,
-) -> Path:
-    """Write ``plan`` to ``out`` atomically (nothing is left at ``out`` unless the whole edit succeeded).
-
-    Raises:
-        OutputExistsError: ``out`` exists and ``force`` is False.
-        EditError: ``out`` overlaps an input, or a tensor is not what the plan says.
-    """
-    console = console if console is not None else silent()
-    out = Path(out)
-    check_not_input(out, list(plan.sources.values()))
-    check_output(out, force=force)
-    for note in plan.warnings:
-        console.print(f"[yellow]warning:[/] {note}")
-    with atomic_dir(out, force=force) as tmp:
-        stream(plan, tmp, computed or {}, console)
-        write_metadata(plan, tmp)
-    return out

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+from moetool.card import put_section
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
 from moetool.io.safe import read_json
@@ -74,7 +74,6 @@ def write_output(
         (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
         card_path = model_dir / "README.md"
         card = card_path.read_text() if card_path.is_file() else "# MoE model\n\n"
-        card = re.sub(r"## Router tuning\n\n.*?\n\n(?=## |\Z)", "", card, flags=re.S)
-        section = card_section(recipe, report, history, recipe.train.steps)
-        card = card.replace("## Recipe\n", section + "## Recipe\n", 1) if "## Recipe\n" in card else card + section
+        body = card_section(recipe, report, history, recipe.train.steps).removeprefix("## Router tuning\n\n")
+        card = put_section(card, "Router tuning", body)
         (tmp / "README.md").write_text(card)
