@@ -14,6 +14,7 @@ from moetool.errors import MoetoolError, OutputPathError
 from moetool.io.atomic import check_output
 from moetool.io.safe import read_json
 from moetool.quant.devices import MemoryEstimate
+from moetool.quant.imatrix import Calibration
 from moetool.quant.plan import QuantPlan, QuantSpec
 
 
@@ -69,6 +70,8 @@ class ExportRequest:
         context: context length for the memory estimate (default: the device's).
         options: exporter-specific settings (``compute_units``, ``moe_kernel``, a method's ``quant``).
         origin: set when ``model_dir`` is a derived copy of the model the user named.
+        imatrix: an importance matrix for llama.cpp's quantizer: a GGUF imatrix file, or the calibration to collect
+            one on (GGUF only; needed by the types in ``quant.types.NEEDS_IMATRIX``).
     """
 
     model_dir: Path
@@ -81,6 +84,7 @@ class ExportRequest:
     context: int | None = None  # context length for the memory estimate (default: the device's)
     options: dict[str, Any] = field(default_factory=dict)
     origin: Origin | None = None  # set when model_dir is a derived copy of the model the user named
+    imatrix: Path | Calibration | None = None
 
     @property
     def named_model(self) -> Path:

@@ -15,6 +15,7 @@ from moetool.export.base import TARGETS, ExportError, ExportJob, ExportRequest, 
 from moetool.export.planning import ArtifactPlan
 from moetool.io.safe import read_yaml
 from moetool.quant.devices import get_device
+from moetool.quant.imatrix import MODES, Calibration
 from moetool.quant.plan import QuantSpec, parse_quant
 
 
@@ -90,6 +91,10 @@ class ExportOptions(TypedDict, total=False):
     verify: bool  # check the artifact in its runtime (default True)
     eval_text: str | None  # held-out text for the parity check
     context: int | None  # context length for the memory estimate
+    imatrix: str | Path | Calibration | None  # "auto", a GGUF imatrix file, or a Calibration (GGUF only)
+    calibration: str | None  # calibration text for imatrix "auto" (default: the model recipe's domain data)
+    imatrix_mode: str | None  # routed (default) or all
+    imatrix_min_tokens: int | None  # routed mode's floor per expert (default 128)
 
 
 def plan_standard_export(model_dir: Path, output: str | Path, **opts: Unpack[ExportOptions]) -> ExportJob[ArtifactPlan]:
@@ -113,5 +118,70 @@ def plan_standard_export(model_dir: Path, output: str | Path, **opts: Unpack[Exp
         force=opts.get("force", False),
         eval_text=opts.get("eval_text"),
         context=opts.get("context"),
+        imatrix=resolve_imatrix(Path(model_dir), target, opts),
     )
     return ExportJob(exporter, req, exporter.plan(req))
+
+
+def resolve_imatrix(model_dir: Path, target: str, opts: ExportOptions) -> Path | Calibration | None:
+    """``imatrix`` as the exporter takes it: a file, or the calibration to collect one on (``auto``: the
+    ``calibration`` text, else the training split of every domain of the model's recipe).
+
+    Raises:
+        ExportError: an imatrix for a target other than GGUF, a missing file, calibration options without
+            ``--imatrix auto``, or ``auto`` with no text to calibrate on.
+    """
+    given = opts.get("imatrix")
+    extra = [k for k in ("calibration", "imatrix_mode", "imatrix_min_tokens") if opts.get(k) is not None]
+    if given is None:
+        if extra:
+            raise ExportError(f"--{extra[0].replace('_', '-')} is for --imatrix auto")
+        return None
+    if target != "gguf":
+        raise ExportError(f"--imatrix is for the gguf target (llama.cpp's quantizer), not {target}")
+    if isinstance(given, Calibration):
+        return given
+    if str(given) != "auto":
+        if extra:
+            raise ExportError(f"--{extra[0].replace('_', '-')} is for --imatrix auto, not an imatrix file")
+        path = Path(given)
+        if not path.is_file():
+            raise ExportError(f"--imatrix {given}: no such file (or pass --imatrix auto to collect one)")
+        return path
+    mode = opts.get("imatrix_mode") or "routed"
+    if mode not in MODES:
+        raise ExportError(f"--imatrix-mode {mode!r}: choose {' or '.join(MODES)}")
+    floor = opts.get("imatrix_min_tokens")
+    text = opts.get("calibration")
+    if text is not None:
+        texts, source = {"calibration": text}, "--calibration"
+    else:
+        texts, source = recipe_domain_text(model_dir), "the recipe's domain data (training split)"
+    return Calibration(texts, source=source, mode=mode, min_tokens=128 if floor is None else floor)
+
+
+def recipe_domain_text(model_dir: Path) -> dict[str, str]:
+    """Each domain's training split from the recipe the model was built from (``moetool-recipe.yaml``).
+
+    Raises:
+        ExportError: no recipe with ``train.data`` beside the model, naming ``--calibration``.
+    """
+    from moetool.errors import MoetoolError
+    from moetool.recipe.train import DataSource
+    from moetool.train.data import load_source
+
+    path = model_dir / "moetool-recipe.yaml"
+    data = read_yaml(path, what="the model's recipe", error=ExportError) if path.is_file() else None
+    section = ((data or {}).get("train") or {}).get("data") if isinstance(data, dict) else None
+    if not isinstance(section, dict) or not section:
+        raise ExportError(
+            f"--imatrix auto: {model_dir} has no recipe with train.data to calibrate on; pass --calibration FILE"
+        )
+    out = {}
+    for name, raw in section.items():
+        try:
+            src = DataSource.model_validate(raw)
+            out[str(name)] = load_source(str(name), src, base_dir=model_dir, fraction=0.1, seed=0)[0]
+        except (ValidationError, MoetoolError) as exc:
+            raise ExportError(f"--imatrix auto: {path}: train.data.{name}: {exc}; pass --calibration FILE") from None
+    return out

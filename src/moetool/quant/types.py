@@ -47,12 +47,42 @@ TYPES: dict[str, PrecisionType] = {
         PrecisionType("q4_k", 4, _QK, 4 + _QK // 2 + 12, False),
         PrecisionType("q3_k", 3, _QK, 2 + _QK // 4 + _QK // 8 + 12, False),
         PrecisionType("q2_k", 2, _QK, 4 + _QK // 16 + _QK // 4, False),
+        # llama.cpp's importance-weighted ("IQ") types; block sizes and bytes are ggml's type traits
+        PrecisionType("iq4_nl", 4, 32, 18, False),
+        PrecisionType("iq4_xs", 4, _QK, 136, False),
+        PrecisionType("iq3_s", 3, _QK, 110, False),
+        PrecisionType("iq3_xxs", 3, _QK, 98, False),
+        PrecisionType("iq2_s", 2, _QK, 82, False),
+        PrecisionType("iq2_xs", 2, _QK, 74, False),
+        PrecisionType("iq2_xxs", 2, _QK, 66, False),
     )
 }
 
+# Types written with an importance matrix only (moetool refuses them without one, as llama.cpp does for its 1-2 bit
+# IQ types): below 4 bits a rounding blind to which columns matter costs too much, and the IQ grids are searched
+# with importance weights by design.
+NEEDS_IMATRIX: frozenset[str] = frozenset(
+    n for n, t in TYPES.items() if n.startswith("iq") or (t.bits < 4 and not t.is_float)
+)
+# Types llama.cpp's quantizer rounds with importance weights when it has them (every K and IQ type, and the legacy
+# 4- and 5-bit types; q8_0 and the float types ignore them).
+IMATRIX_AWARE: frozenset[str] = frozenset(n for n, t in TYPES.items() if not t.is_float and n != "q8_0")
+
 # llama.cpp's own fallback when a row length is not a multiple of the type's block (llama-quant.cpp,
 # tensor_type_fallback): the 256-block K types drop to a 32-block type of similar quality.
-FALLBACK: dict[str, str] = {"q6_k": "q8_0", "q5_k": "q5_1", "q4_k": "q5_0", "q3_k": "q4_0", "q2_k": "q4_0"}
+FALLBACK: dict[str, str] = {
+    "q6_k": "q8_0",
+    "q5_k": "q5_1",
+    "q4_k": "q5_0",
+    "q3_k": "q4_0",
+    "q2_k": "q4_0",
+    "iq4_xs": "iq4_nl",
+    "iq3_s": "iq4_nl",
+    "iq3_xxs": "iq4_nl",
+    "iq2_s": "iq4_nl",
+    "iq2_xs": "iq4_nl",
+    "iq2_xxs": "iq4_nl",
+}
 
 
 def get_type(name: str) -> PrecisionType:

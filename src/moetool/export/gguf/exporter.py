@@ -15,14 +15,16 @@ from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest, write_
 from moetool.export.gguf.dequant import artifact_checkpoint
 from moetool.export.gguf.layout import Layout, plan_layout
 from moetool.export.gguf.tokenizer import llama_cpp_equivalent, read_vocab
-from moetool.export.gguf.write import requantize_k, write_gguf
+from moetool.export.gguf.write import by_llama_cpp, requantize, write_gguf
 from moetool.export.heldout import held_out_text, model_name
 from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
 from moetool.io.atomic import atomic_dir
 from moetool.io.budget import Need
 from moetool.io.checkpoint import Checkpoint
+from moetool.quant.imatrix import FILE_SUFFIX, ImatrixError, ImportanceMatrix
+from moetool.quant.imatrix import load as load_imatrix
 from moetool.quant.plan import QuantPlan
-from moetool.quant.types import TYPES
+from moetool.quant.types import NEEDS_IMATRIX, TYPES
 
 if TYPE_CHECKING:  # verify is imported only when an export is verified
     from moetool.export.gguf.verify import ParityReport
@@ -68,23 +70,55 @@ class GGUFExporter:
             layout=layout,
         )
 
+    def check(self, req: ExportRequest, plan: GGUFPlan) -> None:
+        """Refuse before anything is written: a type that needs an importance matrix without one.
+
+        Raises:
+            ExportError: naming the tensors' types and ``--imatrix``.
+        """
+        low = sorted({a.type for a in plan.quant.assignments if a.type in NEEDS_IMATRIX})
+        if low and req.imatrix is None:
+            raise ExportError(
+                f"{', '.join(low)} need an importance matrix (as llama.cpp refuses its low-bit types without one): "
+                f"pass --imatrix auto (collected on the recipe's domain data or --calibration FILE) or --imatrix "
+                f"FILE.imatrix.gguf"
+            )
+
     def export(self, req: ExportRequest, plan: GGUFPlan, console: Console | None = None) -> dict[str, Any]:
 
+        self.check(req, plan)
         vocab = read_vocab(req.model_dir, int(plan.config["vocab_size"]))
-        ckpt = Checkpoint(req.model_dir)
-        needs_k = any(not TYPES[a.type].python for a in plan.quant.assignments)
+        imatrix = load_imatrix(req.imatrix) if isinstance(req.imatrix, Path) else None
+        llama = by_llama_cpp(plan.quant, req.imatrix is not None)
         fname = f"{plan.name}.{plan.quant.label}.gguf"
-        gguf_need(plan, needs_k=needs_k, verify=req.verify, output=req.output).check()
+        gguf_need(
+            plan,
+            needs_k=bool(llama),
+            verify=req.verify,
+            output=req.output,
+            collect=imatrix is None and req.imatrix is not None,
+        ).check()
         t0 = time.perf_counter()
         with atomic_dir(req.output, force=req.force) as tmp:
             target = tmp / fname
-            first = tmp / (fname + ".f32-stage") if needs_k else target
+            imatrix_file = None
+            if req.imatrix is not None:
+                imatrix, imatrix_file = self._imatrix(req, plan, imatrix, tmp / (plan.name + FILE_SUFFIX), console)
+            ckpt = Checkpoint(req.model_dir)
+            first = tmp / (fname + ".f32-stage") if llama else target
             write_gguf(
-                first, ckpt=ckpt, cfg=plan.config, layout=plan.layout, plan=plan.quant, vocab=vocab, name=plan.name
+                first,
+                ckpt=ckpt,
+                cfg=plan.config,
+                layout=plan.layout,
+                plan=plan.quant,
+                vocab=vocab,
+                name=plan.name,
+                llama=llama,
             )
             ckpt.close()
-            if needs_k:
-                requantize_k(first, target, plan.quant)
+            if llama:
+                requantize(first, target, plan.quant, imatrix=imatrix)
                 first.unlink()
             check_types(target, plan.quant)
             write_s = time.perf_counter() - t0
@@ -108,7 +142,10 @@ class GGUFExporter:
                     )
                 parity = report.to_json() | {"text": text_src}
                 gate_problems(report, plan.quant)
-            manifest = manifest_base("gguf", plan, {fname: target}, fname)
+            files = {fname: target} | ({imatrix_file.name: imatrix_file} if imatrix_file else {})
+            manifest = manifest_base("gguf", plan, files, fname)
+            if imatrix is not None:
+                manifest["imatrix"] = imatrix_record(imatrix, imatrix_file, llama)
             manifest |= {
                 "llama_cpp_arch": plan.layout.arch,
                 "notes": plan.layout.notes + vocab.notes + manifest["notes"],
@@ -118,8 +155,50 @@ class GGUFExporter:
             write_manifest(tmp, manifest)
         return manifest
 
+    def _imatrix(
+        self, req: ExportRequest, plan: GGUFPlan, given: ImportanceMatrix | None, path: Path, console: Any
+    ) -> tuple[ImportanceMatrix, Path]:
+        """The importance matrix to quantize with (given, or collected now), written beside the GGUF."""
+        if given is None:
+            from moetool.export.gguf.imatrix import collect
 
-def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path) -> Need:
+            assert req.imatrix is not None and not isinstance(req.imatrix, Path)
+            names = {t.name for t in plan.layout.tensors if len(t.shape) >= 2}
+            given = collect(req.model_dir, req.imatrix, names, console=console)
+        starved = given.starved(by_llama_cpp(plan.quant, True))
+        if starved:
+            name, experts = next(iter(starved.items()))
+            raise ImatrixError(
+                f"the importance matrix has no data for expert(s) {experts} of {name} ({len(starved)} tensor(s) so): "
+                f"llama.cpp would quantize them with no importance; collect with --imatrix auto (every expert gets "
+                f"tokens) or a calibration text that reaches them"
+            )
+        given.save(path)
+        return given, path
+
+
+def imatrix_record(m: ImportanceMatrix, path: Path | None, llama: dict[str, str]) -> dict[str, Any]:
+    """The manifest's account of the importance matrix: its file, how it was collected, and the tokens each expert
+    of each layer saw."""
+    from moetool.export.gguf.imatrix import expert_token_table
+
+    info = m.info or {}
+    return {
+        "file": path.name if path else None,
+        "datasets": m.datasets,
+        "chunks": m.chunk_count,
+        "chunk_size": m.chunk_size,
+        "mode": info.get("mode"),
+        "min_tokens": info.get("min_tokens"),
+        "source": info.get("source"),
+        "tokens": info.get("tokens"),
+        "forced": info.get("forced"),
+        "tensors_weighted": sorted(n for n in llama if n in m.entries),
+        "expert_tokens": expert_token_table(m),
+    }
+
+
+def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path, collect: bool = False) -> Need:
     """Memory and disk of writing (and verifying) ``plan``'s GGUF, from the plan alone.
 
     Disk: the artifact, a float32 staging file for K-quants (llama.cpp's quantizer reads one), and for a lossy plan
@@ -132,7 +211,7 @@ def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path) -> N
     lossy = any(a.type != "f32" for a in plan.quant.assignments)
     f32 = params * 4
     disk = artifact + (f32 if needs_k else 0) + (f32 if verify and lossy else 0)
-    memory = (f32 + artifact if verify else 0) + (512 << 20)
+    memory = max(f32 + artifact if verify else 0, f32 if collect else 0) + (512 << 20)
     return Need(
         stage=f"GGUF export ({plan.quant.label})",
         memory=memory,

@@ -1,13 +1,15 @@
 """Write a GGUF file tensor by tensor (streamed), each in the type its plan assigns.
 
-Types gguf-py can quantize are written directly; K types are written f32 first and then requantized by llama.cpp's
-own quantizer (``llama_model_quantize`` with one exact-name override per tensor), so every byte of a K-quant comes
-from llama.cpp.
+Types gguf-py can quantize are written directly; K and IQ types, and with an importance matrix every type llama.cpp
+rounds with one, are written f32 first and then requantized by llama.cpp's own quantizer (``llama_model_quantize``
+with one exact-name override per tensor and the importance matrix passed as its C array), so every byte of those
+tensors comes from llama.cpp.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,9 @@ from moetool.export.gguf.tokenizer import GGUFVocab, write_vocab
 from moetool.export.gguf.verify import quiet_stderr
 from moetool.extras import require
 from moetool.io.checkpoint import Checkpoint
+from moetool.quant.imatrix import ImatrixError, ImportanceMatrix
 from moetool.quant.plan import QuantPlan
-from moetool.quant.types import TYPES
+from moetool.quant.types import IMATRIX_AWARE, TYPES
 
 SHEXP_GATE_EPS = 1e-20
 # label for general.file_type: the type holding most of the weights
@@ -40,8 +43,27 @@ _FILE_TYPE = {
     "q4_k": 15,
     "q5_k": 17,
     "q6_k": 18,
+    "iq2_xxs": 19,
+    "iq2_xs": 20,
+    "iq3_xxs": 23,
+    "iq4_nl": 25,
+    "iq3_s": 26,
+    "iq2_s": 28,
+    "iq4_xs": 30,
     "bf16": 32,
 }
+
+
+def by_llama_cpp(plan: QuantPlan, with_imatrix: bool) -> dict[str, str]:
+    """GGUF name → type of the tensors llama.cpp's quantizer writes: every type gguf-py cannot write, and with an
+    importance matrix every type llama.cpp rounds with it (gguf-py's quantizers take none)."""
+    out = {}
+    for a in plan.assignments:
+        if len(a.entry.shape) < 2:
+            continue
+        if not TYPES[a.type].python or (with_imatrix and a.type in IMATRIX_AWARE):
+            out[a.entry.out_name or a.entry.hf_name] = a.type
+    return out
 
 
 def _ggml(name: str) -> Any:
@@ -133,12 +155,13 @@ def write_gguf(
     vocab: GGUFVocab,
     name: str,
     progress: Any = None,
+    llama: Collection[str] = (),
 ) -> None:
-    """Write ``path``; K-type tensors are requantized afterwards by :func:`requantize_k`."""
+    """Write ``path``; the tensors named in ``llama`` are written f32, for :func:`requantize` to quantize."""
     import gguf
 
     types = {a.entry.out_name: a.type for a in plan.assignments}
-    k_types = {n: t for n, t in types.items() if not TYPES[t].python}
+    k_types = set(llama)
     w = gguf.GGUFWriter(str(path), layout.arch)
     _metadata(w, cfg, layout, name, file_type_of(plan))
     write_vocab(w, vocab)
@@ -165,11 +188,51 @@ def write_gguf(
     w.close()
 
 
-def requantize_k(src: Path, dst: Path, plan: QuantPlan, threads: int = 0) -> None:
-    """Let llama.cpp quantize the K-type tensors of ``src`` (written f32) into ``dst``; all others are copied.
+def imatrix_array(
+    llama_cpp: Any, imatrix: ImportanceMatrix, shapes: dict[str, tuple[int, ...]]
+) -> tuple[Any, list[Any]]:
+    """llama.cpp's ``llama_model_imatrix_data`` array (NULL-terminated) for the tensors in ``shapes`` (GGUF name →
+    torch shape), and the buffers that must outlive the call.
+
+    Raises:
+        ImatrixError: a tensor's statistics do not match its shape (an importance matrix of another model).
+    """
+    import ctypes
+
+    Entry = llama_cpp.llama_model_imatrix_data
+    items = []
+    for name, shape in shapes.items():
+        e = imatrix.entries.get(name)
+        if e is None:
+            continue
+        n_mat = shape[0] if len(shape) == 3 else 1
+        if e.sums.shape != (n_mat, shape[-1]):
+            raise ImatrixError(
+                f"the importance matrix's {name} has {e.sums.shape[0]} × {e.sums.shape[1]} values; the tensor needs "
+                f"{n_mat} × {shape[-1]} (was it collected on another model?)"
+            )
+        items.append((name, e.values()))
+    arr = (Entry * (len(items) + 1))()
+    keep: list[Any] = []
+    for i, (name, values) in enumerate(items):
+        key = name.encode()
+        keep += [key, values]
+        arr[i].name = key
+        arr[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        arr[i].size = values.size
+    arr[len(items)].name = None
+    return arr, keep
+
+
+def requantize(
+    src: Path, dst: Path, plan: QuantPlan, *, imatrix: ImportanceMatrix | None = None, threads: int = 0
+) -> None:
+    """Let llama.cpp quantize the tensors of ``src`` that :func:`by_llama_cpp` names (written f32) into ``dst``, with
+    ``imatrix``'s importance where given; all others are copied.
 
     Raises:
         MissingExtraError: llama-cpp-python is missing.
+        ImatrixError: ``imatrix`` does not fit the model.
         ExportError: llama.cpp's quantizer failed.
     """
     import ctypes
@@ -177,13 +240,13 @@ def requantize_k(src: Path, dst: Path, plan: QuantPlan, threads: int = 0) -> Non
     llama_cpp = require(
         "llama_cpp",
         "llama",
-        why="writing K-quant types (q2_k … q6_k) with llama.cpp's quantizer",
+        why="writing K and IQ types, or any type with an importance matrix, with llama.cpp's quantizer",
         otherwise="choose a plan of f16/bf16/q8_0/q5_x/q4_x types",
     )
     Override = llama_cpp.llama_model_tensor_override
     names = [(a.entry.out_name or a.entry.hf_name, a.type) for a in plan.assignments if len(a.entry.shape) >= 2]
     arr = (Override * (len(names) + 1))()
-    keep: list[bytes] = []
+    keep: list[Any] = []  # buffers the C call reads: alive until it returns
     for i, (n, ty) in enumerate(names):
         pat = ("^" + n.replace(".", r"\.") + "$").encode()
         keep.append(pat)
@@ -195,6 +258,12 @@ def requantize_k(src: Path, dst: Path, plan: QuantPlan, threads: int = 0) -> Non
     params.ftype = 7  # MOSTLY_Q8_0: only a label here, every 2-D tensor has an override
     params.pure = True
     params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(Override))
+    if imatrix is not None:
+        wanted = by_llama_cpp(plan, True)
+        shapes = {(a.entry.out_name or a.entry.hf_name): a.entry.shape for a in plan.assignments}
+        im_arr, im_keep = imatrix_array(llama_cpp, imatrix, {n: shapes[n] for n in wanted})
+        keep += [im_arr, *im_keep]
+        params.imatrix = ctypes.cast(im_arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
 
     with quiet_stderr():
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
