@@ -315,6 +315,8 @@ def plan_export(model: str | Path, output: str | Path, **opts: Unpack[ExportOpti
         return plan_standard_export(model_dir, output, **opts)
     if opts.get("device") is not None:
         raise ExportError(f"{model_dir} is a {owner.name} model: --device applies to standard MoE models; use --target")
+    if any(opts.get(k) is not None for k in ("imatrix", "calibration", "imatrix_mode", "imatrix_min_tokens")):
+        raise ExportError(f"{model_dir} is a {owner.name} model: --imatrix applies to standard MoE models")
     exporter = owner.exporter(model_dir, opts.get("target"))
     quant = opts.get("quant")
     req = ExportRequest(

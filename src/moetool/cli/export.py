@@ -50,6 +50,27 @@ def export_cmd(
             "(every expert as standard MatMuls, for ONNX runtimes other than onnxruntime)."
         ),
     ] = "sparse",
+    imatrix: Annotated[
+        str | None,
+        typer.Option(
+            help="GGUF: an importance matrix for llama.cpp's quantizer: 'auto' collects one (every expert gets "
+            "tokens) on --calibration or the recipe's domain data, or a GGUF imatrix FILE. Needed by q2_k, q3_k and "
+            "the IQ types; written beside the GGUF."
+        ),
+    ] = None,
+    calibration: Annotated[
+        Path | None, typer.Option(help="Calibration text file for --imatrix auto (default: the recipe's data).")
+    ] = None,
+    imatrix_mode: Annotated[
+        str | None,
+        typer.Option(
+            help="--imatrix auto: 'routed' (each expert over its routed tokens; one under --imatrix-floor tokens "
+            "over every token) or 'all' (every expert over every token)."
+        ),
+    ] = None,
+    imatrix_floor: Annotated[
+        int | None, typer.Option(min=0, help="--imatrix auto, routed: fewest tokens an expert may have (128).")
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     base: Annotated[
         str | None,
@@ -69,16 +90,20 @@ def export_cmd(
     from moetool.io.safe import read_text
 
     text = read_text(eval_text, what="--eval-text") if eval_text else None
+    calib = read_text(calibration, what="--calibration") if calibration else None
     if is_adapter(Path(model)):
         if dry_run:
             raise typer.BadParameter("--dry-run is for models, not adapters")
+        if imatrix or calibration:
+            raise typer.BadParameter("--imatrix and --calibration are for models, not adapters")
         with console.status("writing and verifying the GGUF adapter …"):
             manifest = api.export(model, output, base=base, quant=quant, force=force, verify=verify, eval_text=text)
         print_manifest(output, manifest)
         return
     job = api.plan_export(
         model, output, target=target, quant=quant, device=device, force=force, verify=verify, eval_text=text,
-        context=context,
+        context=context, imatrix=imatrix, calibration=calib, imatrix_mode=imatrix_mode,
+        imatrix_min_tokens=imatrix_floor,
     )  # fmt: skip
     job.request.options["compute_units"] = compute_units
     job.request.options["moe_kernel"] = moe_kernel

@@ -222,6 +222,17 @@ def print_manifest(output: Any, manifest: dict[str, Any]) -> None:
     for part in ("router", "pathways", "experts"):
         if part in manifest:
             out.print(f"{part}: {_summary(manifest[part])}", highlight=False)
+    im = manifest.get("imatrix")
+    if isinstance(im, dict):
+        used = [min(v["used"]) for v in im.get("expert_tokens", {}).values() if v.get("used")]
+        routed = [min(v["routed"]) for v in im.get("expert_tokens", {}).values() if v.get("routed")]
+        forced = im.get("forced")
+        n_forced = sum(len(v) for v in forced.values()) if isinstance(forced, dict) else 0
+        line = f"imatrix: {im.get('file')} ({im.get('mode')}, {sum((im.get('tokens') or {}).values())} tokens"
+        line += f"; fewest tokens of an expert: routed {min(routed)}" if routed else ""
+        line += f", used {min(used)}" if used else ""
+        line += f"; {n_forced} expert(s) below the floor computed on every token" if n_forced else ""
+        out.print(line + ")", highlight=False)
 
 
 def _summary(value: Any) -> str:

@@ -136,8 +136,11 @@ class ImportanceMatrix:
         if self.info:
             w.add_string("moetool.imatrix.info", json.dumps(self.info, sort_keys=True))
         for name, e in sorted(self.entries.items()):
-            w.add_tensor(name + SUFFIX_SUMS, np.ascontiguousarray(e.sums, dtype=np.float32))
-            w.add_tensor(name + SUFFIX_COUNTS, np.ascontiguousarray(e.counts.reshape(-1, 1), dtype=np.float32))
+            # as llama-imatrix writes them: a single matrix's pair is 1-D (ggml drops trailing dimensions of 1)
+            sums = e.sums.reshape(-1) if e.n_mat == 1 else e.sums
+            counts = e.counts.reshape(-1) if e.n_mat == 1 else e.counts.reshape(-1, 1)
+            w.add_tensor(name + SUFFIX_SUMS, np.ascontiguousarray(sums, dtype=np.float32))
+            w.add_tensor(name + SUFFIX_COUNTS, np.ascontiguousarray(counts, dtype=np.float32))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

@@ -60,6 +60,12 @@ class QuantSpec(StrictModel):
     preset: str | None = Field(default=None, description="A named plan (`moetool quant presets`), or a type name.")
     default: str | None = Field(default=None, description="Type for tensors no rule matches.")
     rules: list[QuantRule] = Field(default_factory=list, description="Tried in order; the first match decides.")
+    budget: int | None = Field(
+        default=None,
+        gt=0,
+        description="Bytes of tensors to fit: every tensor no rule matches gets the type its measured sensitivity "
+        "earns under this budget (GGUF, with an importance matrix).",
+    )
 
     @field_validator("preset")
     @classmethod
@@ -83,6 +89,8 @@ class QuantSpec(StrictModel):
 
     def label(self) -> str:
         """A short name for file names and tables."""
+        if self.budget is not None:
+            return f"alloc-{self.budget / 1e6:.0f}mb"
         if self.preset and not self.rules and not self.default:
             return self.preset.lower()
         if not self.rules and self.default and not self.preset:
@@ -134,7 +142,7 @@ def parse_quant(text: str) -> QuantSpec:
     text = text.strip()
     if "=" not in text:
         return QuantSpec(preset=text)
-    preset, default, rules = None, None, []
+    preset, default, rules, budget = None, None, [], None
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = part.partition("=")
         key, value = key.strip(), value.strip()
@@ -142,13 +150,17 @@ def parse_quant(text: str) -> QuantSpec:
             raise ValueError(f"--quant: {part!r} has no type after '='")
         if key == "preset":
             preset = value
+        elif key == "budget":
+            from moetool.io.budget import parse_size
+
+            budget = parse_size(value, what="--quant budget")
         elif key in ("*", "default"):
             default = value
         elif key in ROLES:
             rules.append({"role": key, "type": value})
         else:
             rules.append({"match": key, "type": value})
-    return QuantSpec.model_validate({"preset": preset, "default": default, "rules": rules})
+    return QuantSpec.model_validate({"preset": preset, "default": default, "rules": rules, "budget": budget})
 
 
 @dataclass(frozen=True)

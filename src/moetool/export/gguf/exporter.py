@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tempfile
 import time
@@ -21,9 +22,10 @@ from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
 from moetool.io.atomic import atomic_dir
 from moetool.io.budget import Need
 from moetool.io.checkpoint import Checkpoint
-from moetool.quant.imatrix import FILE_SUFFIX, ImatrixError, ImportanceMatrix
+from moetool.quant.allocate import Allocation, BudgetTooSmall, allocate
+from moetool.quant.imatrix import FILE_SUFFIX, Calibration, ImatrixError, ImportanceMatrix
 from moetool.quant.imatrix import load as load_imatrix
-from moetool.quant.plan import QuantPlan
+from moetool.quant.plan import QuantPlan, QuantRule, resolve
 from moetool.quant.types import NEEDS_IMATRIX, TYPES
 
 if TYPE_CHECKING:  # verify is imported only when an export is verified
@@ -56,6 +58,9 @@ class GGUFExporter:
         layout = plan_layout(cfg, shapes)
         entries = [t.entry() for t in layout.tensors]
         name = model_name(req.named_model)
+        if req.quant.budget is not None:  # planned at q8_0 (an upper bound); export() allocates the types
+            spec = req.quant.model_copy(update={"default": req.quant.default or "q8_0"})
+            req = dataclasses.replace(req, quant=spec)
         c = choose_plan(req, entries, cfg, "gguf", cannot=_ROUTER_K)
         return GGUFPlan(
             req.model_dir,
@@ -76,6 +81,11 @@ class GGUFExporter:
         Raises:
             ExportError: naming the tensors' types and ``--imatrix``.
         """
+        if req.quant.budget is not None and not (req.imatrix is not None and not isinstance(req.imatrix, Path)):
+            raise ExportError(
+                "--quant budget=… allocates bits by measured sensitivity on calibration text: pass --imatrix auto "
+                "(with --calibration FILE, or the recipe's domain data)"
+            )
         low = sorted({a.type for a in plan.quant.assignments if a.type in NEEDS_IMATRIX})
         if low and req.imatrix is None:
             raise ExportError(
@@ -102,8 +112,13 @@ class GGUFExporter:
         with atomic_dir(req.output, force=req.force) as tmp:
             target = tmp / fname
             imatrix_file = None
+            allocation = None
             if req.imatrix is not None:
                 imatrix, imatrix_file = self._imatrix(req, plan, imatrix, tmp / (plan.name + FILE_SUFFIX), console)
+            if req.quant.budget is not None:
+                assert imatrix is not None and isinstance(req.imatrix, Calibration)
+                allocation = allocate_plan(req, plan, imatrix, req.imatrix, console)
+                llama = by_llama_cpp(plan.quant, True)
             ckpt = Checkpoint(req.model_dir)
             first = tmp / (fname + ".f32-stage") if llama else target
             write_gguf(
@@ -146,6 +161,14 @@ class GGUFExporter:
             manifest = manifest_base("gguf", plan, files, fname)
             if imatrix is not None:
                 manifest["imatrix"] = imatrix_record(imatrix, imatrix_file, llama)
+            if allocation is not None:
+                manifest["allocation"] = {
+                    "budget": allocation.budget,
+                    "tensor_bytes": allocation.total_bytes,
+                    "pinned_bytes": allocation.fixed_bytes,
+                    "upgrades": len(allocation.steps),
+                    "banks": allocation.table(),
+                }
             manifest |= {
                 "llama_cpp_arch": plan.layout.arch,
                 "notes": plan.layout.notes + vocab.notes + manifest["notes"],
@@ -173,8 +196,51 @@ class GGUFExporter:
                 f"llama.cpp would quantize them with no importance; collect with --imatrix auto (every expert gets "
                 f"tokens) or a calibration text that reaches them"
             )
+        bare = sorted(
+            n for n, t in by_llama_cpp(plan.quant, True).items() if t in NEEDS_IMATRIX and n not in given.entries
+        )
+        if bare:
+            raise ImatrixError(
+                f"{bare[0]} ({len(bare)} tensor(s) so) is planned as {plan.quant.type_of(bare[0])} but the importance "
+                f"matrix has no statistics for it (llama.cpp collects none for a token lookup table): give it a type "
+                f"of 4 bits or more in --quant, e.g. embeddings=q8_0"
+            )
         given.save(path)
         return given, path
+
+
+def allocate_plan(
+    req: ExportRequest, plan: GGUFPlan, imatrix: ImportanceMatrix, calib: Calibration, console: Any
+) -> Allocation:
+    """Measure every unpinned tensor's sensitivity and give it the type the budget earns it; ``plan.quant`` becomes
+    the allocated plan (the user's rules, and f32 routers, stay as they were).
+
+    Raises:
+        ExportError: the budget is below the cheapest plan.
+    """
+    from moetool.export.gguf.allocate import measure
+
+    budget = req.quant.budget
+    assert budget is not None
+    _, rules = req.quant.effective()
+    banks: dict[str, str] = {}
+    fixed = 0
+    for a in plan.quant.assignments:
+        name = a.entry.out_name or a.entry.hf_name
+        pinned = a.role == "router" or len(a.entry.shape) < 2 or any(r.matches(a.entry.names, a.role) for r in rules)
+        if pinned:
+            fixed += a.nbytes
+        else:
+            banks[name] = a.role
+    measured = measure(req.model_dir, calib, imatrix, banks, console=console)
+    try:
+        alloc = allocate(measured, budget, fixed)
+    except BudgetTooSmall as exc:
+        raise ExportError(f"--quant budget={budget}: {exc}") from None
+    exact = [QuantRule(match=n, type=t) for n, t in alloc.types.items()]
+    spec = req.quant.model_copy(update={"rules": [*exact, *req.quant.rules]})
+    plan.quant = resolve(spec, [a.entry for a in plan.quant.assignments], cannot=_ROUTER_K)
+    return alloc
 
 
 def imatrix_record(m: ImportanceMatrix, path: Path | None, llama: dict[str, str]) -> dict[str, Any]:

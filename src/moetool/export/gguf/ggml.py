@@ -1,0 +1,104 @@
+"""ggml's own row quantizer and dequantizer, called in the library llama-cpp-python ships (``libggml-base``).
+
+The same functions llama.cpp's quantizer runs per tensor (``ggml_quantize_chunk`` with the importance of one matrix),
+so bytes made here equal llama.cpp's; moetool uses them to measure what a type costs a tensor before choosing it,
+and the tests to check that the GGUF's bytes are llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetool.extras import require
+
+
+@functools.cache
+def _lib() -> Any:
+    llama_cpp = require(
+        "llama_cpp",
+        "llama",
+        why="ggml's quantizer (importance-weighted types, bit allocation)",
+        otherwise="export without --imatrix",
+    )
+    lib = ctypes.CDLL(str(Path(str(llama_cpp.__file__)).parent / "lib" / "libggml-base.so"))
+    f = ctypes.POINTER(ctypes.c_float)
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [
+        ctypes.c_int,
+        f,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        f,
+    ]
+    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    lib.ggml_quantize_init.restype = None
+    lib.ggml_row_size.restype = ctypes.c_size_t
+    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    lib.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+    return lib
+
+
+def _type_id(name: str) -> int:
+    import gguf
+
+    return int(getattr(gguf.GGMLQuantizationType, name.upper()))
+
+
+def _fptr(a: np.ndarray | None) -> Any:
+    return None if a is None else a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+
+def requires_imatrix(type_name: str) -> bool:
+    """Whether ggml itself refuses ``type_name`` without importance weights."""
+    return bool(_lib().ggml_quantize_requires_imatrix(_type_id(type_name)))
+
+
+def quantize(rows: np.ndarray, type_name: str, importance: np.ndarray | None = None) -> bytes:
+    """``rows`` (``[n, n_per_row]``, one matrix) in ``type_name``, rounded with ``importance`` (``[n_per_row]``, the
+    mean x² per column) as llama.cpp's quantizer rounds it."""
+    lib = _lib()
+    t = _type_id(type_name)
+    if importance is None and lib.ggml_quantize_requires_imatrix(t):
+        raise ValueError(f"{type_name} needs importance weights (ggml aborts the process without them)")
+    x = np.ascontiguousarray(rows, dtype=np.float32)
+    n, per_row = x.shape
+    imp = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+    if imp is not None and imp.shape != (per_row,):
+        raise ValueError(f"importance has shape {imp.shape}; rows of {per_row} need ({per_row},)")
+    lib.ggml_quantize_init(t)
+    out = np.zeros(int(lib.ggml_row_size(t, per_row)) * n, dtype=np.uint8)
+    wrote = lib.ggml_quantize_chunk(t, _fptr(x), out.ctypes.data, 0, n, per_row, _fptr(imp))
+    if wrote != out.size:
+        raise RuntimeError(f"ggml_quantize_chunk wrote {wrote} bytes, expected {out.size}")
+    return out.tobytes()
+
+
+@functools.cache
+def _dequantizer(type_name: str) -> Any:
+    name = type_name.lower()
+    symbol = "dequantize_row_" + (name[:-2] + "_K" if name.endswith("_k") else name)
+    fn = getattr(_lib(), symbol)
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64]
+    return fn
+
+
+def dequantize(data: bytes, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Float32 values of ``data`` (``type_name``) in ``shape``, by ggml's own row dequantizer."""
+    out = np.empty(shape, dtype=np.float32)
+    buf = ctypes.create_string_buffer(data, len(data))
+    _dequantizer(type_name)(buf, _fptr(out), out.size)
+    return out
+
+
+def round_trip(rows: np.ndarray, type_name: str, importance: np.ndarray | None = None) -> np.ndarray:
+    """``rows`` quantized to ``type_name`` and back."""
+    return dequantize(quantize(rows, type_name, importance), type_name, rows.shape)
