@@ -72,9 +72,13 @@ class ImportanceEntry:
     def values(self) -> np.ndarray:
         """``[n_mat * n_per_row]`` float32 importance as llama.cpp's quantizer reads it: the mean of x² per column
         (a matrix that saw nothing: 1, llama.cpp's own fallback)."""
-        out = np.ones_like(self.sums, dtype=np.float64)
-        seen = self.counts > 0
-        out[seen] = self.sums[seen] / self.counts[seen, None]
+        # float32 sums over float32 counts, as llama.cpp computes them from the file: values from memory and from
+        # the saved file are then the same bits, and so are the quantized bytes
+        sums = self.sums.astype(np.float32)
+        counts = np.round(self.counts).astype(np.float32)
+        out = np.ones_like(sums)
+        seen = counts > 0
+        out[seen] = sums[seen] / counts[seen, None]
         return np.ascontiguousarray(out.reshape(-1), dtype=np.float32)
 
 

@@ -25,7 +25,8 @@ from moetool.io.checkpoint import Checkpoint
 from moetool.quant.allocate import Allocation, BudgetTooSmall, allocate
 from moetool.quant.imatrix import FILE_SUFFIX, Calibration, ImatrixError, ImportanceMatrix
 from moetool.quant.imatrix import load as load_imatrix
-from moetool.quant.plan import QuantPlan, QuantRule, resolve
+from moetool.quant.plan import QuantPlan, QuantRule, TensorEntry, resolve
+from moetool.quant.roles import role_of
 from moetool.quant.types import NEEDS_IMATRIX, TYPES
 
 if TYPE_CHECKING:  # verify is imported only when an export is verified
@@ -58,8 +59,11 @@ class GGUFExporter:
         layout = plan_layout(cfg, shapes)
         entries = [t.entry() for t in layout.tensors]
         name = model_name(req.named_model)
-        if req.quant.budget is not None:  # planned at q8_0 (an upper bound); export() allocates the types
-            spec = req.quant.model_copy(update={"default": req.quant.default or "q8_0"})
+        if req.quant.budget is not None:  # planned at q8_0 (an upper bound), routers f32; export() allocates
+            rules = list(req.quant.rules)
+            if any(_role(e) == "router" for e in entries) and not any(r.role == "router" for r in rules):
+                rules.append(QuantRule(role="router", type="f32"))
+            spec = req.quant.model_copy(update={"default": req.quant.default or "q8_0", "rules": rules})
             req = dataclasses.replace(req, quant=spec)
         c = choose_plan(req, entries, cfg, "gguf", cannot=_ROUTER_K)
         return GGUFPlan(
@@ -209,6 +213,13 @@ class GGUFExporter:
         return given, path
 
 
+def _role(e: TensorEntry) -> str | None:
+    try:
+        return e.role or role_of(e.hf_name)
+    except ValueError:
+        return None
+
+
 def allocate_plan(
     req: ExportRequest, plan: GGUFPlan, imatrix: ImportanceMatrix, calib: Calibration, console: Any
 ) -> Allocation:
@@ -222,7 +233,7 @@ def allocate_plan(
 
     budget = req.quant.budget
     assert budget is not None
-    _, rules = req.quant.effective()
+    _, rules = plan.quant.spec.effective()
     banks: dict[str, str] = {}
     fixed = 0
     for a in plan.quant.assignments:
@@ -238,7 +249,7 @@ def allocate_plan(
     except BudgetTooSmall as exc:
         raise ExportError(f"--quant budget={budget}: {exc}") from None
     exact = [QuantRule(match=n, type=t) for n, t in alloc.types.items()]
-    spec = req.quant.model_copy(update={"rules": [*exact, *req.quant.rules]})
+    spec = plan.quant.spec.model_copy(update={"rules": [*exact, *plan.quant.spec.rules]})
     plan.quant = resolve(spec, [a.entry for a in plan.quant.assignments], cannot=_ROUTER_K)
     return alloc
 

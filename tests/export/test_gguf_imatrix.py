@@ -1,0 +1,181 @@
+"""Importance matrices for GGUF export: llama.cpp's format and bytes, every expert weighted, low-bit types refused
+without one, and the bits-by-importance plan within its budget."""
+
+from __future__ import annotations
+
+import gguf
+import llama_cpp  # noqa: F401  (the dev extra installs it; a missing runtime must fail, not skip)
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import save_dense, write_recipe
+from moetool.api import assemble, export, plan_export
+from moetool.export import ExportError
+from moetool.export.gguf import ggml
+from moetool.quant.imatrix import Calibration, ImatrixError, ImportanceMatrix, load
+from moetool.quant.plan import parse_quant
+from moetool.quant.types import NEEDS_IMATRIX, TYPES
+
+WIDE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    tie_word_embeddings=True,
+)
+TEXT = ("def main():\n    return parse(line) + 1\n" * 40) + ("Permission is hereby granted, free of charge, " * 40)
+
+
+def _moe(root, top_k=2):
+    base = save_dense(root / "base", "llama", **WIDE)
+    paths = [save_dense(root / f"e{i}", "llama", seed=i, base=base, mlp_noise=0.3, **WIDE) for i in (1, 2, 3)]
+    experts = "".join(
+        f"  - {{name: {n}, source: {p}, positive_prompts: ['{n} text']}}\n"
+        for n, p in zip(("code", "legal", "medical"), paths, strict=True)
+    )
+    text = f"name: w\nmethod: mofe\nbase_model: {base}\nexperts_per_token: {top_k}\nexperts:\n{experts}"
+    return assemble(write_recipe(root / f"r{top_k}.yaml", text), root / f"moe{top_k}")
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    return _moe(tmp_path_factory.mktemp("wide"))
+
+
+def _calib(**kw):
+    return Calibration({"mix": TEXT}, source="test", **kw)
+
+
+def _tensor_bytes(path, name):
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
+    return t.tensor_type.name.lower(), np.asarray(t.data).tobytes()
+
+
+def test_experts_bytes_are_llama_cpps_with_the_importance_of_each_expert(wide, tmp_path):
+    """The GGUF's expert tensor equals ggml's quantizer run per expert with that expert's importance row (the
+    route llama.cpp's own quantizer takes), and differs from the unweighted rounding."""
+    m = export(wide, tmp_path / "im", quant="experts=q4_k,router=f32,*=q8_0", imatrix=_calib(), verify=False)
+    plain = export(wide, tmp_path / "plain", quant="experts=q4_k,router=f32,*=q8_0", verify=False)
+    im = load(tmp_path / "im" / m["imatrix"]["file"])
+    src = load_file(str(wide / "model.safetensors"))
+    for proj, w in (("down", "w2"), ("gate", "w1")):
+        name = f"blk.1.ffn_{proj}_exps.weight"
+        typ, got = _tensor_bytes(tmp_path / "im" / m["file"], name)
+        assert typ == "q4_k"
+        values = im.entries[name].values().reshape(3, -1)
+        want = b"".join(
+            ggml.quantize(src[f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"].float().numpy(), "q4_k", values[e])
+            for e in range(3)
+        )
+        assert got == want
+        assert _tensor_bytes(tmp_path / "plain" / plain["file"], name)[1] != got
+    assert "imatrix" not in plain and m["imatrix"]["tensors_weighted"]
+
+
+def test_the_imatrix_file_is_llama_cpps_format_and_reads_back(wide, tmp_path):
+    m = export(wide, tmp_path / "a", quant="experts=q4_k,router=f32,*=q8_0", imatrix=_calib(), verify=False)
+    path = tmp_path / "a" / m["imatrix"]["file"]
+    assert path.name.endswith(".imatrix.gguf") and m["imatrix"]["file"] in m["files"]
+    r = gguf.GGUFReader(str(path))
+    assert r.fields["general.type"].contents() == "imatrix"
+    assert "general.architecture" not in r.fields
+    for key in ("imatrix.chunk_count", "imatrix.chunk_size"):
+        assert r.fields[key].types == [gguf.GGUFValueType.UINT32]
+    assert r.fields["imatrix.datasets"].contents() == ["mix"]
+    shapes = {t.name: [int(x) for x in t.shape] for t in r.tensors}
+    assert shapes["blk.0.ffn_down_exps.weight.in_sum2"] == [512, 3]  # ne: n_per_row, n_expert
+    assert shapes["blk.0.ffn_down_exps.weight.counts"] == [1, 3]
+    assert shapes["blk.0.attn_q.weight.in_sum2"] == [256]  # one matrix: 1-D, as llama-imatrix writes it
+    # the same statistics through --imatrix FILE give the same GGUF, byte for byte
+    again = export(wide, tmp_path / "b", quant="experts=q4_k,router=f32,*=q8_0", imatrix=path, verify=False)
+    assert (tmp_path / "b" / again["file"]).read_bytes() == (tmp_path / "a" / m["file"]).read_bytes()
+
+
+def test_an_expert_the_router_never_picks_still_gets_importance(tmp_path):
+    """Top-1 routing with router rows w, -w and 0.01·w: expert 2 is never chosen. llama.cpp's collection leaves it
+    without data (weight 1); moetool's floor computes it on every token."""
+    moe = _moe(tmp_path, top_k=1)
+    weights = load_file(str(moe / "model.safetensors"))
+    for layer in range(2):
+        key = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+        w = torch.randn(WIDE["hidden_size"])
+        weights[key] = torch.stack([w, -w, 0.01 * w]).to(weights[key].dtype)
+    save_file(weights, str(moe / "model.safetensors"), metadata={"format": "pt"})
+    from moetool.export.gguf.imatrix import collect
+
+    wanted = {f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")}
+    bare = collect(moe, _calib(min_tokens=0), wanted, device="cpu")
+    assert bare.starved() == {n: [2] for n in wanted}
+    np.testing.assert_array_equal(bare.entries["blk.0.ffn_down_exps.weight"].values().reshape(3, -1)[2], 1.0)
+    m = export(moe, tmp_path / "g", quant="experts=q4_k,router=f32,*=q8_0", imatrix=_calib(), verify=False)
+    tokens = m["imatrix"]["expert_tokens"]["0"]
+    assert tokens["routed"][2] == 0 and tokens["used"][2] == sum(m["imatrix"]["tokens"].values())
+    im = load(tmp_path / "g" / m["imatrix"]["file"])
+    assert not im.starved() and not np.allclose(im.entries["blk.0.ffn_down_exps.weight"].values()[-512:], 1.0)
+    with pytest.raises(ImatrixError, match=r"no data for expert\(s\) \[2\]"):
+        export(moe, tmp_path / "h", quant="experts=q4_k,router=f32,*=q8_0", imatrix=_calib(min_tokens=0))
+    assert not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize("low", ["q3_k", "q2_k", "iq4_xs", "iq3_s"])
+def test_low_bit_types_are_refused_without_an_imatrix(wide, tmp_path, low):
+    with pytest.raises(ExportError, match="--imatrix auto"):
+        export(wide, tmp_path / "x", quant=f"experts={low},router=f32,*=q8_0")
+    assert not (tmp_path / "x").exists()
+    assert low in NEEDS_IMATRIX
+
+
+def test_low_bit_experts_with_an_imatrix_are_written_and_pass_parity(wide, tmp_path):
+    m = export(wide, tmp_path / "q", quant="experts=iq4_xs,router=f32,*=q8_0", imatrix=_calib())
+    assert _tensor_bytes(tmp_path / "q" / m["file"], "blk.0.ffn_up_exps.weight")[0] == "iq4_xs"
+    assert m["parity"]["tokenizer_match"] and np.isfinite(m["parity"]["ppl_artifact"])
+
+
+def test_imatrix_options_are_checked_before_any_work(wide, tmp_path):
+    with pytest.raises(ExportError, match="gguf target"):
+        plan_export(wide, tmp_path / "o", target="onnx", imatrix="auto", calibration=TEXT)
+    with pytest.raises(ExportError, match="is for --imatrix auto"):
+        plan_export(wide, tmp_path / "o", calibration=TEXT)
+    with pytest.raises(ExportError, match="no such file"):
+        plan_export(wide, tmp_path / "o", imatrix=str(tmp_path / "missing.imatrix.gguf"))
+    with pytest.raises(ExportError, match="--imatrix-mode"):
+        plan_export(wide, tmp_path / "o", imatrix="auto", calibration=TEXT, imatrix_mode="sometimes")
+    other = ImportanceMatrix(datasets=["x"])
+    other.add("blk.0.ffn_down_exps.weight", np.ones((3, 64)), np.ones(3))
+    other.save(tmp_path / "other.imatrix.gguf")
+    with pytest.raises(ImatrixError, match="another model"):
+        export(wide, tmp_path / "o", quant="experts=q4_k,router=f32,*=q8_0", imatrix=tmp_path / "other.imatrix.gguf")
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_allocated_plan_fits_its_budget_and_says_why(wide, tmp_path):
+    q8 = export(wide, tmp_path / "q8", quant="q8_0", verify=False)["plan"]["total_bytes"]
+    budget = int(q8 * 0.55)
+    m = export(wide, tmp_path / "a", quant=f"budget={budget},embeddings=q8_0", imatrix=_calib(), verify=False)
+    alloc = m["allocation"]
+    assert alloc["tensor_bytes"] <= budget == alloc["budget"]
+    assert m["plan"]["total_bytes"] == alloc["tensor_bytes"]
+    banks = {b["tensor"]: b for b in alloc["banks"]}
+    assert "token_embd.weight" not in banks and "blk.0.ffn_gate_inp.weight" not in banks  # pinned by rule / router
+    types = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(str(tmp_path / "a" / m["file"])).tensors}
+    assert all(types[n] == b["type"] for n, b in banks.items())
+    assert len({b["type"] for b in banks.values()}) > 1  # bits differ by sensitivity
+    assert all(b["why"] and b["kl_probe"] >= 0 for b in banks.values())
+    with pytest.raises(ExportError, match="cheapest plan needs"):
+        export(wide, tmp_path / "b", quant="budget=10000", imatrix=_calib(), verify=False)
+    with pytest.raises(ExportError, match="--imatrix auto"):
+        export(wide, tmp_path / "c", quant=f"budget={budget}", verify=False)
+
+
+def test_types_and_budget_parse():
+    for name, t in TYPES.items():
+        if not t.is_float:
+            assert gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, name.upper())] == (t.block, t.block_bytes)
+    spec = parse_quant("budget=190M,router=f32")
+    assert spec.budget == 190 << 20 and spec.label() == "alloc-199mb"
+    e = ImportanceMatrix()
+    e.add("t", np.array([[4.0, 8.0], [1.0, 1.0]]), np.array([2.0, 0.0]))
+    np.testing.assert_array_equal(e.entries["t"].values(), [2.0, 4.0, 1.0, 1.0])
