@@ -177,9 +177,18 @@ COMMANDS: list[Cmd] = [
     ),
     helponly("moetool zoo build [--profile default|tiny] [--force]", SYNOPSIS),
     helponly(
-        "moetool export MODEL --output DIR [--target gguf] [--quant PLAN] [--device NAME] [--context N] [--dry-run] "
-        "[--no-verify] [--eval-text FILE] [--force]",
+        "moetool export MODEL --output DIR [--target gguf] [--quant PLAN] [--device NAME] [--context N] "
+        "[--imatrix auto|FILE] [--calibration FILE] [--dry-run] [--no-verify] [--eval-text FILE] [--force]",
         SYNOPSIS,
+    ),
+    helponly(
+        "moetool export MODEL --target gguf --quant PLAN --imatrix auto [--calibration FILE] "
+        "[--imatrix-mode routed|all] [--imatrix-floor N]",
+        "a synopsis; tests/export/test_gguf_imatrix.py runs it through the CLI and the API",
+    ),
+    notrun(
+        "bash scripts/build_llama_tools.sh",
+        "builds llama.cpp's own tools (about 4 minutes) for the imatrix benchmark's llama-imatrix anchor only",
     ),
     run("moetool devices [--json]", run="moetool devices --json", why="with the optional --json"),
     run("moetool presets"),

@@ -67,7 +67,9 @@ def test_experts_bytes_are_llama_cpps_with_the_importance_of_each_expert(wide, t
         assert typ == "q4_k"
         values = im.entries[name].values().reshape(3, -1)
         want = b"".join(
-            ggml.quantize(src[f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"].float().numpy(), "q4_k", values[e])
+            ggml.quantize(
+                src[f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"].float().numpy(), "q4_k", values[e]
+            )
             for e in range(3)
         )
         assert got == want
@@ -179,3 +181,22 @@ def test_types_and_budget_parse():
     e = ImportanceMatrix()
     e.add("t", np.array([[4.0, 8.0], [1.0, 1.0]]), np.array([2.0, 0.0]))
     np.testing.assert_array_equal(e.entries["t"].values(), [2.0, 4.0, 1.0, 1.0])
+
+
+def test_the_cli_collects_writes_and_reports_the_imatrix(wide, tmp_path):
+    from typer.testing import CliRunner
+
+    from moetool.cli import app
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT)
+    out = tmp_path / "cli"
+    args = ["export", str(wide), "-o", str(out), "--quant", "experts=q3_k,router=f32,*=q8_0", "--no-verify"]
+    r = CliRunner().invoke(app, [*args, "--imatrix", "auto", "--calibration", str(calib), "--imatrix-mode", "all"])
+    assert r.exit_code == 0, r.output
+    assert "imatrix: w.imatrix.gguf (all," in " ".join(r.output.split())
+    assert (out / "w.imatrix.gguf").is_file()
+    r = CliRunner().invoke(app, [*args[:2], "-o", str(tmp_path / "x"), *args[4:]])
+    assert r.exit_code == 2 and "--imatrix auto" in r.output and not (tmp_path / "x").exists()
+    r = CliRunner().invoke(app, [*args[:2], "-o", str(tmp_path / "y"), "--calibration", str(calib)])
+    assert r.exit_code == 2 and "--calibration is for --imatrix auto" in " ".join(r.output.split())

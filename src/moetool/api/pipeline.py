@@ -134,6 +134,7 @@ def _build_exports(
             context=t.context,
             force=force,
             verify=verify,
+            imatrix=t.imatrix,
         )
         stage("export_plan", (t.dir_name, job.exporter, job.plan))
         with console.status(f"writing and verifying {job.exporter.name} …"):

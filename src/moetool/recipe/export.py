@@ -23,6 +23,11 @@ class TargetSpec(StrictModel):
         description="Directory under exports/ (default: device or target).",
     )
     context: int | None = Field(default=None, ge=16, description="Context length for the memory estimate.")
+    imatrix: str | None = Field(
+        default=None,
+        description="GGUF: 'auto' collects an importance matrix on the recipe's domain data (every expert gets "
+        "tokens) for llama.cpp's quantizer, or a GGUF imatrix file; needed by q2_k, q3_k and the IQ types.",
+    )
 
     @field_validator("device")
     @classmethod
