@@ -164,10 +164,21 @@ def _export_cases(env) -> list[tuple[list[str], list[str]]]:
         (["--eval-text", str(t["latin"])], ["latin1.txt:1", "not UTF-8"]),
         (["--eval-text", str(env.work / "missing.txt")], ["missing.txt", "cannot read"]),
         (["--target", "onnx", "--quant", "layers.99.*=q4_0,*=q8_0"], ["matches no tensor"]),
+        # importance matrices (GGUF)
+        (["--imatrix", str(env.work / "missing.imatrix.gguf")], ["missing.imatrix.gguf", "no such file"]),
+        (["--imatrix", str(t["good"])], ["good.txt", "not a GGUF imatrix"]),
+        (["--imatrix", "auto", "--calibration", str(t["good"]), "--imatrix-mode", "sometimes"], ["--imatrix-mode"]),
+        (["--calibration", str(t["good"])], ["--calibration is for --imatrix auto"]),
+        (["--quant", "iq4_nl"], ["iq4_nl need an importance matrix", "--imatrix auto"]),
+        (["--quant", "budget=lots"], ["--quant budget", "not a size"]),
+        (["--imatrix", "auto", "--calibration", str(t["latin"])], ["latin1.txt:1", "not UTF-8"]),
+        (["--target", "onnx", "--imatrix", "auto"], ["--imatrix is for the gguf target"]),
+        (["--imatrix", "auto"], ["no recipe with train.data", "--calibration FILE"]),
+        (["--quant", "budget=10000", "--imatrix", "auto", "--calibration", str(t["good"])], ["cheapest plan needs"]),
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(16))
 def test_export_option(env, refused, case):
     args, expected = _export_cases(env)[case]
     t = _texts(env)

@@ -100,5 +100,13 @@ def dequantize(data: bytes, type_name: str, shape: tuple[int, ...]) -> np.ndarra
 
 
 def round_trip(rows: np.ndarray, type_name: str, importance: np.ndarray | None = None) -> np.ndarray:
-    """``rows`` quantized to ``type_name`` and back."""
+    """``rows`` quantized to ``type_name`` and back (a float type: cast and back)."""
+    if type_name == "f32":
+        return np.asarray(rows, dtype=np.float32).copy()
+    if type_name == "f16":
+        return np.asarray(rows, dtype=np.float32).astype(np.float16).astype(np.float32)
+    if type_name == "bf16":
+        import torch
+
+        return torch.from_numpy(np.asarray(rows, dtype=np.float32)).bfloat16().float().numpy()
     return dequantize(quantize(rows, type_name, importance), type_name, rows.shape)
