@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +20,19 @@ from moetool.export.gguf.layout import Layout
 def unpermute_qk(a: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of :func:`moetool.export.gguf.names.permute_qk`."""
     return a.reshape(n_head, a.shape[0] // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def _dequantize(rt: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """A GGUF tensor as float32 in torch ``shape``: ggml's own row dequantizer for the block types (C, and the IQ
+    types' grids that gguf-py's numpy port walks slowly), gguf-py for the float types."""
+    import gguf
+
+    kind = rt.tensor_type.name.lower()
+    if kind in ("f32", "f16", "bf16"):
+        return np.asarray(gguf.quants.dequantize(rt.data, rt.tensor_type), dtype=np.float32).reshape(shape)
+    from moetool.export.gguf import ggml
+
+    return ggml.dequantize(np.ascontiguousarray(rt.data).tobytes(), kind, shape)
 
 
 def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: Path) -> Path:
@@ -38,7 +52,7 @@ def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: P
         ]:
             continue  # the tied head duplicated for llama.cpp: transformers reads the embedding
         rt = by_name[t.name]
-        arr = gguf.quants.dequantize(rt.data, rt.tensor_type).astype(np.float32).reshape(t.shape)
+        arr = _dequantize(rt, t.shape)
         if t.permute_heads:
             arr = unpermute_qk(arr, t.permute_heads)
         if t.squeeze:
