@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tuning_fixtures import read_all_tensors, write_tuning_recipe
 
 from moetool.api import assemble
@@ -118,3 +119,20 @@ def test_budget_sizes():
     assert parse_size("1024", what="x") == 1024 and parse_size("1.5GiB", what="x") == int(1.5 * (1 << 30))
     with pytest.raises(BudgetError, match="not a size"):
         parse_size("lots", what="MOETOOL_MEMORY_BUDGET")
+
+
+def test_gguf_verification_runs_in_the_models_bf16_when_float32_does_not_fit(bf16_moe, tmp_path, monkeypatch):
+    """A budget that holds the bf16 model but not its float32 copy: verification compares in bf16 (said in the
+    manifest) instead of refusing; the conversion check still holds. With room for float32 it stays float32."""
+    from moetool.api import export
+    from moetool.export.gguf.verify import VERIFY_OVERHEAD
+
+    _, moe = bf16_moe
+    params = sum(t.numel() for t in load_file(str(next(moe.glob("*.safetensors")))).values())
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(VERIFY_OVERHEAD + params * 3))
+    m = export(moe, tmp_path / "low", quant="q8_0")
+    assert m["parity"]["reference"] == "transformers bfloat16"
+    assert m["parity"]["conversion"]["reference"] == "transformers bfloat16 on the artifact's dequantized weights"
+    assert m["parity"]["conversion"]["top1_agreement"] >= 0.95
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(VERIFY_OVERHEAD + params * 5))
+    assert export(moe, tmp_path / "full", quant="q8_0")["parity"]["reference"] == "transformers float32"

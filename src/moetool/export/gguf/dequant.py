@@ -35,8 +35,9 @@ def _dequantize(rt: Any, shape: tuple[int, ...]) -> np.ndarray:
     return ggml.dequantize(np.ascontiguousarray(rt.data).tobytes(), kind, shape)
 
 
-def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: Path) -> Path:
-    """Write ``out`` (config, tokenizer, model.safetensors) with the weights as llama.cpp will see them."""
+def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: Path, dtype: str = "float32") -> Path:
+    """Write ``out`` (config, tokenizer, model.safetensors) with the weights as llama.cpp will see them, in ``dtype``
+    (the verification reference's)."""
     import gguf
     from safetensors.torch import save_file
 
@@ -67,6 +68,8 @@ def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: P
     for src, parts in slices.items():
         tensors[src] = torch.from_numpy(np.concatenate([a for _, a in sorted(parts, key=lambda p: p[0])], axis=-2))
     out.mkdir(parents=True, exist_ok=True)
+    if dtype != "float32":
+        tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for f in model_dir.iterdir():
         if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja") and not f.name.endswith(".index.json"):

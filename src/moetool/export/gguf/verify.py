@@ -48,6 +48,7 @@ class ParityReport:
     conversion: Agreement
     original: Agreement
     tokens_scored: int
+    reference_dtype: str = "float32"
 
     @property
     def tokenizer_match(self) -> bool:
@@ -60,7 +61,7 @@ class ParityReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "runtime": "llama-cpp-python",
-            "reference": "transformers float32",
+            "reference": f"transformers {self.reference_dtype}",
             "tokenizer_match": self.tokenizer_match,
             "tokenizer_probes": len(TOKENIZER_PROBES),
             "tokenizer_mismatches": self.tokenizer_mismatches,
@@ -69,8 +70,27 @@ class ParityReport:
             # the headline figures are against the source model (what a user compares with)
             **self.original.to_json(),
             "conversion": self.conversion.to_json()
-            | {"reference": "transformers float32 on the artifact's dequantized weights"},
+            | {"reference": f"transformers {self.reference_dtype} on the artifact's dequantized weights"},
         }
+
+
+def reference_dtype(params: int, config: dict[str, Any]) -> str:
+    """The transformers reference's dtype for verification: float32 when the model fits in memory in float32 (the
+    tightest reference), else the checkpoint's own 16-bit dtype (a bf16 MoE of 5B parameters is 21 GB in float32).
+
+    Raises:
+        BudgetError: ``MOETOOL_MEMORY_BUDGET`` is not a size.
+    """
+    from moetool.io.budget import available_memory
+
+    own = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    if own not in ("bfloat16", "float16"):
+        return "float32"
+    mem = available_memory()
+    return "float32" if mem is None or params * 4 + VERIFY_OVERHEAD <= mem else own
+
+
+VERIFY_OVERHEAD = 1 << 30  # activations of the probe windows, the tokenizer, the runtime
 
 
 @contextlib.contextmanager
@@ -194,26 +214,30 @@ def compare(
     n_windows: int = 4,
     lora_path: Path | None = None,
     equivalent: Callable[[str], str] | None = None,
+    dtype: str = "float32",
 ) -> ParityReport:
     """Run llama.cpp and transformers on the same ids.
 
     ``model_dir`` is the source model; ``artifact_weights`` a checkpoint holding the artifact's dequantized weights
-    (None when they equal the source's, as for f32); ``equivalent`` as in :func:`check_tokenizer`.
+    (None when they equal the source's, as for f32); ``equivalent`` as in :func:`check_tokenizer`; ``dtype`` the
+    transformers reference's (float32, or the checkpoint's own 16-bit dtype when float32 does not fit in memory).
+    llama.cpp runs first and lets its copy go, so one model is held at a time.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    torch_dtype = getattr(torch, dtype)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    original = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    max_pos = int(getattr(original.config, "max_position_embeddings", 2048))
+    max_pos = int(getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
     run = run_llama(gguf_path, tok, text, lens, n_windows=n_windows, lora_path=lora_path, equivalent=equivalent)
+    original = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype).eval()
     vs_original = run.against(original)
     if artifact_weights is None:
         conversion = vs_original
     else:
         del original
-        own = AutoModelForCausalLM.from_pretrained(str(artifact_weights), dtype=torch.float32).eval()
+        own = AutoModelForCausalLM.from_pretrained(str(artifact_weights), dtype=torch_dtype).eval()
         conversion = run.against(own)
     return ParityReport(
         tokenizer_mismatches=run.tokenizer_mismatches,
@@ -221,4 +245,5 @@ def compare(
         conversion=conversion,
         original=vs_original,
         tokens_scored=sum(len(w) - 1 for w in run.ppl_windows),
+        reference_dtype=dtype,
     )
