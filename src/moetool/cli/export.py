@@ -12,6 +12,37 @@ from rich.table import Table
 
 from moetool.cli.console import console, friendly, human, out
 
+ComputeUnitsOpt = Annotated[str, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE.")]
+MoeKernelOpt = Annotated[
+    str,
+    typer.Option(
+        help="ONNX: sparse (onnxruntime's MoE/QMoE operators, only each token's top-k experts run) or dense "
+        "(every expert as standard MatMuls, for ONNX runtimes other than onnxruntime)."
+    ),
+]
+# the importance-matrix options (GGUF), as aliases: export_cmd's signature stays readable
+ImatrixOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="GGUF: an importance matrix for llama.cpp's quantizer: 'auto' collects one (every expert gets "
+        "tokens) on --calibration or the recipe's domain data, or a GGUF imatrix FILE. Needed by q2_k, q3_k and "
+        "the IQ types; written beside the GGUF."
+    ),
+]
+CalibrationOpt = Annotated[
+    Path | None, typer.Option(help="Calibration text file for --imatrix auto (default: the recipe's data).")
+]
+ImatrixModeOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="--imatrix auto: 'routed' (each expert over its routed tokens; one under --imatrix-floor tokens "
+        "over every token) or 'all' (every expert over every token)."
+    ),
+]
+ImatrixFloorOpt = Annotated[
+    int | None, typer.Option(min=0, help="--imatrix auto, routed: fewest tokens an expert may have (128).")
+]
+
 
 @friendly
 def export_cmd(
@@ -40,37 +71,12 @@ def export_cmd(
         bool, typer.Option("--dry-run", help="Print the plan and memory estimate; write nothing.")
     ] = False,
     verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
-    compute_units: Annotated[
-        str, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE.")
-    ] = "CPU_AND_NE",
-    moe_kernel: Annotated[
-        str,
-        typer.Option(
-            help="ONNX: sparse (onnxruntime's MoE/QMoE operators, only each token's top-k experts run) or dense "
-            "(every expert as standard MatMuls, for ONNX runtimes other than onnxruntime)."
-        ),
-    ] = "sparse",
-    imatrix: Annotated[
-        str | None,
-        typer.Option(
-            help="GGUF: an importance matrix for llama.cpp's quantizer: 'auto' collects one (every expert gets "
-            "tokens) on --calibration or the recipe's domain data, or a GGUF imatrix FILE. Needed by q2_k, q3_k and "
-            "the IQ types; written beside the GGUF."
-        ),
-    ] = None,
-    calibration: Annotated[
-        Path | None, typer.Option(help="Calibration text file for --imatrix auto (default: the recipe's data).")
-    ] = None,
-    imatrix_mode: Annotated[
-        str | None,
-        typer.Option(
-            help="--imatrix auto: 'routed' (each expert over its routed tokens; one under --imatrix-floor tokens "
-            "over every token) or 'all' (every expert over every token)."
-        ),
-    ] = None,
-    imatrix_floor: Annotated[
-        int | None, typer.Option(min=0, help="--imatrix auto, routed: fewest tokens an expert may have (128).")
-    ] = None,
+    compute_units: ComputeUnitsOpt = "CPU_AND_NE",
+    moe_kernel: MoeKernelOpt = "sparse",
+    imatrix: ImatrixOpt = None,
+    calibration: CalibrationOpt = None,
+    imatrix_mode: ImatrixModeOpt = None,
+    imatrix_floor: ImatrixFloorOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     base: Annotated[
         str | None,

@@ -141,32 +141,7 @@ class GGUFExporter:
                 first.unlink()
             check_types(target, plan.quant)
             write_s = time.perf_counter() - t0
-            parity = None
-            if req.verify:
-                from moetool.export.gguf.verify import compare, reference_dtype
-
-                text, text_src = held_out_text(req.model_dir, req.eval_text)
-                lossless = all(a.type == "f32" for a in plan.quant.assignments)
-                # inside the output's own temporary folder, not $TMPDIR: a killed run's full-size copy of the
-                # weights is swept with the rest of that folder by the next run (io.atomic), and it lands on the
-                # output's filesystem, whose free space the output needs anyway
-                ref = reference_dtype(plan.quant.total_params, plan.config)
-                with tempfile.TemporaryDirectory(prefix=".parity-", dir=tmp) as work:
-                    own = (
-                        None
-                        if lossless
-                        else artifact_checkpoint(target, req.model_dir, plan.layout, Path(work), dtype=ref)
-                    )
-                    report = compare(
-                        target,
-                        req.model_dir,
-                        text,
-                        artifact_weights=own,
-                        equivalent=functools.partial(llama_cpp_equivalent, vocab),
-                        dtype=ref,
-                    )
-                parity = report.to_json() | {"text": text_src}
-                gate_problems(report, plan.quant)
+            parity = self._verify(req, plan, target, tmp, vocab) if req.verify else None
             files = {fname: target} | ({imatrix_file.name: imatrix_file} if imatrix_file else {})
             manifest = manifest_base("gguf", plan, files, fname)
             if imatrix is not None:
@@ -187,6 +162,33 @@ class GGUFExporter:
             }
             write_manifest(tmp, manifest)
         return manifest
+
+    def _verify(self, req: ExportRequest, plan: GGUFPlan, target: Path, tmp: Path, vocab: Any) -> dict[str, Any]:
+        """The parity report of the written GGUF (llama.cpp against transformers), gated by the plan's kind.
+
+        Raises:
+            ExportError: a gate is missed or the tokenizers disagree.
+        """
+        from moetool.export.gguf.verify import compare, reference_dtype
+
+        text, text_src = held_out_text(req.model_dir, req.eval_text)
+        lossless = all(a.type == "f32" for a in plan.quant.assignments)
+        ref = reference_dtype(plan.quant.total_params, plan.config)
+        # inside the output's own temporary folder, not $TMPDIR: a killed run's full-size copy of the weights is
+        # swept with the rest of that folder by the next run (io.atomic), and it lands on the output's filesystem,
+        # whose free space the output needs anyway
+        with tempfile.TemporaryDirectory(prefix=".parity-", dir=tmp) as work:
+            own = None if lossless else artifact_checkpoint(target, req.model_dir, plan.layout, Path(work), dtype=ref)
+            report = compare(
+                target,
+                req.model_dir,
+                text,
+                artifact_weights=own,
+                equivalent=functools.partial(llama_cpp_equivalent, vocab),
+                dtype=ref,
+            )
+        gate_problems(report, plan.quant)
+        return report.to_json() | {"text": text_src}
 
     def _imatrix(
         self, req: ExportRequest, plan: GGUFPlan, given: ImportanceMatrix | None, path: Path, console: Any
