@@ -1,10 +1,12 @@
 """Bits by importance: a type per tensor ("bank") under a byte budget, from each bank's measured sensitivity.
 
 Every bank starts at its cheapest candidate type; then, while the budget allows, the upgrade with the largest
-estimated loss reduction per extra byte is taken (over every bank and every higher type, so a bank can skip a
-step). The estimate of a bank at a type is its measured KL divergence at a probe type scaled by the ratio of the
-importance-weighted squared rounding errors (``Σ_e share_e Σ_ij imp_ej (W - Q_t(W))²``), so banks are compared by
-what quantizing them costs the model's output, and experts that calibration rarely routes to weigh little.
+loss reduction per extra byte is taken (over every bank and every higher type, so a bank can skip a step). A bank's
+loss at a type is the model's KL divergence measured with that bank alone rounded to it; a candidate left
+unmeasured (the near-lossless top of the ladder) is estimated from a measured one by the ratio of the
+importance-weighted squared rounding errors (``Σ_e share_e Σ_ij imp_ej (W - Q_t(W))²``). Rounding error alone is
+not the measure: on the real default, q4_1 has a fiftieth of q4_0's error and loses most of what fine-tuning added
+(the base was dequantized from Q4_1, so q4_1's grid rounds each expert back onto the base).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ class Bank:
         role: its role (experts, attention, …).
         shape: torch shape.
         error: candidate type → importance-weighted squared rounding error (the proxy).
-        kl: measured KL divergence (mean per token, nats) with this bank alone at ``probe``.
-        probe: the type ``kl`` was measured at.
+        kl: candidate type → measured KL divergence (mean per token, nats) with this bank alone at that type; a
+            candidate without a measurement is estimated from the measured one nearest in error.
+        probe: the cheapest candidate (always measured).
         share: for a stacked expert tensor, each expert's share of calibration tokens.
     """
 
@@ -33,7 +36,7 @@ class Bank:
     role: str
     shape: tuple[int, ...]
     error: dict[str, float]
-    kl: float
+    kl: dict[str, float]
     probe: str
     share: list[float] = field(default_factory=list)
 
@@ -41,11 +44,12 @@ class Bank:
         return TYPES[t].nbytes(self.shape)
 
     def estimate(self, t: str) -> float:
-        """Estimated KL at type ``t``: the probe's KL scaled by the proxy's ratio."""
-        base = self.error.get(self.probe, 0.0)
-        if base <= 0:
-            return 0.0
-        return max(0.0, self.kl) * self.error[t] / base
+        """KL at type ``t``: measured, else the measured candidate nearest in error scaled by the errors' ratio."""
+        if t in self.kl:
+            return max(0.0, self.kl[t])
+        ref = min(self.kl, key=lambda m: abs(self.error[m] - self.error[t]))
+        base = self.error.get(ref, 0.0)
+        return 0.0 if base <= 0 else max(0.0, self.kl[ref]) * self.error[t] / base
 
     def candidates(self) -> list[str]:
         """Candidate types, cheapest first."""
@@ -95,8 +99,7 @@ class Allocation:
                     "role": b.role,
                     "type": t,
                     "bytes": b.nbytes(t),
-                    "kl_probe": round(b.kl, 6),
-                    "probe": b.probe,
+                    "kl_measured": {k: round(v, 6) for k, v in b.kl.items()},
                     "kl_estimate": round(b.estimate(t), 6),
                     "expert_share": [round(s, 4) for s in b.share] or None,
                     "why": self.why(n),

@@ -1,11 +1,11 @@
 """Measure what quantizing each tensor costs, then choose its type under a byte budget (:mod:`moetool.quant.allocate`).
 
 For every tensor the allocation decides (a "bank": one layer's stacked experts of one projection, one attention
-projection, the embeddings), the model runs on calibration windows with that bank alone rounded to its cheapest
-candidate type by ggml (with the importance matrix), and the KL divergence of its next-token distribution from the
-unrounded model's is the bank's measured sensitivity. Each other candidate's cost is that KL scaled by the
-importance-weighted rounding error (each expert weighted by its share of calibration tokens), so a rarely-routed
-expert bank, or one whose errors fall on unimportant columns, gets fewer bits.
+projection, the embeddings), the model runs on calibration windows with that bank alone rounded by ggml (with the
+importance matrix) to each candidate type but the most precise, and the KL divergence of its next-token distribution
+from the unrounded model's is the bank's cost at that type; the top candidate's is estimated from the importance-
+weighted rounding error (each expert weighted by its share of calibration tokens). Candidates another beats on both
+bytes and error are dropped first, so q4_0 and iq4_nl (the same bytes) cost one measurement.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from moetool.quant.types import TYPES
 
 # candidates by row length: 256-blocks where rows allow, else the 32-block types (llama.cpp's fallbacks)
 LADDER_256 = ("q2_k", "q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q8_0")
-LADDER_32 = ("iq4_nl", "q5_0", "q5_1", "q8_0")
+LADDER_32 = ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0")
 
 
 def candidates(row: int, allowed: tuple[str, ...] | None = None) -> list[str]:
@@ -36,6 +36,20 @@ def candidates(row: int, allowed: tuple[str, ...] | None = None) -> list[str]:
     pool = LADDER_256 if row % 256 == 0 else LADDER_32
     out = [t for t in pool if row % TYPES[t].block == 0 and (allowed is None or t in allowed)]
     return out or ["f16"]
+
+
+def undominated(errors: dict[str, float], shape: tuple[int, ...]) -> dict[str, float]:
+    """The candidates no other beats on both bytes and error (q4_0 and iq4_nl cost the same: the better stays)."""
+    size = {t: TYPES[t].nbytes(shape) for t in errors}
+    return {
+        t: e
+        for t, e in errors.items()
+        if not any(
+            (size[o] <= size[t] and errors[o] <= e) and (size[o] < size[t] or errors[o] < e or o < t)
+            for o in errors
+            if o != t
+        )
+    }
 
 
 def _weights(model: Any) -> dict[str, tuple[torch.Tensor, slice | None]]:
@@ -102,7 +116,7 @@ def measure(
     imatrix: ImportanceMatrix,
     banks: dict[str, str],
     *,
-    probe_tokens: int = 512,
+    probe_tokens: int = 256,
     device: str | None = None,
     console: Any = None,
 ) -> list[Bank]:
@@ -144,10 +158,13 @@ def measure(
             errors = {}
             for t in candidates(w.shape[-1]):
                 errors[t] = float((weight * col * (w - _rounded(w, t, imp)) ** 2).sum())
-            probe = min(errors, key=lambda t: TYPES[t].nbytes(w.shape))
-            with _swapped(view, _rounded(w, probe, imp)):
-                kl = _kl(ref, _logprobs(model, windows, dev))
-            out.append(Bank(name, role, tuple(w.shape), errors, kl, probe, [float(s) for s in share]))
+            errors = undominated(errors, w.shape)
+            order = sorted(errors, key=lambda t: (TYPES[t].nbytes(w.shape), errors[t]))
+            kls = {}
+            for t in order[:-1] if len(order) > 1 else order:  # the top (near-lossless) is estimated
+                with _swapped(view, _rounded(w, t, imp)):
+                    kls[t] = _kl(ref, _logprobs(model, windows, dev))
+            out.append(Bank(name, role, tuple(w.shape), errors, kls, order[0], [float(s) for s in share]))
             advance()
     del model
     return out
