@@ -82,7 +82,8 @@ def step_tokens_per_s(model: torch.nn.Module, batch: torch.Tensor, steps: int) -
     return batch.numel() / statistics.median(times)
 
 
-def compare_steps(moe_dir: Path, args: argparse.Namespace) -> list[tuple[str, float]]:
+def compare_steps(moe_dir: Path, args: argparse.Namespace) -> list[tuple[int, str, float]]:
+    """(batch, model, tokens/s) for the dense peer and the MoE under each expert kernel, every batch size."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from moetool.train.freeze import apply_freeze
@@ -91,8 +92,8 @@ def compare_steps(moe_dir: Path, args: argparse.Namespace) -> list[tuple[str, fl
     top_k = int(cfg["num_experts_per_tok"])
     ff = int(cfg["intermediate_size"])
     dev = torch.device(args.device)
-    batch = torch.randint(0, int(cfg["vocab_size"]), (args.batch, args.seq), device=dev)
-    rows: list[tuple[str, float]] = []
+    batches = {b: torch.randint(0, int(cfg["vocab_size"]), (b, args.seq), device=dev) for b in args.batches}
+    rows: list[tuple[int, str, float]] = []
     shape = {k: cfg[k] for k in ladder.RUNGS[args.rung]} | {
         "vocab_size": cfg["vocab_size"],
         "tie_word_embeddings": True,
@@ -101,19 +102,20 @@ def compare_steps(moe_dir: Path, args: argparse.Namespace) -> list[tuple[str, fl
     dense = LlamaForCausalLM(LlamaConfig(**(shape | {"intermediate_size": top_k * ff}))).to(dev, torch.bfloat16)
     for n, p in dense.named_parameters():
         p.requires_grad_(".mlp." not in n)
-    rows.append((f"dense Llama, MLP {top_k}×{ff}", step_tokens_per_s(dense, batch, args.steps_timed)))
+    for b, batch in batches.items():
+        rows.append((b, f"dense Llama, MLP {top_k}×{ff}", step_tokens_per_s(dense, batch, args.steps_timed)))
     del dense
     for impl in ("grouped_mm", "eager"):
         if dev.type == "cuda":
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         m: Any = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.bfloat16, experts_implementation=impl)
         m.to(dev)
         apply_freeze(m, "mofe")
-        tps = step_tokens_per_s(m, batch, args.steps_timed)
-        rows.append((f"MoE mofe step, {impl}{_peak()}", tps))
+        for b, batch in batches.items():
+            tps = step_tokens_per_s(m, batch, args.steps_timed)
+            rows.append((b, f"MoE mofe step, {impl}{_peak()}", tps))
         del m
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -123,7 +125,11 @@ def main() -> None:
     ap.add_argument("--rung", default="1.7b", choices=sorted(ladder.RUNGS))
     ap.add_argument("--steps", type=int, default=20, help="moetool train steps")
     ap.add_argument("--steps-timed", type=int, default=6, help="timed steps of the in-process comparison")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8, help="moetool train's batch")
+    ap.add_argument(
+        "--batches", type=lambda t: [int(x) for x in t.split(",")], default=[8], help="timed steps' batches"
+    )
+    ap.add_argument("--no-train", action="store_true", help="merge, then only the timed steps (no train, no eval)")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="cpu runs the script's own smoke test (--rung smoke)")
     args = ap.parse_args()
@@ -150,43 +156,44 @@ def main() -> None:
     walls["merge (hidden-state routers)"], _ = _stage(
         "merge", ["merge", str(recipe), "-o", str(moe), "--force", "--device", args.device], root / "merge.log"
     )
-    walls["train"], log = _stage(
-        "train",
-        [
+    if not args.no_train:
+        walls["train"], log = _stage(
             "train",
-            str(recipe),
-            "--model",
-            str(moe),
-            "-o",
-            str(tuned),
-            "--force",
-            "--no-resume",
-            "--device",
-            args.device,
-        ],
-        root / "train.log",
-    )
-    walls["eval (4,096 tokens)"], eval_log = _stage(
-        "eval",
-        ["eval", str(tuned), "--data", f"code={texts['code']}", "--max-tokens", "4096", "--device", args.device],
-        root / "eval.log",
-    )
-    rates = [float(x) for x in re.findall(r"(\d+) tok/s", log)]
-    tuned_cfg = json.loads((tuned / "config.json").read_text())
-    moe_bytes = sum(f.stat().st_size for f in moe.glob("*.safetensors"))
-    tuned_bytes = sum(f.stat().st_size for f in tuned.glob("*.safetensors"))
-    print(f"\nMoE {moe_bytes / 1e9:.2f} GB, tuned {tuned_bytes / 1e9:.2f} GB, tuned dtype {tuned_cfg.get('dtype')}")
-    print("| stage | wall |\n|---|---|")
-    for k, v in walls.items():
-        print(f"| {k} | {v:.1f} s |")
-    if rates:
-        print(f"train tok/s as printed (last): {rates[-1]:.0f}")
-    print("eval output (tail):\n" + "\n".join(eval_log.strip().splitlines()[-8:]))
+            [
+                "train",
+                str(recipe),
+                "--model",
+                str(moe),
+                "-o",
+                str(tuned),
+                "--force",
+                "--no-resume",
+                "--device",
+                args.device,
+            ],
+            root / "train.log",
+        )
+        walls["eval (4,096 tokens)"], eval_log = _stage(
+            "eval",
+            ["eval", str(tuned), "--data", f"code={texts['code']}", "--max-tokens", "4096", "--device", args.device],
+            root / "eval.log",
+        )
+        rates = [float(x) for x in re.findall(r"(\d+) tok/s", log)]
+        tuned_cfg = json.loads((tuned / "config.json").read_text())
+        moe_bytes = sum(f.stat().st_size for f in moe.glob("*.safetensors"))
+        tuned_bytes = sum(f.stat().st_size for f in tuned.glob("*.safetensors"))
+        print(f"\nMoE {moe_bytes / 1e9:.2f} GB, tuned {tuned_bytes / 1e9:.2f} GB, tuned dtype {tuned_cfg.get('dtype')}")
+        print("| stage | wall |\n|---|---|")
+        for k, v in walls.items():
+            print(f"| {k} | {v:.1f} s |")
+        if rates:
+            print(f"train tok/s as printed (last): {rates[-1]:.0f}")
+        print("eval output (tail):\n" + "\n".join(eval_log.strip().splitlines()[-8:]))
     rows = compare_steps(moe, args)
-    ref = rows[0][1]
-    print(f"\n| step (batch {args.batch} × {args.seq}, bf16) | tokens/s | × dense |\n|---|---|---|")
-    for name, tps in rows:
-        print(f"| {name} | {tps:,.0f} | {tps / ref:.2f}× |")
+    ref = {b: tps for b, name, tps in rows if name.startswith("dense")}
+    print(f"\n| step (× {args.seq} tokens, bf16) | batch | tokens/s | × dense |\n|---|---|---|---|")
+    for b, name, tps in rows:
+        print(f"| {name} | {b} | {tps:,.0f} | {tps / ref[b]:.2f}× |")
 
 
 if __name__ == "__main__":

@@ -51,11 +51,16 @@ PLANS: dict[str, tuple[str, str]] = {
     "moe-q4 moetool routed": ("moe-q4", "routed"),
     "moe-q4 moetool all": ("moe-q4", "all"),
     "iq4_nl experts moetool": ("experts=iq4_nl,router=f32,*=q8_0", "routed"),
+    "q4_1 experts": ("experts=q4_1,router=f32,*=q8_0", "none"),
+    "q4_1 experts moetool": ("experts=q4_1,router=f32,*=q8_0", "routed"),
     "q4_k experts": ("experts=q4_k,router=f32,*=q8_0", "none"),
     "q4_k experts moetool": ("experts=q4_k,router=f32,*=q8_0", "routed"),
     "q3_k experts moetool": ("experts=q3_k,router=f32,*=q8_0", "routed"),
-    "allocated, moe-q4 size": ("budget=MOEQ4,router=f32", "routed"),
-    "allocated, 190 MB": ("budget=181M,router=f32", "routed"),
+    "q2_k experts llama.cpp-style": ("experts=q2_k,router=f32,*=q8_0", "llama-style"),
+    "q2_k experts moetool": ("experts=q2_k,router=f32,*=q8_0", "routed"),
+    "q2_k experts moetool all": ("experts=q2_k,router=f32,*=q8_0", "all"),
+    "allocated at moe-q4 size": ("budget=MOEQ4,router=f32", "routed"),
+    "allocated under 190 MB": ("budget=181M,router=f32", "routed"),
 }
 
 
@@ -112,7 +117,7 @@ def llama_tool_imatrix(tools: Path, model: Path, calib: Calibration, work: Path,
     f16 = work / "f16"
     if not (f16 / "manifest.json").is_file():
         export(model, f16, quant="f16", verify=False, force=True)
-    gguf = next(f16.glob("*.gguf"))
+    gguf = f16 / json.loads((f16 / "manifest.json").read_text())["file"]
     text = work / "calibration.txt"
     # the same tokens moetool's collector reads: each domain's first max_tokens / domains tokens
     per = calib.max_tokens // len(calib.texts)
@@ -160,7 +165,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("out/imatrix-bench"))
     ap.add_argument("--llama-tools", type=Path, default=Path("out/llama-tools/bin"))
     ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--table", action="store_true", help="print the markdown table of --out's results; run nothing")
     args = ap.parse_args()
+    if args.table:
+        print_table(json.loads((args.out / "results.json").read_text()))
+        return
     from transformers import AutoTokenizer
 
     model = Path(args.model)
@@ -176,11 +185,13 @@ def main() -> None:
         "routed": Calibration(texts, source="recipe", mode="routed", min_tokens=128),
         "all": Calibration(texts, source="recipe", mode="all"),
     }
-    results: dict[str, Any] = {}
+    done = args.out / "results.json"
+    # a rerun with other --plans adds to the table (same model and windows)
+    results: dict[str, Any] = json.loads(done.read_text())["plans"] if done.is_file() else {}
     tool_file = None
     if "llama-tool" in {PLANS[p][1] for p in args.plans.split(",")}:
         tool_file = llama_tool_imatrix(args.llama_tools, model, calibs["routed"], args.out, tok)
-    moeq4: int | None = None
+    moeq4: int | None = results.get("moe-q4", {}).get("tensor_bytes")
     for name in args.plans.split(","):
         quant, kind = PLANS[name]
         if "MOEQ4" in quant:
@@ -193,8 +204,9 @@ def main() -> None:
         row, m = run_plan(model, args.out / name.replace(" ", "_").replace(",", ""), quant, im, wins, ref_argmax)
         row["imatrix"] = kind
         row["ppl_change"] = {d: row["ppl"][d] / ref_ppl[d] - 1 for d in ref_ppl}
+        row["tensor_bytes"] = int(m["plan"]["total_bytes"])
         if name == "moe-q4":
-            moeq4 = int(m["plan"]["total_bytes"])
+            moeq4 = row["tensor_bytes"]
         results[name] = row
         ch = ", ".join(f"{d} {100 * v:+.1f}%" for d, v in row["ppl_change"].items())
         print(
@@ -207,6 +219,25 @@ def main() -> None:
         results["llama-imatrix file"] = {"expert_tokens": _tool_tokens(tool_file)}
     (args.out / "results.json").write_text(json.dumps({"reference": ref_ppl, "plans": results}, indent=1))
     _print_tokens(results)
+
+
+def print_table(data: dict[str, Any]) -> None:
+    """The README's table: size, perplexity change per domain, top-1 agreement and the conversion check."""
+    ref = data["reference"]
+    domains = list(ref)
+    print(f"| plan | imatrix | GGUF | {' | '.join(domains)} | top-1 vs f32 | conversion check |")
+    print("|---|---|---|" + "---|" * len(domains) + "---|---|")
+    print(f"| transformers float32 | | | {' | '.join(f'{ref[d]:.2f}' for d in domains)} | | |")
+    for name, row in data["plans"].items():
+        if "bytes" not in row:
+            continue
+        conv = row["conversion"]
+        check = f"passes ({conv['top1']:.3f})" if conv["passes"] else "fails (" + conv["why"].split(" ")[4] + ")"
+        change = " | ".join(f"{100 * row['ppl_change'][d]:+.1f} %" for d in domains)
+        print(
+            f"| {name} | {row.get('imatrix', '')} | {row['bytes'] / 1e6:.1f} MB | {change} | {row['top1']:.3f} | "
+            f"{check} |"
+        )
 
 
 def _types(banks: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
