@@ -61,6 +61,10 @@ PLANS: dict[str, tuple[str, str]] = {
     "q2_k experts moetool all": ("experts=q2_k,router=f32,*=q8_0", "all"),
     "allocated at moe-q4 size": ("budget=MOEQ4,router=f32", "routed"),
     "allocated under 190 MB": ("budget=181M,router=f32", "routed"),
+    # the second family's small sizes (its embeddings are half its bytes)
+    "q4_k everywhere": ("q4_k", "none"),
+    "q4_k everywhere moetool": ("q4_k", "routed"),
+    "allocated at 12 MiB": ("budget=12M,router=f32", "routed"),
 }
 
 

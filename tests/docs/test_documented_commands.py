@@ -366,6 +366,8 @@ COMMANDS: list[Cmd] = [
     helponly(".venv/bin/python bench/size_ladder.py --rungs 135m,360m,1.7b", BENCH),
     helponly(".venv/bin/python bench/size_ladder.py --rungs 135m,360m --experts", BENCH),
     helponly("python bench/gpu_check.py", BENCH),
+    helponly(".venv/bin/python bench/imatrix_quality.py", BENCH),
+    helponly(".venv/bin/python bench/second_family.py", BENCH),
     helponly("python bench/gpu_check.py --no-train --batches 8,16", BENCH),
     helponly(".venv/bin/python bench/experts_edit.py -o out/experts-bench", BENCH),
     helponly(
