@@ -3,6 +3,8 @@ without one, and the bits-by-importance plan within its budget."""
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import llama_cpp  # noqa: F401  (the dev extra installs it; a missing runtime must fail, not skip)
 import numpy as np
@@ -153,7 +155,8 @@ def test_imatrix_options_are_checked_before_any_work(wide, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_the_allocated_plan_fits_its_budget_and_says_why(wide, tmp_path):
+def test_the_allocated_plan_fits_its_budget_and_says_why(wide, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
     q8 = export(wide, tmp_path / "q8", quant="q8_0", verify=False)["plan"]["total_bytes"]
     budget = int(q8 * 0.55)
     m = export(wide, tmp_path / "a", quant=f"budget={budget},embeddings=q8_0", imatrix=_calib(), verify=False)
@@ -166,8 +169,13 @@ def test_the_allocated_plan_fits_its_budget_and_says_why(wide, tmp_path):
     assert all(types[n] == b["type"] for n, b in banks.items())
     assert len({b["type"] for b in banks.values()}) > 1  # bits differ by sensitivity
     assert all(b["why"] and b["kl_measured"] and min(b["kl_measured"].values()) > -1e-6 for b in banks.values())
+    from moetool.paths import cache_dir
+
+    (entry,) = (cache_dir() / "allocation").glob("*.json")  # the measurements, kept for another budget
+    entry.write_text("not json")  # a damaged entry is measured again
     with pytest.raises(ExportError, match="cheapest plan needs"):
-        export(wide, tmp_path / "b", quant="budget=10000", imatrix=_calib(), verify=False)
+        export(wide, tmp_path / "b", quant="budget=10000,embeddings=q8_0", imatrix=_calib(), verify=False)
+    assert json.loads(entry.read_text())[0]["kl"]
     with pytest.raises(ExportError, match="--imatrix auto"):
         export(wide, tmp_path / "c", quant=f"budget={budget}", verify=False)
 

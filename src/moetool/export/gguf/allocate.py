@@ -109,6 +109,47 @@ def _kl(ref: list[torch.Tensor], got: list[torch.Tensor]) -> float:
     return total / max(1, n)
 
 
+CACHE_FORMAT = 1
+
+
+def measure_cached(
+    model_dir: Path,
+    calib: Calibration,
+    imatrix: ImportanceMatrix,
+    banks: dict[str, str],
+    *,
+    console: Any = None,
+) -> list[Bank]:
+    """:func:`measure`, kept in the cache under a key of everything it depends on (the weights' bytes, the
+    importance, the text, the candidates), so a second budget on the same model costs no measurement. A vanished or
+    unreadable entry is measured again."""
+    import hashlib
+    import json
+
+    from moetool.io.atomic import atomic_write_text
+    from moetool.io.checkpoint import Checkpoint
+    from moetool.io.hashes import cached_sha256
+    from moetool.paths import cache_dir
+
+    h = hashlib.sha256(f"{CACHE_FORMAT}|{LADDER_256}|{LADDER_32}|{sorted(banks.items())}".encode())
+    for f, digest in sorted(cached_sha256(Checkpoint(model_dir).weight_files).items()):
+        h.update(f"{f.name}:{digest}".encode())
+    for name in sorted(banks):
+        e = imatrix.entries.get(name)
+        h.update(name.encode() + (e.values().tobytes() if e is not None else b"-"))
+    h.update(json.dumps(dict(calib.texts), sort_keys=True).encode())
+    path = cache_dir() / "allocation" / f"{h.hexdigest()[:32]}.json"
+    try:
+        rows = json.loads(path.read_text())
+        return [Bank(**{**r, "shape": tuple(r["shape"])}) for r in rows]
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    out = measure(model_dir, calib, imatrix, banks, console=console)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps([b.__dict__ for b in out]))
+    return out
+
+
 @torch.inference_mode()
 def measure(
     model_dir: Path,

@@ -237,7 +237,7 @@ def allocate_plan(
     Raises:
         ExportError: the budget is below the cheapest plan.
     """
-    from moetool.export.gguf.allocate import measure
+    from moetool.export.gguf.allocate import measure_cached
 
     budget = req.quant.budget
     assert budget is not None
@@ -251,7 +251,7 @@ def allocate_plan(
             fixed += a.nbytes
         else:
             banks[name] = a.role
-    measured = measure(req.model_dir, calib, imatrix, banks, console=console)
+    measured = measure_cached(req.model_dir, calib, imatrix, banks, console=console)
     try:
         alloc = allocate(measured, budget, fixed)
     except BudgetTooSmall as exc:
