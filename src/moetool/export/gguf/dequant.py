@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetool.export.gguf.layout import Layout
+from moetool.export.gguf.layout import GGUFTensor, Layout
 
 
 def unpermute_qk(a: np.ndarray, n_head: int) -> np.ndarray:
@@ -35,42 +35,54 @@ def _dequantize(rt: Any, shape: tuple[int, ...]) -> np.ndarray:
     return ggml.dequantize(np.ascontiguousarray(rt.data).tobytes(), kind, shape)
 
 
+def _array(by_name: dict[str, Any], t: GGUFTensor) -> np.ndarray:
+    arr = _dequantize(by_name[t.name], t.shape)
+    if t.permute_heads:
+        arr = unpermute_qk(arr, t.permute_heads)
+    return arr.reshape(1, -1) if t.squeeze else arr
+
+
 def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: Path, dtype: str = "float32") -> Path:
     """Write ``out`` (config, tokenizer, model.safetensors) with the weights as llama.cpp will see them, in ``dtype``
-    (the verification reference's)."""
+    (the verification reference's), one tensor at a time: memory holds one tensor, not the model."""
     import gguf
-    from safetensors.torch import save_file
+
+    from moetool.io.checkpoint import Checkpoint
+    from moetool.io.writer import ShardedWriter
 
     reader = gguf.GGUFReader(str(gguf_path))
     by_name = {t.name: t for t in reader.tensors}
-    tensors: dict[str, torch.Tensor] = {}
-    slices: dict[str, list[tuple[int, np.ndarray]]] = {}  # split tensors' row slices, joined back below
-    for t in layout.tensors:
-        if t.zeros or not t.sources:
-            continue
-        if t.name == "output.weight" and t.sources == [
-            s for x in layout.tensors if x.name == "token_embd.weight" for s in x.sources
-        ]:
-            continue  # the tied head duplicated for llama.cpp: transformers reads the embedding
-        rt = by_name[t.name]
-        arr = _dequantize(rt, t.shape)
-        if t.permute_heads:
-            arr = unpermute_qk(arr, t.permute_heads)
-        if t.squeeze:
-            arr = arr.reshape(1, -1)
+    tied = [s for x in layout.tensors if x.name == "token_embd.weight" for s in x.sources]
+    wanted = [
+        t for t in layout.tensors if not t.zeros and t.sources and not (t.name == "output.weight" and t.sources == tied)
+    ]  # the tied head is duplicated for llama.cpp only: transformers reads the embedding
+    parts: dict[str, list[GGUFTensor]] = {}  # a source split along its rows into several GGUF tensors
+    steps: list[tuple[str, GGUFTensor | None]] = []  # (source, its GGUF tensor) or (split source, None)
+    for t in wanted:
         if t.rows is not None:
-            slices.setdefault(t.sources[0], []).append((t.rows[0], arr))
-        elif len(t.sources) > 1:
-            for src, part in zip(t.sources, arr, strict=True):
-                tensors[src] = torch.from_numpy(np.ascontiguousarray(part))
+            if t.sources[0] not in parts:
+                steps.append((t.sources[0], None))
+            parts.setdefault(t.sources[0], []).append(t)
         else:
-            tensors[t.sources[0]] = torch.from_numpy(np.ascontiguousarray(arr))
-    for src, parts in slices.items():
-        tensors[src] = torch.from_numpy(np.concatenate([a for _, a in sorted(parts, key=lambda p: p[0])], axis=-2))
+            steps += [(src, t) for src in t.sources]
+    ckpt = Checkpoint(model_dir)
+    torch_dtype = getattr(torch, dtype)
+    entries = [(src, torch_dtype, tuple(ckpt.tensors[src].shape)) for src, _ in steps]
+    ckpt.close()
     out.mkdir(parents=True, exist_ok=True)
-    if dtype != "float32":
-        tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    stacked: tuple[str, np.ndarray] | None = None  # a stacked expert tensor, read once for its experts
+    with ShardedWriter(out, entries, 2**62) as writer:
+        for src, g in steps:
+            if g is None:
+                pieces = sorted(parts[src], key=lambda p: p.rows[0] if p.rows else 0)
+                arr = np.concatenate([_array(by_name, p) for p in pieces], axis=-2)
+            elif len(g.sources) > 1:
+                if stacked is None or stacked[0] != g.name:
+                    stacked = (g.name, _array(by_name, g))
+                arr = stacked[1][g.sources.index(src)]
+            else:
+                arr = _array(by_name, g)
+            writer.add(src, torch.from_numpy(np.array(arr, dtype=np.float32)).to(torch_dtype))
     for f in model_dir.iterdir():
         if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja") and not f.name.endswith(".index.json"):
             shutil.copy2(f, out / f.name)
