@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from moetool.edit.layout import EditError, require_tokenizer
 from moetool.eval.perplexity import load_causal_lm, text_windows
 from moetool.progress import silent, task
-from moetool.routing.tap import moe_block
+from moetool.routing.tap import expert_activation, moe_block
 
 
 @dataclass
@@ -100,8 +100,7 @@ class _Hooks:
                 self.counts[row, e] += token.numel()
                 self.gate[row, e] += float(w.sum())
                 if self.with_reap:
-                    gate, up = F.linear(hidden[token], module.gate_up_proj[e]).chunk(2, dim=-1)
-                    out = F.linear(module.act_fn(gate) * up, module.down_proj[e])
+                    out = F.linear(expert_activation(module, e, hidden[token]), module.down_proj[e])
                     self.reap[row, e] += float((w * out.float().norm(dim=-1)).sum())
 
         return hook

@@ -16,6 +16,25 @@ def moe_block(layer: Any) -> Any:
     return block if block is not None else getattr(layer, "block_sparse_moe", None)
 
 
+def experts_modules(model: Any) -> dict[int, Any]:
+    """Layer index → that layer's experts module, for every MoE layer in transformers 5's fused form
+    (``gate_up_proj`` ``[E, 2·ff, H]``, gate rows first; ``down_proj`` ``[E, H, ff]``; ``act_fn``)."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        experts = getattr(moe_block(layer), "experts", None)
+        if experts is not None and hasattr(experts, "gate_up_proj"):
+            out[i] = experts
+    return out
+
+
+def expert_activation(experts: Any, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e``'s intermediate activation ``act(gate(x)) · up(x)`` for tokens ``x`` ``[T, H]`` → ``[T, ff]``: the
+    input of its down projection."""
+    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    out: torch.Tensor = experts.act_fn(gate) * up
+    return out
+
+
 def _router(block: Any) -> Any:
     """The router module of an MoE block: ``gate`` or (GraniteMoE) ``router``; None in a dense block."""
     if not hasattr(block, "experts"):

@@ -54,7 +54,7 @@ def undominated(errors: dict[str, float], shape: tuple[int, ...]) -> dict[str, f
 
 def _weights(model: Any) -> dict[str, tuple[torch.Tensor, slice | None]]:
     """GGUF tensor name → (the in-memory parameter, the row slice of it that tensor is), for the banks."""
-    from moetool.routing.tap import moe_block
+    from moetool.routing.tap import experts_modules
 
     out: dict[str, tuple[torch.Tensor, slice | None]] = {}
     for qual, mod in model.named_modules():
@@ -62,10 +62,7 @@ def _weights(model: Any) -> dict[str, tuple[torch.Tensor, slice | None]]:
             mapped = gguf_name(qual + ".weight")
             if mapped is not None and mapped[1] is None:
                 out.setdefault(mapped[0], (mod.weight, None))
-    for i, layer in enumerate(model.model.layers):
-        experts = getattr(moe_block(layer), "experts", None)
-        if experts is None or not hasattr(experts, "gate_up_proj"):
-            continue
+    for i, experts in experts_modules(model).items():
         ff = experts.gate_up_proj.shape[1] // 2
         out[f"blk.{i}.ffn_gate_exps.weight"] = (experts.gate_up_proj, slice(0, ff))
         out[f"blk.{i}.ffn_up_exps.weight"] = (experts.gate_up_proj, slice(ff, 2 * ff))
@@ -132,7 +129,10 @@ def measure_cached(
     from moetool.paths import cache_dir
 
     h = hashlib.sha256(f"{CACHE_FORMAT}|{LADDER_256}|{LADDER_32}|{sorted(banks.items())}".encode())
-    for f, digest in sorted(cached_sha256(Checkpoint(model_dir).weight_files).items()):
+    ckpt = Checkpoint(model_dir)
+    files = ckpt.weight_files
+    ckpt.close()
+    for f, digest in sorted(cached_sha256(files).items()):
         h.update(f"{f.name}:{digest}".encode())
     for name in sorted(banks):
         e = imatrix.entries.get(name)

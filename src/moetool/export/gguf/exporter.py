@@ -85,7 +85,7 @@ class GGUFExporter:
         Raises:
             ExportError: naming the tensors' types and ``--imatrix``.
         """
-        if req.quant.budget is not None and not (req.imatrix is not None and not isinstance(req.imatrix, Path)):
+        if req.quant.budget is not None and not isinstance(req.imatrix, Calibration):
             raise ExportError(
                 "--quant budget=… allocates bits by measured sensitivity on calibration text: pass --imatrix auto "
                 "(with --calibration FILE, or the recipe's domain data)"
@@ -200,7 +200,8 @@ class GGUFExporter:
             assert req.imatrix is not None and not isinstance(req.imatrix, Path)
             names = {t.name for t in plan.layout.tensors if len(t.shape) >= 2}
             given = collect(req.model_dir, req.imatrix, names, console=console)
-        starved = given.starved(by_llama_cpp(plan.quant, True))
+        weighted = by_llama_cpp(plan.quant, True)
+        starved = given.starved(weighted)
         if starved:
             name, experts = next(iter(starved.items()))
             raise ImatrixError(
@@ -208,9 +209,7 @@ class GGUFExporter:
                 f"llama.cpp would quantize them with no importance; collect with --imatrix auto (every expert gets "
                 f"tokens) or a calibration text that reaches them"
             )
-        bare = sorted(
-            n for n, t in by_llama_cpp(plan.quant, True).items() if t in NEEDS_IMATRIX and n not in given.entries
-        )
+        bare = sorted(n for n, t in weighted.items() if t in NEEDS_IMATRIX and n not in given.entries)
         if bare:
             raise ImatrixError(
                 f"{bare[0]} ({len(bare)} tensor(s) so) is planned as {plan.quant.type_of(bare[0])} but the importance "
@@ -298,7 +297,8 @@ def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path, coll
     lossy = any(a.type != "f32" for a in plan.quant.assignments)
     ref = reference_dtype(params, plan.config)
     ref_bytes = params * (4 if ref == "float32" else 2)
-    own_bytes = params * (2 if ref != "float32" or plan.config.get("dtype") in ("bfloat16", "float16") else 4)
+    own = plan.config.get("dtype") or plan.config.get("torch_dtype")
+    own_bytes = params * (2 if own in ("bfloat16", "float16") else 4)  # the calibration loads the model as it is
     disk = artifact + (params * 4 if needs_k else 0) + (ref_bytes if verify and lossy else 0)
     # llama.cpp runs first and lets its copy go; then one transformers model at a time, in the reference's dtype
     memory = max(max(ref_bytes, artifact) if verify else 0, own_bytes if collect else 0) + VERIFY_OVERHEAD

@@ -27,6 +27,7 @@ from moetool.export.base import ExportError
 from moetool.export.gguf.names import gguf_name, split_names
 from moetool.progress import silent, task
 from moetool.quant.imatrix import MODES, Calibration, ImportanceMatrix
+from moetool.routing.tap import expert_activation, experts_modules
 
 EXPERT_PROJ = ("gate", "up", "down")
 
@@ -40,8 +41,6 @@ class _Collector:
     """Forward hooks accumulating Σ x² per column and token counts, keyed by GGUF tensor name."""
 
     def __init__(self, model: Any, wanted: set[str]) -> None:
-        from moetool.routing.tap import moe_block
-
         self.wanted = wanted
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, torch.Tensor] = {}
@@ -54,11 +53,7 @@ class _Collector:
                 names = self._linear_names(qual)
                 if names:
                     self.handles.append(mod.register_forward_pre_hook(self._linear_hook(names)))
-        for i, layer in enumerate(model.model.layers):
-            block = moe_block(layer)
-            experts = getattr(block, "experts", None)
-            if experts is None or not hasattr(experts, "gate_up_proj"):
-                continue
+        for i, experts in experts_modules(model).items():
             by_proj = expert_names(i)
             missing = [n for n in by_proj.values() if n not in wanted]
             if missing:
@@ -99,15 +94,13 @@ class _Collector:
             forced = self.forced.get(layer)
             if self.second and forced is None:
                 return
+            every = torch.arange(hidden.shape[0], device=hidden.device)
             for e in range(n_exp) if forced is None else forced:
-                token = torch.arange(hidden.shape[0], device=hidden.device) if forced is not None else None
-                if token is None:
-                    token, _ = torch.where(index == e)
+                token = every if forced is not None else torch.where(index == e)[0]
                 if token.numel() == 0:
                     continue
                 x = hidden[token]
-                gate, up = torch.nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
-                h = (module.act_fn(gate) * up).float()
+                h = expert_activation(module, e, x).float()
                 xf = x.float()
                 sq_in = (xf * xf).sum(0)
                 for p in ("gate", "up"):
@@ -161,7 +154,8 @@ def collect(
     routed: dict[str, list[int]] = {}
     try:
         if calib.mode == "all":
-            col.forced = {layer: list(range(_n_experts(model, layer))) for layer in col.layers}
+            modules = experts_modules(model)
+            col.forced = {layer: list(range(int(modules[layer].gate_up_proj.shape[0]))) for layer in col.layers}
         _run(model, flat, dev, console, "imatrix")
         if calib.mode == "routed":
             routed = {n: [int(c) for c in col.counts[n]] for n in col.counts if col.counts[n].numel() > 1}
@@ -194,12 +188,6 @@ def collect(
     }
     del model
     return out
-
-
-def _n_experts(model: Any, layer: int) -> int:
-    from moetool.routing.tap import moe_block
-
-    return int(moe_block(model.model.layers[layer]).experts.gate_up_proj.shape[0])
 
 
 def _starved(col: _Collector, floor: int) -> dict[int, list[int]]:

@@ -161,12 +161,12 @@ def write_gguf(
     import gguf
 
     types = {a.entry.out_name: a.type for a in plan.assignments}
-    k_types = set(llama)
+    staged = set(llama)
     w = gguf.GGUFWriter(str(path), layout.arch)
     _metadata(w, cfg, layout, name, file_type_of(plan))
     write_vocab(w, vocab)
     for t in layout.tensors:
-        ty = "f32" if t.name in k_types else types[t.name]
+        ty = "f32" if t.name in staged else types[t.name]
         spec = TYPES[ty]
         if ty in ("f32", "f16"):
             dt = np.float32 if ty == "f32" else np.float16
@@ -179,7 +179,7 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for t in layout.tensors:
-        ty = "f32" if t.name in k_types else types[t.name]
+        ty = "f32" if t.name in staged else types[t.name]
         arr = rope_tensors[t.name] if t.name in rope_tensors else load_tensor(ckpt, t)
         data, _ = encode(arr, ty)
         w.write_tensor_data(data)
