@@ -171,6 +171,7 @@ def _export_cases(env) -> list[tuple[list[str], list[str]]]:
         (["--calibration", str(t["good"])], ["--calibration is for --imatrix auto"]),
         (["--quant", "iq4_nl"], ["iq4_nl need an importance matrix", "--imatrix auto"]),
         (["--quant", "budget=lots"], ["--quant budget", "not a size"]),
+        (["--quant", "budget=inf"], ["--quant budget", "not a size"]),
         (["--imatrix", "auto", "--calibration", str(t["latin"])], ["latin1.txt:1", "not UTF-8"]),
         (["--target", "onnx", "--imatrix", "auto"], ["--imatrix is for the gguf target"]),
         (["--imatrix", "auto"], ["no recipe with train.data", "--calibration FILE"]),
@@ -178,7 +179,7 @@ def _export_cases(env) -> list[tuple[list[str], list[str]]]:
     ]
 
 
-@pytest.mark.parametrize("case", range(16))
+@pytest.mark.parametrize("case", range(17))
 def test_export_option(env, refused, case):
     args, expected = _export_cases(env)[case]
     t = _texts(env)

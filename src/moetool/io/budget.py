@@ -8,6 +8,7 @@ wants a stage held to less (a shared machine) or a test shrinks them.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ def parse_size(text: str, *, what: str) -> int:
         value = float(number)
     except ValueError:
         raise BudgetError(f"{what}={text!r}: not a size (e.g. 8G, 512M, or bytes)") from None
+    if not math.isfinite(value):
+        raise BudgetError(f"{what}={text!r}: not a size (e.g. 8G, 512M, or bytes)")
     if value < 0:
         raise BudgetError(f"{what}={text!r}: a size cannot be negative")
     return int(value * _UNITS[unit])
