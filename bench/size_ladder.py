@@ -42,6 +42,9 @@ RUNGS = {
              "num_key_value_heads": 5},
     "1.7b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 32,
              "num_key_value_heads": 32},
+    # Llama-3.2-3B's shape with SmolLM2's vocabulary: 2.97B parameters, 5.9 GB in bf16 (bench/larger_than_ram.py)
+    "3b": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+           "num_key_value_heads": 8},
 }  # fmt: skip
 VOCAB = 49152
 EXPERTS = ("code", "legal", "medical", "math")

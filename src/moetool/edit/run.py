@@ -65,7 +65,7 @@ def check(plan: EditPlan, out: Path, *, device: str | None = None) -> dict[str, 
     """
     layout = plan.layout
     ids = parity.probe_ids(layout.path)
-    tol = parity.TOLERANCE.get(layout.dtype, 1e-3)
+    tol = parity.TOLERANCE
     figures: dict[str, Any] = {"tokens": len(ids), "tolerance": tol}
     if plan.kind in ("remove", "prune"):
         allowed = {layer: [int(s) for s in slots] for layer, slots in plan.keep.items()}

@@ -177,8 +177,9 @@ class GGUFExporter:
         # inside the output's own temporary folder, not $TMPDIR: a killed run's full-size copy of the weights is
         # swept with the rest of that folder by the next run (io.atomic), and it lands on the output's filesystem,
         # whose free space the output needs anyway
+        held = artifact_dtype(ref, plan.quant)
         with tempfile.TemporaryDirectory(prefix=".parity-", dir=tmp) as work:
-            own = None if lossless else artifact_checkpoint(target, req.model_dir, plan.layout, Path(work), dtype=ref)
+            own = None if lossless else artifact_checkpoint(target, req.model_dir, plan.layout, Path(work), dtype=held)
             report = compare(
                 target,
                 req.model_dir,
@@ -186,6 +187,7 @@ class GGUFExporter:
                 artifact_weights=own,
                 equivalent=functools.partial(llama_cpp_equivalent, vocab),
                 dtype=ref,
+                artifact_dtype=held,
             )
         gate_problems(report, plan.quant)
         return report.to_json() | {"text": text_src}
@@ -296,20 +298,32 @@ def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path, coll
     artifact = plan.quant.total_bytes
     lossy = any(a.type != "f32" for a in plan.quant.assignments)
     ref = reference_dtype(params, plan.config)
-    ref_bytes = params * (4 if ref == "float32" else 2)
+    ref_bytes = params * 4 if ref == "float32" else layer_by_layer_bytes(params, plan.config)
     own = plan.config.get("dtype") or plan.config.get("torch_dtype")
     own_bytes = params * (2 if own in ("bfloat16", "float16") else 4)  # the calibration loads the model as it is
-    disk = artifact + (params * 4 if needs_k else 0) + (ref_bytes if verify and lossy else 0)
+    disk = (
+        artifact + (params * 4 if needs_k else 0) + (params * (4 if ref == "float32" else 2) if verify and lossy else 0)
+    )
     # llama.cpp runs first and lets its copy go; then one transformers model at a time, in the reference's dtype
     memory = max(max(ref_bytes, artifact) if verify else 0, own_bytes if collect else 0) + VERIFY_OVERHEAD
     return Need(
         stage=f"GGUF export ({plan.quant.label})",
         memory=memory,
-        memory_detail=f"verification: the model in {ref}, one copy at a time" if verify else "writing",
+        memory_detail=f"verification: the model held in {ref}, one copy at a time" if verify else "writing",
         disk=disk,
         output=output,
         way_out="Export with --no-verify (the artifact is not checked), or on a machine with more memory",
     )
+
+
+def layer_by_layer_bytes(params: int, config: dict[str, Any]) -> int:
+    """Memory of a 16-bit reference computing in float32 one layer at a time: the weights in 16 bits, the embeddings
+    and head in float32, and one layer's float32 copy."""
+    c = config.get("text_config") or config
+    embed = int(c.get("vocab_size") or 0) * int(c.get("hidden_size") or 0)
+    outside = min(params, embed * (1 if c.get("tie_word_embeddings", True) else 2))
+    layer = (params - outside) // max(1, int(c.get("num_hidden_layers") or 1))
+    return params * 2 + outside * 2 + layer * 4
 
 
 def check_types(path: Path, plan: QuantPlan) -> None:
@@ -323,6 +337,15 @@ def check_types(path: Path, plan: QuantPlan) -> None:
     if wrong:
         sample = ", ".join(f"{n}: planned {w}, file {g}" for n, (w, g) in sorted(wrong.items())[:4])
         raise ExportError(f"{path.name}: tensor types differ from the plan ({len(wrong)}): {sample}")
+
+
+def artifact_dtype(reference: str, plan: QuantPlan) -> str:
+    """The dtype the artifact's dequantized weights are held in for the conversion check: the reference's float32,
+    or, for a 16-bit reference, one that holds the plan's float types exactly: float16 (three more bits than bf16 for
+    the dequantized blocks) unless a tensor is bf16."""
+    if reference == "float32":
+        return reference
+    return "bfloat16" if any(a.type == "bf16" for a in plan.assignments) else "float16"
 
 
 def gate_problems(report: ParityReport, plan: QuantPlan) -> None:
@@ -351,8 +374,7 @@ def gate_problems(report: ParityReport, plan: QuantPlan) -> None:
                 f"(llama.cpp vs transformers on the artifact's own weights)"
             )
         return
-    # a 16-bit reference (a model too large for float32 here) carries its own rounding: bf16's gate at least
-    gate = GATES[kind] if report.reference_dtype == "float32" else max(GATES[kind], GATES["bf16"])
+    gate = GATES[kind]  # the reference computes in float32 and holds a float plan's weights exactly
     if worst > gate:
         raise ExportError(
             f"parity failed: max |Δlogit| {worst:.3g} > {gate:g} for a {kind} plan (llama.cpp vs transformers "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 import contextlib
@@ -48,7 +49,8 @@ class ParityReport:
     conversion: Agreement
     original: Agreement
     tokens_scored: int
-    reference_dtype: str = "float32"
+    reference_dtype: str = "float32"  # what the source model's weights are held in; arithmetic is float32
+    artifact_dtype: str = "float32"  # what the artifact's dequantized weights are held in
 
     @property
     def tokenizer_match(self) -> bool:
@@ -61,7 +63,7 @@ class ParityReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "runtime": "llama-cpp-python",
-            "reference": f"transformers {self.reference_dtype}",
+            "reference": _reference(self.reference_dtype),
             "tokenizer_match": self.tokenizer_match,
             "tokenizer_probes": len(TOKENIZER_PROBES),
             "tokenizer_mismatches": self.tokenizer_mismatches,
@@ -70,13 +72,21 @@ class ParityReport:
             # the headline figures are against the source model (what a user compares with)
             **self.original.to_json(),
             "conversion": self.conversion.to_json()
-            | {"reference": f"transformers {self.reference_dtype} on the artifact's dequantized weights"},
+            | {"reference": f"{_reference(self.artifact_dtype)}, on the artifact's dequantized weights"},
         }
 
 
+def _reference(storage: str) -> str:
+    if storage == "float32":
+        return "transformers float32"
+    return f"transformers float32, layer by layer over {storage} weights"
+
+
 def reference_dtype(params: int, config: dict[str, Any]) -> str:
-    """The transformers reference's dtype for verification: float32 when the model fits in memory in float32 (the
-    tightest reference), else the checkpoint's own 16-bit dtype (a bf16 MoE of 5B parameters is 21 GB in float32).
+    """The dtype the transformers reference holds its weights in: float32 when that takes at most half the available
+    memory, else the checkpoint's own 16-bit dtype (a bf16 MoE of 5B parameters is 21 GB in float32). Either way it
+    computes in float32 (:func:`reference_model`) and its figures are the same; the 16-bit copy is slower by the
+    per-layer casts and needs half the memory.
 
     Raises:
         BudgetError: ``MOETOOL_MEMORY_BUDGET`` is not a size.
@@ -87,7 +97,7 @@ def reference_dtype(params: int, config: dict[str, Any]) -> str:
     if own not in ("bfloat16", "float16"):
         return "float32"
     mem = available_memory()
-    return "float32" if mem is None or params * 4 + VERIFY_OVERHEAD <= mem else own
+    return "float32" if mem is None or params * 4 + VERIFY_OVERHEAD <= mem // 2 else own
 
 
 VERIFY_OVERHEAD = 1 << 30  # activations of the probe windows, the tokenizer, the runtime
@@ -181,6 +191,21 @@ class LlamaRun:
         return agreement(self.logits, model, self.probes, self.ppl_windows)
 
 
+def reference_model(path: Path, storage: torch.dtype) -> Any:
+    """The transformers reference at ``path``, held in ``storage`` and computing in float32: a 16-bit model runs one
+    float32 layer at a time (:func:`moetool.export.upcast.float32_layer_by_layer`), which gives a float32 model's
+    logits in about half its memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=storage).eval()
+    if storage != torch.float32:
+        from moetool.export.upcast import float32_layer_by_layer
+
+        float32_layer_by_layer(model)
+    return model
+
+
 def run_llama(
     gguf_path: Path,
     tok: PreTrainedTokenizerBase,
@@ -215,30 +240,31 @@ def compare(
     lora_path: Path | None = None,
     equivalent: Callable[[str], str] | None = None,
     dtype: str = "float32",
+    artifact_dtype: str | None = None,
 ) -> ParityReport:
     """Run llama.cpp and transformers on the same ids.
 
     ``model_dir`` is the source model; ``artifact_weights`` a checkpoint holding the artifact's dequantized weights
     (None when they equal the source's, as for f32); ``equivalent`` as in :func:`check_tokenizer`; ``dtype`` the
-    transformers reference's (float32, or the checkpoint's own 16-bit dtype when float32 does not fit in memory).
-    llama.cpp runs first and lets its copy go, so one model is held at a time.
+    dtype the reference holds the source's weights in (float32, or the checkpoint's own 16-bit dtype when float32 does
+    not fit in memory; it computes in float32 either way), ``artifact_dtype`` the dtype ``artifact_weights`` are
+    held in (default ``dtype``). llama.cpp runs first and lets its copy go, so one model is held at a time.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     torch_dtype = getattr(torch, dtype)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     max_pos = int(getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
     run = run_llama(gguf_path, tok, text, lens, n_windows=n_windows, lora_path=lora_path, equivalent=equivalent)
-    original = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype).eval()
+    original = reference_model(model_dir, torch_dtype)
     vs_original = run.against(original)
     if artifact_weights is None:
         conversion = vs_original
     else:
         del original
-        own = AutoModelForCausalLM.from_pretrained(str(artifact_weights), dtype=torch_dtype).eval()
-        conversion = run.against(own)
+        conversion = run.against(reference_model(artifact_weights, getattr(torch, artifact_dtype or dtype)))
     return ParityReport(
         tokenizer_mismatches=run.tokenizer_mismatches,
         seq_lens=lens,
@@ -246,4 +272,5 @@ def compare(
         original=vs_original,
         tokens_scored=sum(len(w) - 1 for w in run.ppl_windows),
         reference_dtype=dtype,
+        artifact_dtype=dtype if artifact_weights is None else artifact_dtype or dtype,
     )

@@ -24,8 +24,8 @@ import torch
 from rich.console import Console
 
 from moetool.errors import MoetoolError
+from moetool.export.bundle import Bundle, Member, MemberArtifact, export_bundle
 from moetool.export.onnx.quantize import quantize_graph, save_model
-from moetool.export.resolve import plan_standard_export
 from moetool.export.tflite.runner import litert_python, run_worker
 from moetool.extras import require
 from moetool.io.atomic import atomic_dir
@@ -220,34 +220,6 @@ def _export_router(bundle: Path, seq: Any, graph: RouterGraph, path: Path, *, ve
     return parity
 
 
-def _export_pathways(
-    bundle: Path, spec: dict[str, Any], names: list[str], out: Path, target: str, quant: str | None, **kw: Any
-) -> dict[str, Any]:
-    """Each pathway through the standard exporter for ``target`` into ``out/pathways/<name>``; ``kw``: verify,
-    console. Returns the manifest's ``pathways`` entries."""
-
-    verify, console = kw["verify"], kw.get("console")
-    pathways = {}
-    for name in names:
-        if console is not None:
-            console.print(f"exporting pathway {name} → {target}")
-        m = plan_standard_export(
-            bundle / spec["pathways"][name],
-            out / "pathways" / name,
-            target=target,
-            quant=quant,
-            force=True,
-            verify=verify,
-        ).run(console)
-        pathways[name] = {
-            "dir": f"pathways/{name}",
-            "file": f"pathways/{name}/{m['file']}",
-            "target": target,
-            "parity": m.get("parity"),
-        }
-    return pathways
-
-
 def export_sequence_bundle(
     bundle: Path,
     output: Path,
@@ -273,32 +245,39 @@ def export_sequence_bundle(
     seq = SequenceGem(bundle)
     graph = RouterGraph(seq.pathways[0], spec["encoder"]["layers"], seq.router.weight, seq.router.bias, seq.tau).eval()
     t0 = time.perf_counter()
-    with atomic_dir(output, force=force) as tmp:
+
+    def write_router(tmp: Path) -> dict[str, Any]:
         parity = _export_router(bundle, seq, graph, tmp / "router.onnx", verify=verify)
-        pathways = _export_pathways(bundle, spec, seq.names, tmp, target, quant, verify=verify, console=console)
         copy_tokenizer(bundle, tmp)
-        manifest = {
+        return {
+            "file": "router.onnx",
+            "inputs": {
+                "input_ids": "[1, T] int64",
+                "position_ids": "[1, T] int64",
+                "mask": "[1, 1, T, T] float32 additive causal mask",
+            },
+            "outputs": {"router_probs": "[1, n_domains]", "route": "[1] int64 (0 = general)"},
+            "parity": parity,
+        }
+
+    def write_manifest(tmp: Path, router: dict[str, Any], artifacts: list[MemberArtifact]) -> dict[str, Any]:
+        return {
             "format": FORMAT,
             "level": "sequence",
             "domains": spec["domains"],
             "tau": seq.tau,
             "rule": "route = argmax+1 if max router_probs > tau (strict) else 0 (general); computed in router.onnx",
-            "router": {
-                "file": "router.onnx",
-                "inputs": {
-                    "input_ids": "[1, T] int64",
-                    "position_ids": "[1, T] int64",
-                    "mask": "[1, 1, T, T] float32 additive causal mask",
-                },
-                "outputs": {"router_probs": "[1, n_domains]", "route": "[1] int64 (0 = general)"},
-                "parity": parity,
-            },
+            "router": router,
             "route_names": seq.names,
-            "pathways": pathways,
+            "pathways": {a.name: a.to_json() | {"file": a.path} for a in artifacts},  # relative to the bundle
             "tokenizer": "tokenizer.json",
             # the router was trained on BOS + the text's ids without special tokens: the dispatcher does the same
             "bos_token_id": AutoTokenizer.from_pretrained(str(bundle)).bos_token_id,
             "timing_s": round(time.perf_counter() - t0, 2),
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return manifest
+
+    members = [Member(n, bundle / spec["pathways"][n], f"pathways/{n}") for n in seq.names]
+    return export_bundle(
+        output, Bundle(members, target, quant, verify), router=write_router, manifest=write_manifest,
+        manifest_name=MANIFEST, force=force, console=console,
+    )  # fmt: skip

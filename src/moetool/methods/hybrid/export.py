@@ -19,11 +19,10 @@ from rich.console import Console
 from torch import nn
 
 from moetool.errors import MoetoolError
-from moetool.export.base import ExportError, check_artifact_dir, write_manifest
+from moetool.export.base import MANIFEST, ExportError, check_artifact_dir
+from moetool.export.bundle import Bundle, Member, MemberArtifact, export_bundle
 from moetool.export.graph.common import onnx_export
-from moetool.export.resolve import plan_standard_export
-from moetool.extras import MissingExtraError, require
-from moetool.io.atomic import atomic_dir
+from moetool.extras import require
 from moetool.io.files import copy_tokenizer
 from moetool.io.safe import read_json
 from moetool.methods.hybrid.assemble import read_model
@@ -193,7 +192,8 @@ def export_hybrid(
     for module in ("onnx", "onnxscript", "onnxruntime"):
         require(module, "onnx", why="the hybrid router's ONNX export (router.onnx)")
     meta, router = read_model(model_dir)
-    with atomic_dir(Path(output), force=force) as tmp:
+
+    def write_router(tmp: Path) -> dict[str, Any]:
         graph = export_router_onnx(meta, router, tmp / ROUTER_ONNX)
         parity = router_parity(meta, router, tmp / ROUTER_ONNX, _parity_requests(meta, parity_requests))
         if not (parity["max_abs_score_diff"] <= 1e-4 and parity["choice_agreement"] == 1.0):
@@ -201,32 +201,35 @@ def export_hybrid(
         tok_dir = tmp / "tokenizer"
         tok_dir.mkdir()
         copy_tokenizer(Path(meta["experts"][0]["path"]), tok_dir)
-        expert_rows = []
-        for e in meta["experts"]:
-            row: dict[str, Any] = {"name": e["name"], "model_type": e["model_type"], "kind": e["kind"]}
-            if experts:
-                row |= _export_expert(e, tmp / "experts" / e["name"], expert_target, quant, verify, console)
-            expert_rows.append(row)
         shutil.copy2(Path(__file__).with_name("dispatch_template.py"), tmp / DISPATCHER)
         shutil.copy2(Path(model_dir) / "latency_profile.json", tmp / "latency_profile.json")
         # the dynamo exporter keeps large initialisers (the embedding table) in router.onnx.data beside the graph
-        router_files = sorted(f.name for f in tmp.glob(f"{ROUTER_ONNX}*"))
-        manifest = {
+        files = sorted(f.name for f in tmp.glob(f"{ROUTER_ONNX}*"))
+        return {
+            **graph,
+            "file": ROUTER_ONNX,
+            "files": files,
+            "config": meta["router"],
+            # the training tokenizer's special ids: dispatch.py starts every request with this BOS, as training
+            "special_ids": meta["tokenizer"]["special_ids"],
+            "parity": parity,
+            "bytes": sum((tmp / f).stat().st_size for f in files),
+        }
+
+    def write_manifest(tmp: Path, entry: dict[str, Any], artifacts: list[MemberArtifact]) -> dict[str, Any]:
+        exported = {a.name: a.to_json() for a in artifacts}
+        rows = [
+            {"name": e["name"], "model_type": e["model_type"], "kind": e["kind"]} | exported.get(e["name"], {})
+            for e in meta["experts"]
+        ]
+        parity = entry["parity"]
+        return {
             "format": "moetool-hybrid-export",
             "version": 1,
             "name": meta["name"],
             "file": ROUTER_ONNX,
-            "router": {
-                **graph,
-                "file": ROUTER_ONNX,
-                "files": router_files,
-                "config": meta["router"],
-                # the training tokenizer's special ids: dispatch.py starts every request with this BOS, as training
-                "special_ids": meta["tokenizer"]["special_ids"],
-                "parity": parity,
-                "bytes": sum((tmp / f).stat().st_size for f in router_files),
-            },
-            "experts": expert_rows,
+            "router": entry,
+            "experts": rows,
             "costly": meta["costly"],
             "dispatcher": DISPATCHER,
             "tokenizer": "tokenizer/",
@@ -235,30 +238,26 @@ def export_hybrid(
             "parity": f"router: max |Δscore| {parity['max_abs_score_diff']:.2e}, choice agreement "
             f"{parity['choice_agreement']:.3f} on {parity['requests']} requests",
         }
-        write_manifest(tmp, manifest)
-    return manifest
+
+    members = [_member(e, expert_target, quant, verify) for e in meta["experts"]] if experts else []
+    # an expert the chosen target cannot take is recorded with the reason: the other experts still ship
+    bundle = Bundle(members, expert_target, quant, verify, tolerate=True)
+    return export_bundle(
+        Path(output), bundle, router=write_router, manifest=write_manifest, manifest_name=MANIFEST, force=force,
+        console=console,
+    )  # fmt: skip
 
 
-def _export_expert(
-    e: dict[str, Any], out: Path, target: str, quant: str | None, verify: bool, console: Console | None
-) -> dict[str, Any]:
-    """One expert through moetool's exporter for ``target``; the Mamba GGUF writer for Mamba experts."""
-
+def _member(e: dict[str, Any], target: str, quant: str | None, verify: bool) -> Member:
+    """One expert of the bundle; a Mamba expert's GGUF is written by the Mamba GGUF writer."""
+    writer = None
     if e["model_type"] == "mamba" and target == "gguf":
         from moetool.export.gguf.mamba import export_mamba_gguf
 
-        try:
-            m = export_mamba_gguf(Path(e["path"]), out, quant=quant or "f32", verify=verify)
-        except ExportError as exc:
-            return {"target": target, "exported": False, "reason": str(exc)}
-        return {"target": "gguf", "dir": f"experts/{e['name']}", "file": m["file"], "parity": m["parity"]}
+        def writer(source: Path, out: Path) -> dict[str, Any]:
+            return export_mamba_gguf(source, out, quant=quant or "f32", verify=verify) | {"target": "gguf"}
 
-    try:
-        job = plan_standard_export(e["path"], out, target=target, quant=quant, force=True, verify=verify)
-        m = job.run(console)
-    except (ExportError, MissingExtraError) as exc:  # the target cannot take this expert: say why, go on
-        return {"target": target, "exported": False, "reason": str(exc)}
-    return {"target": target, "dir": f"experts/{e['name']}", "file": m["file"], "parity": m.get("parity")}
+    return Member(e["name"], Path(e["path"]), f"experts/{e['name']}", writer)
 
 
 def load_export(path: Path) -> dict[str, Any]:

@@ -1,0 +1,76 @@
+"""The shared bundle export: a router, one standard artifact per member, a manifest; all of it or nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moetool.export.base import ExportError
+from moetool.export.bundle import Bundle, Member, MemberArtifact, export_bundle
+
+
+def _router(tmp: Path) -> dict[str, Any]:
+    (tmp / "router.bin").write_bytes(b"router")
+    return {"file": "router.bin"}
+
+
+def _manifest(tmp: Path, router: dict[str, Any], artifacts: list[MemberArtifact]) -> dict[str, Any]:
+    return {"router": router, "members": {a.name: a.to_json() for a in artifacts}}
+
+
+def test_members_are_exported_beside_the_router(tiny_models, tmp_path):
+    models = tiny_models("llama")
+    members = [Member(n, models[n], f"members/{n}") for n in ("e1", "e2")]
+    out = tmp_path / "bundle"
+    doc = export_bundle(
+        out, Bundle(members, "gguf", "f32", verify=False), router=_router, manifest=_manifest, manifest_name="m.json"
+    )
+    assert json.loads((out / "m.json").read_text()) == doc
+    assert (out / "router.bin").read_bytes() == b"router"
+    for n in ("e1", "e2"):
+        entry = doc["members"][n]
+        assert entry["target"] == "gguf" and entry["dir"] == f"members/{n}"
+        assert (out / entry["dir"] / entry["file"]).is_file() and entry["file"].endswith(".gguf")
+
+
+def test_a_failing_member_leaves_nothing_unless_tolerated(tiny_models, tmp_path):
+    models = tiny_models("llama")
+
+    def refuse(source: Path, out: Path) -> dict[str, Any]:
+        raise ExportError(f"{source.name}: this target cannot take a model of this type")
+
+    members = [Member("good", models["e1"], "m/good"), Member("broken", models["e2"], "m/broken", refuse)]
+    out = tmp_path / "bundle"
+    kw: dict[str, Any] = {"router": _router, "manifest": _manifest, "manifest_name": "m.json"}
+    with pytest.raises(ExportError):
+        export_bundle(out, Bundle(members, "gguf", "f32", verify=False), **kw)
+    assert not out.exists(), "a failed bundle is not moved into place"
+    doc = export_bundle(out, Bundle(members, "gguf", "f32", verify=False, tolerate=True), **kw)
+    assert doc["members"]["good"]["file"].endswith(".gguf")
+    refused = doc["members"]["broken"]
+    assert refused == {
+        "target": "gguf",
+        "exported": False,
+        "reason": "e2: this target cannot take a model of this type",
+    }
+
+
+def test_a_member_with_a_writer_of_its_own(tiny_models, tmp_path):
+    calls = []
+
+    def writer(source: Path, out: Path) -> dict[str, Any]:
+        out.mkdir(parents=True)
+        (out / "own.bin").write_bytes(b"x")
+        calls.append(source)
+        return {"file": "own.bin", "target": "own", "parity": {"ok": True}}
+
+    src = tiny_models("llama")["e1"]
+    doc = export_bundle(
+        tmp_path / "b", Bundle([Member("x", src, "x", writer)], "gguf"), router=_router, manifest=_manifest,
+        manifest_name="m.json",
+    )  # fmt: skip
+    assert calls == [src]
+    assert doc["members"]["x"] == {"target": "own", "dir": "x", "file": "own.bin", "parity": {"ok": True}}
