@@ -20,7 +20,7 @@ from moetool.io.checks import check_finished_model_dir, check_output_path, is_mo
 from moetool.io.safe import read_json, read_text
 from moetool.io.sources import resolve_source
 from moetool.methods import get_plugin, plugin_for_model
-from moetool.methods.base import MethodPlugin, TrainOptions, TrainOutcome
+from moetool.methods.base import MethodPlan, MethodPlugin, TrainOptions, TrainOutcome
 from moetool.package import build_repo
 from moetool.progress import silent
 from moetool.quant.plan import QuantSpec
@@ -58,13 +58,14 @@ def check(recipe: RecipeLike) -> list[str]:
     return plugin(r).check(r)
 
 
-def plan(recipe: RecipeLike, *, allow_pickle: bool = False) -> MergePlan | str:
+def plan(recipe: RecipeLike, *, allow_pickle: bool = False) -> MergePlan | MethodPlan:
     """What ``assemble`` would build, from configs and headers only; nothing is written.
 
-    A :class:`~moetool.methods.mofe.MergePlan` for mofe (every output tensor), a description for the other methods.
+    A :class:`~moetool.methods.mofe.MergePlan` for mofe (every output tensor), a
+    :class:`~moetool.methods.base.MethodPlan` for the other methods (their inputs, parameter counts, description).
     """
     r = load(recipe)
-    described: MergePlan | str = plugin(r).describe(r, allow_pickle=allow_pickle)
+    described: MergePlan | MethodPlan = plugin(r).describe(r, allow_pickle=allow_pickle)
     return described
 
 

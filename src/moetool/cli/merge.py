@@ -56,11 +56,12 @@ def merge(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from moetool import api
     from moetool.cli.render import print_description, print_plan
+    from moetool.methods.base import MethodPlan
 
     r = api.load(recipe)
     if dry_run:
         plan = api.plan(r, allow_pickle=allow_pickle)
-        print_description(plan) if isinstance(plan, str) else print_plan(plan)
+        print_description(plan.render()) if isinstance(plan, MethodPlan) else print_plan(plan)
         return
     if output is None:
         raise MoetoolError("--output is required (or use --dry-run)")

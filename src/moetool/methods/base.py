@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the mofe plan imports torch; the CLI imports this module at
 Stage = Callable[[str, Any], None]
 
 RecipeT = TypeVar("RecipeT", bound=RecipeBase)  # a method's recipe model
-PlanT = TypeVar("PlanT")  # what a method's ``describe`` returns (mofe: MergePlan; the others: their description)
+PlanT = TypeVar("PlanT")  # what a method's ``describe`` returns (mofe: MergePlan; the others: a MethodPlan)
 RecipeT_contra = TypeVar("RecipeT_contra", bound=RecipeBase, contravariant=True)
 
 
@@ -37,6 +37,42 @@ def register_causal_lm(config_cls: Any, model_cls: Any) -> None:
 
     AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
     AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    """What a research method's ``moetool merge`` will build (``--dry-run``), as data.
+
+    Attributes:
+        method: the recipe's ``method:``.
+        name: the recipe's ``name:``.
+        inputs: each model the merge reads, by its role in the method (``base``, ``pathway code``, ``expert a``),
+            as the recipe names it.
+        parameters: parameter counts the method reports (``router``, ``per expert``, ``routed embedding``).
+        lines: the description, one labelled line each, as the dry run prints it.
+        warnings: what the user should know before running it.
+    """
+
+    method: str
+    name: str
+    inputs: dict[str, str] = field(default_factory=dict)
+    parameters: dict[str, int] = field(default_factory=dict)
+    lines: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    def render(self) -> str:
+        """The dry run's text: the description lines, then one ``warning:`` line per warning."""
+        return "\n".join([*self.lines, *(f"warning: {w}" for w in self.warnings)])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "name": self.name,
+            "inputs": self.inputs,
+            "parameters": self.parameters,
+            "lines": list(self.lines),
+            "warnings": list(self.warnings),
+        }
 
 
 @dataclass
@@ -204,16 +240,16 @@ class MethodPlugin(Generic[RecipeT, PlanT]):
 class Assembler(Protocol[RecipeT_contra]):
     """What an :class:`AssemblerPlugin` names: describe and build a method's model from its recipe."""
 
-    def describe(self, recipe: RecipeT_contra, *, recipe_dir: Path) -> str: ...
+    def describe(self, recipe: RecipeT_contra, *, recipe_dir: Path) -> MethodPlan: ...
 
     def assemble(
         self, recipe: RecipeT_contra, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None
     ) -> Path: ...
 
 
-class AssemblerPlugin(MethodPlugin[RecipeT, str]):
+class AssemblerPlugin(MethodPlugin[RecipeT, MethodPlan]):
     """A method whose ``moetool merge`` is an :class:`Assembler` object, named by :attr:`assembler` (imported on
-    first use), and whose plan is the assembler's description."""
+    first use), and whose plan is the assembler's :class:`MethodPlan`."""
 
     assembler: str = ""  # "module:Class"
 
@@ -223,7 +259,7 @@ class AssemblerPlugin(MethodPlugin[RecipeT, str]):
         built: Assembler[RecipeT] = registry.load(self.assembler)()
         return built
 
-    def describe(self, recipe: RecipeT, *, allow_pickle: bool = False) -> str:
+    def describe(self, recipe: RecipeT, *, allow_pickle: bool = False) -> MethodPlan:
         return self._assembler().describe(recipe, recipe_dir=recipe.recipe_dir)
 
     def assemble(

@@ -47,6 +47,11 @@ def test_merge_train_bake(recipe_file, tmp_path):
     res = run(app, ["merge", str(recipe_file), "--dry-run"])
     assert res.exit_code == 0, res.output
     assert "user b: 3 experts (top-2)" in res.output and "upload" in res.output
+    from moetool import api
+
+    plan = api.plan(recipe_file)  # the same plan as data
+    assert plan.method == "comigs" and set(plan.inputs) == {"base"}
+    assert plan.parameters["expert LoRA"] > 0 and "user b: 3 experts (top-2)" in plan.render()
 
     res = run(app, ["merge", str(recipe_file), "-o", str(tmp_path / "init")])
     assert res.exit_code == 0, res.output

@@ -265,7 +265,11 @@ def test_dry_run_describes_parameters(tiny, tmp_path):
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE.format(model=tiny))
-    text = EmbeddingAssembler().describe(load_recipe(recipe), recipe_dir=tmp_path)
+    plan = EmbeddingAssembler().describe(load_recipe(recipe), recipe_dir=tmp_path)
+    assert plan.method == "embedding" and plan.inputs == {"model": str(tiny)}
+    assert plan.parameters["input table"] == 10_240 and plan.parameters["output head"] == 10_240
+    assert 0 < plan.parameters["routed embedding"] < 10_240
+    text = plan.render()
     assert "original input table 10,240 params" in text and "head: 10,240 params" in text.replace("output head", "head")
     assert "variant generative, seed_dim 8, head keep" in text
 

@@ -216,6 +216,11 @@ def test_cli_dry_run_and_routing_log(built, tmp_path):
     res = runner.invoke(app, ["merge", str(recipe), "--dry-run"])
     assert res.exit_code == 0, res.output
     assert "raspberry-pi-4: weights" in res.output and "tau 0.7" in res.output
+    from moetool import api
+
+    plan = api.plan(recipe)  # the same plan as data
+    assert plan.method == "gem" and set(plan.inputs) == {"general", *(f"pathway {d}" for d in DOMAINS)}
+    assert plan.render() in res.output.replace("\r", "")
     log = tmp_path / "routes.jsonl"
     res = runner.invoke(app, ["gem", "route", str(out), "--text", domain_text("legal")[:120], "--log", str(log)])
     assert res.exit_code == 0, res.output

@@ -14,6 +14,7 @@ from rich.console import Console
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.files import copy_tokenizer
+from moetool.methods.base import MethodPlan
 from moetool.methods.comigs.assemble import PARITY_TOL, base_config, build_user_model, count_params, load_dense
 from moetool.methods.comigs.bilevel import ClientTrainer
 from moetool.methods.comigs.federated import Federation, prepare, run_inprocess, variant_recipe
@@ -44,7 +45,7 @@ def save_user(client: ClientTrainer, out: Path, tokenizer_dir: Path) -> float:
     return diff
 
 
-def describe(recipe: ComigsRecipe, recipe_dir: Path | None) -> str:
+def describe(recipe: ComigsRecipe, recipe_dir: Path | None) -> MethodPlan:
 
     cfg = base_config(recipe, recipe_dir)
     counts = count_params(recipe, cfg)
@@ -68,7 +69,8 @@ def describe(recipe: ComigsRecipe, recipe_dir: Path | None) -> str:
             f"{', '.join(s.name for s in u.specialists) or 'none'}, router {c['router']:,} params, upload "
             f"{c['upload']:,} params/round"
         )
-    return "\n".join(lines)
+    parameters = {"expert LoRA": counts["expert_lora"], "attention LoRA": counts["attention_lora"]}
+    return MethodPlan("comigs", recipe.name, {"base": str(recipe.base_model)}, parameters, tuple(lines))
 
 
 def assemble(

@@ -13,7 +13,7 @@ from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportJob, ExportRequest, Origin, get_exporter
 from moetool.io.atomic import scratch_dir
-from moetool.methods.base import MethodExportPlan, MethodPlugin, TrainOptions, TrainOutcome
+from moetool.methods.base import MethodExportPlan, MethodPlan, MethodPlugin, TrainOptions, TrainOutcome
 from moetool.recipe.comigs import ComigsRecipe
 
 
@@ -50,13 +50,13 @@ def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str,
         return ExportJob(exporter, sub, exporter.plan(sub)).run(console)
 
 
-class ComigsPlugin(MethodPlugin[ComigsRecipe, str]):
+class ComigsPlugin(MethodPlugin[ComigsRecipe, MethodPlan]):
     name = "comigs"
     model_types = ("moetool_comigs",)
     model_modules = ("moetool.methods.comigs.model",)
     export_targets = tuple(registry.TARGETS)
 
-    def describe(self, recipe: ComigsRecipe, *, allow_pickle: bool = False) -> str:
+    def describe(self, recipe: ComigsRecipe, *, allow_pickle: bool = False) -> MethodPlan:
         from moetool.methods.comigs.pipeline import describe
 
         return describe(recipe, recipe.recipe_dir)

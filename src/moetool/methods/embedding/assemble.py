@@ -31,6 +31,7 @@ from moetool.eval.perplexity import perplexity
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.files import copy_tokenizer
 from moetool.io.sources import resolve_source
+from moetool.methods.base import MethodPlan
 from moetool.methods.embedding.retrofit import TrainSettings, retrofit, svd_seed, train_embedding
 from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import EmbeddingConfig, measured_counts, param_counts
@@ -121,7 +122,7 @@ class EmbeddingAssembler:
 
     name = "embedding"
 
-    def describe(self, recipe: EmbeddingRecipe, *, recipe_dir: Path) -> str:
+    def describe(self, recipe: EmbeddingRecipe, *, recipe_dir: Path) -> MethodPlan:
         from transformers import AutoConfig
 
         try:
@@ -149,7 +150,8 @@ class EmbeddingAssembler:
             f"training: {recipe.train.steps} steps frozen body (lr {recipe.train.learning_rate}), "
             f"{recipe.train.unfreeze_steps} unfrozen; data {', '.join(recipe.train.data)}",
         ]
-        return "\n".join(lines)
+        parameters = {"input table": v * d, "routed embedding": counts["total"], "output head": head}
+        return MethodPlan("embedding", recipe.name, {"model": str(recipe.model)}, parameters, tuple(lines))
 
     def assemble(
         self,

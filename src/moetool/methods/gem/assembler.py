@@ -21,6 +21,7 @@ from moetool.card import provenance
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.files import copy_tokenizer
+from moetool.methods.base import MethodPlan
 from moetool.methods.gem.model import GemForCausalLM
 from moetool.methods.gem.pathways import Pathways, build_token_model, resolve_pathways, token_config, token_parity
 from moetool.methods.gem.qat import gem_plan
@@ -100,7 +101,7 @@ class GemAssembler:
 
     name = "gem"
 
-    def describe(self, recipe: GemRecipe, *, recipe_dir: Path) -> str:
+    def describe(self, recipe: GemRecipe, *, recipe_dir: Path) -> MethodPlan:
         pw = resolve_pathways(recipe, recipe_dir)
         mem = memory_table(pw, recipe)
         lines = [
@@ -118,15 +119,15 @@ class GemAssembler:
                 f"{m['runtime'] / 1e6:.2f} MB = {m['total'] / 1e6:.2f} MB of {m['budget'] / 1e9:.2f} GB "
                 f"({'fits' if m['fits'] else 'DOES NOT FIT'})"
             )
-        lines += [f"warning: {w}" for w in pw.warnings]
-        return "\n".join(lines)
+        inputs = {"general": str(pw.general.path)} | {f"pathway {d}": str(src.path) for d, src in pw.domains.items()}
+        return MethodPlan("gem", recipe.name, inputs=inputs, lines=tuple(lines), warnings=tuple(pw.warnings))
 
     def assemble(
         self, recipe: GemRecipe, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None = None
     ) -> Path:
         console = console or Console(stderr=True)
         check_output(output, force=force)
-        console.print(self.describe(recipe, recipe_dir=recipe_dir))
+        console.print(self.describe(recipe, recipe_dir=recipe_dir).render())
         pw = resolve_pathways(recipe, recipe_dir)
         if recipe.level == "token":
             return assemble_token(recipe, pw, recipe_dir, output, force, console)

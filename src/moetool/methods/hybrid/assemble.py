@@ -21,6 +21,7 @@ from rich.console import Console
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.safe import read_json
+from moetool.methods.base import MethodPlan
 from moetool.methods.hybrid.pareto import train_recipe_router
 from moetool.methods.hybrid.pipeline import Prepared, prepare
 from moetool.methods.hybrid.profile import PROFILE_FILE
@@ -79,7 +80,7 @@ def _router_config(p: Prepared) -> dict[str, Any]:
 class HybridAssembler:
     name = "hybrid"
 
-    def describe(self, recipe: HybridRecipe, *, recipe_dir: Path) -> str:
+    def describe(self, recipe: HybridRecipe, *, recipe_dir: Path) -> MethodPlan:
         r = recipe
         width_note = "the encoder's hidden size" if "hidden" in r.router.features else "0"
         lines = [
@@ -94,7 +95,8 @@ class HybridAssembler:
             f"{r.train.min_length}–{r.router.max_length}",
             f"  profile: {r.profile.file or f'measured here as {r.profile.device!r} at lengths {r.profile.lengths}'}",
         ]
-        return "\n".join(lines)
+        inputs = {f"expert {e.name}": str(e.source) for e in r.experts}
+        return MethodPlan("hybrid", r.name, inputs=inputs, lines=tuple(lines))
 
     def assemble(
         self,
