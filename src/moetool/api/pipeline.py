@@ -18,13 +18,16 @@ from moetool.api.stages import (
     load,
     package,
     plan_export,
+    plugin,
     train,
     write_report,
 )
 from moetool.errors import MoetoolError
 from moetool.io.atomic import check_output
-from moetool.methods.base import Stage
+from moetool.methods.base import MethodPlugin, Stage
 from moetool.progress import silent
+from moetool.recipe.base import RecipeBase
+from moetool.recipe.export import TargetSpec
 from moetool.recipe.mofe import MoFERecipe
 
 
@@ -66,19 +69,19 @@ def build(
     ``devices``) is exported; the recipe's ``questions:`` are asked of the final model and of each GGUF written
     (``answers.json``). ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures).
 
+    Another method runs the stages it has (:func:`build_method`).
+
     Raises:
-        MoetoolError: a recipe of another method than mofe (its own commands are named).
+        MoetoolError: a stage asked for that the recipe's method does not have, named before any work.
         OutputExistsError: ``output`` exists and ``force`` is not given.
     """
     r = load(recipe)
     out, console = Path(output), console or silent()
     stage: Stage = on_stage or (lambda name, value: None)
     if not isinstance(r, MoFERecipe):
-        raise MoetoolError(
-            f"{r.path or r.name}: moetool build runs the mofe pipeline; for method: {r.method} run `moetool merge "
-            f"RECIPE -o DIR` and then `moetool {r.method} --help` for its training, evaluation and export commands "
-            f"(docs/{r.method}.md)"
-        )
+        asked = {"presets": presets, "compare": compare, "tasks": tasks}
+        return build_method(r, out, tune=tune, devices=devices, asked=asked, force=force, verify=verify,
+                            console=console, stage=stage)  # fmt: skip
     check_output(out, force=force)
     console.rule("merge")
     merged = assemble(r, out / "merged", force=force, console=console)
@@ -109,6 +112,67 @@ def build(
     return result
 
 
+def has_stage(p: MethodPlugin[Any, Any], name: str) -> bool:
+    """Whether method plugin ``p`` implements stage ``name`` (``train``) rather than inheriting the refusal."""
+    return getattr(type(p), name) is not getattr(MethodPlugin, name)
+
+
+def build_method(
+    r: RecipeBase,
+    out: Path,
+    *,
+    tune: bool | None,
+    devices: list[str] | None,
+    asked: dict[str, Any],
+    force: bool,
+    verify: bool,
+    console: Console,
+    stage: Stage,
+) -> BuildResult:
+    """The pipeline of a method other than mofe, in the stages it has.
+
+    merge → train (when the method trains after the merge) → the recipe's ``targets:`` (when it has them) → a Hugging
+    Face repo folder (when the final output is one model folder).
+
+    Raises:
+        MoetoolError: a stage or option the method does not have (``tune``, ``devices``, evaluation's ``compare`` and
+            ``tasks``, mofe's freeze ``presets``), named before any work.
+    """
+    p = plugin(r)
+    targets = list(getattr(r, "targets", None) or [])
+    missing = [f"--{k}" for k, v in asked.items() if v]
+    if tune and not has_stage(p, "train"):
+        missing.append("--train (its models train inside `moetool merge`)")
+    if devices is not None and not targets:
+        missing.append("--device (the recipe has no targets:)")
+    if missing:
+        raise MoetoolError(
+            f"{r.path or r.name}: method {r.method} has no stage for {', '.join(missing)}; `moetool build` runs its "
+            f"merge{', training' if has_stage(p, 'train') else ''}{', targets' if targets else ''} and packaging"
+        )
+    check_output(out, force=force)
+    console.rule(f"merge ({r.method})")
+    merged = assemble(r, out / "merged", force=force, console=console)
+    result = BuildResult(merged=merged, model=merged)
+    stage("merged", merged)
+    if has_stage(p, "train") and tune is not False:
+        console.rule(f"training ({r.method})")
+        outcome = train(r, out / "tuned", model=merged, force=force, resume=False, console=console)
+        result.tuned["tuned"] = result.model = outcome.output
+        stage("trained", (None, outcome))
+    for t in targets:
+        if devices is None or t.device in devices:
+            _export_one(t, out, result, force=force, verify=verify, console=console, stage=stage)
+    if (result.model / "config.json").is_file():
+        console.rule("Hugging Face repo folder")
+        exports = [out / "exports" / n for n in result.manifests]
+        result.repo = package(result.model, out / "hf-repo", artifacts=exports, force=True)
+        stage("packaged", result.repo)
+    else:
+        console.print(f"[yellow]{result.model.name} is not one model folder: no Hugging Face repo folder written[/]")
+    return result
+
+
 def _build_exports(
     r: MoFERecipe,
     out: Path,
@@ -122,24 +186,30 @@ def _build_exports(
 ) -> None:
     """Export every ``targets:`` entry of the recipe (or only those for ``devices``) into ``out/exports``."""
     for t in r.targets:
-        if devices is not None and t.device not in devices:
-            continue
-        console.rule(f"export {t.dir_name}")
-        job = plan_export(
-            result.model,
-            out / "exports" / t.dir_name,
-            target=t.target,
-            quant=t.quant,
-            device=t.device,
-            context=t.context,
-            force=force,
-            verify=verify,
-            imatrix=t.imatrix,
-        )
-        stage("export_plan", (t.dir_name, job.exporter, job.plan))
-        with console.status(f"writing and verifying {job.exporter.name} …"):
-            result.manifests[t.dir_name] = job.run(console)
-        stage("exported", (job.request.output, result.manifests[t.dir_name]))
+        if devices is None or t.device in devices:
+            _export_one(t, out, result, force=force, verify=verify, console=console, stage=stage)
+
+
+def _export_one(
+    t: TargetSpec, out: Path, result: BuildResult, *, force: bool, verify: bool, console: Console, stage: Stage
+) -> None:
+    """One ``targets:`` entry of the final model into ``out/exports/<its name>``."""
+    console.rule(f"export {t.dir_name}")
+    job = plan_export(
+        result.model,
+        out / "exports" / t.dir_name,
+        target=t.target,
+        quant=t.quant,
+        device=t.device,
+        context=t.context,
+        force=force,
+        verify=verify,
+        imatrix=t.imatrix,
+    )
+    stage("export_plan", (t.dir_name, job.exporter, job.plan))
+    with console.status(f"writing and verifying {job.exporter.name} …"):
+        result.manifests[t.dir_name] = job.run(console)
+    stage("exported", (job.request.output, result.manifests[t.dir_name]))
 
 
 def _build_eval(
