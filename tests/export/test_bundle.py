@@ -65,7 +65,7 @@ def test_a_member_with_a_writer_of_its_own(tiny_models, tmp_path):
         out.mkdir(parents=True)
         (out / "own.bin").write_bytes(b"x")
         calls.append(source)
-        return {"file": "own.bin", "target": "own", "parity": {"ok": True}}
+        return {"format": "own/1", "file": "own.bin", "target": "own", "parity": {"ok": True}}
 
     src = tiny_models("llama")["e1"]
     doc = export_bundle(
@@ -74,3 +74,24 @@ def test_a_member_with_a_writer_of_its_own(tiny_models, tmp_path):
     )  # fmt: skip
     assert calls == [src]
     assert doc["members"]["x"] == {"target": "own", "dir": "x", "file": "own.bin", "parity": {"ok": True}}
+
+
+def test_a_malformed_manifest_fails_where_it_is_returned(tiny_models, tmp_path):
+    from moetool.export.base import Manifest
+
+    def writer(source: Path, out: Path) -> dict[str, Any]:
+        return {"file": 3}  # no format, a file that is not a name
+
+    with pytest.raises(ExportError, match="the writer of x: a manifest without a format"):
+        export_bundle(
+            tmp_path / "b", Bundle([Member("x", tiny_models("llama")["e1"], "x", writer)], "gguf"), router=_router,
+            manifest=_manifest, manifest_name="m.json",
+        )  # fmt: skip
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(ExportError, match="manifest field 'file' is 3, not a string"):
+        Manifest.of({"format": "f", "file": 3}, source="s")
+    m = Manifest.of(
+        {"format": "moetool-artifact/1", "target": "gguf", "file": "a.gguf", "parity": "not verified"}, source="s"
+    )
+    assert m == {"format": "moetool-artifact/1", "target": "gguf", "file": "a.gguf", "parity": "not verified"}
+    assert (m.target, m.file, m.verified) == ("gguf", "a.gguf", False)

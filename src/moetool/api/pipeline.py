@@ -23,6 +23,7 @@ from moetool.api.stages import (
     write_report,
 )
 from moetool.errors import MoetoolError
+from moetool.export.base import Manifest
 from moetool.io.atomic import check_output
 from moetool.methods.base import MethodPlugin, Stage
 from moetool.progress import silent
@@ -39,7 +40,7 @@ class BuildResult:
     model: Path
     tuned: dict[str, Path] = field(default_factory=dict)
     report: dict[str, Any] | None = None
-    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    manifests: dict[str, Manifest] = field(default_factory=dict)
     repo: Path | None = None
     answers: list[AskedQuestion] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # optional steps that failed (the rest of the build went on)
@@ -249,9 +250,7 @@ def _build_answers(r: MoFERecipe, out: Path, result: BuildResult, console: Conso
         return
     console.rule("questions")
     ggufs = {
-        name: out / "exports" / name / str(m["file"])
-        for name, m in result.manifests.items()
-        if m.get("target") == "gguf" and m.get("file")
+        name: out / "exports" / name / m.file for name, m in result.manifests.items() if m.target == "gguf" and m.file
     }
     if ggufs and importlib.util.find_spec("llama_cpp") is None:
         console.print("[yellow]llama-cpp-python is not installed: questions are answered by transformers only[/]")

@@ -13,7 +13,7 @@ from rich.console import Console
 from moetool.errors import MoetoolError, OutputPathError
 from moetool.eval.perplexity import eval_need
 from moetool.eval.report import evaluate as run
-from moetool.export.base import ExportError, ExportJob, ExportRequest, check_artifact_dir
+from moetool.export.base import ExportError, ExportJob, ExportRequest, Manifest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
 from moetool.export.resolve import ExportOptions, plan_standard_export
 from moetool.io.checks import check_finished_model_dir, check_output_path, is_moetool_temp
@@ -354,14 +354,14 @@ def export(
     base: str | Path | None = None,
     options: dict[str, Any] | None = None,
     **kw: Any,
-) -> dict[str, Any]:
+) -> Manifest:
     """Plan, write, verify and describe one artifact; returns its manifest (also written next to it).
 
     A PEFT adapter directory as ``model`` becomes a GGUF LoRA adapter for ``base``.
     """
     if is_adapter(Path(model)):
         check_artifact_dir(output)
-        return export_adapter(
+        doc = export_adapter(
             Path(model),
             adapter_base(Path(model), base),
             Path(output),
@@ -370,6 +370,7 @@ def export(
             eval_text=kw.get("eval_text"),
             out_type=str(kw.get("quant") or "f32"),
         )
+        return Manifest.of(doc, source="the GGUF LoRA exporter")
     job = plan_export(model, output, **kw)
     job.request.options.update(options or {})
     return job.run(console or silent())

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 from rich.table import Table
 
 from moetool.cli.console import human, out
+
+if TYPE_CHECKING:  # the CLI imports this module at start-up; the export package is imported when used
+    from moetool.export.base import Manifest
 
 
 def print_plan(plan: Any) -> None:
@@ -199,18 +202,18 @@ def print_export_plan(exporter: Any, plan: Any, title: str) -> None:
         out.print(f"{exporter.name} plan for {plan.name}: {plan.description}", highlight=False)
 
 
-def print_manifest(output: Any, manifest: dict[str, Any]) -> None:
+def print_manifest(output: Any, manifest: Manifest) -> None:
     """What an export wrote and its parity figures (standard exporters and methods' own alike)."""
     from pathlib import Path
 
-    where = Path(output) / manifest["file"] if "file" in manifest else Path(output)
+    where = Path(output) / manifest.file if manifest.file else Path(output)
     size = manifest.get("artifact", {}).get("bytes")
     out.print(f"[green]wrote[/] {where}" + (f" ({human(size)})" if size else ""))
     if "baked_from" in manifest:
         b = manifest["baked_from"]
         out.print(f"bake: from {b['comigs_user']}, max |Δlogit| {b['parity_max_abs_logit_diff']:.2e}", highlight=False)
-    if "parity" in manifest:
-        print_parity(manifest["parity"])
+    if manifest.parity is not None:
+        print_parity(manifest.parity)
     gen = manifest.get("generation")
     if isinstance(gen, dict):
         verdict = (

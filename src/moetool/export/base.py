@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
@@ -95,6 +96,58 @@ class ExportRequest:
 NOT_VERIFIED = "not verified (--no-verify)"  # a manifest's parity when the check was skipped
 
 
+class Manifest(dict[str, Any]):
+    """An artifact's manifest, with typed access to the fields its consumers read.
+
+    The consumers are the CLI, the build, bundles and packaging. It is the document itself (a ``dict``), so it serialises and compares as the JSON on disk does; :meth:`of`
+    checks the fields every manifest must have, so an exporter that returns a malformed one fails where it returns.
+    """
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any], *, source: str) -> Manifest:
+        """``doc`` checked: a non-empty string ``format``, and ``target``/``file`` strings where present.
+
+        Raises:
+            ExportError: a field is missing or of the wrong type, naming ``source`` (the exporter or the file).
+        """
+        if isinstance(doc, Manifest):
+            return doc
+        if not isinstance(doc.get("format"), str) or not doc["format"]:
+            raise ExportError(f"{source}: a manifest without a format (keys: {', '.join(sorted(doc)) or 'none'})")
+        for key in ("target", "file"):
+            if key in doc and not isinstance(doc[key], str):
+                raise ExportError(f"{source}: manifest field {key!r} is {doc[key]!r}, not a string")
+        return cls(doc)
+
+    @property
+    def format(self) -> str:
+        """``moetool-artifact/1`` for the standard targets; a method's own format for its artifacts."""
+        return str(self["format"])
+
+    @property
+    def target(self) -> str | None:
+        """The target the artifact is for (``gguf``, ``onnx``, …), where the format names one."""
+        value = self.get("target")
+        return value if isinstance(value, str) else None
+
+    @property
+    def file(self) -> str | None:
+        """The artifact's main file, relative to its folder (a bundle's router graph)."""
+        value = self.get("file")
+        return value if isinstance(value, str) else None
+
+    @property
+    def parity(self) -> dict[str, Any] | str | None:
+        """The parity figures against the PyTorch model, or why there are none (``--no-verify``)."""
+        value = self.get("parity")
+        return value if isinstance(value, dict | str) else None
+
+    @property
+    def verified(self) -> bool:
+        """Whether the artifact was checked in its runtime (its parity is figures, not a reason)."""
+        return isinstance(self.parity, dict)
+
+
 PlanT = TypeVar("PlanT")
 
 
@@ -113,7 +166,7 @@ class Exporter(Protocol[PlanT]):
         """Resolve the quantization plan (no writes)."""
         ...
 
-    def export(self, req: ExportRequest, plan: PlanT, console: Console | None = None) -> dict[str, Any]:
+    def export(self, req: ExportRequest, plan: PlanT, console: Console | None = None) -> Mapping[str, Any]:
         """Write the artifact and its manifest into ``req.output`` atomically; return the manifest."""
         ...
 
@@ -129,16 +182,16 @@ class ExportJob(NamedTuple, Generic[PlanT]):
     request: ExportRequest
     plan: PlanT
 
-    def run(self, console: Console | None = None) -> dict[str, Any]:
+    def run(self, console: Console | None = None) -> Manifest:
         """Write, verify and describe the artifact; returns its manifest (also written beside it).
 
         Raises:
             OutputExistsError: the output exists and the request has no ``force`` (before anything is written).
-            ExportError: the artifact failed its parity check, or the target cannot take the model.
+            ExportError: the artifact failed its parity check, the target cannot take the model, or the exporter
+                returned a malformed manifest.
         """
         check_output(self.request.output, force=self.request.force)
-        manifest: dict[str, Any] = self.exporter.export(self.request, self.plan, console=console)
-        return manifest
+        return Manifest.of(self.exporter.export(self.request, self.plan, console=console), source=self.exporter.name)
 
 
 # target -> "module:Class" (moetool.registry); the module is imported only when the target is used
@@ -190,14 +243,13 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
     return path
 
 
-def read_manifest(artifact_dir: Path) -> dict[str, Any]:
+def read_manifest(artifact_dir: Path) -> Manifest:
     """The manifest of an export folder.
 
     Raises:
-        ExportError: the folder has no manifest.json, or it is not valid JSON.
+        ExportError: the folder has no manifest.json, it is not valid JSON, or it lacks a manifest's fields.
     """
     path = Path(artifact_dir) / MANIFEST
     if not path.is_file():
         raise ExportError(f"{artifact_dir}: no {MANIFEST}; not a moetool export")
-    data: dict[str, Any] = read_json(path, what="export manifest", error=ExportError)
-    return data
+    return Manifest.of(read_json(path, what="export manifest", error=ExportError), source=str(path))

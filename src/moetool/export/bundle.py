@@ -15,7 +15,7 @@ from typing import Any
 
 from rich.console import Console
 
-from moetool.export.base import ExportError
+from moetool.export.base import ExportError, Manifest
 from moetool.export.resolve import plan_standard_export
 from moetool.extras import MissingExtraError
 from moetool.io.atomic import atomic_dir
@@ -81,7 +81,7 @@ def export_member(member: Member, root: Path, bundle: Bundle, console: Console |
         console.print(f"exporting {member.name} → {bundle.target}")
     try:
         if member.writer is not None:
-            m = member.writer(member.source, out)
+            m = Manifest.of(member.writer(member.source, out), source=f"the writer of {member.name}")
         else:
             job = plan_standard_export(
                 member.source, out, target=bundle.target, quant=bundle.quant, force=True, verify=bundle.verify
@@ -91,8 +91,7 @@ def export_member(member: Member, root: Path, bundle: Bundle, console: Console |
         if not bundle.tolerate:
             raise
         return MemberArtifact(member.name, bundle.target, refused=str(exc))
-    target = str(m.get("target") or bundle.target)
-    return MemberArtifact(member.name, target, member.folder, str(m["file"]), m.get("parity"))
+    return MemberArtifact(member.name, m.target or bundle.target, member.folder, m.file, m.parity)
 
 
 def export_bundle(

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool.errors import MoetoolError
-from moetool.export.base import read_manifest
+from moetool.export.base import Manifest, read_manifest
 from moetool.io.files import TOKENIZER_FILES
 from moetool.io.safe import decode_utf8, read_bytes, read_json
 
@@ -31,7 +31,7 @@ class Artifact:
     """One ``moetool export`` output directory: an artifact file and its manifest."""
 
     dir: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     @property
     def target(self) -> str:

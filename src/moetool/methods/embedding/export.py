@@ -315,6 +315,7 @@ def export_routed(
             graphs = {"prefill": "model.tflite (signature prefill, 128 tokens right-padded)"}
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         manifest = {
+            "format": "moetool-embedding-artifact/1",
             "target": target,
             "model": str(model_dir.resolve()),
             "model_type": MODEL_TYPE,
