@@ -14,7 +14,7 @@ add and extract,
 and the table gives each stage's wall time, peak RSS and that peak as a multiple of the MoE's bf16 bytes. A stage
 that refuses up front (its budget check) is reported as refused, with the first line of its reason.
 
-    .venv/bin/python bench/size_ladder.py --rungs 135m,360m [--work DIR] [--keep] [--experts]
+    .venv/bin/python bench/size_ladder.py --rungs 135m,360m [--work DIR] [--keep] [--experts] [--only STAGES]
 """
 
 from __future__ import annotations
@@ -160,7 +160,9 @@ def _edit_stages(root: Path, moe: Path, paths: dict[str, Path], texts: dict[str,
     ]  # fmt: skip
 
 
-def rung(name: str, work: Path, experts: bool = False) -> list[tuple[str, float, int, int, str]]:
+def rung(
+    name: str, work: Path, experts: bool = False, only: list[str] | None = None
+) -> list[tuple[str, float, int, int, str]]:
     root = work / name
     root.mkdir(parents=True, exist_ok=True)
     # the family is drawn in a process of its own: a child forked from a parent that holds gigabytes of weights
@@ -169,7 +171,8 @@ def rung(name: str, work: Path, experts: bool = False) -> list[tuple[str, float,
     paths = {n: root / "models" / n for n in ("base", *EXPERTS)}
     texts = _texts(root)
     recipe = _recipe(root, paths, texts)
-    moe, tuned = root / "moe", root / "tuned"
+    moe = root / "moe"
+    tuned = root / "tuned" if not only or "train" in only else moe  # eval and export read the merge when not tuned
     moetool = str(BIN / "moetool")
     stages = [
         ("merge", [moetool, "merge", str(recipe), "-o", str(moe), "--force"]),
@@ -181,6 +184,8 @@ def rung(name: str, work: Path, experts: bool = False) -> list[tuple[str, float,
     ]  # fmt: skip
     if experts:  # the merge, then every edit of `moetool experts` on it
         stages = stages[:1] + _edit_stages(root, moe, paths, texts)
+    if only:  # the merge, then the named stages (a rung whose outputs together do not fit on the disk)
+        stages = stages[:1] + [s for s in stages[1:] if s[0] in only]
     rows = []
     for stage, args in stages:
         wall, rss, code, last = _run(args, root / f"{stage.replace(' ', '-')}.log")
@@ -197,6 +202,7 @@ def main() -> None:
     ap.add_argument(
         "--experts", action="store_true", help="the merge, then `moetool experts` edits instead of the rest"
     )
+    ap.add_argument("--only", default=None, help="comma-separated stages to run after the merge (default: all)")
     ap.add_argument("--family", nargs=2, metavar=("RUNG", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.family:  # internal: draw one rung's family into DIR (see rung())
@@ -205,7 +211,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="moetool-ladder-"))
     table = []
     for name in args.rungs.split(","):
-        rows = rung(name, work, args.experts)
+        rows = rung(name, work, args.experts, args.only.split(",") if args.only else None)
         moe_bytes = sum(f.stat().st_size for f in (work / name / "moe").glob("*.safetensors"))
         table += [(name, moe_bytes, *r) for r in rows]
         if not args.keep:

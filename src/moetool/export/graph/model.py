@@ -37,7 +37,7 @@ NEG = -1e9  # additive mask value: finite, so a fully masked row stays finite in
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+        self.weight = nn.Parameter(shared(weight), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,13 +45,20 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(var + self.eps))
 
 
+def shared(w: torch.Tensor) -> torch.Tensor:
+    """``w`` detached, in the source model's own memory where it is contiguous: the export model and the transformers
+    model it checks against hold one copy of the weights, not two (nothing writes into either)."""
+    return w.detach().contiguous()
+
+
 def linear(w: torch.Tensor, b: torch.Tensor | None = None) -> nn.Linear:
-    """A frozen ``nn.Linear`` holding copies of ``w`` ``[out, in]`` (and ``b`` ``[out]``): what every traced graph
-    is built of, so exporters see plain Linear ops whatever module the weights came from."""
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
-    lin.weight = nn.Parameter(w.detach().clone(), requires_grad=False)
+    """A frozen ``nn.Linear`` over ``w`` ``[out, in]`` (and ``b`` ``[out]``), sharing their memory: what every traced
+    graph is built of, so exporters see plain Linear ops whatever module the weights came from."""
+    with torch.device("meta"):  # no throwaway initialisation of a full-size weight
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+    lin.weight = nn.Parameter(shared(w), requires_grad=False)
     if b is not None:
-        lin.bias = nn.Parameter(b.detach().clone(), requires_grad=False)
+        lin.bias = nn.Parameter(shared(b), requires_grad=False)
     return lin
 
 
@@ -266,7 +273,7 @@ class ExportLM(nn.Module):
             raise ValueError(f"model_type {cfg.model_type!r}: graph export supports {', '.join(graph_model_types())}")
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         inner = hf.model
-        self.embed = nn.Embedding.from_pretrained(inner.embed_tokens.weight.detach().clone(), freeze=True)
+        self.embed = nn.Embedding.from_pretrained(shared(inner.embed_tokens.weight), freeze=True)
         blocks = []
         for layer in inner.layers:
             m = layer.mlp
