@@ -9,6 +9,9 @@ from rich.table import Table
 
 from moetool.cli.console import human, out
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 if TYPE_CHECKING:  # the CLI imports this module at start-up; the export package is imported when used
     from moetool.export.base import Manifest
 
@@ -271,7 +274,7 @@ def print_answers(answers: list[Any]) -> None:
     out.print(t)
 
 
-def experts_table(console: Any, report: dict[str, Any]) -> None:
+def experts_table(console: Console, report: dict[str, Any]) -> None:
     """``moetool experts list``: one row per expert; with routing figures, its share and REAP saliency per layer."""
     routing: dict[str, Any] = report.get("routing") or {"layers": {}, "domains": {}}
     table = Table(
@@ -298,7 +301,7 @@ def experts_table(console: Any, report: dict[str, Any]) -> None:
         console.print(f"edit: {escape(str(edit))}", highlight=False)
 
 
-def print_edit_plan(console: Any, plan: Any) -> None:
+def print_edit_plan(console: Console, plan: Any) -> None:
     """``moetool experts … --dry-run``: what the edit would write, read from its plan (no weights)."""
     from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from moetool.edit.layout import EditError, require_tokenizer
 from moetool.eval.perplexity import load_causal_lm, text_windows
 from moetool.progress import silent, task
 from moetool.routing.tap import expert_activation, moe_block
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @dataclass
@@ -121,7 +124,7 @@ def expert_stats(
     reap: bool = True,
     dtype: str | None = None,
     device: str | None = None,
-    console: Any = None,
+    console: Console | None = None,
 ) -> ExpertStats:
     """Run the MoE at ``path`` over each text (its first ``max_tokens`` tokens, in windows of ``seq_len``).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -20,6 +20,9 @@ from moetool.export.graph.parity import Decode, Prefill, gate, graph_parity
 from moetool.export.heldout import held_out_text
 from moetool.extras import require
 from moetool.progress import Step, step_printer
+
+if TYPE_CHECKING:
+    from moetool.export.graph.model import ExportLM
 
 __all__ = ["GraphExporter", "finish_graph_manifest", "is_float_plan", "runtime_parity"]
 
@@ -56,7 +59,7 @@ class GraphExporter:
         """Refuse target options (``req.options``) the target cannot take; nothing is loaded yet."""
 
     def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float, step: Step
+        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: ExportLM, *, started: float, step: Step
     ) -> dict[str, Any]:
         """Convert ``em`` (the ExportLM around transformers model ``hf``) into ``req.output`` atomically, check it
         against ``hf`` unless ``req.verify`` is off, and return the manifest (timed from ``started``); ``step``

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -41,6 +41,9 @@ from moetool.zoo.corpora import DOMAINS, DomainSplit, corpus_stats, make_splits
 from moetool.zoo.pins import pin_id
 from moetool.zoo.store import read_zoo_json
 from moetool.zoo.tokenizer import train_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["build_zoo", "quiet_transformers", "remove_stale_builds", "tool_versions", "train_zoo_model", "vocab_fields"]
 
@@ -75,7 +78,7 @@ def train_zoo_model(model: torch.nn.Module, *, console: Console, name: str, step
     return stats
 
 
-def vocab_fields(tokenizer: Any) -> dict[str, Any]:
+def vocab_fields(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """What a zoo model's config takes from the zoo tokenizer: the vocabulary size and the special token ids."""
     return {
         "vocab_size": len(tokenizer),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
 from moetool.io.atomic import atomic_dir
 from moetool.progress import Step
+
+if TYPE_CHECKING:
+    from moetool.export.graph.model import ExportLM
 
 BLOCK = 32
 COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
@@ -137,7 +140,7 @@ def _wrapper_runners(wrapper: Any) -> tuple[Prefill, Decode]:
     return prefill, decode
 
 
-def _wrapper_parity(req: ExportRequest, hf: Any, em: Any, capacity: int) -> dict[str, Any]:
+def _wrapper_parity(req: ExportRequest, hf: Any, em: ExportLM, capacity: int) -> dict[str, Any]:
     """Parity of the torch wrapper that was converted (Core ML itself runs on macOS only), held to the fp32 gate."""
 
     prefill, decode = _wrapper_runners(StatefulLM(em, capacity).eval())
@@ -172,7 +175,7 @@ class CoreMLExporter(GraphExporter):
         _compute_units(req)
 
     def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float, step: Step
+        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: ExportLM, *, started: float, step: Step
     ) -> dict[str, Any]:
         units = _compute_units(req)
         max_pos = int(plan.config.get("max_position_embeddings", 2048))

@@ -118,7 +118,7 @@ class ExecuTorchExporter(GraphExporter):
     runtime_modules = ("executorch",)
 
     def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float, step: Step
+        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: ExportLM, *, started: float, step: Step
     ) -> dict[str, Any]:
 
         if not is_float_plan(plan):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from moetool.progress import silent, task
 from moetool.quant.allocate import Bank
 from moetool.quant.imatrix import Calibration, ImportanceMatrix
 from moetool.quant.types import TYPES
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 # candidates by row length: 256-blocks where rows allow, else the 32-block types (llama.cpp's fallbacks)
 LADDER_256 = ("q2_k", "q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q8_0")
@@ -115,7 +118,7 @@ def measure_cached(
     imatrix: ImportanceMatrix,
     banks: dict[str, str],
     *,
-    console: Any = None,
+    console: Console | None = None,
 ) -> list[Bank]:
     """:func:`measure`, kept in the cache under a key of everything it depends on (the weights' bytes, the
     importance, the text, the candidates), so a second budget on the same model costs no measurement. A vanished or
@@ -159,7 +162,7 @@ def measure(
     *,
     probe_tokens: int = 256,
     device: str | None = None,
-    console: Any = None,
+    console: Console | None = None,
 ) -> list[Bank]:
     """A :class:`Bank` (candidates' errors, the measured KL at the cheapest) for each tensor in ``banks`` (GGUF name →
     role).

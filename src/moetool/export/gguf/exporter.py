@@ -193,7 +193,7 @@ class GGUFExporter:
         return report.to_json() | {"text": text_src}
 
     def _imatrix(
-        self, req: ExportRequest, plan: GGUFPlan, given: ImportanceMatrix | None, path: Path, console: Any
+        self, req: ExportRequest, plan: GGUFPlan, given: ImportanceMatrix | None, path: Path, console: Console | None
     ) -> tuple[ImportanceMatrix, Path]:
         """The importance matrix to quantize with (given, or collected now), written beside the GGUF."""
         if given is None:
@@ -230,7 +230,7 @@ def _role(e: TensorEntry) -> str | None:
 
 
 def allocate_plan(
-    req: ExportRequest, plan: GGUFPlan, imatrix: ImportanceMatrix, calib: Calibration, console: Any
+    req: ExportRequest, plan: GGUFPlan, imatrix: ImportanceMatrix, calib: Calibration, console: Console | None
 ) -> Allocation:
     """Measure every unpinned tensor's sensitivity and give it the type the budget earns it; ``plan.quant`` becomes
     the allocated plan (the user's rules, and f32 routers, stay as they were).

@@ -19,7 +19,7 @@ the same token budget, so every domain's expert sees its own domain.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,10 @@ from moetool.export.gguf.names import gguf_name, split_names
 from moetool.progress import silent, task
 from moetool.quant.imatrix import MODES, Calibration, ImportanceMatrix
 from moetool.routing.tap import expert_activation, experts_modules
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from transformers import PreTrainedTokenizerBase
 
 EXPERT_PROJ = ("gate", "up", "down")
 
@@ -114,7 +118,7 @@ class _Collector:
             h.remove()
 
 
-def _windows(tok: Any, calib: Calibration) -> dict[str, list[list[int]]]:
+def _windows(tok: PreTrainedTokenizerBase, calib: Calibration) -> dict[str, list[list[int]]]:
     from moetool.eval.perplexity import text_windows
 
     per = max(calib.seq_len, calib.max_tokens // max(1, len(calib.texts)))
@@ -132,7 +136,7 @@ def collect(
     wanted: set[str],
     *,
     device: str | None = None,
-    console: Any = None,
+    console: Console | None = None,
 ) -> ImportanceMatrix:
     """The importance matrix of the model at ``model_dir`` for the GGUF tensors named in ``wanted``.
 
@@ -202,7 +206,7 @@ def _starved(col: _Collector, floor: int) -> dict[int, list[int]]:
     return out
 
 
-def _run(model: Any, windows: list[list[int]], dev: torch.device, console: Any, label: str) -> None:
+def _run(model: Any, windows: list[list[int]], dev: torch.device, console: Console, label: str) -> None:
     with task(console, label, len(windows), unit="windows") as advance:
         for w in windows:
             model(input_ids=torch.tensor([w], device=dev), use_cache=False)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetool.export.base import ExportError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # the regexes as llama.cpp's llama-vocab.cpp spells them (its adapted forms, e.g. no (?i:...))
 _CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -101,7 +104,7 @@ def _merging_model(tj: dict[str, Any]) -> Any:
     return models.BPE(vocab=m["vocab"], merges=merges, ignore_merges=False)
 
 
-def choose_pre_tokenizer(tok: Any, tj: dict[str, Any], where: str) -> str:
+def choose_pre_tokenizer(tok: PreTrainedTokenizerBase, tj: dict[str, Any], where: str) -> str:
     """The llama.cpp pre-tokenizer name whose splits give ``tok``'s ids on :data:`PROBES`.
 
     ``tok`` is the Hugging Face fast tokenizer and ``tj`` its backend's JSON. Candidates that split every probe
@@ -150,7 +153,7 @@ def choose_pre_tokenizer(tok: Any, tj: dict[str, Any], where: str) -> str:
     return next((n for n in exact + agree if PRE_TOKENIZERS[n].clean_spaces == clean), (exact + agree)[0])
 
 
-def _cleans_spaces(tok: Any) -> bool:
+def _cleans_spaces(tok: PreTrainedTokenizerBase) -> bool:
     """Whether decoding drops the space before punctuation (transformers ignores the setting for BPE by default)."""
     ids = tok("a .", add_special_tokens=False).input_ids
     return bool(tok.decode(ids) == "a.")

@@ -9,7 +9,7 @@ tokenizer and config files.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.graph.common import GraphPlan
@@ -21,6 +21,9 @@ from moetool.export.onnx.runner import genai_check, ort_runners, ort_session
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
 from moetool.progress import Step
+
+if TYPE_CHECKING:
+    from moetool.export.graph.model import ExportLM
 
 
 def _count_ops(path: Path) -> dict[str, int]:
@@ -62,7 +65,7 @@ class ONNXExporter(GraphExporter):
         moe_kernel(req)
 
     def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: Any, *, started: float, step: Step
+        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: ExportLM, *, started: float, step: Step
     ) -> dict[str, Any]:
         import onnxruntime as ort
 
