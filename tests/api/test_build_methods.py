@@ -8,25 +8,9 @@ import json
 import pytest
 
 from conftest import TEXT, save_dense
+from methods.embedding.test_model import RECIPE  # the embedding tests' tiny recipe
 from moetool.api import build
 from moetool.errors import MoetoolError
-
-RECIPE = """\
-name: tiny-emb
-method: embedding
-model: {model}
-head: keep
-embedding:
-  variant: generative
-  seed_dim: 8
-  router: {{width: 16, layers: 1, heads: 4, n_queries: 2}}
-train:
-  data:
-    mixed: {{text: data.txt}}
-  steps: 2
-  batch_size: 2
-  seq_len: 16
-"""
 
 
 @pytest.fixture()
