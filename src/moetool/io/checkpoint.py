@@ -316,15 +316,26 @@ class Checkpoint:
         return self._finite(info, t)
 
     def _finite(self, info: TensorInfo, t: torch.Tensor) -> torch.Tensor:
-        """``t``, after checking (in bounded chunks) that a floating-point tensor holds no NaN or Inf."""
-        if not self.check_finite or not t.is_floating_point():
+        return self.check(info.name, t) if self.check_finite else t
+
+    def check(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (tensor ``name`` as read), after checking in bounded chunks that a floating-point tensor holds no NaN
+        or Inf. A stream that reads with ``check_finite=False`` calls this itself, e.g. beside the write of the tensor.
+
+        Raises:
+            CheckpointError: a NaN or Inf value, with their counts, naming the file and the tensor.
+        """
+        info = self.tensors[name]
+        if not t.is_floating_point():
             return t
         flat = t.reshape(-1)
         for i in range(0, flat.numel(), FINITE_CHUNK):
             chunk = flat[i : i + FINITE_CHUNK]
-            # a finite sum proves every element finite (NaN and ±Inf all propagate) at a tenth of isfinite's cost,
-            # which allocates a mask as large as the chunk; only a non-finite sum (or an overflow) is looked at
-            if bool(torch.isfinite(chunk.sum(dtype=torch.float32))):
+            # finite extremes prove every element finite (NaN propagates into both, ±Inf is one of them): one
+            # reduction in the tensor's own dtype, with no mask, at about 45 GB/s on bf16 where a float32 sum ran at
+            # 1.8 GB/s and cost a 30 GB merge 13 s of CPU; only a non-finite chunk is looked at element by element
+            lo, hi = torch.aminmax(chunk)
+            if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
                 continue
             if not bool(torch.isfinite(chunk).all()):
                 nan = int(torch.isnan(flat).sum())

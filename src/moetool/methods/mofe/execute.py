@@ -19,7 +19,7 @@ from moetool.io.checkpoint import Checkpoint
 from moetool.io.files import copy_tokenizer
 from moetool.io.safe import read_json
 from moetool.io.writer import ShardedWriter
-from moetool.methods.mofe.plan import DTYPES, MergePlan, Parts
+from moetool.methods.mofe.plan import DTYPES, MergePlan, Parts, TensorOp
 from moetool.progress import silent, task
 from moetool.recipe.mofe import MoFERecipe
 from moetool.routing import init as rinit
@@ -105,42 +105,54 @@ def _stream_tensors(plan: MergePlan, tmp: Path, routers: Future[tuple[Routers, l
             if op.kind in ("copy", "expert", "shared"):
                 assert op.source is not None and op.src is not None
                 if op.source not in ckpts:
-                    ckpts[op.source] = Checkpoint(plan.sources[op.source].path, allow_pickle=plan.allow_pickle)
+                    ckpts[op.source] = _open(plan, op.source)
                 info = ckpts[op.source].tensors.get(op.src)  # a missing tensor is reported by get() below
                 need = max(need, info.nbytes if info is not None else 0)
         scratch = torch.empty(need, dtype=torch.uint8)
         with (
             task(console, "writing tensors", len(plan.ops), unit="tensors") as advance,
             ShardedWriter(tmp, layout, plan.recipe.max_shard_size) as writer,
+            ThreadPoolExecutor(1, thread_name_prefix="moetool-finite") as checker,
         ):
             for op in ops:
                 if op.kind in _ROUTING and gates is None:
                     (gates, shared_gates), notes = routers.result()
                     for note in notes:
                         console.print(f"[yellow]warning:[/] {note}")
+                checked: Future[torch.Tensor] | None = None
                 if op.kind in ("copy", "expert", "shared"):
                     assert op.source is not None and op.src is not None
                     # one buffer serves every read: the tensor is written before the next one is read into it
                     t = ckpts[op.source].get(op.src, into=scratch)
-                elif op.kind == "zeros":
-                    t = torch.zeros(op.shape)
-                elif op.kind == "null_gate":
-                    t = torch.full(op.shape, NULL_SHARED_GATE)
+                    # its NaN/Inf check runs while it is written (both release the GIL); a bad tensor still fails
+                    # the merge before the output is moved into place
+                    checked = checker.submit(ckpts[op.source].check, op.src, t)
                 elif op.kind == "stacked":
                     t = _stacked(op.parts, ckpts, plan)
-                elif op.kind == "router":
-                    assert gates is not None
-                    t = gates[int(op.out.split(".")[2])]
-                else:  # shared_gate
-                    layer = int(op.out.split(".")[2])
-                    t = shared_gates[layer] if shared_gates is not None else torch.zeros(op.shape)
+                else:
+                    t = _made(op, gates, shared_gates)
                 if tuple(t.shape) != op.shape:
                     raise RuntimeError(f"{op.out}: got shape {tuple(t.shape)}, planned {op.shape}")
                 writer.add(op.out, t.to(dtype))
+                if checked is not None:
+                    checked.result()  # before the buffer takes the next tensor
                 advance()
     finally:
         for c in ckpts.values():
             c.close()
+
+
+def _made(op: TensorOp, gates: torch.Tensor | None, shared_gates: torch.Tensor | None) -> torch.Tensor:
+    """A tensor no source holds: zeros, the null shared gate, a layer's router rows or its shared-expert gate."""
+    if op.kind == "zeros":
+        return torch.zeros(op.shape)
+    if op.kind == "null_gate":
+        return torch.full(op.shape, NULL_SHARED_GATE)
+    layer = int(op.out.split(".")[2])
+    if op.kind == "router":
+        assert gates is not None
+        return gates[layer]
+    return shared_gates[layer] if shared_gates is not None else torch.zeros(op.shape)  # shared_gate
 
 
 def _stacked(parts: Parts, ckpts: dict[str, Checkpoint], plan: MergePlan) -> torch.Tensor:
@@ -149,9 +161,14 @@ def _stacked(parts: Parts, ckpts: dict[str, Checkpoint], plan: MergePlan) -> tor
     for expert in parts:
         for label, _ in expert:
             if label not in ckpts:
-                ckpts[label] = Checkpoint(plan.sources[label].path, allow_pickle=plan.allow_pickle)
-        rows.append(torch.cat([ckpts[label].get(src) for label, src in expert]))
+                ckpts[label] = _open(plan, label)
+        rows.append(torch.cat([ckpts[label].check(src, ckpts[label].get(src)) for label, src in expert]))
     return torch.stack(rows)
+
+
+def _open(plan: MergePlan, label: str) -> Checkpoint:
+    """Source ``label``'s checkpoint for the stream, which checks each tensor for NaN/Inf itself (beside its write)."""
+    return Checkpoint(plan.sources[label].path, allow_pickle=plan.allow_pickle, check_finite=False)
 
 
 def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str, hashes: dict[Path, str] | None = None) -> None:
