@@ -81,16 +81,18 @@ def export_member(member: Member, root: Path, bundle: Bundle, console: Console |
         console.print(f"exporting {member.name} → {bundle.target}")
     try:
         if member.writer is not None:
-            m = Manifest.of(member.writer(member.source, out), source=f"the writer of {member.name}")
+            doc = member.writer(member.source, out)
         else:
             job = plan_standard_export(
                 member.source, out, target=bundle.target, quant=bundle.quant, force=True, verify=bundle.verify
             )
-            m = job.run(console)
+            doc = job.run(console)
     except (ExportError, MissingExtraError) as exc:
         if not bundle.tolerate:
             raise
         return MemberArtifact(member.name, bundle.target, refused=str(exc))
+    # checked outside the try: a malformed manifest is the writer's bug, never a refusal to record
+    m = Manifest.of(doc, source=f"the writer of {member.name}")
     return MemberArtifact(member.name, m.target or bundle.target, member.folder, m.file, m.parity)
 
 
