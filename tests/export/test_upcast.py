@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
-from moetool.export.upcast import decoder_layers, float32_layer_by_layer
+from moetool.export.upcast import decoder_layers, float32_layer_by_layer, float32_overhead
 
 SHAPE = {
     "hidden_size": 64,
@@ -44,3 +44,16 @@ def test_layer_by_layer_float32_equals_a_float32_model(tmp_path, config, storage
 def test_a_model_without_a_layer_stack_is_refused():
     with pytest.raises(ValueError, match="no stack of layers"):
         decoder_layers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_memory_estimate_counts_what_the_upcast_adds(tied):
+    config = MixtralConfig(**(SHAPE | {"tie_word_embeddings": tied}), num_local_experts=4)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    layers = decoder_layers(model)
+    one_layer = sum(p.numel() for p in layers[0].parameters())
+    float32_layer_by_layer(model)
+    outside = sum(p.numel() for p in model.parameters() if p.dtype == torch.float32)
+    added = outside * 2 + one_layer * 4  # float32 outside the layers instead of bf16, one layer's float32 copy
+    assert float32_overhead(params, config.to_dict()) == pytest.approx(added, rel=0.02)

@@ -37,13 +37,18 @@ def edit_need(plan: EditPlan, out: Path, *, verify: bool, tuned: bool) -> Need:
     of input and output loaded once (they run one after the other); the output's bytes on disk (twice when the
     edited model is tuned into its final place)."""
     from moetool.eval.perplexity import eval_need
+    from moetool.export.upcast import float32_overhead
 
     sizes = [op.numel * SAFETENSORS_TAG_BYTES[op.dtype] for op in plan.ops]
     written = sum(sizes)
     if verify or tuned:
         need = eval_need(plan.layout.path, dtype="auto", seq_len=128, batch_size=1)
         grown = max(0, written - sum(i.nbytes for i in plan.layout.tensors.values()))  # an added expert
-        memory, detail = need.memory + grown, f"{need.memory_detail}, to check the edit against its input"
+        # the check computes in float32: a 16-bit model holds one float32 layer and float32 embeddings beside it
+        params = sum(i.numel for i in plan.layout.tensors.values())
+        upcast = 0 if plan.layout.dtype == "F32" else float32_overhead(params, plan.layout.config)
+        memory = need.memory + grown + upcast
+        detail = f"{need.memory_detail}, to check the edit against its input (in float32, one layer at a time)"
     else:
         memory, detail = 2 * max(sizes, default=0) + (256 << 20), "two copies of the largest tensor, streamed"
     return Need(

@@ -54,3 +54,14 @@ def float32_layer_by_layer(model: nn.Module) -> nn.Module:
         layer.register_forward_pre_hook(up)
         layer.register_forward_hook(down)
     return model
+
+
+def float32_overhead(params: int, config: dict[str, Any]) -> int:
+    """Bytes that :func:`float32_layer_by_layer` adds to a 16-bit model of ``params`` parameters: the embeddings and
+    head in float32 instead of 16 bits, and one decoder layer's float32 copy while it runs (from the config: a
+    layer's share of the parameters outside the embeddings)."""
+    c = config.get("text_config") or config
+    embed = int(c.get("vocab_size") or 0) * int(c.get("hidden_size") or 0)
+    outside = min(params, embed * (1 if c.get("tie_word_embeddings", True) else 2))
+    layer = (params - outside) // max(1, int(c.get("num_hidden_layers") or 1))
+    return outside * 2 + layer * 4

@@ -293,12 +293,13 @@ def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path, coll
     source model beside llama.cpp's copy of the artifact, then the artifact's dequantized weights).
     """
     from moetool.export.gguf.verify import VERIFY_OVERHEAD, reference_dtype
+    from moetool.export.upcast import float32_overhead
 
     params = plan.quant.total_params
     artifact = plan.quant.total_bytes
     lossy = any(a.type != "f32" for a in plan.quant.assignments)
     ref = reference_dtype(params, plan.config)
-    ref_bytes = params * 4 if ref == "float32" else layer_by_layer_bytes(params, plan.config)
+    ref_bytes = params * 4 if ref == "float32" else params * 2 + float32_overhead(params, plan.config)
     own = plan.config.get("dtype") or plan.config.get("torch_dtype")
     own_bytes = params * (2 if own in ("bfloat16", "float16") else 4)  # the calibration loads the model as it is
     disk = (
@@ -314,16 +315,6 @@ def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path, coll
         output=output,
         way_out="Export with --no-verify (the artifact is not checked), or on a machine with more memory",
     )
-
-
-def layer_by_layer_bytes(params: int, config: dict[str, Any]) -> int:
-    """Memory of a 16-bit reference computing in float32 one layer at a time: the weights in 16 bits, the embeddings
-    and head in float32, and one layer's float32 copy."""
-    c = config.get("text_config") or config
-    embed = int(c.get("vocab_size") or 0) * int(c.get("hidden_size") or 0)
-    outside = min(params, embed * (1 if c.get("tie_word_embeddings", True) else 2))
-    layer = (params - outside) // max(1, int(c.get("num_hidden_layers") or 1))
-    return params * 2 + outside * 2 + layer * 4
 
 
 def check_types(path: Path, plan: QuantPlan) -> None:
