@@ -76,3 +76,16 @@ def test_merge_train_bake(recipe_file, tmp_path):
     assert bake["parity_max_abs_logit_diff"] <= 1e-5 and bake["experts"] == ["generalist", "b1", "b2"]
     res = run(app, ["comigs", "bake", str(tmp_path / "init"), "-o", str(tmp_path / "mix2")])
     assert res.exit_code == 2 and "no config.json" in res.output
+
+
+def test_build_runs_the_merge_then_the_federation(recipe_file, tmp_path):
+    from moetool.api import build
+
+    stages = []
+    res = build(recipe_file, tmp_path / "run", on_stage=lambda name, value: stages.append(name))
+    # CoMiGS trains after its merge, so build runs both; its output is one model per user, not one to package
+    assert stages == ["merged", "trained"] and res.repo is None
+    assert res.model == res.tuned["tuned"] == tmp_path / "run" / "tuned"
+    assert {p.name for p in res.model.iterdir() if p.is_dir()} == {"a", "b"}
+    report = json.loads((res.model / "comigs-report.json").read_text())
+    assert set(report["users"]) == {"a", "b"}
