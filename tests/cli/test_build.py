@@ -95,3 +95,13 @@ def test_failed_optional_steps_end_the_build_with_their_reasons(monkeypatch):
     assert exc.value.exit_code == 1
     text = " ".join(log.export_text().split())
     assert "1 optional step(s) failed; every other stage finished" in text and "moetool_cont_legal" in text
+
+
+def test_the_build_printer_shows_a_methods_own_export_plan(capsys):
+    """A method's exporter (GEM's targets) plans no quantization: the build's printer names it all the same."""
+    from moetool.cli.build import _printer
+    from moetool.methods.base import FunctionExporter, MethodExportPlan
+
+    exporter = FunctionExporter("onnx", "onnx", "router graph and pathways", lambda req, console: {})
+    _printer("export_plan", ("gem-onnx", exporter, MethodExportPlan("tiny-gem", "onnx", "router graph and pathways")))
+    assert "onnx plan for tiny-gem: router graph and pathways" in capsys.readouterr().out

@@ -25,7 +25,8 @@ def _printer(name: str, value: Any) -> None:
         print_report(value)
     elif name == "export_plan":
         dir_name, exporter, plan = value
-        print_export_plan(exporter, plan, f"{exporter.name} plan '{plan.quant.label}' for {plan.name} ({dir_name})")
+        label = getattr(getattr(plan, "quant", None), "label", "")  # a method's own exporter plans no quantization
+        print_export_plan(exporter, plan, f"{exporter.name} plan '{label}' for {plan.name} ({dir_name})")
     elif name == "exported":
         print_manifest(*value)
     elif name == "answered":
