@@ -57,3 +57,9 @@ def test_the_memory_estimate_counts_what_the_upcast_adds(tied):
     outside = sum(p.numel() for p in model.parameters() if p.dtype == torch.float32)
     added = outside * 2 + one_layer * 4  # float32 outside the layers instead of bf16, one layer's float32 copy
     assert float32_overhead(params, config.to_dict()) == pytest.approx(added, rel=0.02)
+
+
+def test_a_float32_model_is_left_as_it_is():
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE))
+    float32_layer_by_layer(model)
+    assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in decoder_layers(model))

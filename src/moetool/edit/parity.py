@@ -84,12 +84,11 @@ def logits(
     from moetool.export.upcast import float32_layer_by_layer
     from moetool.train.precision import resolve_device, resolve_dtype
 
-    dtype = resolve_dtype("auto", Path(path))
     # the eager expert loop on both sides: a grouped kernel's blocking depends on the expert count
-    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, experts_implementation="eager")
-    model = model.to(resolve_device(device or "auto")).eval()
-    if dtype != torch.float32:
-        float32_layer_by_layer(model)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=resolve_dtype("auto", Path(path)), experts_implementation="eager"
+    )
+    model = float32_layer_by_layer(model.to(resolve_device(device or "auto")).eval())
     handles = []
     try:
         if allowed is not None:

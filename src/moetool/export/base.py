@@ -97,10 +97,10 @@ NOT_VERIFIED = "not verified (--no-verify)"  # a manifest's parity when the chec
 
 
 class Manifest(dict[str, Any]):
-    """An artifact's manifest, with typed access to the fields its consumers read.
+    """An artifact's manifest, with typed fields for its readers: the CLI, the build, bundles, packaging.
 
-    The consumers are the CLI, the build, bundles and packaging. It is the document itself (a ``dict``), so it serialises and compares as the JSON on disk does; :meth:`of`
-    checks the fields every manifest must have, so an exporter that returns a malformed one fails where it returns.
+    It is the document itself (a ``dict``), so it serialises and compares as the JSON on disk does; :meth:`of` checks
+    the fields every manifest must have, so an exporter that returns a malformed one fails where it returns.
     """
 
     @classmethod

@@ -26,13 +26,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def float32_layer_by_layer(model: nn.Module) -> nn.Module:
-    """Make ``model`` (16-bit weights) compute in float32, holding one decoder layer in float32 at a time.
+    """Make ``model`` compute in float32, holding one decoder layer in float32 at a time (a float32 model as it is).
 
     Everything outside the layer stack (embeddings, final norm, head, rotary tables) becomes float32 at once, so the
     hidden states, attention masks and position tables are float32 from the start; each layer is cast to float32 by a
     forward pre-hook and back to its storage dtype after. Returns ``model``, changed in place.
     """
     layers = decoder_layers(model)
+    if all(p.dtype == torch.float32 for p in layers.parameters()):
+        return model
     in_layers = {id(t) for t in layers.parameters()} | {id(t) for t in layers.buffers()}
     for module in model.modules():
         for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:

@@ -299,12 +299,12 @@ def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path, coll
     artifact = plan.quant.total_bytes
     lossy = any(a.type != "f32" for a in plan.quant.assignments)
     ref = reference_dtype(params, plan.config)
-    ref_bytes = params * 4 if ref == "float32" else params * 2 + float32_overhead(params, plan.config)
+    # the source's weights as the reference holds them, then the artifact's dequantized ones (on disk too)
+    held = params * (4 if ref == "float32" else 2)
+    ref_bytes = held if ref == "float32" else held + float32_overhead(params, plan.config)
     own = plan.config.get("dtype") or plan.config.get("torch_dtype")
     own_bytes = params * (2 if own in ("bfloat16", "float16") else 4)  # the calibration loads the model as it is
-    disk = (
-        artifact + (params * 4 if needs_k else 0) + (params * (4 if ref == "float32" else 2) if verify and lossy else 0)
-    )
+    disk = artifact + (params * 4 if needs_k else 0) + (held if verify and lossy else 0)
     # llama.cpp runs first and lets its copy go; then one transformers model at a time, in the reference's dtype
     memory = max(max(ref_bytes, artifact) if verify else 0, own_bytes if collect else 0) + VERIFY_OVERHEAD
     return Need(

@@ -195,15 +195,11 @@ def reference_model(path: Path, storage: torch.dtype) -> Any:
     """The transformers reference at ``path``, held in ``storage`` and computing in float32: a 16-bit model runs one
     float32 layer at a time (:func:`moetool.export.upcast.float32_layer_by_layer`), which gives a float32 model's
     logits in about half its memory."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=storage).eval()
-    if storage != torch.float32:
-        from moetool.export.upcast import float32_layer_by_layer
+    from moetool.export.upcast import float32_layer_by_layer
 
-        float32_layer_by_layer(model)
-    return model
+    return float32_layer_by_layer(AutoModelForCausalLM.from_pretrained(str(path), dtype=storage).eval())
 
 
 def run_llama(
