@@ -169,6 +169,8 @@ COMMANDS: list[Cmd] = [
     notrun("bash scripts/setup.sh --eval", SETUP),
     helponly("moetool eval … --tasks local --limit 50", REFERENCE),
     helponly("moetool package", REFERENCE),
+    notrun("moetool export moe --quant q8_0", REAL_DEFAULT),
+    notrun("moetool experts remove moe medical", REAL_DEFAULT),
     helponly("moetool inspect", REFERENCE),
     helponly("moetool export --target gguf", REFERENCE),
     helponly(
