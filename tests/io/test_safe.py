@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import struct
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,3 +262,46 @@ def test_finite_values_whose_sum_overflows_are_accepted(tmp_path):
     w = torch.full((4,), 3e38, dtype=torch.float32)
     save_file({"w": w}, str(tmp_path / "model.safetensors"))
     assert torch.equal(Checkpoint(tmp_path).get("w"), w)
+
+
+# --- text: memory follows the file, not the maximum ------------------------------------------------------------------
+
+
+def test_read_text_allocates_by_the_file_not_the_maximum(tmp_path):
+    """A 4-EiB maximum is only a bound: reading a small file never asks for a buffer of the maximum (which fails
+    under an address-space limit, ``ulimit -v``, with MemoryError)."""
+    from moetool.io.safe import read_bytes, read_text
+
+    p = tmp_path / "code.txt"
+    p.write_text("def f():\n    return 1\n" * 100)
+    assert read_text(p, max_bytes=2**62) == "def f():\n    return 1\n" * 100
+    assert read_bytes(p, max_bytes=2**62) == p.read_bytes()
+
+
+def _feed(fifo, payload: bytes) -> threading.Thread:
+    """Write ``payload`` into ``fifo`` from a thread; a reader that stops early (its bound) ends the write."""
+
+    def write() -> None:
+        with contextlib.suppress(BrokenPipeError):
+            fifo.write_bytes(payload)
+
+    t = threading.Thread(target=write)
+    t.start()
+    return t
+
+
+def test_read_bytes_of_a_file_whose_stat_size_is_zero(tmp_path):
+    """/proc files and pipes report size 0: they are read whole in bounded chunks, and the bound still holds."""
+    from moetool.io.safe import read_bytes
+
+    assert b"Name:" in read_bytes(Path("/proc/self/status"))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    payload = b"x" * (3 << 20)
+    writer = _feed(fifo, payload)
+    assert read_bytes(fifo, max_bytes=4 << 20) == payload
+    writer.join()
+    writer = _feed(fifo, payload)
+    with pytest.raises(InputFileError, match="more than the 1,000,000 bytes allowed"):
+        read_bytes(fifo, max_bytes=1_000_000, error=InputFileError)
+    writer.join()

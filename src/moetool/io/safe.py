@@ -12,7 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import yaml
 
@@ -35,6 +35,10 @@ def read_bytes(
 ) -> bytes:
     """Read ``path`` whole, refusing a missing file, a directory or one larger than ``max_bytes`` (before reading).
 
+    Memory follows the file's own size, never ``max_bytes``: ``read(n)`` allocates its ``n``-byte buffer up front,
+    so asking for the maximum (4 GiB for text) fails under an address-space limit (``ulimit -v``, containers) even
+    for a 100 KB file.
+
     Raises:
         error: naming the file and ``what`` it should have been.
     """
@@ -46,14 +50,35 @@ def read_bytes(
             size = os.fstat(f.fileno()).st_size
             if size > max_bytes:
                 raise _fail(error, f"{path}: {what} is {size:,} bytes, more than the {max_bytes:,} allowed")
-            data = f.read(max_bytes + 1)
+            data = _read_bounded(f, size, max_bytes)
     except IsADirectoryError:
         raise _fail(error, f"{path}: {what} is a directory, not a file") from None
+    except MemoryError:  # a pipe or device file streaming more than this process may hold
+        raise _fail(error, f"{path}: {what} does not fit in this process's memory") from None
     except OSError as exc:
         raise _fail(error, f"{path}: cannot read {what}: {exc.strerror or exc}") from None
     if len(data) > max_bytes:  # grew while being read, or a device file
         raise _fail(error, f"{path}: {what} is more than the {max_bytes:,} bytes allowed")
     return data
+
+
+_CHUNK = 1 << 20  # what a file that grew after its stat, a pipe or a /proc file is read by
+
+
+def _read_bounded(f: BinaryIO, size: int, max_bytes: int) -> bytes:
+    """At most ``max_bytes + 1`` bytes of ``f``: its stat ``size`` plus one byte in one read (the one extra byte
+    shows a file that grew, or one whose stat size is 0: a pipe, /proc), then the rest in bounded chunks."""
+    data = f.read(size + 1)
+    if len(data) <= size:
+        return data
+    parts, total = [data], len(data)
+    while total <= max_bytes:
+        chunk = f.read(min(_CHUNK, max_bytes + 1 - total))
+        if not chunk:
+            break
+        parts.append(chunk)
+        total += len(chunk)
+    return b"".join(parts)
 
 
 MAX_TEXT_BYTES = 4 * 1024**3  # a domain corpus read whole; beyond this the user wants a dataset, not a file
