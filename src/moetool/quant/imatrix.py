@@ -138,7 +138,7 @@ class ImportanceMatrix:
         w.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, int(self.chunk_count))
         w.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, int(self.chunk_size))
         if self.info:
-            w.add_string("moetool.imatrix.info", json.dumps(self.info, sort_keys=True))
+            w.add_string(INFO_KEY, json.dumps(self.info, sort_keys=True))
         for name, e in sorted(self.entries.items()):
             # as llama-imatrix writes them: a single matrix's pair is 1-D (ggml drops trailing dimensions of 1)
             sums = e.sums.reshape(-1) if e.n_mat == 1 else e.sums
@@ -156,10 +156,9 @@ def load(path: Path) -> ImportanceMatrix:
 
     Raises:
         ImatrixError: not a GGUF imatrix (the legacy ``.dat`` format included: convert it with llama.cpp's
-            ``llama-imatrix --in-file X.dat -o X.gguf``), or a tensor without its pair.
+            ``llama-imatrix --in-file X.dat -o X.gguf``), a tensor without its pair, sums that do not split into one
+            row per count, NaN, infinite or negative statistics, or a malformed ``moetool.imatrix.info`` record.
     """
-    import json
-
     import gguf
 
     try:
@@ -173,14 +172,13 @@ def load(path: Path) -> ImportanceMatrix:
     if kind != "imatrix":
         raise ImatrixError(f"{path}: general.type is {kind!r}, not 'imatrix' (is this a model GGUF?)")
     tensors = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
+    datasets = _field(reader, gguf.Keys.IMatrix.DATASETS) or []
     out = ImportanceMatrix(
-        datasets=list(_field(reader, gguf.Keys.IMatrix.DATASETS) or []),
-        chunk_count=int(_field(reader, gguf.Keys.IMatrix.CHUNK_COUNT) or 0),
-        chunk_size=int(_field(reader, gguf.Keys.IMatrix.CHUNK_SIZE) or 0),
+        datasets=[str(d) for d in datasets] if isinstance(datasets, list) else [str(datasets)],
+        chunk_count=_count(path, reader, gguf.Keys.IMatrix.CHUNK_COUNT),
+        chunk_size=_count(path, reader, gguf.Keys.IMatrix.CHUNK_SIZE),
+        info=_info(path, _field(reader, INFO_KEY)),
     )
-    info = _field(reader, "moetool.imatrix.info")
-    if isinstance(info, str):
-        out.info = json.loads(info)
     for key, sums in tensors.items():
         if not key.endswith(SUFFIX_SUMS):
             continue
@@ -188,11 +186,57 @@ def load(path: Path) -> ImportanceMatrix:
         counts = tensors.get(name + SUFFIX_COUNTS)
         if counts is None:
             raise ImatrixError(f"{path}: {key} has no {name + SUFFIX_COUNTS}")
-        sums2 = sums.reshape(counts.size, -1)
-        out.entries[name] = ImportanceEntry(sums2, counts.reshape(-1))
+        # llama.cpp's layout: sums [n_mat, n_per_row] beside counts [n_mat]; any other pair cannot be split by matrix
+        if counts.size == 0 or sums.size == 0 or sums.size % counts.size:
+            raise ImatrixError(
+                f"{path}: {key} holds {sums.size:,} sums for {counts.size:,} counts in {name + SUFFIX_COUNTS}; an "
+                "importance matrix holds one row of sums per count (the file is corrupt, or not from llama-imatrix)"
+            )
+        for part, values in ((key, sums), (name + SUFFIX_COUNTS, counts)):
+            if not np.isfinite(values).all() or (values < 0).any():
+                raise ImatrixError(
+                    f"{path}: {part} holds {int(np.isnan(values).sum()):,} NaN, {int(np.isinf(values).sum()):,} "
+                    f"infinite and {int((values < 0).sum()):,} negative values; sums of squares and token counts "
+                    "are finite and never negative (recollect it)"
+                )
+        out.entries[name] = ImportanceEntry(sums.reshape(counts.size, -1), counts.reshape(-1))
     if not out.entries:
         raise ImatrixError(f"{path}: the imatrix holds no tensor statistics")
     return out
+
+
+INFO_KEY = "moetool.imatrix.info"
+
+
+def _count(path: Path, reader: Any, key: str) -> int:
+    """A non-negative integer field (0 when absent)."""
+    value = _field(reader, key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ImatrixError(f"{path}: {key} is {value!r}, not a count")
+    return int(value)
+
+
+def _info(path: Path, value: Any) -> dict[str, Any]:
+    """moetool's own record (:data:`INFO_KEY`): a JSON object, or nothing in a file llama-imatrix wrote."""
+    import json
+
+    if value is None:
+        return {}
+    try:
+        info = json.loads(value) if isinstance(value, str) else None
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise ImatrixError(f"{path}: {INFO_KEY} is not valid JSON ({exc}); remove the field or recollect") from None
+    if not isinstance(info, dict):
+        raise ImatrixError(f"{path}: {INFO_KEY} must be a JSON object (moetool's collection record)")
+    routed = info.get("routed_tokens")
+    if routed is not None and not (
+        isinstance(routed, dict)
+        and all(isinstance(v, list) and all(isinstance(c, int) for c in v) for v in routed.values())
+    ):
+        raise ImatrixError(f"{path}: {INFO_KEY}: routed_tokens must map tensor names to lists of token counts")
+    return info
 
 
 def _field(reader: Any, key: str) -> Any:
