@@ -177,7 +177,10 @@ def test_eval_refuses_bad_input_before_any_work(model, tokenizer, tmp_path, monk
     assert code != 0 and "is a directory, not a file" in text
 
 
-def test_eval_of_a_model_with_nan_weights_fails_naming_it(model, tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["mlp", "unused-embedding"])
+def test_eval_of_a_model_with_nan_weights_fails_naming_it(model, tokenizer, tmp_path, monkeypatch, where):
+    """NaN in a weight: refused naming the weight, exit 2, no report written. An embedding row of a token the text
+    never holds leaves every perplexity finite, which is why the weights are checked, not only the figures."""
     import copy
 
     from typer.testing import CliRunner
@@ -187,11 +190,34 @@ def test_eval_of_a_model_with_nan_weights_fails_naming_it(model, tokenizer, tmp_
     monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
     broken = copy.deepcopy(model)
     with torch.no_grad():
-        broken.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+        if where == "mlp":
+            broken.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+        else:
+            seen = set(tokenizer(TEXT, add_special_tokens=False)["input_ids"])
+            unused = max(set(range(broken.config.vocab_size)) - seen - {tokenizer.bos_token_id})
+            broken.model.embed_tokens.weight[unused] = float("nan")
     broken.save_pretrained(tmp_path / "nan")
     tokenizer.save_pretrained(tmp_path / "nan")
     (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    report = tmp_path / "report.json"
     res = CliRunner().invoke(
-        app, ["eval", str(tmp_path / "nan"), "--data", f"t={tmp_path / 't.txt'}", "--seq-len", "32"]
+        app,
+        ["eval", str(tmp_path / "nan"), "--data", f"t={tmp_path / 't.txt'}", "--seq-len", "32", "--json", str(report)],
     )
-    assert res.exit_code != 0 and "perplexity is not finite" in " ".join(res.output.split())
+    text = " ".join(res.output.split())
+    weight = "model.layers.0.mlp.down_proj.weight" if where == "mlp" else "model.embed_tokens.weight"
+    assert res.exit_code == 2 and f"weight {weight} holds NaN or Inf values" in text, res.output
+    assert not report.exists()
+
+
+def test_non_finite_logits_are_refused_by_name(tokenizer):
+    """Finite weights can still overflow: a NaN or Inf logit ends the scoring with a named error, not a NaN figure."""
+    from moetool.eval.perplexity import NonFiniteModel
+
+    def overflowing(input_ids):
+        logits = torch.zeros(*input_ids.shape, 400)
+        logits[..., 7] = float("inf")
+        return SimpleNamespace(logits=logits)
+
+    with pytest.raises(NonFiniteModel, match="non-finite logits"):
+        token_nll(overflowing, tokenizer, TEXT, seq_len=32)

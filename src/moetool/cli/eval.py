@@ -23,14 +23,14 @@ def run_eval(
     api.check_report_outputs(json_file, plots, [*data.values(), *model_dirs])
     report = api.evaluate(models, **options)
     print_report(report)
-    for path in api.write_report(report, json_file, plots):
-        out.print(f"wrote {path}")
     bad = api.nonfinite_figures(report)
-    if bad:
+    if bad:  # api.evaluate refuses a NaN model itself; a report with a meaningless figure is never written either
         raise MoetoolError(
             f"perplexity is not finite for {', '.join(bad)}: the model computes NaN or overflows (check its weights "
-            "with `moetool inspect`)"
+            "with `moetool inspect`); no report written"
         )
+    for path in api.write_report(report, json_file, plots):
+        out.print(f"wrote {path}")
     return report
 
 

@@ -18,9 +18,38 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from moetool import registry
+from moetool.errors import MoetoolError
 from moetool.io.budget import Need, human
 
-__all__ = ["load_causal_lm", "perplexity", "perplexity_matrix", "render_matrix", "token_nll"]
+__all__ = [
+    "NonFiniteModel",
+    "load_causal_lm",
+    "nonfinite_weight",
+    "perplexity",
+    "perplexity_matrix",
+    "render_matrix",
+    "token_nll",
+]
+
+
+class NonFiniteModel(MoetoolError):
+    """A model whose weights or logits hold NaN or Inf: any figure computed from it would be meaningless."""
+
+
+def nonfinite_weight(model: Any) -> str | None:
+    """The name of the first floating-point parameter of ``model`` holding a NaN or an Inf, or None.
+
+    One reduction per tensor in its own dtype (finite extremes prove every element finite; NaN propagates into
+    both), as :meth:`moetool.io.checkpoint.Checkpoint.check` does when a merge reads its inputs.
+    """
+    for name, p in model.named_parameters():
+        if not p.is_floating_point() or p.numel() == 0:
+            continue
+        lo, hi = torch.aminmax(p.detach().reshape(-1))
+        if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+            return str(name)
+    return None
+
 
 ModelSpec = str | Path | tuple[Any, Any]
 
@@ -92,6 +121,11 @@ def token_nll(
             shift_logits = logits[:, :-1, :].float()  # [B, T-1, V]
             targets = input_ids[:, 1:]  # [B, T-1]
             nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), targets.reshape(-1), reduction="sum")
+            if not bool(torch.isfinite(nll)):  # a NaN or Inf logit: every figure from here on would be one too
+                raise NonFiniteModel(
+                    "the model computes non-finite logits (NaN or Inf) on this text: its weights hold NaN or Inf, "
+                    "or its activations overflow"
+                )
             total_nll += float(nll)
             total_tokens += targets.numel()
     finally:

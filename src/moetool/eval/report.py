@@ -12,10 +12,12 @@ import torch
 
 from moetool.errors import MoetoolError
 from moetool.eval.gem import gem_metrics
-from moetool.eval.perplexity import load_causal_lm, token_nll
+from moetool.eval.perplexity import NonFiniteModel, load_causal_lm, nonfinite_weight, token_nll
 from moetool.io.safe import read_json
 from moetool.routing.tap import RouterTap, has_moe_layers
 from moetool.train.precision import dtype_name
+
+MAX_MEAN_NLL = 700.0  # nats per token: math.exp overflows a float64 just past 709
 
 
 def expert_names(path: str | Path) -> list[str] | None:
@@ -70,6 +72,12 @@ def evaluate(
     }
     for name, path in models.items():
         model, tok = load_causal_lm(path, dtype=dtype, device=device)
+        bad = nonfinite_weight(model)
+        if bad is not None:  # before any figure: a NaN that no text reaches would still leave a finite report
+            raise NonFiniteModel(
+                f"{name}: weight {bad} holds NaN or Inf values; the checkpoint at {path} is corrupt or its training "
+                "diverged, so nothing is evaluated"
+            )
         is_moe = has_moe_layers(model)
         tap = RouterTap(model) if is_moe else None
         out["models"][name] = {
@@ -89,6 +97,13 @@ def evaluate(
                     nll, n = token_nll(model, tok, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
                 except ValueError as exc:  # a text too short for one window: name the domain, not the call
                     raise MoetoolError(f"held-out text of {domain!r}: {exc}") from None
+                except NonFiniteModel as exc:
+                    raise NonFiniteModel(f"{name} on {domain!r}: {exc}; nothing is evaluated") from None
+                if nll / n > MAX_MEAN_NLL:  # math.exp would overflow: no perplexity is this large but a broken one
+                    raise NonFiniteModel(
+                        f"{name} on {domain!r}: a mean loss of {nll / n:.3g} nats per token overflows perplexity; the "
+                        "model's logits are broken, so nothing is evaluated"
+                    )
                 ppl[domain] = math.exp(nll / n)
                 if tap is not None:
                     n_layers = len(tap.routers)
