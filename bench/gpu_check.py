@@ -62,16 +62,17 @@ def _peak() -> str:
 
 def step_tokens_per_s(model: torch.nn.Module, batch: torch.Tensor, steps: int) -> float:
     """Median tokens/s of a training step as `moetool train` runs it in bf16 (after one warm-up step)."""
-    from moetool.train.precision import compute_in, keep_trainable_float32
+    from moetool.train.precision import arithmetic_for, keep_trainable_float32
 
     keep_trainable_float32(model)
+    arithmetic = arithmetic_for(model, torch.bfloat16, batch.device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     model.train()
     times = []
     for i in range(steps + 1):
         _sync(batch.device)
         t0 = time.perf_counter()
-        with compute_in(torch.bfloat16, batch.device):
+        with arithmetic.forward():
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         opt.step()

@@ -14,7 +14,8 @@ from conftest import save_dense
 from moetool.api import assemble
 from moetool.errors import MoetoolError
 from moetool.recipe import load_recipe
-from moetool.train.precision import checkpoint_dtype, resolve_device, resolve_dtype
+from moetool.train import precision
+from moetool.train.precision import arithmetic_for, checkpoint_dtype, resolve_device, resolve_dtype
 from moetool.train.router_tuning import train_router
 
 # tuned router rows of a bf16 run against a float32 run of the same recipe, seed and batches: relative to each
@@ -31,9 +32,13 @@ def bf16_moe(tiny_models, tmp_path_factory):
     return load_recipe(recipe), assemble(recipe, d / "moe")
 
 
-def test_a_bf16_moe_stays_bf16_and_matches_float32_tuning(bf16_moe, tmp_path):
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-autocast", "float32-over-bf16"])
+def test_a_bf16_moe_stays_bf16_and_matches_float32_tuning(bf16_moe, tmp_path, monkeypatch, native):
+    """Both arithmetics a bf16 run can get (autocast where the device multiplies bf16 natively, float32 over the
+    bf16 weights where it does not) tune routers within the tolerance of a float32 run."""
     recipe, moe = bf16_moe
     assert checkpoint_dtype(moe) == "bfloat16"
+    monkeypatch.setattr(precision, "native_matmul", lambda dtype, device: native)
     train_router(recipe, moe, tmp_path / "bf16")  # auto: the checkpoint's dtype
     train_router(recipe, moe, tmp_path / "f32", dtype="float32")
     low, full = read_all_tensors(tmp_path / "bf16"), read_all_tensors(tmp_path / "f32")
@@ -52,6 +57,30 @@ def test_a_bf16_moe_stays_bf16_and_matches_float32_tuning(bf16_moe, tmp_path):
         assert rel < ROUTER_TOLERANCE, f"{k}: bf16 router rows differ from float32 by {rel:.3f} (relative)"
     for k in (k for k in low if ".experts." in k):  # frozen experts: the same bf16 bytes
         assert torch.equal(low[k], source[k])
+
+
+def test_the_arithmetic_is_the_devices_fast_one(tiny_models, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from moetool.compute.upcast import native_matmul
+
+    cpu = torch.device("cpu")
+    assert native_matmul(torch.float32, cpu)
+    model = AutoModelForCausalLM.from_pretrained(tiny_models("llama")["base"], dtype=torch.bfloat16).requires_grad_(
+        False
+    )
+    assert arithmetic_for(model, torch.float32, cpu).describe() == "float32"
+    monkeypatch.setattr(precision, "native_matmul", lambda dtype, device: True)
+    fast = arithmetic_for(model, torch.bfloat16, cpu)
+    assert fast.upcast is None and fast.compute == torch.bfloat16 and "autocast" in fast.describe()
+    monkeypatch.setattr(precision, "native_matmul", lambda dtype, device: False)
+    upcast = arithmetic_for(model, torch.bfloat16, cpu)
+    assert upcast.upcast is not None and upcast.compute == torch.float32
+    assert "no native bfloat16 matmul" in upcast.describe()
+    with torch.no_grad(), upcast.forward():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.dtype == torch.float32
+    assert {p.dtype for n, p in model.named_parameters() if ".layers." in n} == {torch.bfloat16}
 
 
 def test_dtype_and_device_choices():

@@ -81,7 +81,7 @@ def logits(
     """
     from transformers import AutoModelForCausalLM
 
-    from moetool.export.upcast import float32_layer_by_layer
+    from moetool.compute.upcast import float32_layer_by_layer
     from moetool.train.precision import resolve_device, resolve_dtype
 
     # the eager expert loop on both sides: a grouped kernel's blocking depends on the expert count

@@ -34,7 +34,8 @@ from moetool.train.distributed import local_micro_batches, make_accelerator, red
 from moetool.train.freeze import FreezeReport, apply_freeze
 from moetool.train.output import write_output
 from moetool.train.precision import (
-    compute_in,
+    Arithmetic,
+    arithmetic_for,
     dtype_name,
     keep_trainable_float32,
     resolve_device,
@@ -96,9 +97,9 @@ class _Run:
     bos: int | None
     fingerprint: str
     micro: range
+    arithmetic: Arithmetic  # the frozen weights' dtype and how the forward computes over them
     start: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
-    dtype: torch.dtype = torch.float32  # the compute dtype (frozen weights stored in it; trainable ones float32)
 
 
 def _setup(
@@ -115,9 +116,9 @@ def _setup(
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     report = apply_freeze(model, recipe.freeze.preset, recipe.freeze.trainable, recipe.freeze.frozen)
     keep_trainable_float32(model)
+    arithmetic = arithmetic_for(model, dtype, accelerator.device)
     label = dtype_name(dtype)
-    mixed = "" if dtype == torch.float32 else " (trainable weights float32, autocast)"
-    console.print(f"training in {label}{mixed} on {accelerator.device}; the tuned model is written in {label}")
+    console.print(f"training in {arithmetic.describe()} on {accelerator.device}; the tuned model is written in {label}")
     console.print(
         f"parameters: [bold]{report.trainable_params:,}[/] trainable, {report.frozen_params:,} frozen "
         f"({len(report.trainable)} trainable tensors; preset {recipe.freeze.preset})"
@@ -149,7 +150,7 @@ def _setup(
         bos=tok.bos_token_id,
         fingerprint=fingerprint,
         micro=local_micro_batches(spec.grad_accum, accelerator.process_index, accelerator.num_processes),
-        dtype=dtype,
+        arithmetic=arithmetic,
     )
 
 
@@ -173,7 +174,7 @@ def _step(run: _Run, model: Any, opt: Any, spec: TrainSpec, step: int, observe: 
         run.tap.generator.manual_seed(spec.seed * 31 + index)
         run.tap.logits.clear()
         with acc.accumulate(model):
-            with compute_in(run.dtype, acc.device):
+            with run.arithmetic.forward():
                 out = model(input_ids=batch, labels=batch, use_cache=False)
                 lb, z = routing_losses(run.tap.logits, top_k)
                 loss = out.loss + spec.load_balancing_coef * lb + spec.z_loss_coef * z
@@ -330,6 +331,7 @@ def train_router(
         shutil.rmtree(ckpt)
     prepared_model, seconds = _loop(run, spec, ckpt, console, callback)
     run.tap.remove()
+    run.arithmetic.remove()
     acc.wait_for_everyone()
     result = TrainResult(output, spec.steps, run.report, run.history, seconds, run.start, acc.is_main_process)
     if acc.is_main_process:

@@ -293,7 +293,7 @@ def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path, coll
     source model beside llama.cpp's copy of the artifact, then the artifact's dequantized weights).
     """
     from moetool.export.gguf.verify import VERIFY_OVERHEAD, reference_dtype
-    from moetool.export.upcast import float32_overhead
+    from moetool.compute.upcast import float32_overhead
 
     params = plan.quant.total_params
     artifact = plan.quant.total_bytes

@@ -193,11 +193,11 @@ class LlamaRun:
 
 def reference_model(path: Path, storage: torch.dtype) -> Any:
     """The transformers reference at ``path``, held in ``storage`` and computing in float32: a 16-bit model runs one
-    float32 layer at a time (:func:`moetool.export.upcast.float32_layer_by_layer`), which gives a float32 model's
+    float32 layer at a time (:func:`moetool.compute.upcast.float32_layer_by_layer`), which gives a float32 model's
     logits in about half its memory."""
     from transformers import AutoModelForCausalLM
 
-    from moetool.export.upcast import float32_layer_by_layer
+    from moetool.compute.upcast import float32_layer_by_layer
 
     return float32_layer_by_layer(AutoModelForCausalLM.from_pretrained(str(path), dtype=storage).eval())
 

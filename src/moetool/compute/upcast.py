@@ -1,0 +1,181 @@
+"""Float32 arithmetic over a model held in 16 bits: each decoder layer's 16-bit tensors are upcast while it runs.
+
+bf16 and f16 values are exact in float32, so upcasting a layer for its forward and casting it back loses nothing: the
+logits equal a whole float32 model's, with memory for the 16-bit model plus one float32 layer. Two users:
+
+- a verification reference (GGUF verification, the edit checks) must not carry rounding of its own, but a bf16 MoE of
+  5B parameters is 21 GB in float32;
+- router tuning of a 16-bit checkpoint on a CPU without a native 16-bit matmul (no AVX512-BF16 or AMX: PyTorch's
+  fallback bf16 GEMM runs 10-20× slower than its float32 one there, :func:`native_matmul`). Training also keeps
+  tensors for the backward pass; :meth:`Float32Arithmetic.saving` stores a reference to the 16-bit tensor in place of
+  each saved upcast and upcasts it again when the backward pass reads it, so the float32 copy never outlives its
+  layer's forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Float32Arithmetic",
+    "decoder_layers",
+    "float32_layer_by_layer",
+    "float32_overhead",
+    "native_matmul",
+]
+
+_SIXTEEN = (torch.bfloat16, torch.float16)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder layers: the module list holding most of its parameters.
+
+    Raises:
+        ValueError: the model has no module list (nothing to run layer by layer).
+    """
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no stack of layers to run one at a time")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def native_matmul(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when ``device`` multiplies ``dtype`` matrices at least as fast as float32 ones, by PyTorch's own test.
+
+    Every CUDA device with the dtype; on a CPU, the condition under which PyTorch sends a 16-bit matmul to oneDNN
+    (AVX512-BF16/AMX on x86, BF16 on ARM; FP16 needs AVX512-FP16 or AMX-FP16). Elsewhere it falls back to a generic
+    GEMM: measured on an AVX2-only AMD EPYC, a bf16 ``[128, 960] @ [960, 960]`` took 17× the float32 one.
+    """
+    if dtype == torch.float32:
+        return True
+    if device.type == "cuda":
+        return dtype != torch.bfloat16 or torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        mkldnn = torch.ops.mkldnn
+        return bool(
+            mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16 else mkldnn._is_mkldnn_fp16_supported()
+        )
+    return True  # mps and the rest: their 16-bit path is their fast one
+
+
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+class Float32Arithmetic:
+    """Hooks that make a 16-bit ``model`` compute in float32, one decoder layer in float32 at a time.
+
+    Everything 16-bit outside the layer stack (embeddings, final norm, head, rotary tables) becomes float32 at once,
+    so hidden states, masks and position tables are float32 from the start. A forward pre-hook on each layer swaps
+    its 16-bit parameters and buffers for float32 copies and a forward hook swaps the 16-bit ones back. Tensors that
+    are float32 already (router tuning's trainable master weights) are never touched.
+
+    A 16-bit parameter that requires a gradient is refused in a forward pass that records one: its gradient would
+    be float32 while the parameter is not (keep trainable weights in float32).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.layers = decoder_layers(model)
+        self._live: dict[int, torch.Tensor] = {}  # storage of a live float32 upcast → its 16-bit source
+        self._swapped: dict[int, list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
+        self._handles: list[Any] = []
+        in_layers = {id(t) for t in self.layers.parameters()} | {id(t) for t in self.layers.buffers()}
+        for module in model.modules():
+            for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if id(t) in in_layers or t is None or t.dtype not in _SIXTEEN:
+                    continue
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.float()  # in place: a tied head keeps sharing the embedding
+                else:
+                    setattr(module, name, t.float())
+        for layer in self.layers:
+            self._handles.append(layer.register_forward_pre_hook(self._up))
+            self._handles.append(layer.register_forward_hook(self._down))
+
+    def _up(self, layer: nn.Module, args: Any) -> None:
+        swapped = []
+        for module in layer.modules():
+            for name, t in [*module._parameters.items(), *module._buffers.items()]:
+                if t is None or t.dtype not in _SIXTEEN:
+                    continue
+                if t.requires_grad and torch.is_grad_enabled():
+                    raise ValueError(
+                        f"a trainable 16-bit parameter ({name} of {type(module).__name__}): keep it in float32"
+                    )
+                source = t.data if t.is_contiguous() else t.data.contiguous()
+                wide = source.float()
+                self._live[_storage(wide)] = source
+                if isinstance(t, nn.Parameter):
+                    swapped.append((module, name, t.data, True))
+                    t.data = wide
+                else:
+                    swapped.append((module, name, t, False))
+                    module._buffers[name] = wide
+        self._swapped[id(layer)] = swapped
+
+    def _down(self, layer: nn.Module, args: Any, output: Any) -> None:
+        for module, name, narrow, is_param in self._swapped.pop(id(layer), []):
+            current = module._parameters[name] if is_param else module._buffers[name]
+            assert current is not None
+            self._live.pop(_storage(current.data), None)
+            if is_param:
+                current.data = narrow
+            else:
+                module._buffers[name] = narrow
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        source = self._live.get(_storage(t)) if t.layout == torch.strided else None
+        if source is None:
+            return t
+        # the upcast is contiguous like its source, so the saved view's geometry indexes the source alike
+        return (source, tuple(t.shape), t.stride(), t.storage_offset())
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        source: torch.Tensor = saved[0]
+        shape, stride, offset = saved[1:]
+        view = source.as_strided(shape, stride, source.storage_offset() + offset)
+        return view.float()  # only the region the backward pass reads, upcast again
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a forward pass whose backward will run: what autograd keeps of an upcast is its 16-bit source."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def remove(self) -> None:
+        """Take the hooks off (the tensors outside the layer stack stay float32)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def float32_layer_by_layer(model: nn.Module) -> nn.Module:
+    """Make ``model`` compute in float32, holding one decoder layer in float32 at a time (a float32 model as it is).
+
+    For inference (no backward pass; see :class:`Float32Arithmetic` for training). Returns ``model``, changed in
+    place.
+    """
+    if all(p.dtype == torch.float32 for p in decoder_layers(model).parameters()):
+        return model
+    Float32Arithmetic(model)
+    return model
+
+
+def float32_overhead(params: int, config: dict[str, Any]) -> int:
+    """Bytes that :func:`float32_layer_by_layer` adds to a 16-bit model of ``params`` parameters: the embeddings and
+    head in float32 instead of 16 bits, and one decoder layer's float32 copy while it runs (from the config: a
+    layer's share of the parameters outside the embeddings)."""
+    c = config.get("text_config") or config
+    embed = int(c.get("vocab_size") or 0) * int(c.get("hidden_size") or 0)
+    outside = min(params, embed * (1 if c.get("tie_word_embeddings", True) else 2))
+    layer = (params - outside) // max(1, int(c.get("num_hidden_layers") or 1))
+    return outside * 2 + layer * 4
