@@ -345,3 +345,35 @@ def test_killed_training_resumes_to_the_uninterrupted_model(server, env, tools):
     assert res.exit_code == 0 and "resuming from step" in res.output, res.output
     a, b = read_all_tensors(straight), read_all_tensors(tuned)
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+@pytest.mark.skipif(not MOETOOL.exists(), reason="the moetool executable is not installed next to python")
+def test_sigterm_during_prune_recalibration_exits_130_and_leaves_nothing(env, tools):
+    """``experts prune --tune-steps`` recalibrates in a scratch folder between two atomic writes; SIGTERM there ends
+    the run as Ctrl-C does (exit 130, the scratch folder removed, the MoE untouched), as ``experts add`` does. It used
+    to die of the signal (-15) and leave ``.OUT.moetool-tmp-PID-prune-…`` for the next run to sweep."""
+    r = _recipe(env)
+    moe = env.outs / "moe"
+    _ok(tools, ["merge", str(r), "-o", str(moe)])
+    text = env.work / "calib.txt"
+    text.write_text("def main():\n    return os.path.join('a', 'b')\n\n" * 200, encoding="utf-8")
+    before = tools.tree_digest([moe, text])
+    out = env.outs / "pruned"
+    args = ["experts", "prune", str(moe), "-o", str(out), "--keep", "1", "--data", f"calib={text}"]
+    proc = subprocess.Popen(
+        [str(MOETOOL), *args, "--tune-steps", "100000"], cwd=env.work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    assert proc.stderr is not None
+    seen = ""
+    while "parameters:" not in seen:  # the tuning loop is about to start its steps
+        line = proc.stderr.readline().decode(errors="replace")
+        assert line, f"the run ended before recalibrating:\n{seen}"
+        seen += line
+    assert [p for p in env.outs.iterdir() if ".moetool-tmp-" in p.name and "-prune-" in p.name]
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, seen + err.decode(errors="replace"))
+    assert not out.exists() and not tools.leftovers(env.root), tools.leftovers(env.root)
+    assert tools.tree_digest([moe, text]) == before
+    assert b"Traceback" not in err

@@ -334,3 +334,18 @@ def test_signals_in_the_block_end_it_after_as_one_keyboardinterrupt():
         time.sleep(0.2)  # the second SIGINT was dropped with the block, not handed on later
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_sigterm_in_a_scratch_dir_removes_it_like_ctrl_c(tmp_path):
+    """The work a stage does in a scratch folder between atomic writes (an edit's router recalibration, a LoRA bake)
+    ends on SIGTERM as on Ctrl-C, and the folder goes; the handlers in place before are put back."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(atomic.Terminated), atomic.scratch_dir(tmp_path / "out", "prune") as scratch:
+            (scratch / "edited").mkdir()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler raises here
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert _names(tmp_path) == []

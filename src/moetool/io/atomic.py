@@ -294,11 +294,25 @@ def tmp_prefix(out: Path) -> str:
 @contextmanager
 def scratch_dir(out: Path, label: str) -> Iterator[Path]:
     """A temporary working directory beside ``out`` (an intermediate model a stage builds on its way to ``out``),
-    removed on exit; named as this process's temporary of ``out``, so a killed run's is swept like any other."""
+    removed on exit; named as this process's temporary of ``out``, so a killed run's is swept like any other.
+
+    SIGTERM and SIGHUP are handled as :func:`atomic_dir` handles them for as long as it exists: the work done in it
+    between atomic writes (an edit's router recalibration, a LoRA bake) ends like Ctrl-C, and the folder is removed.
+    """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"{tmp_prefix(out)}{label}-", dir=out.parent) as tmp:
-        yield Path(tmp)
+    _handlers.install()
+    tmp: Path | None = None
+    try:
+        with _signals_blocked():  # as in atomic_dir: the folder is ours to remove from the moment it exists
+            tmp = Path(tempfile.mkdtemp(prefix=f"{tmp_prefix(out)}{label}-", dir=out.parent))
+        yield tmp
+    finally:
+        try:
+            if tmp is not None:
+                _remove(tmp)
+        finally:
+            _handlers.restore()
 
 
 @contextmanager
