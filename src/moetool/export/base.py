@@ -13,6 +13,8 @@ from rich.console import Console
 from moetool import registry
 from moetool.errors import MoetoolError, OutputPathError
 from moetool.io.atomic import check_output
+from moetool.io.files import weights_sha256
+from moetool.io.hashes import sha256_file
 from moetool.io.safe import read_json
 from moetool.quant.devices import MemoryEstimate
 from moetool.quant.imatrix import Calibration
@@ -241,6 +243,49 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
     path = out_dir / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     return path
+
+
+def manifest_fields(folder: Path, model_dir: Path, main: str, *, target: str, model_type: str | None) -> dict[str, Any]:
+    """The fields packaging reads from every manifest, for an artifact written by a method's own exporter.
+
+    The standard exporters write the same fields (``export.planning.manifest_base``); a method's artifact (a GEM
+    graph, a routed-embedding graph, a bundle of a router and its members) adds them to its own document, so
+    ``moetool package`` checks and copies it like any other.
+
+    Args:
+        folder: the artifact's folder as written (the exporter's temporary folder): every file in it is listed.
+        model_dir: the model (or bundle) the artifact was exported from, whose weights are recorded.
+        main: the artifact's main file, relative to ``folder`` (a bundle's router graph).
+        target: the target the artifact is for (a bundle's: its members').
+        model_type: the model's ``model_type``, where it has one.
+
+    Returns:
+        ``target``, ``file``, ``files`` (each file's bytes and sha256; ``manifest.json`` aside), ``model`` (name,
+        path, model type, weights' sha256) and ``artifact`` (total bytes, sha256 of ``main``).
+
+    Raises:
+        ExportError: ``main`` was not written (an exporter's bug, named before the manifest is).
+    """
+    folder, model_dir = Path(folder), Path(model_dir).resolve()
+    paths = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+    paths.pop(MANIFEST, None)
+    files = {rel: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for rel, p in paths.items()}
+    # a Core ML package is a folder: its Manifest.json stands for it in the hashes, as in the standard exporter
+    stand_in = main if main in files else f"{main}/Manifest.json"
+    if stand_in not in files:
+        raise ExportError(f"{folder}: the artifact's main file {main} was not written")
+    return {
+        "target": target,
+        "file": main,
+        "files": files,
+        "model": {
+            "name": model_dir.name,
+            "path": str(model_dir),
+            "model_type": model_type,
+            "weights_sha256": weights_sha256(model_dir),
+        },
+        "artifact": {"bytes": sum(f["bytes"] for f in files.values()), "sha256": files[stand_in]["sha256"]},
+    }
 
 
 def read_manifest(artifact_dir: Path) -> Manifest:

@@ -2,12 +2,13 @@
 
 GEM's sequence-level pathways and hybrid's experts ship this way: a small router picks a member, and each member is a
 model that the standard exporters take (each with its own parity check). The router and the manifest are the
-method's; the member exports and the atomic write are here, once.
+method's; the member exports, the fields every manifest has (:func:`~moetool.export.base.manifest_fields`: files and
+hashes, the source's weights, the parity) and the atomic write are here, once, so ``moetool package`` takes a bundle
+like any other export.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
-from moetool.export.base import ExportError, Manifest
+from moetool.export.base import NOT_VERIFIED, ExportError, Manifest, manifest_fields, write_manifest
 from moetool.export.resolve import plan_standard_export
 from moetool.extras import MissingExtraError
 from moetool.io.atomic import atomic_dir
@@ -96,21 +97,31 @@ def export_member(member: Member, root: Path, bundle: Bundle, console: Console |
     return MemberArtifact(member.name, m.target or bundle.target, member.folder, m.file, m.parity)
 
 
+def bundle_parity(router: dict[str, Any], artifacts: list[MemberArtifact], verify: bool) -> dict[str, Any] | str:
+    """A bundle's parity: the router graph's figures and each member's (or why the target refused it)."""
+    if not verify:
+        return NOT_VERIFIED
+    members = {a.name: a.parity if a.refused is None else {"exported": False, "reason": a.refused} for a in artifacts}
+    return {"router": router.get("parity"), "members": members}
+
+
 def export_bundle(
     output: Path,
     bundle: Bundle,
     *,
+    source: Path,
     router: Callable[[Path], dict[str, Any]],
     manifest: Callable[[Path, dict[str, Any], list[MemberArtifact]], dict[str, Any]],
-    manifest_name: str,
     force: bool = False,
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Write a bundle into ``output`` atomically and return its manifest.
 
     ``router(tmp)`` writes the router graph (and what else the method ships beside it) into the temporary folder and
-    returns its manifest entry; then every member is exported; ``manifest(tmp, router_entry, artifacts)`` builds the
-    manifest, written as ``manifest_name``. Nothing is moved into place unless all of it succeeded.
+    returns its manifest entry (with the graph's ``file``); then every member is exported; ``manifest(tmp,
+    router_entry, artifacts)`` builds the method's manifest, to which the fields every manifest has are added (the
+    router graph as the main file, the members' target, ``source``'s weights, the bundle's parity), written as
+    ``manifest.json``. Nothing is moved into place unless all of it succeeded.
 
     Raises:
         OutputExistsError: ``output`` exists and ``force`` is not given.
@@ -120,5 +131,7 @@ def export_bundle(
         entry = router(tmp)
         artifacts = [export_member(m, tmp, bundle, console) for m in bundle.members]
         doc = manifest(tmp, entry, artifacts)
-        (tmp / manifest_name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        doc |= manifest_fields(tmp, source, entry["file"], target=bundle.target, model_type=None)
+        doc["parity"] = bundle_parity(entry, artifacts, bundle.verify)
+        write_manifest(tmp, doc)
     return doc

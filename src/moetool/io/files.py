@@ -6,6 +6,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moetool.io.hashes import sha256_file
+from moetool.io.safe import read_json
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -54,3 +57,33 @@ def tokenizer_signature(tok: PreTrainedTokenizerBase | None) -> tuple[Any, ...] 
         tok.pad_token,
         tok.unk_token,
     )
+
+
+MOETOOL_META = "moetool.json"  # what moetool writes into every model folder it builds: method, provenance, layout
+BUNDLE_LAYOUT = "bundle"  # moetool.json's ``layout`` for a method output that is no single transformers model
+
+
+def is_bundle(folder: Path) -> bool:
+    """Whether ``folder`` is a method bundle: a moetool output that is several models and files behind a router
+    rather than one transformers model (GEM's sequence level, hybrid), marked by ``"layout": "bundle"`` in its
+    ``moetool.json``. A bundle is exported and packaged whole.
+
+    The marker is explicit, so a model folder that merely lost its ``config.json`` is never taken for one.
+    """
+    meta = Path(folder) / MOETOOL_META
+    if (Path(folder) / "config.json").is_file() or not meta.is_file():
+        return False
+    return bool(read_json(meta, what="moetool metadata").get("layout") == BUNDLE_LAYOUT)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files that are a model folder's weights, sorted: its own (top level) for a transformers model
+    folder; every one in the tree for a bundle (GEM's pathways, hybrid's router)."""
+    folder = Path(folder)
+    return sorted(folder.rglob("*.safetensors") if is_bundle(folder) else folder.glob("*.safetensors"))
+
+
+def weights_sha256(folder: Path) -> dict[str, str]:
+    """sha256 of each of :func:`weight_files`, by its path relative to ``folder`` (``model.safetensors``,
+    ``pathways/code/model.safetensors``): what an export's manifest records and packaging compares."""
+    return {f.relative_to(folder).as_posix(): sha256_file(f) for f in weight_files(folder)}

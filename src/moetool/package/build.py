@@ -88,9 +88,12 @@ def build_repo(
         check_contained(pngs, inp.plots)
 
     with atomic_dir(Path(output), force=force) as tmp:
-        weights = {f.name: _copy(f, tmp / f.name) for f in weight_files}
+        # by path relative to the model: a bundle's weights lie in its members' folders (pathways/<name>/)
+        rel = {f: f.relative_to(inp.model).as_posix() for f in [*weight_files, *other_files]}
+        weights = {rel[f]: _copy(f, tmp / rel[f]) for f in weight_files}
         for f in other_files:
-            shutil.copy2(f, tmp / f.name)
+            (tmp / rel[f]).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, tmp / rel[f])
         for a in inp.artifacts:
             _copy_artifact(a, tmp / a.repo_dir, weights, inp.model)
         if inp.eval_json:

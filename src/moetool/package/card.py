@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool.card import limits_section
+from moetool.io.files import BUNDLE_LAYOUT
 from moetool.io.safe import parse_yaml, read_json
 from moetool.package.inputs import REPO_ID_PLACEHOLDER, Artifact, PackageError
 
@@ -48,7 +49,7 @@ def front_matter(
         base_model=hub or None,
         base_model_relation="merge" if hub else None,
         license=license_ or None,
-        library_name="transformers",
+        library_name=None if meta.get("layout") == BUNDLE_LAYOUT else "transformers",  # a bundle is no one model
         pipeline_tag="text-generation",
         tags=list(dict.fromkeys(t for t in tags if t)),
         model_name=(meta.get("name") or "model") if task_scores else None,
@@ -188,8 +189,19 @@ def _tasks_table(report: dict[str, Any], this: str | None) -> str:
 def _parity(p: Any) -> str:
     if not isinstance(p, dict):
         return str(p or "not verified")
-    diffs = ", ".join(f"{float(v):.1e} @{k}" for k, v in p.get("max_abs_logit_diff", {}).items())
-    parts = [f"max abs Δlogit {diffs} tokens"] if diffs else []
+    if "router" in p and "members" in p:  # a bundle: its router graph's check, then each member's own
+        parts = [f"router: {_flat_figures(p['router'])}"]
+        for name, m in p["members"].items():
+            refused = isinstance(m, dict) and m.get("exported") is False
+            parts.append(f"{name}: not exported ({m.get('reason')})" if refused else f"{name}: {_parity(m)}")
+        return "; ".join(parts)
+    worst = p.get("max_abs_logit_diff")
+    if isinstance(worst, dict):  # the standard exporters: per sequence length
+        parts = [f"max abs Δlogit {', '.join(f'{float(v):.1e} @{k}' for k, v in worst.items())} tokens"]
+    else:  # a method's graph (GEM's): one figure over its probes, and the router's probabilities
+        parts = [f"max abs Δlogit {float(worst):.1e}"] if isinstance(worst, int | float) else []
+        if isinstance(p.get("max_abs_prob_diff"), int | float):
+            parts.append(f"max abs ΔP {float(p['max_abs_prob_diff']):.1e}")
     if "top1_agreement" in p:
         parts.append(f"top-1 agreement {100 * p['top1_agreement']:.2f}%")
     if "ppl_change" in p:
@@ -201,12 +213,23 @@ def _parity(p: Any) -> str:
         parts.append(f"conversion alone (artifact's own weights) {conv:.1e}")
     if "tokenizer_match" in p:
         parts.append("tokenizer matches" if p["tokenizer_match"] else "tokenizer DIFFERS")
-    text = "; ".join(parts)
+    text = "; ".join(parts) or _flat_figures(p)  # a layout of figures the card does not know: as they are
     if "core_ml_runtime" in p:  # the figures are the converted torch wrapper's, not Core ML's
         text = (
             f"torch wrapper that was converted (Core ML runs on macOS only; see scripts/coreml_parity_mac.py): {text}"
         )
     return text
+
+
+def _flat_figures(p: Any) -> str:
+    """A method's own figures (a router graph's), numbers compact: ``max_abs_prob_diff 2.1e-07, same_route 4``."""
+    if not isinstance(p, dict):
+        return str(p or "not verified")
+    return ", ".join(f"{k} {v:.2g}" if isinstance(v, float) else f"{k} {v}" for k, v in p.items() if _scalar(v))
+
+
+def _scalar(v: Any) -> bool:
+    return isinstance(v, int | float | str | bool)
 
 
 def _artifacts_section(artifacts: list[Artifact]) -> str:
@@ -215,8 +238,9 @@ def _artifacts_section(artifacts: list[Artifact]) -> str:
         m = a.manifest
         plan = m.get("plan", {})
         bpw = plan.get("bits_per_weight")
+        label = plan.get("label") or m.get("quant") or ""  # a method's own export names its precision itself
         rows.append(
-            f"| {a.target} | `{a.repo_dir}/{a.file}` | {plan.get('label', '')} | {_size(m['artifact']['bytes'])} | "
+            f"| {a.target} | `{a.repo_dir}/{a.file}` | {label} | {_size(m['artifact']['bytes'])} | "
             f"{f'{bpw:.2f}' if bpw else ''} | {m.get('device') or 'any'} | {_parity(m.get('parity'))} |"
         )
         notes += [f"- `{a.repo_dir}`: {n}" for n in m.get("notes", [])]
@@ -232,7 +256,13 @@ def _artifacts_section(artifacts: list[Artifact]) -> str:
     )
 
 
-def _usage_section(artifacts: list[Artifact]) -> str:
+def _usage_section(artifacts: list[Artifact], transformers: bool = True) -> str:
+    """How to run it: in transformers (one model folder; a bundle is no single model), and a GGUF in llama.cpp."""
+    if not transformers:
+        text = (
+            "## Usage\n\nA bundle of models behind a router: see each artifact's `manifest.json` for its runtime.\n\n"
+        )
+        return text + _gguf_usage(artifacts)
     text = (
         "## Usage\n\n"
         + _fence(
@@ -246,7 +276,13 @@ def _usage_section(artifacts: list[Artifact]) -> str:
         )
         + "\n"
     )
-    gguf = next((a for a in artifacts if a.target == "gguf"), None)
+    return text + _gguf_usage(artifacts)
+
+
+def _gguf_usage(artifacts: list[Artifact]) -> str:
+    """llama.cpp snippets for the first GGUF file (a bundle's main file is its router graph: no snippet for it)."""
+    text = ""
+    gguf = next((a for a in artifacts if a.target == "gguf" and a.file.endswith(".gguf")), None)
     if gguf is not None:
         path = f"{gguf.repo_dir}/{gguf.file}"
         text += (
@@ -264,6 +300,27 @@ def _usage_section(artifacts: list[Artifact]) -> str:
     return text
 
 
+def _intro(meta: dict[str, Any], name: str) -> str:
+    """What the model is: a standard MoE's architecture and routing, or the method that built another output."""
+    experts = meta.get("experts", [])
+    if "architecture" not in meta:  # another method's output (its own class or a bundle): its docs describe it
+        method = meta.get("method")
+        kind = "A bundle of models behind a router" if meta.get("layout") == BUNDLE_LAYOUT else "A model"
+        text = f"# {name}\n\n{kind} built by moetool with `method: {method}` (see moetool's docs/{method}.md).\n\n"
+        label, names = ("domains", meta["domains"]) if meta.get("domains") else ("experts", experts)
+        listed = [f"`{e}`" for e in names if isinstance(e, str)]
+        return text + (f"- {label}: {', '.join(listed)}\n\n" if listed else "")
+    return (
+        f"# {name}\n\nA Mixture-of-Experts model built by moetool with `method: {meta.get('method')}`: attention, "
+        "norms and embeddings come from the base model; each expert's FFN becomes one routed expert.\n\n"
+        f"- architecture: `{meta.get('architecture')}`\n"
+        f"- experts: {', '.join(f'`{e}`' for e in experts)}"
+        + (" plus a shared expert" if meta.get("shared_expert") else "")
+        + f"\n- experts per token: {meta.get('experts_per_token')}\n"
+        f"- router initialisation: `{meta.get('gate_mode')}`\n\n"
+    )
+
+
 def render_card(
     *,
     meta: dict[str, Any],
@@ -279,26 +336,15 @@ def render_card(
 
     ``same_run`` says the report lies in the model's run directory, so its rows may be matched by directory name.
     """
-    experts = meta.get("experts", [])
-    name = meta.get("name") or model.name
-    body = (
-        f"# {name}\n\nA Mixture-of-Experts model built by moetool with `method: {meta.get('method')}`: attention, "
-        "norms and embeddings come from the base model; each expert's FFN becomes one routed expert.\n\n"
-        f"- architecture: `{meta.get('architecture')}`\n"
-        f"- experts: {', '.join(f'`{e}`' for e in experts)}"
-        + (" plus a shared expert" if meta.get("shared_expert") else "")
-        + f"\n- experts per token: {meta.get('experts_per_token')}\n"
-        f"- router initialisation: `{meta.get('gate_mode')}`\n\n"
-    )
-    body += _sources_section(meta) + _training_section(meta)
+    body = _intro(meta, meta.get("name") or model.name) + _sources_section(meta) + _training_section(meta)
     if report is not None:
         body += _eval_section(report, model, plots, same_run)
     elif plots:
         body += "## Plots\n\n" + "".join(f"![{Path(p).stem}]({p})\n\n" for p in plots)
     if artifacts:
         body += _artifacts_section(artifacts)
-    body += _usage_section(artifacts)
     config = model / "config.json"
+    body += _usage_section(artifacts, transformers=config.is_file())
     if config.is_file():
         body += limits_section(read_json(config, what="model config"))
     if recipe:

@@ -11,6 +11,7 @@ from typing import Any
 
 from moetool import __version__
 from moetool.errors import MoetoolError
+from moetool.io.files import is_bundle
 from moetool.io.safe import decode_utf8, parse_yaml, read_bytes, read_json
 
 
@@ -57,7 +58,7 @@ def upload_files(folder: Path) -> list[tuple[str, int]]:
     if not (folder / "README.md").is_file():
         raise PushError(f"{folder}: no README.md (write the folder with `moetool package`)")
     _front_matter(folder / "README.md")
-    if not (folder / "config.json").is_file() and not _has_artifact(folder):
+    if not (folder / "config.json").is_file() and not is_bundle(folder) and not _has_artifact(folder):
         raise PushError(f"{folder}: neither config.json nor an exported artifact (<target>/<name>/manifest.json)")
     # the same selection upload_folder makes (.git and the huggingface cache stay behind)
     files = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()}

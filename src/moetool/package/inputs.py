@@ -11,7 +11,7 @@ from typing import Any
 
 from moetool.errors import MoetoolError
 from moetool.export.base import Manifest, read_manifest
-from moetool.io.files import TOKENIZER_FILES
+from moetool.io.files import TOKENIZER_FILES, is_bundle, weight_files
 from moetool.io.safe import decode_utf8, read_bytes, read_json
 
 
@@ -63,7 +63,9 @@ class Inputs:
 
 
 def is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file()
+    """Whether ``path`` is what a repo folder packages: one transformers model (its config.json) or a method bundle
+    (GEM's sequence level, hybrid: ``moetool.json`` says so), packaged whole."""
+    return (path / "config.json").is_file() or is_bundle(path)
 
 
 def load_artifact(path: Path) -> Artifact:
@@ -128,10 +130,15 @@ def resolve_inputs(source: Path, artifacts: list[Path], eval_json: Path | None, 
 
 
 def model_files(model: Path) -> tuple[list[Path], list[Path]]:
-    """(weight files, other files to copy) of a model directory."""
-    weights = sorted(model.glob("*.safetensors"))
+    """(weight files, other files to copy) of a model directory; of a bundle, every file in its tree (the weights:
+    :func:`moetool.io.files.weight_files`, the same files an export's manifest records)."""
+    weights = weight_files(model)
     if not weights:
         raise PackageError(f"{model}: no *.safetensors weights (moetool packages safetensors checkpoints only)")
+    if is_bundle(model):
+        others = sorted(f for f in model.rglob("*") if f.is_file() and f not in weights)
+        check_contained([*weights, *others], model)
+        return weights, others
     index = model / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(index, what="safetensors index", error=PackageError).get("weight_map")

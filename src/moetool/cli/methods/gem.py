@@ -113,7 +113,7 @@ def export_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Token level: gem.onnx with the router and threshold inside the graph. Sequence level: router.onnx plus one
-    artifact per pathway and gem-manifest.json (see moetool.methods.gem.dispatch). Same as ``moetool export``."""
+    artifact per pathway and manifest.json (see moetool.methods.gem.dispatch). Same as ``moetool export``."""
     from moetool import api
     from moetool.cli.render import print_manifest
 

@@ -160,7 +160,11 @@ def export_cmd(
             experts=experts,
             console=console,
         )
-    out.print(f"[green]wrote[/] {output} (router {m['router']['bytes']} bytes; {m['parity']})")
+    rp = m["router"]["parity"]
+    out.print(
+        f"[green]wrote[/] {output} (router {m['router']['bytes']} bytes; router: max |Δscore| "
+        f"{rp['max_abs_score_diff']:.2e}, choice agreement {rp['choice_agreement']:.3f} on {rp['requests']} requests)"
+    )
     for e in m["experts"]:
         par = e.get("parity")
         if isinstance(par, dict):

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moetool.export.base import ExportError, write_manifest
+from moetool.export.base import ExportError, manifest_fields, write_manifest
 from moetool.export.graph.common import onnx_export
 from moetool.export.graph.model import ExportLM
 from moetool.export.graph.parity import gate, graph_parity
@@ -276,13 +276,11 @@ def export_routed(
     model_dir: Path, target: str, output: Path, *, force: bool = False, eval_text: str | None = None
 ) -> dict[str, Any]:
     """Export the routed-embedding model in ``model_dir`` to ``target``; writes ``output`` atomically with a
-    manifest and returns it.
+    manifest (the fields every export's has, so ``moetool package`` takes it) and returns it.
 
     Raises:
         ExportError: an unknown or unsupported target (gguf), a model of another type, or failed parity.
     """
-    import json
-
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if target == "gguf":
@@ -306,29 +304,25 @@ def export_routed(
     with atomic_dir(output, force=force) as tmp:
         if target == "onnx":
             result = export_onnx(model, tok, text, tmp, text_source=source)
-            graphs = {"prefill": "model.onnx", "decode_step": "model-with-past.onnx"}
+            main, graphs = "model.onnx", {"prefill": "model.onnx", "decode_step": "model-with-past.onnx"}
         elif target == "coreml":
             result = export_coreml(model, tok, text, tmp, text_source=source)
-            graphs = {"prefill": "model.mlpackage"}
+            main, graphs = "model.mlpackage", {"prefill": "model.mlpackage"}
         else:
             result = export_tflite(model_dir, text, tmp, text_source=source)
-            graphs = {"prefill": "model.tflite (signature prefill, 128 tokens right-padded)"}
-        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+            main, graphs = "model.tflite", {"prefill": "model.tflite (signature prefill, 128 tokens right-padded)"}
         manifest = {
             "format": "moetool-embedding-artifact/1",
-            "target": target,
-            "model": str(model_dir.resolve()),
             "model_type": MODEL_TYPE,
             "variant": model.embed.cfg.variant,
             "head": model.config.head,
             "precision": "fp32",
             "graphs": graphs,
-            "files": files,
             "routed_embedding_params": measured_counts(model.embed),
             "cache_inputs": ExportRoutedLM(model).past_names("past"),
             **result,
             "timing_s": {"total": round(time.perf_counter() - t0, 3)},
             "notes": ["weights fp32 (no MatMulNBits quantization of the router yet)"],
-        }
-        write_manifest(tmp, json.loads(json.dumps(manifest)))
+        } | manifest_fields(tmp, model_dir, main, target=target, model_type=MODEL_TYPE)
+        write_manifest(tmp, manifest)
     return manifest

@@ -20,7 +20,7 @@ from rich.console import Console
 from moetool.card import provenance
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
-from moetool.io.files import copy_tokenizer
+from moetool.io.files import BUNDLE_LAYOUT, copy_tokenizer
 from moetool.methods.base import MethodPlan
 from moetool.methods.gem.model import GemForCausalLM
 from moetool.methods.gem.pathways import Pathways, build_token_model, resolve_pathways, token_config, token_parity
@@ -162,10 +162,13 @@ def _meta(recipe: GemRecipe, pw: Pathways, recipe_dir: Path) -> dict[str, Any]:
 
     text = _recipe_yaml(recipe, recipe_dir)
     srcs = {"general": pw.general} | dict(pw.domains)
+    # the sequence level is a bundle (gem.json, a router, whole pathway models), exported and packaged whole
+    layout = {"layout": BUNDLE_LAYOUT} if recipe.level == "sequence" else {}
     return {
         "method": "gem",
         "name": recipe.name,
         "level": recipe.level,
+        **layout,
         "domains": [d.name for d in recipe.domains],
         "tau": recipe.router.tau,
         "provenance": provenance(srcs, text),

@@ -1,6 +1,6 @@
 """Reference dispatcher for a sequence-level GEM export (what an on-device runtime does, in ~60 lines of Python).
 
-1. read ``gem-manifest.json``; tokenize the prompt with ``tokenizer.json`` and prepend the BOS the manifest records
+1. read ``manifest.json``; tokenize the prompt with ``tokenizer.json`` and prepend the BOS the manifest records
    (what router training did);
 2. run ``router.onnx`` on (input_ids, position_ids 0..T-1, additive causal mask): it returns P(d|x) and the route,
    the threshold rule already applied (0 = general, d+1 = domains[d]);
@@ -33,7 +33,9 @@ class GemDispatcher:
         from tokenizers import Tokenizer
 
         self.root = Path(export_dir)
-        self.manifest = json.loads((self.root / "gem-manifest.json").read_text())
+        found = [self.root / n for n in ("manifest.json", "gem-manifest.json") if (self.root / n).is_file()]
+        # exports written before GEM's manifest took the standard name still carry gem-manifest.json
+        self.manifest = json.loads((found[0] if found else self.root / "manifest.json").read_text())
         if self.manifest.get("level") != "sequence":
             raise ValueError(f"{self.root}: not a sequence-level GEM export (the token-level graph routes itself)")
         so = ort.SessionOptions()

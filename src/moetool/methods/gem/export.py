@@ -10,12 +10,14 @@ by litert-torch in its own interpreter (:mod:`moetool.export.tflite.runner`). Co
 
 Sequence level (bundle from ``moetool merge``) → ``router.onnx`` (encoder layers + mean pool + W_r + softmax + rule
 → router_probs [1, n], route [1]) and one artifact per pathway through the regular exporters (any target, each
-with its own parity check), with ``gem-manifest.json`` that :mod:`moetool.methods.gem.dispatch` follows.
+with its own parity check), with the ``manifest.json`` that :mod:`moetool.methods.gem.dispatch` follows.
+
+Every manifest is ``manifest.json`` with the fields every export has (:func:`~moetool.export.base.manifest_fields`),
+beside GEM's own, so ``moetool package`` (and ``moetool build``) take GEM artifacts like the standard ones.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ import torch
 from rich.console import Console
 
 from moetool.errors import MoetoolError
+from moetool.export.base import MANIFEST, manifest_fields, write_manifest
 from moetool.export.bundle import Bundle, Member, MemberArtifact, export_bundle
 from moetool.export.onnx.quantize import quantize_graph, save_model
 from moetool.export.tflite.runner import litert_python, run_worker
@@ -57,7 +60,6 @@ __all__ = [
     "trace_graph",
 ]
 
-MANIFEST = "gem-manifest.json"
 FORMAT = "moetool-gem-artifact/1"
 RULE = "routes = argmax+1 where max router_probs > tau (strict) else 0 (general); inside the graph"
 
@@ -74,14 +76,17 @@ def trace_graph(graph: GemGraph, path: Path) -> None:
     trace_onnx(graph, path, ["logits", "router_probs", "routes"])
 
 
-def _token_manifest(target: str, path: Path, cfg: Any, fields: dict[str, Any], t0: float) -> dict[str, Any]:
-    """What both token-level manifests hold around the target's own ``fields`` (inputs, outputs, parity, …)."""
+def _token_manifest(
+    target: str, path: Path, model_dir: Path, cfg: Any, fields: dict[str, Any], t0: float
+) -> dict[str, Any]:
+    """What both token-level manifests hold around the target's own ``fields`` (inputs, outputs, parity, …): GEM's
+    figures and the fields every manifest has (the folder's files, the model's weights), written as manifest.json.
 
-    return {
+    ``path`` is the graph inside the temporary folder, which holds everything else already (the tokenizer)."""
+
+    manifest = {
         "format": FORMAT,
         "level": "token",
-        "target": target,
-        "file": path.name,
         "domains": list(cfg.domains),
         "tau": float(cfg.tau),
         "rule": RULE,
@@ -89,7 +94,10 @@ def _token_manifest(target: str, path: Path, cfg: Any, fields: dict[str, Any], t
         "scar_clusters": int(cfg.scar_clusters),
         "bytes": path.stat().st_size,
         "sha256": sha256_file(path),
-    }
+        "timing_s": round(time.perf_counter() - t0, 2),
+    } | manifest_fields(path.parent, model_dir, path.name, target=target, model_type=cfg.model_type)
+    write_manifest(path.parent, manifest)
+    return manifest
 
 
 def _load_token_model(model_dir: Path) -> Any:
@@ -109,7 +117,7 @@ def _load_token_model(model_dir: Path) -> Any:
 def export_token_onnx(
     model_dir: Path, output: Path, *, quant: str | None = None, force: bool = False, verify: bool = True
 ) -> dict[str, Any]:
-    """``gem.onnx`` + ``gem-manifest.json`` (+ tokenizer) into ``output`` atomically.
+    """``gem.onnx`` + ``manifest.json`` (+ tokenizer) into ``output`` atomically.
 
     ``quant`` (e.g. ``gem``: pathways int4, router and general layers int8) quantizes MatMul weights with
     onnxruntime's MatMulNBits; fp32 parity is gated (1e-4), a quantized graph's figures are reported.
@@ -137,7 +145,7 @@ def export_token_onnx(
             if not counts and parity_failed(parity):
                 raise MoetoolError(f"gem ONNX parity failed: {parity}")
         tok.save_pretrained(str(tmp))
-        fields = {
+        fields: dict[str, Any] = {
             "inputs": {
                 "input_ids": "[1, T] int64",
                 "position_ids": "[1, T] int64 (0..T-1)",
@@ -145,14 +153,8 @@ def export_token_onnx(
             },
             "outputs": {"logits": "[1, T, V]", "router_probs": "[1, T, n_domains]", "routes": "[1, T] int64"},
         }
-        manifest = _token_manifest("onnx", path, model.config, fields, t0) | {
-            "quant": quant or "f32",
-            "quantized_nodes": counts,
-            "notes": notes,
-            "parity": parity,
-            "timing_s": round(time.perf_counter() - t0, 2),
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        fields |= {"quant": quant or "f32", "quantized_nodes": counts, "notes": notes, "parity": parity}
+        manifest = _token_manifest("onnx", path, model_dir, model.config, fields, t0)
     return manifest
 
 
@@ -187,11 +189,7 @@ def export_token_tflite(
             },
             "outputs": {"output_0": "logits", "output_1": "router_probs", "output_2": "routes (int32, 0 = general)"},
         }
-        manifest = _token_manifest("tflite", tmp / "gem.tflite", cfg, fields, t0) | {
-            "parity": parity,
-            "timing_s": round(time.perf_counter() - t0, 2),
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        manifest = _token_manifest("tflite", tmp / "gem.tflite", model_dir, cfg, fields | {"parity": parity}, t0)
     return manifest
 
 
@@ -231,7 +229,7 @@ def export_sequence_bundle(
     console: Console | None = None,
 ) -> dict[str, Any]:
     """``router.onnx`` + ``pathways/<name>/`` (one artifact each via the regular exporter for ``target``) +
-    ``gem-manifest.json``, written atomically; the router graph's parity is gated (same decisions, |ΔP| ≤ 1e-5)."""
+    ``manifest.json``, written atomically; the router graph's parity is gated (same decisions, |ΔP| ≤ 1e-5)."""
 
     # the router is router.onnx whatever --target the pathways take: without the extra no pathway is written either
     # (a bundle without its router cannot dispatch), so refuse once, up front, saying why
@@ -260,7 +258,7 @@ def export_sequence_bundle(
             "parity": parity,
         }
 
-    def write_manifest(tmp: Path, router: dict[str, Any], artifacts: list[MemberArtifact]) -> dict[str, Any]:
+    def bundle_manifest(tmp: Path, router: dict[str, Any], artifacts: list[MemberArtifact]) -> dict[str, Any]:
         return {
             "format": FORMAT,
             "level": "sequence",
@@ -278,6 +276,6 @@ def export_sequence_bundle(
 
     members = [Member(n, bundle / spec["pathways"][n], f"pathways/{n}") for n in seq.names]
     return export_bundle(
-        output, Bundle(members, target, quant, verify), router=write_router, manifest=write_manifest,
-        manifest_name=MANIFEST, force=force, console=console,
+        output, Bundle(members, target, quant, verify), source=bundle, router=write_router, manifest=bundle_manifest,
+        force=force, console=console,
     )  # fmt: skip

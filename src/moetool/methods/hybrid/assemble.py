@@ -20,6 +20,7 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir, check_output
+from moetool.io.files import BUNDLE_LAYOUT, MOETOOL_META
 from moetool.io.safe import read_json
 from moetool.methods.base import MethodPlan
 from moetool.methods.hybrid.pareto import train_recipe_router
@@ -157,6 +158,24 @@ def write_model(
         (tmp / HYBRID_JSON).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         (tmp / PROFILE_FILE).write_text(json.dumps(p.profile, indent=2) + "\n", encoding="utf-8")
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(p.recipe.model_dump(mode="json"), sort_keys=False))
+        (tmp / "moetool-recipe.yaml").write_text(p.recipe.text)
+        (tmp / MOETOOL_META).write_text(json.dumps(_moetool_meta(p, recipe_dir), indent=2) + "\n", encoding="utf-8")
+
+
+def _moetool_meta(p: Prepared, recipe_dir: Path) -> dict[str, Any]:
+    """``moetool.json``: what every moetool output carries (method, name, provenance), and ``layout: bundle``: the
+    experts stay where they are (hybrid.json names them), so the folder is a router bundle, packaged whole."""
+    from moetool.card import provenance
+    from moetool.io.sources import resolve_source
+
+    sources = {e.name: resolve_source(e.source, relative_to=recipe_dir) for e in p.recipe.experts}
+    return {
+        "method": "hybrid",
+        "name": p.recipe.name,
+        "layout": BUNDLE_LAYOUT,
+        "experts": list(p.names),
+        "provenance": provenance(sources, p.recipe.text),
+    }
 
 
 def read_model(path: Path) -> tuple[dict[str, Any], HybridRouter]:

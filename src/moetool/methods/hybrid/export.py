@@ -19,7 +19,7 @@ from rich.console import Console
 from torch import nn
 
 from moetool.errors import MoetoolError
-from moetool.export.base import MANIFEST, ExportError, check_artifact_dir
+from moetool.export.base import ExportError, check_artifact_dir
 from moetool.export.bundle import Bundle, Member, MemberArtifact, export_bundle
 from moetool.export.graph.common import onnx_export
 from moetool.extras import require
@@ -222,28 +222,24 @@ def export_hybrid(
             {"name": e["name"], "model_type": e["model_type"], "kind": e["kind"]} | exported.get(e["name"], {})
             for e in meta["experts"]
         ]
-        parity = entry["parity"]
+        # the files, hashes, source weights and parity (router and each expert) are added by export_bundle
         return {
             "format": "moetool-hybrid-export",
             "version": 1,
             "name": meta["name"],
-            "file": ROUTER_ONNX,
             "router": entry,
             "experts": rows,
             "costly": meta["costly"],
             "dispatcher": DISPATCHER,
             "tokenizer": "tokenizer/",
             "latency_profile": "latency_profile.json",
-            "artifact": {"bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())},
-            "parity": f"router: max |Δscore| {parity['max_abs_score_diff']:.2e}, choice agreement "
-            f"{parity['choice_agreement']:.3f} on {parity['requests']} requests",
         }
 
     members = [_member(e, expert_target, quant, verify) for e in meta["experts"]] if experts else []
     # an expert the chosen target cannot take is recorded with the reason: the other experts still ship
     bundle = Bundle(members, expert_target, quant, verify, tolerate=True)
     return export_bundle(
-        Path(output), bundle, router=write_router, manifest=write_manifest, manifest_name=MANIFEST, force=force,
+        Path(output), bundle, source=Path(model_dir), router=write_router, manifest=write_manifest, force=force,
         console=console,
     )  # fmt: skip
 
