@@ -25,6 +25,7 @@ from moetool.api.stages import (
 from moetool.errors import MoetoolError
 from moetool.export.base import Manifest
 from moetool.io.atomic import check_output
+from moetool.io.files import is_bundle
 from moetool.methods.base import MethodPlugin, Stage
 from moetool.progress import silent
 from moetool.recipe.base import RecipeBase
@@ -54,7 +55,7 @@ def build(
     presets: list[str] | None = None,
     compare: list[str] | None = None,
     devices: list[str] | None = None,
-    max_tokens: int = 8192,
+    max_tokens: int | None = None,
     tasks: list[str] | None = None,
     task_limit: int | None = None,
     force: bool = False,
@@ -65,22 +66,26 @@ def build(
     """Run the recipe's whole pipeline: assemble → tune → evaluate → export → package.
 
     Tuning runs when ``tune`` says (default: when the recipe has ``train:``), once per preset; evaluation covers the
-    merged and tuned models beside ``compare`` (lm-eval ``tasks`` too, ``task_limit`` documents each, optional: a
-    failure is recorded in ``BuildResult.failed`` and the build goes on); every ``targets:`` entry (or only
+    merged and tuned models beside ``compare`` on ``max_tokens`` held-out tokens per domain (default 8192; lm-eval
+    ``tasks`` too, ``task_limit`` documents each, optional: a failure is recorded in ``BuildResult.failed`` and the
+    build goes on); every ``targets:`` entry (or only
     ``devices``) is exported; the recipe's ``questions:`` are asked of the final model and of each GGUF written
     (``answers.json``). ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures).
 
     Another method runs the stages it has (:func:`build_method`).
 
     Raises:
-        MoetoolError: a stage asked for that the recipe's method does not have, named before any work.
+        MoetoolError: a stage asked for that the recipe's method does not have, or a ``targets:`` entry it cannot
+            write, named before any work.
         OutputExistsError: ``output`` exists and ``force`` is not given.
     """
     r = load(recipe)
     out, console = Path(output), console or silent()
     stage: Stage = on_stage or (lambda name, value: None)
     if not isinstance(r, MoFERecipe):
-        asked = {"presets": presets, "compare": compare, "tasks": tasks}
+        # evaluation's options by their CLI names: another method's build has no evaluation stage to read them
+        asked = {"presets": presets, "compare": compare, "tasks": tasks, "max-tokens": max_tokens,
+                 "task-limit": task_limit}  # fmt: skip
         return build_method(r, out, tune=tune, devices=devices, asked=asked, force=force, verify=verify,
                             console=console, stage=stage)  # fmt: skip
     check_output(out, force=force)
@@ -96,7 +101,7 @@ def build(
             result.tuned[preset or "tuned"] = result.model = outcome.output
             stage("trained", (preset, outcome))
     tasks_ = (tasks, task_limit)
-    result.report = _build_eval(r, out, result, compare or [], max_tokens, tasks_, console, stage)
+    result.report = _build_eval(r, out, result, compare or [], max_tokens or 8192, tasks_, console, stage)
     _build_exports(r, out, result, devices, force=force, verify=verify, console=console, stage=stage)
     _build_answers(r, out, result, console, stage)
     console.rule("Hugging Face repo folder")
@@ -133,24 +138,27 @@ def build_method(
     """The pipeline of a method other than mofe, in the stages it has.
 
     merge → train (when the method trains after the merge) → the recipe's ``targets:`` (when it has them) → a Hugging
-    Face repo folder (when the final output is one model folder).
+    Face repo folder (when the final output is one model folder or a bundle).
 
     Raises:
-        MoetoolError: a stage or option the method does not have (``tune``, ``devices``, evaluation's ``compare`` and
-            ``tasks``, mofe's freeze ``presets``), named before any work.
+        MoetoolError: a stage or option the method does not have (``tune``, ``devices``, evaluation's ``compare``,
+            ``tasks``, ``max-tokens`` and ``task-limit``, mofe's freeze ``presets``), named before any work.
+        RecipeError: a ``targets:`` entry the method's output cannot be exported as (a target it cannot write, a key
+            its exporter would not read), named before any work.
     """
     p = plugin(r)
     targets = list(getattr(r, "targets", None) or [])
-    missing = [f"--{k}" for k, v in asked.items() if v]
+    missing = [f"--{k}" for k, v in asked.items() if v is not None and v != []]
     if tune and not has_stage(p, "train"):
         missing.append("--train (its models train inside `moetool merge`)")
-    if devices is not None and not targets:
-        missing.append("--device (the recipe has no targets:)")
+    if devices is not None:
+        missing.append("--device (its targets: name targets, not devices)")
     if missing:
         raise MoetoolError(
             f"{r.path or r.name}: method {r.method} has no stage for {', '.join(missing)}; `moetool build` runs its "
             f"merge{', training' if has_stage(p, 'train') else ''}{', targets' if targets else ''} and packaging"
         )
+    p.check_targets(r)  # a target the method cannot write is a plan-time fact: refused before the merge
     check_output(out, force=force)
     console.rule(f"merge ({r.method})")
     merged = assemble(r, out / "merged", force=force, console=console)
@@ -162,15 +170,17 @@ def build_method(
         result.tuned["tuned"] = result.model = outcome.output
         stage("trained", (None, outcome))
     for t in targets:
-        if devices is None or t.device in devices:
-            _export_one(t, out, result, force=force, verify=verify, console=console, stage=stage)
-    if (result.model / "config.json").is_file():
+        _export_one(t, out, result, force=force, verify=verify, console=console, stage=stage)
+    if (result.model / "config.json").is_file() or is_bundle(result.model):
         console.rule("Hugging Face repo folder")
         exports = [out / "exports" / n for n in result.manifests]
         result.repo = package(result.model, out / "hf-repo", artifacts=exports, force=True)
         stage("packaged", result.repo)
     else:
-        console.print(f"[yellow]{result.model.name} is not one model folder: no Hugging Face repo folder written[/]")
+        console.print(
+            f"[yellow]{result.model.name} is neither one model folder nor a bundle: no Hugging Face repo folder "
+            "written[/]"
+        )
     return result
 
 

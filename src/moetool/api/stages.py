@@ -48,14 +48,16 @@ def plugin(recipe: RecipeBase) -> MethodPlugin:
 def check(recipe: RecipeLike) -> list[str]:
     """Check everything knowable without weights (``moetool validate``); returns warnings.
 
-    The recipe's own validation, then the method's checks against what it names (mofe: every prompt through the
-    base's tokenizer).
+    The recipe's own validation, its ``targets:`` against what the method's output exports to, then the method's
+    checks against what it names (mofe: every prompt through the base's tokenizer).
 
     Raises:
         MoetoolError: naming the recipe file and the field.
     """
     r = load(recipe)
-    return plugin(r).check(r)
+    p = plugin(r)
+    p.check_targets(r)
+    return p.check(r)
 
 
 def plan(recipe: RecipeLike, *, allow_pickle: bool = False) -> MergePlan | MethodPlan:

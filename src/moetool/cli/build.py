@@ -44,7 +44,9 @@ def build(
     train: Annotated[
         bool | None, typer.Option("--train/--no-train", help="Tune routers (default: when the recipe has train:).")
     ] = None,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Held-out tokens per domain in the evaluation.")] = 8192,
+    max_tokens: Annotated[
+        int | None, typer.Option(min=1, help="Held-out tokens per domain in the evaluation (default 8192).")
+    ] = None,
     tasks: Annotated[
         str | None, typer.Option(help="lm-eval tasks to score too (comma-separated; 'local': one per zoo domain).")
     ] = None,

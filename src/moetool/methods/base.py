@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from rich.console import Console
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, RecipeError
 from moetool.export.base import Exporter, ExportError, ExportRequest
 from moetool.io.safe import read_json
 from moetool.recipe.base import RecipeBase
@@ -37,6 +37,15 @@ def register_causal_lm(config_cls: Any, model_cls: Any) -> None:
 
     AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
     AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
+# why a method's export reads no such key of a ``targets:`` entry (:meth:`MethodPlugin.check_targets`)
+_UNREAD = {
+    "device": "device profiles pick a standard MoE's format and plan",
+    "context": "it sizes a standard export's memory estimate",
+    "imatrix": "importance matrices are for a standard MoE's GGUF",
+    "quant": "this export is written in float32 only",
+}
 
 
 @dataclass(frozen=True)
@@ -208,6 +217,49 @@ class MethodPlugin(Generic[RecipeT, PlanT]):
             f"method {self.name}: its routers are trained inside `moetool merge` (see docs/{self.name}.md); "
             "`moetool train` has nothing more to do"
         )
+
+    def target_keys(self, recipe: RecipeT) -> dict[str, tuple[str, ...]]:
+        """The targets this recipe's output exports to (what its ``targets:`` entries may name), each with the keys
+        of a ``targets:`` entry its exporter reads besides ``target`` and ``name``.
+
+        Default: every :attr:`export_targets` entry, reading ``quant`` (a bundle hands it to the standard exporters
+        of its members). A method whose targets depend on the recipe (GEM's level) or that ignores ``quant``
+        overrides this.
+        """
+        return {t: ("quant",) for t in self.export_targets}
+
+    def target_note(self, recipe: RecipeT) -> str:
+        """What decides this recipe's targets, for the refusal's message (GEM: `` (level: token)``); default none."""
+        return ""
+
+    def check_targets(self, recipe: RecipeT) -> None:
+        """Refuse, before any work, a ``targets:`` entry this method's output cannot be exported as asked: a target
+        it cannot write, a device profile (devices pick a standard MoE's format and plan), or a key its exporter
+        would not read (``context``, ``imatrix``, a ``quant`` for an export that is float32 only).
+
+        Raises:
+            RecipeError: naming the recipe, the entry's field, the method, the target and the targets it writes.
+        """
+        keys = self.target_keys(recipe)
+        supported = ", ".join(keys) or "none"
+        for i, t in enumerate(getattr(recipe, "targets", None) or []):
+            where = f"{recipe.path or recipe.name}: targets.{i}"
+            if t.target is None:
+                raise RecipeError(
+                    f"{where}.device: method {self.name}'s outputs export by target, not by device profile (a device "
+                    f"picks a standard MoE's format and plan); name a target: {supported}"
+                )
+            if t.target not in keys:
+                raise RecipeError(
+                    f"{where}.target: method {self.name}{self.target_note(recipe)} cannot write target {t.target!r}; "
+                    f"the targets it writes: {supported}"
+                )
+            for key in ("device", "context", "imatrix", "quant"):
+                if getattr(t, key) is not None and key not in keys[t.target]:
+                    raise RecipeError(
+                        f"{where}.{key}: method {self.name}'s {t.target} export does not read {key} "
+                        f"({_UNREAD[key]}); remove it"
+                    )
 
     def owns(self, model_dir: Path) -> bool:
         """Whether ``model_dir`` is an output of this method (its model class or its bundle marker)."""

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moetool.recipe.base import RecipeBase, StrictModel
+from moetool.recipe.export import TargetSpec, check_target_names
 from moetool.recipe.train import DataSource
 
 
@@ -100,6 +101,9 @@ class EmbeddingRecipe(RecipeBase):
         "projection (no V×D matrix at all).",
     )
     train: RetrofitTrainSpec = Field(default_factory=RetrofitTrainSpec, description="Training after the retrofit.")
+    targets: list[TargetSpec] = Field(
+        default_factory=list, description="Artifacts `moetool build` exports (onnx, tflite, coreml; float32)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EmbeddingRecipe:
@@ -113,4 +117,5 @@ class EmbeddingRecipe(RecipeBase):
             raise ValueError(f"embedding.router.heads: {e.router.heads} does not divide width {e.router.width}")
         if self.head == "seed" and e.variant == "selection":
             raise ValueError("head: 'seed' needs a seed table; the selection variant has a pool table (use keep)")
+        check_target_names(self.targets)
         return self

@@ -56,3 +56,16 @@ class TargetSpec(StrictModel):
     @property
     def dir_name(self) -> str:
         return self.name or "-".join(x for x in (self.device, self.target) if x)
+
+
+def check_target_names(targets: list[TargetSpec]) -> None:
+    """Refuse two ``targets:`` entries that would export into one folder (``exports/<name>``): the second would fail
+    only after the first was written.
+
+    Raises:
+        ValueError: naming the second entry, as a recipe validator reports it.
+    """
+    names = [t.dir_name for t in targets]
+    for i, n in enumerate(names):
+        if n in names[:i]:
+            raise ValueError(f"targets.{i}: a second target named {n!r}; give it a distinct `name`")

@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from moetool.quant.devices import get_device
 from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import RecipeBase, StrictModel
-from moetool.recipe.export import TargetSpec
+from moetool.recipe.export import TargetSpec, check_target_names
 from moetool.recipe.train import DataSource
 
 QATGroup = Literal["pathways", "general_ffn", "attention"]
@@ -103,7 +103,10 @@ class GemRecipe(RecipeBase):
         default_factory=lambda: ["raspberry-pi-4", "pixel-6", "iphone-13"],
         description="Device profiles the memory estimate is printed for before anything is written.",
     )
-    targets: list[TargetSpec] = Field(default_factory=list, description="Artifacts `moetool gem export` writes.")
+    targets: list[TargetSpec] = Field(
+        default_factory=list,
+        description="Artifacts `moetool build` exports (token level: onnx, tflite; sequence level: any target).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GemRecipe:
@@ -127,4 +130,5 @@ class GemRecipe(RecipeBase):
             )
         if self.level == "sequence" and self.qat.steps:
             raise ValueError("qat.steps: QAT tunes the token-level model's pathways; use level: token")
+        check_target_names(self.targets)
         return self

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moetool.recipe.base import RecipeBase, StrictModel
+from moetool.recipe.export import TargetSpec, check_target_names
 from moetool.recipe.train import DataSource
 
 Feature = Literal["length", "domain", "hidden"]
@@ -135,6 +136,10 @@ class HybridRecipe(RecipeBase):
     train: HybridTrainSpec = Field(default_factory=HybridTrainSpec)
     profile: HybridProfileSpec = Field(default_factory=HybridProfileSpec)
     sweep: HybridSweepSpec = Field(default_factory=HybridSweepSpec)
+    targets: list[TargetSpec] = Field(
+        default_factory=list,
+        description="Artifacts `moetool build` exports: router.onnx plus each expert as the target (any target).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> HybridRecipe:
@@ -154,4 +159,5 @@ class HybridRecipe(RecipeBase):
                 f"profile.lengths: the longest ({max(self.profile.lengths)}) must reach router.max_length "
                 f"({self.router.max_length}) so latency is measured, not extrapolated"
             )
+        check_target_names(self.targets)
         return self

@@ -10,7 +10,7 @@ from pydantic_core import PydanticCustomError
 from moetool.arch.outputs import OUTPUT_ARCHS
 from moetool.quant.plan import QuantSpec
 from moetool.recipe.base import RecipeBase, StrictModel
-from moetool.recipe.export import TargetSpec
+from moetool.recipe.export import TargetSpec, check_target_names
 from moetool.recipe.train import FreezeSpec, TrainSpec
 
 ExpertName = str
@@ -115,10 +115,7 @@ class MoFERecipe(RecipeBase):
                         f"experts.{i}.positive_prompts: expert {e.name!r} has no positive prompts, which "
                         f"gate_mode {self.gate_mode!r} needs (or use gate_mode: random)"
                     )
-        names = [t.dir_name for t in self.targets]
-        for i, n in enumerate(names):
-            if n in names[:i]:
-                raise ValueError(f"targets.{i}: a second target named {n!r}; give it a distinct `name`")
+        check_target_names(self.targets)
         arch = OUTPUT_ARCHS.get(self.architecture)
         if self.norm_topk_prob is False and arch is not None and arch.topk == "always":
             switchable = [a.name for a in OUTPUT_ARCHS.values() if a.topk == "config"]

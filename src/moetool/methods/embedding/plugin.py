@@ -9,13 +9,15 @@ from typing import Any
 
 from rich.console import Console
 
-from moetool.export.base import Exporter, ExportRequest
+from moetool.export.base import Exporter, ExportError, ExportRequest
 from moetool.methods.base import AssemblerPlugin, ExportFn, MethodExportPlan
 from moetool.recipe.embedding import EmbeddingRecipe
 
 
 def _export(target: str) -> ExportFn:
     def run(req: ExportRequest, console: Console) -> dict[str, Any]:
+        if req.options.get("quant") is not None:  # refused rather than ignored: the graphs are float32
+            raise ExportError(f"--quant: routed-embedding models export in float32 only ({target})")
         from moetool.methods.embedding.export import export_routed
 
         return export_routed(req.model_dir, target, req.output, force=req.force, eval_text=req.eval_text)
@@ -29,6 +31,10 @@ class EmbeddingPlugin(AssemblerPlugin[EmbeddingRecipe]):
     model_types = ("moetool_routed_embedding",)
     model_modules = ("moetool.methods.embedding.model",)
     export_targets = ("onnx", "tflite", "coreml")
+
+    def target_keys(self, recipe: EmbeddingRecipe) -> dict[str, tuple[str, ...]]:
+        """Every graph target, none of which reads ``quant`` (float32 only)."""
+        return {t: () for t in self.export_targets}
 
     def exporter(self, model_dir: Path, target: str | None) -> Exporter[MethodExportPlan]:
         return self.function_exporter(

@@ -53,13 +53,23 @@ class GemPlugin(AssemblerPlugin[GemRecipe]):
     marker_files = ("gem.json",)
     export_targets = (*TOKEN_TARGETS, *(t for t in registry.TARGETS if t not in TOKEN_TARGETS))
 
+    def target_keys(self, recipe: GemRecipe) -> dict[str, tuple[str, ...]]:
+        """Token level: one graph, onnx (``quant`` by role) or tflite (float32 only); sequence level: every target,
+        ``quant`` for the pathways."""
+        if recipe.level == "token":
+            return {"onnx": ("quant",), "tflite": ()}
+        return {t: ("quant",) for t in self.export_targets}
+
+    def target_note(self, recipe: GemRecipe) -> str:
+        return f" (level: {recipe.level})"
+
     def exporter(self, model_dir: Path, target: str | None) -> Exporter[MethodExportPlan]:
         if (model_dir / "gem.json").is_file():
             return self.function_exporter(
                 model_dir,
                 target or "gguf",
                 _sequence,
-                lambda t: f"sequence-level GEM: router.onnx + one {t} artifact per pathway + gem-manifest.json",
+                lambda t: f"sequence-level GEM: router.onnx + one {t} artifact per pathway + manifest.json",
             )
         target = target or "onnx"
         if target == "onnx":

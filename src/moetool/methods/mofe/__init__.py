@@ -37,6 +37,10 @@ class MoFEPlugin(MethodPlugin[MoFERecipe, MergePlan]):
             return [f"base_model {base} has no tokenizer: prompts not checked"]
         return check_prompts(recipe, base, tok)
 
+    def check_targets(self, recipe: MoFERecipe) -> None:
+        """Nothing beyond the recipe's own validation: a MoFE output is a standard MoE, and its ``targets:`` (devices
+        included) are the standard exporters', which plan each one."""
+
     def describe(self, recipe: MoFERecipe, *, allow_pickle: bool = False) -> MergePlan:
         from moetool.methods.mofe.planner import plan_mofe
 
