@@ -57,7 +57,12 @@ def _rope(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Ten
 def _rule(probs: torch.Tensor, tau: float) -> torch.Tensor:
     """GEM's rule on router probabilities ``[..., n]``: argmax + 1 where the max is strictly above ``tau``, else
     0 (general)."""
-    maxp, arg = probs.max(-1)
+    if probs.shape[-1] == 1:
+        # one domain: its probability and index 0, as max would give; LiteRT's converter cannot legalize the
+        # (value, index) reduce of max(-1) over a single element, so a one-domain GEM's TFLite graph would not convert
+        maxp, arg = probs[..., 0], torch.zeros_like(probs[..., 0], dtype=torch.long)
+    else:
+        maxp, arg = probs.max(-1)
     return torch.where(maxp > tau, arg + 1, torch.zeros_like(arg))
 
 
