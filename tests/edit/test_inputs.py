@@ -129,6 +129,9 @@ def test_budgets():
     for bad, match in ((8, "pruning must keep fewer"), (0.01, "keeps no expert"), (2.5, "whole number")):
         with pytest.raises(EditError, match=match):
             budget(8, bad)
+    for bad in (float("nan"), float("inf"), float("-inf"), -3, 0):  # int(nan), int(inf) raised; -3 kept "none"
+        with pytest.raises(EditError, match=r"--keep .*: give a number of experts \(2, 3, …\) or a fraction"):
+            budget(8, bad)
 
 
 def test_prune_with_recalibration_writes_both_records(moe, tmp_path):

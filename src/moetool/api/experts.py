@@ -11,6 +11,7 @@ input there (:mod:`moetool.edit.parity`) and only then moves into place; ``tune`
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,22 @@ from rich.console import Console
 
 from moetool.edit.layout import EditError, read_layout
 from moetool.edit.run import EditResult, run
-from moetool.edit.tune import Recalibration, data_sources
+from moetool.edit.tune import Recalibration, data_files, data_sources
 from moetool.eval.perplexity import eval_need
 from moetool.progress import silent
 
-__all__ = ["EditResult", "Recalibration", "add", "calibration_text", "extract", "listing", "prune", "remove"]
+__all__ = [
+    "EditResult",
+    "Recalibration",
+    "add",
+    "calibration_text",
+    "check_precision",
+    "check_unread_data",
+    "extract",
+    "listing",
+    "prune",
+    "remove",
+]
 
 
 def _local(ref: str | Path, what: str) -> Path:
@@ -38,6 +50,41 @@ def _local(ref: str | Path, what: str) -> Path:
         return resolve_source(str(ref)).path
     except SourceError as exc:
         raise EditError(f"{what}: {exc}") from None
+
+
+def check_precision(model: Path, dtype: str | None, device: str | None, *, runs: bool = True, why: str = "") -> None:
+    """Refuse, before any work, a ``dtype`` or ``device`` that train and eval refuse, or one nothing would read.
+
+    The values go through the same checks as train's and eval's (:func:`moetool.train.precision.resolve_dtype`
+    and ``resolve_device``); where ``runs`` is False the edit runs no model, and ``why`` says so.
+
+    Raises:
+        MoetoolError: an unknown dtype or device, or CUDA where there is none (naming the option and its values).
+        EditError: a dtype or device given where ``runs`` is False.
+    """
+    from moetool.train.precision import resolve_device, resolve_dtype
+
+    for option, value in (("--dtype", dtype), ("--device", device)):
+        if value in (None, "auto"):
+            continue
+        if option == "--dtype":
+            resolve_dtype(value, model)
+        else:
+            resolve_device(value)
+        if not runs:
+            raise EditError(f"{option} {value}: {why}; leave it out")
+
+
+def check_unread_data(data: dict[str, str] | None, steps: int) -> None:
+    """Refuse ``--data`` for an edit whose only reader of text is router recalibration, when there is none.
+
+    Raises:
+        EditError: naming ``--tune-steps``.
+    """
+    if data and not steps:
+        raise EditError(
+            "--data: this edit reads text only to recalibrate the routers; give --tune-steps N, or leave --data out"
+        )
 
 
 def calibration_text(data: dict[str, str], *, seed: int = 0) -> dict[str, str]:
@@ -65,9 +112,25 @@ def listing(
     dtype: str | None = None,
     device: str | None = None,
     console: Console | None = None,
+    json_file: Path | None = None,
 ) -> dict[str, Any]:
-    """The MoE's experts (index, name, width); with ``data``, routing share and REAP saliency per layer and text."""
-    layout = read_layout(_local(moe, "MOE"))
+    """The MoE's experts (index, name, width); with ``data``, routing share and REAP saliency per layer and text.
+
+    ``json_file``: where the listing is also written as JSON (checked before any work: never onto an input).
+
+    Raises:
+        EditError: not an MoE moetool can edit; ``dtype``/``device`` not usable, or given without ``data`` (the
+            model runs only to score the experts on it).
+        OutputPathError: ``json_file`` is a directory, an input or inside one, or cannot be written.
+    """
+    from moetool.io.atomic import atomic_write_text
+    from moetool.io.checks import check_report_path
+
+    path = _local(moe, "MOE")
+    if json_file is not None:
+        check_report_path(json_file, [path, *data_files(data)])
+    layout = read_layout(path)
+    check_precision(layout.path, dtype, device, runs=bool(data), why="list runs the model only to score --data")
     report: dict[str, Any] = {
         "path": str(layout.path),
         "architecture": layout.arch.name,
@@ -94,6 +157,8 @@ def listing(
             console=console,
         )
         report["routing"] = stats.to_json()
+    if json_file is not None:
+        atomic_write_text(Path(json_file), json.dumps(report, indent=2))
     return report
 
 
@@ -112,10 +177,28 @@ def remove(
     dtype: str | None = None,
     device: str | None = None,
 ) -> EditResult:
-    """The MoE without the experts ``refs`` (names or indices), every other tensor bit for bit."""
+    """The MoE without the experts ``refs`` (names or indices), every other tensor bit for bit.
+
+    Raises:
+        EditError: an unknown expert, too few left; ``data``, ``dtype`` or ``device`` that nothing would read
+            (``data`` and ``dtype`` serve recalibration, ``device`` it and the parity check) or not usable.
+    """
     from moetool.edit.remove import remove_plan
 
-    plan = remove_plan(read_layout(_local(moe, "MOE")), refs, top_k=top_k)
+    layout = read_layout(_local(moe, "MOE"))
+    steps = tune.steps if tune is not None else 0
+    check_unread_data(data, steps)
+    check_precision(
+        layout.path, dtype, None, runs=bool(steps), why="remove computes nothing in it without --tune-steps"
+    )
+    check_precision(
+        layout.path,
+        None,
+        device,
+        runs=bool(steps) or verify,
+        why="with --no-check and no --tune-steps remove runs no model",
+    )
+    plan = remove_plan(layout, refs, top_k=top_k)
     return run(
         plan,
         Path(out),
@@ -178,6 +261,7 @@ def prune(
     Raises:
         EditError: an unknown criterion, a budget that keeps all or none, fewer experts than ``top_k``.
     """
+    from moetool.edit.execute import check_not_input
     from moetool.edit.prune import CRITERIA, budget, choose, prune_plan
     from moetool.edit.scoring import expert_stats
     from moetool.io.atomic import check_output
@@ -185,9 +269,12 @@ def prune(
     if by not in CRITERIA:
         raise EditError(f"--by {by!r}: choose one of {', '.join(CRITERIA)}")
     console = console if console is not None else silent()
-    check_output(Path(out), force=force)  # before minutes of calibration
-    layout = read_layout(_local(moe, "MOE"))
+    path = _local(moe, "MOE")
+    check_not_input(Path(out), [path, *data_files(data)])  # before minutes of calibration
+    check_output(Path(out), force=force)
+    layout = read_layout(path)
     n = budget(layout.n_experts, keep, power_of_two=power_of_two)
+    check_precision(layout.path, dtype, device)
     k = top_k if top_k is not None else layout.top_k
     if k > n:
         raise EditError(
@@ -249,20 +336,33 @@ def add(
     Raises:
         EditError: no prompt, a taken or malformed name, an incompatible source (every problem named).
     """
-    from moetool.edit.add import adapter_base, add_plan, bake_adapter, check_request, check_source, router_rows
+    from moetool.edit.add import (
+        adapter_base,
+        add_plan,
+        bake_adapter,
+        check_adapter,
+        check_request,
+        check_source,
+        router_rows,
+    )
     from moetool.edit.execute import check_not_input
     from moetool.io.atomic import check_output, scratch_dir
 
     check_request(name, prompts)
     console = console if console is not None else silent()
     out, source = Path(out), _local(source, "--source")
-    check_not_input(out, [source])
+    check_not_input(out, [source, *data_files(data)])
     check_output(out, force=force)
     layout = read_layout(_local(moe, "MOE"))
+    check_unread_data(data, tune.steps if tune is not None else 0)
+    check_precision(layout.path, dtype, device)
+    dense_base = None
+    if (source / "adapter_config.json").is_file():
+        dense_base = adapter_base(source, Path(base) if base is not None else None)
+        check_adapter(source, dense_base, layout)  # from headers: nothing is baked for an adapter that cannot be
     with scratch_dir(out, "add") as scratch:
         origin: dict[str, Any] = {"source": str(source.resolve())}
-        if (source / "adapter_config.json").is_file():
-            dense_base = adapter_base(source, Path(base) if base is not None else None)
+        if dense_base is not None:
             origin |= {"adapter_base": str(dense_base.resolve())}
             source = bake_adapter(source, dense_base, scratch / "baked")
         shapes, warnings = check_source(layout, source, name)

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from rich.console import Console
 
-from moetool.errors import MoetoolError, OutputPathError
+from moetool.errors import MoetoolError
 from moetool.eval.perplexity import eval_need
 from moetool.eval.report import evaluate as run
 from moetool.export.base import ExportError, ExportJob, ExportRequest, Manifest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
 from moetool.export.resolve import ExportOptions, plan_standard_export
-from moetool.io.checks import check_finished_model_dir, check_output_path, is_moetool_temp
+from moetool.io.atomic import atomic_write_text
+from moetool.io.checks import check_finished_model_dir, check_output_path, check_report_path, is_moetool_temp
 from moetool.io.safe import read_json, read_text
 from moetool.io.sources import resolve_source
 from moetool.methods import get_plugin, plugin_for_model
@@ -269,11 +270,9 @@ def check_report_outputs(json_file: Path | None, plots: Path | None, inputs: lis
             ``inputs`` (a ``--data`` file, a model); likewise ``plots``.
     """
     if json_file is not None:
-        if Path(json_file).is_dir():
-            raise OutputPathError(f"--json {json_file} is a directory; name the JSON file to write")
-        check_output_path(json_file, inputs)
+        check_report_path(json_file, inputs, option="--json")
     if plots is not None:
-        check_output_path(plots, inputs)
+        check_report_path(plots, inputs, option="--plots", folder=True)
 
 
 def nonfinite_figures(report: dict[str, Any]) -> list[str]:
@@ -288,8 +287,7 @@ def write_report(report: dict[str, Any], json_file: Path | None, plots: Path | N
     """The evaluation report as JSON and PNG plots; returns the files written."""
     written = []
     if json_file is not None:
-        json_file.parent.mkdir(parents=True, exist_ok=True)
-        json_file.write_text(json.dumps(report, indent=2))
+        atomic_write_text(json_file, json.dumps(report, indent=2))  # a report replaced whole or not at all
         written.append(json_file)
     if plots is not None:
         from moetool.eval.plots import write_plots

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -82,10 +81,11 @@ def list_cmd(
     from moetool import api
     from moetool.cli.render import experts_table
 
-    report = api.experts.listing(moe, _data(data), max_tokens=max_tokens, dtype=dtype, device=device, console=console)
+    report = api.experts.listing(
+        moe, _data(data), max_tokens=max_tokens, dtype=dtype, device=device, console=console, json_file=json_file
+    )
     experts_table(out, report)
     if json_file is not None:
-        json_file.write_text(json.dumps(report, indent=2))
         out.print(f"wrote {json_file}")
 
 

@@ -10,6 +10,7 @@ competes on their scale (a tuned router's rows grow beyond unit norm).
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from moetool.arch.families import FAMILIES, MLP_PROJS, dense_mlp_name
 from moetool.edit.layout import EditError, MoELayout, require_tokenizer
 from moetool.edit.plan import EditPlan, Slot, select_plan
-from moetool.io.checkpoint import SAFETENSORS_DTYPES, Checkpoint
+from moetool.io.checkpoint import SAFETENSORS_DTYPES, Checkpoint, read_safetensors_header
 from moetool.io.files import tokenizer_signature
 from moetool.io.safe import read_json
 from moetool.io.writer import ShardedWriter
@@ -118,13 +119,12 @@ def check_source(layout: MoELayout, source: Path, name: str) -> tuple[dict[str, 
     return shapes, warnings
 
 
-def bake_adapter(adapter: Path, base: Path, out: Path) -> Path:
-    """A LoRA adapter of ``base`` baked into ``base``'s MLPs: ``W + s·B·A`` per adapted projection (``s`` = alpha/r,
-    or alpha/√r with rsLoRA), written to ``out`` as a whole dense model with ``base``'s config and tokenizer.
+def _adapter_config(adapter: Path) -> tuple[dict[str, Any], float]:
+    """A plain LoRA adapter's config and its scale ``s`` (alpha/r, or alpha/√r with rsLoRA).
 
     Raises:
-        EditError: not a LoRA adapter, one that adapts more than the MLPs (attention is shared by every expert), DoRA,
-            or per-module rank or alpha patterns.
+        EditError: not a LoRA adapter, DoRA, per-module rank or alpha patterns, or a rank or alpha that is not a
+            positive number.
     """
     cfg = read_json(adapter / "adapter_config.json", what="PEFT adapter config", error=EditError)
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -133,11 +133,97 @@ def bake_adapter(adapter: Path, base: Path, out: Path) -> Path:
         raise EditError(f"--source: {adapter} is a DoRA adapter; only plain LoRA bakes exactly")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise EditError(f"--source: {adapter} has per-module rank or alpha patterns, which moetool does not bake")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise EditError(f"--source: {adapter}/adapter_config.json: r is {r!r}, not a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise EditError(f"--source: {adapter}/adapter_config.json: lora_alpha is {alpha!r}, not a finite number")
+    return cfg, alpha / r**0.5 if cfg.get("use_rslora") else alpha / r
+
+
+def _adapter_files(adapter: Path) -> list[Path]:
     files = sorted(adapter.glob("adapter_model*.safetensors"))
     if not files:
         raise EditError(f"--source: {adapter} has no adapter_model.safetensors (pickle adapters are not read)")
-    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
-    scale = alpha / r**0.5 if cfg.get("use_rslora") else alpha / r
+    return files
+
+
+def _adapted_module(adapter: Path, key: str) -> tuple[str, str]:
+    """``(base weight name, "A" | "B")`` of one adapter tensor, refusing one that adapts more than an MLP."""
+    target, _, kind = key.rpartition(".lora_")
+    module = target.removeprefix("base_model.model.")
+    if not any(module.endswith(f".mlp.{p}") for p in MLP_PROJS):
+        raise EditError(
+            f"--source: {adapter} adapts {module}; an expert is an MLP (attention is shared by every expert), "
+            "so only adapters of gate_proj, up_proj and down_proj can be added"
+        )
+    return module + ".weight", kind.split(".")[0]
+
+
+def check_adapter(adapter: Path, base: Path, layout: MoELayout) -> None:
+    """Refuse, from configs and headers before anything is written, a LoRA adapter that cannot be baked into
+    ``base`` or whose base is not of the MoE's foundation.
+
+    Raises:
+        EditError: what :func:`_adapter_config` refuses; an adapted module that is not an MLP; a base of another
+            foundation than the MoE (naming both widths); an update whose shape is not its base weight's (naming
+            the adapter's width and the base's).
+    """
+    _adapter_config(adapter)
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    for f in _adapter_files(adapter):
+        for key, info in read_safetensors_header(f).items():
+            name, kind = _adapted_module(adapter, key)
+            shapes.setdefault(name, {})[kind] = info.shape
+    base_ck = Checkpoint(base)
+    try:
+        cfg, weights = base_ck.config, base_ck.tensors
+    finally:
+        base_ck.close()
+    problems = [
+        f"--base {base}: {key} is {cfg.get(key)!r}, the MoE has {layout.config.get(key)!r} (the adapter's base must "
+        "be the MoE's base)"
+        for key in FOUNDATION
+        if cfg.get(key) != layout.config.get(key)
+    ]
+    wrong = []
+    for name, ab in sorted(shapes.items()):
+        a, b = ab.get("A"), ab.get("B")
+        if a is None or b is None or len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            problems.append(f"--source: {adapter}: {name} has no matching lora_A [r, in] and lora_B [out, r] pair")
+            continue
+        held = weights.get(name)
+        if held is None:
+            problems.append(f"--source: {adapter} adapts {name}, which {base} does not have")
+        elif (b[0], a[1]) != held.shape:
+            wrong.append((name, (b[0], a[1]), held.shape))
+    if wrong:  # one line for them all: an adapter of another model is wrong in every weight it adapts
+        name, got, want = wrong[0]
+        problems.append(
+            f"--source: {adapter} was trained on a model of another width: it updates {name} as {list(got)} (hidden "
+            f"size {_widths(name, got)}) where {base} holds {list(want)} (hidden size {_widths(name, want)}); "
+            f"{len(wrong)} of its {len(shapes)} adapted weights so"
+        )
+    if problems:
+        raise EditError("\n".join(problems))
+
+
+def _widths(name: str, shape: tuple[int, ...]) -> str:
+    """The hidden size and MLP width an MLP weight's shape holds (gate/up: ``[width, hidden]``; down: the reverse)."""
+    hidden, width = (shape[0], shape[1]) if name.endswith("down_proj.weight") else (shape[1], shape[0])
+    return f"{hidden}, MLP width {width}"
+
+
+def bake_adapter(adapter: Path, base: Path, out: Path) -> Path:
+    """A LoRA adapter of ``base`` baked into ``base``'s MLPs: ``W + s·B·A`` per adapted projection (``s`` = alpha/r,
+    or alpha/√r with rsLoRA), written to ``out`` as a whole dense model with ``base``'s config and tokenizer.
+
+    Raises:
+        EditError: not a LoRA adapter, one that adapts more than the MLPs (attention is shared by every expert), DoRA,
+            or per-module rank or alpha patterns.
+    """
+    _cfg, scale = _adapter_config(adapter)
+    files = _adapter_files(adapter)
     from safetensors.torch import load_file
 
     lora: dict[str, torch.Tensor] = {}
@@ -145,14 +231,8 @@ def bake_adapter(adapter: Path, base: Path, out: Path) -> Path:
         lora |= load_file(str(f))
     deltas: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in lora.items():
-        target, _, kind = key.rpartition(".lora_")
-        module = target.removeprefix("base_model.model.")
-        if not any(module.endswith(f".mlp.{p}") for p in MLP_PROJS):
-            raise EditError(
-                f"--source: {adapter} adapts {module}; an expert is an MLP (attention is shared by every expert), "
-                "so only adapters of gate_proj, up_proj and down_proj can be added"
-            )
-        deltas.setdefault(module + ".weight", {})[kind.split(".")[0]] = t
+        name, kind = _adapted_module(adapter, key)
+        deltas.setdefault(name, {})[kind] = t
     base_ck = Checkpoint(base)
     try:
         # the whole model, MLPs baked: a dense expert like any other (the parity check runs it as one)

@@ -165,6 +165,7 @@ def read_layout(path: Path) -> MoELayout:
         raise EditError(f"{path}: no router tensor ({arch.router_name(0)}) in any layer: not a {arch.name} MoE")
     meta_file = path / "moetool.json"
     meta = read_json(meta_file, what="moetool metadata") if meta_file.is_file() else {}
+    _check_edits(meta_file, meta)
     top_k = int(cfg.get("num_experts_per_tok") or 1)
     shared = (
         arch.shared is not None
@@ -174,6 +175,22 @@ def read_layout(path: Path) -> MoELayout:
     layout = MoELayout(path, cfg, arch, n, top_k, layers, _names(meta, n), tensors, meta, shared)
     _check_complete(layout)
     return layout
+
+
+def _check_edits(meta_file: Path, meta: dict[str, Any]) -> None:
+    """``edits`` (the history every edit appends to, and ``list`` and the card print) must be a list of objects.
+
+    Raises:
+        EditError: naming the file, the field and what it holds instead.
+    """
+    edits = meta.get("edits", [])
+    if not isinstance(edits, list):
+        raise EditError(f"{meta_file}: edits must be a list of edit records, not {type(edits).__name__}")
+    bad = next((i for i, e in enumerate(edits) if not isinstance(e, dict)), None)
+    if bad is not None:
+        raise EditError(
+            f"{meta_file}: edits[{bad}] must be an edit record (a JSON object), not {type(edits[bad]).__name__}"
+        )
 
 
 def _check_complete(layout: MoELayout) -> None:

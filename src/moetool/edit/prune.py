@@ -7,6 +7,7 @@ all layers, so uneven per-layer budgets cannot be written (see docs/experts.md).
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,8 +27,10 @@ def budget(n_experts: int, keep: float, *, power_of_two: bool = False) -> int:
     ``power_of_two`` the largest power of two not above it (llama.cpp's GPU backends want one).
 
     Raises:
-        EditError: a budget below 1 or not below the expert count.
+        EditError: a budget that is not a finite positive number, below 1 expert or not below the expert count.
     """
+    if not math.isfinite(keep) or keep <= 0:  # int(nan) and int(inf) raise; a negative count keeps nothing
+        raise EditError(f"--keep {keep}: give a number of experts (2, 3, …) or a fraction between 0 and 1")
     n = int(keep) if keep >= 1 else round(n_experts * keep)
     if keep >= 1 and keep != int(keep):
         raise EditError(f"--keep {keep}: give a whole number of experts, or a fraction below 1")

@@ -15,7 +15,7 @@ from moetool.edit import parity
 from moetool.edit.execute import check_not_input, stream, write_metadata
 from moetool.edit.layout import EditError
 from moetool.edit.plan import EditPlan
-from moetool.edit.tune import Recalibration, recalibrate
+from moetool.edit.tune import Recalibration, data_files, recalibrate
 from moetool.io.atomic import atomic_dir, check_output, scratch_dir
 from moetool.io.budget import Need
 from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES
@@ -122,7 +122,7 @@ def run(
     """
     console = console if console is not None else silent()
     out = Path(out)
-    check_not_input(out, list(plan.sources.values()))
+    check_not_input(out, [*plan.sources.values(), *data_files(data)])  # -o over a --data file would replace it
     check_output(out, force=force)
     steps = tune.steps if tune is not None else 0
     if steps and not data:

@@ -6,6 +6,7 @@ The same loop as ``moetool train`` (:func:`moetool.train.router_tuning.train_rou
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,25 @@ class Recalibration:
     seq_len: int = 128
     seed: int = 0
     load_balancing_coef: float = 0.01
+
+    def __post_init__(self) -> None:
+        """Refuse settings the tuning loop would refuse only after the edit is written (or that would reach it as
+        NaN): checked when the options are read, before any work.
+
+        Raises:
+            EditError: naming the option.
+        """
+        if self.steps < 0:
+            raise EditError(f"--tune-steps {self.steps}: give 0 (no recalibration) or more steps")
+        if not math.isfinite(self.router_learning_rate) or self.router_learning_rate <= 0:
+            raise EditError(f"--router-lr {self.router_learning_rate}: give a finite learning rate above 0")
+        if not math.isfinite(self.load_balancing_coef) or self.load_balancing_coef < 0:
+            raise EditError(f"load_balancing_coef {self.load_balancing_coef}: give a finite coefficient, 0 or more")
+
+
+def data_files(data: dict[str, str] | None) -> list[Path]:
+    """The local files among ``NAME → FILE | zoo:DOMAIN`` sources: inputs an edit's output must never replace."""
+    return [Path(ref) for ref in (data or {}).values() if not ref.startswith("zoo:")]
 
 
 def data_sources(data: dict[str, str]) -> dict[str, DataSource]:

@@ -109,6 +109,13 @@ def plan_standard_export(model_dir: Path, output: str | Path, **opts: Unpack[Exp
     target, _ = resolve_target(device, opts.get("target"))
     exporter = get_exporter(target)
     spec = resolve_quant(Path(model_dir), opts.get("quant"), device, exporter.default_quant)
+    if spec.budget is not None and target != "gguf":
+        quant = opts.get("quant")
+        given = f"--quant {quant!r}" if isinstance(quant, str) else "quantization: budget (the model's recipe)"
+        raise ExportError(
+            f"{given}: a size budget is for the gguf target only (bits are allocated over llama.cpp's quantization "
+            f"types); {target} takes a preset, a type or rules"
+        )
     req = ExportRequest(
         model_dir=Path(model_dir),
         output=Path(output),
@@ -154,6 +161,8 @@ def resolve_imatrix(model_dir: Path, target: str, opts: ExportOptions) -> Path |
     floor = opts.get("imatrix_min_tokens")
     text = opts.get("calibration")
     if text is not None:
+        if not text.strip():  # tokenized, whitespace still gives a few windows: a matrix measured on nothing
+            raise ExportError("--calibration: the file has no text (only whitespace); give it calibration text")
         texts, source = {"calibration": text}, "--calibration"
     else:
         texts, source = recipe_domain_text(model_dir), "the recipe's domain data (training split)"

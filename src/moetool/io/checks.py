@@ -54,6 +54,29 @@ def check_output_path(output: Path | str, inputs: list[Path] | tuple[Path, ...] 
     return out
 
 
+def check_report_path(
+    path: Path | str, inputs: list[Path] | tuple[Path, ...] = (), *, option: str = "--json", folder: bool = False
+) -> Path:
+    """Refuse, before any work, a report file (``--json``, ``--log``, a plots folder) that could not be written or
+    would replace an input; returns it resolved. Every command that writes a report checks it here.
+
+    Refused (:class:`OutputPathError`, naming ``option``): an existing directory unless ``folder``, and everything
+    :func:`check_output_path` refuses: a path under a file or an unwritable folder, an input itself (a model's
+    ``config.json`` given to ``--json``), a path inside an input folder, or one that holds an input.
+
+    Args:
+        inputs: every local file or folder the command reads.
+        option: the option that named ``path``, for the message.
+        folder: the report is a folder of files (plots), not one file.
+    """
+    if not folder and Path(path).is_dir():
+        raise OutputPathError(f"{option} {path} is a directory; name the file to write")
+    try:
+        return check_output_path(path, inputs)
+    except OutputPathError as exc:
+        raise OutputPathError(f"{option}: {exc}") from None
+
+
 def is_moetool_temp(path: Path) -> bool:
     """Whether ``path`` or one of its parents is a moetool temporary or displaced output (an unfinished write)."""
     p = _resolved(Path(path))

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 EXPERT_PROJ = ("gate", "up", "down")
+# Fewer calibration tokens than this draw a warning: the routed mode's default floor per expert (128), so below it
+# even an expert routed every token is computed on all of them, and the matrix reflects the text, not the routing
+MIN_CALIBRATION_TOKENS = 128
 
 
 def expert_names(layer: int) -> dict[str, str]:
@@ -153,6 +156,13 @@ def collect(
     flat = [w for ws in windows.values() for w in ws]
     if not flat:
         raise ExportError("the calibration text gave no token window: give --calibration a file with text")
+    tokens = {d: sum(len(w) for w in ws) for d, ws in windows.items()}
+    if sum(tokens.values()) < MIN_CALIBRATION_TOKENS:
+        console.print(
+            f"[yellow]warning:[/] the importance matrix is collected on {sum(tokens.values())} calibration tokens "
+            f"({calib.source}), fewer than {MIN_CALIBRATION_TOKENS}: its statistics measure little; give more text",
+            highlight=False,
+        )
     dev = next(model.parameters()).device
     col = _Collector(model, wanted)
     routed: dict[str, list[int]] = {}
@@ -181,7 +191,6 @@ def collect(
     )
     for name, sums in col.sums.items():
         out.add(name, sums.numpy(), col.counts[name].numpy())
-    tokens = {d: sum(len(w) for w in ws) for d, ws in windows.items()}
     out.info = {
         "mode": calib.mode,
         "min_tokens": calib.min_tokens if calib.mode == "routed" else None,

@@ -69,10 +69,12 @@ class MoFEPlugin(MethodPlugin[MoFERecipe, MergePlan]):
         self, recipe: MoFERecipe, model: Path | None, output: Path, options: TrainOptions, console: Console
     ) -> TrainOutcome:
         from moetool.errors import MoetoolError
+        from moetool.methods.mofe.planner import check_tuning_model
         from moetool.train.router_tuning import train_router
 
         if model is None:
             raise MoetoolError("--model: router tuning needs the merged MoE (moetool merge RECIPE -o DIR)")
+        check_tuning_model(recipe, model)
         res = train_router(
             recipe,
             model,

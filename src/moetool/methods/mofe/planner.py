@@ -279,3 +279,50 @@ def _ops(
                 ops.append(TensorOp(name, "zeros" if value == 0 else "null_gate", None, None, dims))
     ops += [TensorOp(n, "copy", "base", n, base_t[n].shape) for n in sorted(tail)]
     return ops
+
+
+# the shapes an MoE shares with the base it was merged from (its model_type is its own class's)
+_TUNED_FOUNDATION = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def check_tuning_model(recipe: MoFERecipe, model: Path) -> None:
+    """Refuse a ``--model`` this recipe's merge could not have written: router tuning trains the MoE the recipe
+    built (its ``train:`` data and ``freeze:`` spec were written for it), so an MoE of another architecture or
+    foundation is another recipe's model.
+
+    The recipe's base decides, when it is here: an MoE of a class moetool writes must be the one the merge picks for
+    that base (``architecture:``, or for ``auto`` the base family's own) and share its foundation (vocabulary,
+    widths, layers, heads). Anything else (a base that is not here, a folder that is no such MoE) is left to the
+    tuning's own checks, which name what is wrong with the folder itself.
+
+    Raises:
+        PreflightError: naming both architectures (or the differing foundation key) and both paths.
+    """
+    from moetool.arch.outputs import output_arch
+    from moetool.io.sources import resolve_source
+
+    if not (Path(model) / "config.json").is_file():
+        return
+    moe_cfg = Checkpoint(Path(model)).config
+    given = moe_cfg.get("model_type")
+    if output_arch(given) is None:
+        return
+    try:
+        base = resolve_source(recipe.base_model, relative_to=recipe.recipe_dir).path
+    except MoetoolError:
+        return
+    base_cfg = _base_config(base)
+    arch = select_output_arch(recipe.architecture, base_cfg, shared=recipe.shared_expert is not None)
+    if given != arch.model_type:
+        raise PreflightError(
+            f"--model {model} is a {given!r} MoE, but recipe {recipe.name!r} merges its {base_cfg.model_type!r} "
+            f"base ({base}) into {arch.model_type!r}: tune the MoE this recipe merged (moetool merge RECIPE -o DIR), "
+            "or use the recipe that model was built from"
+        )
+    base_keys = base_cfg.to_dict()
+    for key in _TUNED_FOUNDATION:
+        if moe_cfg.get(key) != base_keys.get(key):
+            raise PreflightError(
+                f"--model {model}: {key} is {moe_cfg.get(key)!r}, but recipe {recipe.name!r}'s base ({base}) has "
+                f"{base_keys.get(key)!r}: that MoE was not merged from this recipe's base"
+            )

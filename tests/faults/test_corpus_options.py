@@ -1,0 +1,252 @@
+"""Option values, report paths and files of ``experts``, ``export`` and ``train`` held to the merge's contract.
+
+Every refusal runs ``moetool …`` in-process through :func:`conftest.run_refused`: exit code 2, the message naming the
+problem, no traceback, nothing written, every input byte-identical. The cases are the ones a held-out corpus found
+(issue 39): NaN and infinite counts, reports written over inputs, options accepted and never read, files parsed
+without a named error, a LoRA adapter of another width, a model of another architecture than the recipe's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import TEXT, save_dense, write_recipe
+from moetool import api
+
+TOO_SHORT = "def f(x): return x\n"  # a few tokens: an importance matrix of almost nothing
+
+
+@pytest.fixture(scope="module")
+def built(tiny_models, tmp_path_factory) -> Path:
+    m = tiny_models("llama")
+    tmp = tmp_path_factory.mktemp("options-moe")
+    experts = "".join(f"  - {{name: x{i}, source: {m[f'e{i}']}, positive_prompts: ['p{i} def']}}\n" for i in (1, 2, 3))
+    text = f"name: moe\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\nexperts:\n{experts}"
+    return api.assemble(write_recipe(tmp / "moe.yaml", text), tmp / "moe")
+
+
+@pytest.fixture
+def moe(env, built) -> Path:
+    """A private copy of the MoE inside the sandbox, so that every change to it is seen."""
+    given = env.root / "models" / "moe"
+    shutil.copytree(built, given)
+    return given
+
+
+@pytest.fixture
+def texts(env) -> dict[str, Path]:
+    out = {"good": env.work / "calib.txt", "blank": env.work / "blank.txt", "short": env.work / "short.txt"}
+    out["good"].write_text(TEXT * 4, encoding="utf-8")
+    out["blank"].write_text("  \n\t\n   \n", encoding="utf-8")
+    out["short"].write_text(TOO_SHORT, encoding="utf-8")
+    return out
+
+
+def _experts_cases(moe: Path, env, t: dict[str, Path]) -> dict[str, tuple[list[str], list[str]]]:
+    out = str(env.outs / "edited")
+    data = ["--data", f"calib={t['good']}"]
+    prune = ["experts", "prune", str(moe), "-o", out, *data]
+    to = ["-o", out]
+    return {
+        "keep-nan": ([*prune, "--keep", "nan"], ["--keep nan", "a fraction between 0 and 1"]),
+        "keep-inf": ([*prune, "--keep", "inf"], ["--keep inf"]),
+        "keep-negative": ([*prune, "--keep", "-2"], ["--keep -2.0"]),
+        "keep-zero": ([*prune, "--keep", "0"], ["--keep 0.0"]),
+        "prune-into-the-moe": (
+            ["experts", "prune", str(moe), "-o", str(moe / "pruned"), *data, "--keep", "2"],
+            ["overlaps the input"],
+        ),
+        "list-json-directory": (["experts", "list", str(moe), "--json", str(env.outs)], ["--json", "is a directory"]),
+        "list-json-over-config": (
+            ["experts", "list", str(moe), "--json", str(moe / "config.json")],
+            ["--json", "is inside the input"],
+        ),
+        "list-json-over-data": (
+            ["experts", "list", str(moe), *data, "--json", str(t["good"])],
+            ["--json", "is an input"],
+        ),
+        "list-dtype-without-data": (
+            ["experts", "list", str(moe), "--dtype", "float16"],
+            ["--dtype float16", "list runs the model only to score --data"],
+        ),
+        "list-device-unknown": (["experts", "list", str(moe), *data, "--device", "mps"], ["--device 'mps'"]),
+        "remove-dtype-unknown": (["experts", "remove", str(moe), "x1", "-o", out, "--dtype", "bf"], ["--dtype 'bf'"]),
+        "remove-device-unknown": (
+            ["experts", "remove", str(moe), "x1", "-o", out, "--device", "mps"],
+            ["--device 'mps'", "choose auto, cpu, cuda or cuda:N"],
+        ),
+        "remove-dtype-unread": (
+            ["experts", "remove", str(moe), "x1", "-o", out, "--dtype", "bfloat16"],
+            ["--dtype bfloat16", "without --tune-steps"],
+        ),
+        "remove-data-unread": (
+            ["experts", "remove", str(moe), "x1", "-o", out, *data],
+            ["--data", "give --tune-steps N"],
+        ),
+        "remove-over-data": (
+            ["experts", "remove", str(moe), "x1", "-o", str(t["good"]), "--force", "--tune-steps", "1", *data],
+            ["overlaps the input", str(t["good"])],
+        ),
+        "remove-router-lr-zero": (
+            ["experts", "remove", str(moe), "x1", "-o", out, "--tune-steps", "1", "--router-lr", "0", *data],
+            ["--router-lr 0.0", "above 0"],
+        ),
+        "add-data-unread": (
+            [
+                "experts",
+                "add",
+                str(moe),
+                "--source",
+                str(env.models["e1"]),
+                "--name",
+                "n",
+                "--prompt",
+                "def",
+                *to,
+                *data,
+            ],
+            ["--data", "give --tune-steps N"],
+        ),
+    }
+
+
+CASES = [  # the keys of _experts_cases (its paths need the fixtures)
+    "keep-nan",
+    "keep-inf",
+    "keep-negative",
+    "keep-zero",
+    "prune-into-the-moe",
+    "list-json-directory",
+    "list-json-over-config",
+    "list-json-over-data",
+    "list-dtype-without-data",
+    "list-device-unknown",
+    "remove-dtype-unknown",
+    "remove-device-unknown",
+    "remove-dtype-unread",
+    "remove-data-unread",
+    "remove-over-data",
+    "remove-router-lr-zero",
+    "add-data-unread",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_experts_option(env, refused, moe, texts, case):
+    args, expected = _experts_cases(moe, env, texts)[case]
+    refused(args, expected, inputs=[moe, *env.models.values(), *texts.values()], sandbox=env.root)
+
+
+@pytest.mark.parametrize("edits", ["a summary", {"op": "remove"}, ["a summary"], [None]])
+@pytest.mark.parametrize("command", ["list", "remove"])
+def test_malformed_edits_in_moetool_json(env, refused, moe, command, edits):
+    meta = moe / "moetool.json"
+    meta.write_text(json.dumps(json.loads(meta.read_text()) | {"edits": edits}))
+    args = {
+        "list": ["experts", "list", str(moe)],
+        "remove": ["experts", "remove", str(moe), "x1", "-o", str(env.outs / "edited")],
+    }[command]
+    refused(args, [str(meta), "edits"], inputs=[moe], sandbox=env.root)
+
+
+def test_lora_adapter_of_another_width_is_refused_before_anything_is_written(env, refused, moe, tmp_path):
+    """The adapter was trained on a 64-wide model; its --base (the MoE's own) is 32 wide. Baking it used to fail
+    with torch's 'size of tensor a (64) must match' after the bake had started."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    wide = save_dense(tmp_path / "wide", "llama", hidden_size=64)
+    model = AutoModelForCausalLM.from_pretrained(str(wide), dtype=torch.float32)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]))
+    adapter = env.root / "models" / "lora64"
+    lora.save_pretrained(str(adapter))
+    args = ["experts", "add", str(moe), "--source", str(adapter), "--base", str(env.models["base"]), "--name", "wide"]
+    refused(
+        [*args, "--prompt", "def", "-o", str(env.outs / "added")],
+        ["trained on a model of another width", "(hidden size 64", "(hidden size 32"],
+        inputs=[moe, adapter, *env.models.values()],
+        sandbox=env.root,
+    )
+
+
+def _export_cases(env, t: dict[str, Path], bad_imatrix: Path) -> dict[str, tuple[list[str], list[str]]]:
+    return {
+        "budget-onnx": (["--target", "onnx", "--quant", "budget=100K"], ["budget=100K", "gguf target only"]),
+        "calibration-blank": (
+            ["--quant", "q4_k", "--imatrix", "auto", "--calibration", str(t["blank"])],
+            ["--calibration", "only whitespace"],
+        ),
+        "imatrix-bad-info": (["--quant", "q4_k", "--imatrix", str(bad_imatrix)], [str(bad_imatrix), "not valid JSON"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["budget-onnx", "calibration-blank", "imatrix-bad-info"])
+def test_export_option(env, refused, texts, case):
+    from quant.test_imatrix import write_imatrix
+
+    bad = write_imatrix(env.work / "bad.imatrix.gguf", info="{not json")
+    args, expected = _export_cases(env, texts, bad)[case]
+    refused(
+        ["export", str(env.models["e1"]), "-o", str(env.outs / "art"), *args],
+        expected,
+        inputs=[*env.models.values(), *texts.values(), bad],
+        sandbox=env.root,
+    )
+
+
+def test_a_short_calibration_text_is_used_with_a_warning_naming_its_tokens(env, tools, texts):
+    out = env.outs / "art"
+    args = ["export", str(env.models["e1"]), "-o", str(out), "--quant", "q4_k", "--imatrix", "auto"]
+    res = tools.runner.invoke(tools.app, [*args, "--calibration", str(texts["short"]), "--no-verify"])
+    assert res.exit_code == 0, res.output
+    text = tools.squash(res.output)
+    assert "warning: the importance matrix is collected on" in text and "fewer than 128" in text, res.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    tokens = sum(manifest["imatrix"]["tokens"].values())
+    assert f"collected on {tokens} calibration tokens" in text
+
+
+def test_train_refuses_a_model_of_another_architecture_than_the_recipe(env, refused, tiny_models):
+    """A Qwen2-MoE given to a recipe whose base is a Llama (which merges into Mixtral) was tuned silently."""
+    q = tiny_models("qwen2")
+    experts = "".join(f"  - {{name: q{i}, source: {q[f'e{i}']}}}\n" for i in (1, 2))
+    qwen = env.root / "models" / "qwen-moe"
+    api.assemble(
+        write_recipe(
+            env.root / "qwen.yaml",
+            f"name: q\nmethod: mofe\nbase_model: {q['base']}\ngate_mode: random\nexperts_per_token: 1\nexperts:\n"
+            + experts,
+        ),
+        qwen,
+    )
+    (env.work / "code.txt").write_text(TEXT, encoding="utf-8")
+    recipe = env.recipe(
+        f"""\
+name: tune
+method: mofe
+base_model: {env.models["base"]}
+gate_mode: random
+experts_per_token: 1
+experts:
+  - {{name: a, source: {env.models["e1"]}}}
+  - {{name: b, source: {env.models["e2"]}}}
+freeze: {{preset: router_only}}
+train:
+  data: {{code: {{text: code.txt}}}}
+  steps: 2
+  batch_size: 2
+  seq_len: 16
+"""
+    )
+    refused(
+        ["train", str(recipe), "--model", str(qwen), "-o", str(env.outs / "tuned")],
+        [f"--model {qwen} is a 'qwen2_moe' MoE", "merges its 'llama' base", "into 'mixtral'"],
+        inputs=[qwen, recipe, *env.models.values()],
+        sandbox=env.root,
+        allowed_new=lambda p: p.suffix == ".txt",
+    )
