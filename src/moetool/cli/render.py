@@ -48,7 +48,9 @@ def print_report(report: dict[str, Any]) -> None:
     from moetool.eval.perplexity import render_matrix
 
     matrix = {m: dict(row) | {"mean": sum(row.values()) / len(row)} for m, row in report["perplexity"].items()}
-    ran = sorted({f"{v['dtype']} on {v['device']}" for v in report.get("models", {}).values() if "dtype" in v})
+    ran = sorted(
+        {f"{v['dtype']}{_arithmetic(v)} on {v['device']}" for v in report.get("models", {}).values() if "dtype" in v}
+    )
     out.print(render_matrix(matrix, "held-out perplexity (lower is better)" + (f"; {', '.join(ran)}" if ran else "")))
     g = Table(title="GEM metrics (Perf = 1/perplexity)")
     for col in ("model", "own domain", "GG", "DSI"):
@@ -312,3 +314,9 @@ def print_edit_plan(console: Console, plan: Any) -> None:
     console.print(f"  {len(plan.ops)} tensors, {human(total)}; every tensor streamed one at a time", highlight=False)
     for note in plan.warnings:
         console.print(f"  [yellow]warning:[/] {escape(note)}")
+
+
+def _arithmetic(model: dict[str, Any]) -> str:
+    """`` (float32 arithmetic)`` where a model computed in another dtype than it is held in, else nothing."""
+    how = model.get("arithmetic", model["dtype"])
+    return "" if how == model["dtype"] else f" ({how} arithmetic)"

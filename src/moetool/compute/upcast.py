@@ -27,6 +27,7 @@ __all__ = [
     "float32_layer_by_layer",
     "float32_overhead",
     "native_matmul",
+    "precision_of",
 ]
 
 _SIXTEEN = (torch.bfloat16, torch.float16)
@@ -97,6 +98,7 @@ class Float32Arithmetic:
         for layer in self.layers:
             self._handles.append(layer.register_forward_pre_hook(self._up))
             self._handles.append(layer.register_forward_hook(self._down))
+        model._moetool_float32_arithmetic = True  # type: ignore[assignment]  # read by precision_of
 
     def _up(self, layer: nn.Module, args: Any) -> None:
         swapped = []
@@ -156,6 +158,17 @@ class Float32Arithmetic:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.model.__dict__.pop("_moetool_float32_arithmetic", None)
+
+
+def precision_of(model: nn.Module) -> tuple[torch.dtype, torch.dtype]:
+    """``(storage, arithmetic)`` of ``model``: the dtype its decoder layers are held in and the one they compute in
+    (float32 under :class:`Float32Arithmetic`)."""
+    try:
+        storage = next(decoder_layers(model).parameters()).dtype
+    except ValueError:  # no layer stack (a GEM or hybrid wrapper): nothing was upcast
+        storage = next(model.parameters()).dtype
+    return storage, torch.float32 if getattr(model, "_moetool_float32_arithmetic", False) else storage
 
 
 def float32_layer_by_layer(model: nn.Module) -> nn.Module:

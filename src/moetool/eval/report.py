@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from moetool.compute.upcast import precision_of
 from moetool.errors import MoetoolError
 from moetool.eval.gem import gem_metrics
 from moetool.eval.perplexity import NonFiniteModel, load_causal_lm, nonfinite_weight, token_nll
@@ -37,6 +38,20 @@ def _routing_stats(logits_per_layer: list[list[torch.Tensor]], top_k: int) -> di
         logp = x.log_softmax(-1)
         entropy.append(float(-(logp.exp() * logp).sum(-1).mean()))
     return {"expert_share": share, "entropy": entropy}
+
+
+def _model_record(path: Path, model: Any, own_domain: str | None) -> dict[str, Any]:
+    """What the report says of a model: its path, whether it is an MoE, its own domain, the dtype it is held in and
+    the one it computes in (float32 over 16-bit weights where the device has no native 16-bit matmul), its device."""
+    storage, arithmetic = precision_of(model)
+    return {
+        "path": str(path),
+        "moe": has_moe_layers(model),
+        "own_domain": own_domain,
+        "dtype": dtype_name(storage),
+        "arithmetic": dtype_name(arithmetic),
+        "device": str(model.device),
+    }
 
 
 def evaluate(
@@ -78,15 +93,8 @@ def evaluate(
                 f"{name}: weight {bad} holds NaN or Inf values; the checkpoint at {path} is corrupt or its training "
                 "diverged, so nothing is evaluated"
             )
-        is_moe = has_moe_layers(model)
-        tap = RouterTap(model) if is_moe else None
-        out["models"][name] = {
-            "path": str(path),
-            "moe": is_moe,
-            "own_domain": own_domains.get(name),
-            "dtype": dtype_name(model.dtype),
-            "device": str(model.device),
-        }
+        out["models"][name] = _model_record(path, model, own_domains.get(name))
+        tap = RouterTap(model) if out["models"][name]["moe"] else None
         ppl, routing = {}, {}
         try:
             for domain, text in texts.items():
