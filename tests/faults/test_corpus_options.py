@@ -250,3 +250,99 @@ train:
         sandbox=env.root,
         allowed_new=lambda p: p.suffix == ".txt",
     )
+
+
+HYBRID_RECIPE = """\
+name: hy
+method: hybrid
+experts:
+  - {{name: a, source: {a}}}
+  - {{name: b, source: {b}}}
+router: {{max_length: 32}}
+profile: {{lengths: [8, 16, 32]}}
+sweep:
+  parameter: {parameter}
+  values: {values}
+"""
+
+
+def _method_cases(env) -> dict[str, tuple[list[str], list[str]]]:
+    """The methods' own commands: values checked and outputs kept off their inputs before any model is read."""
+    model = env.root / "models" / "e1"
+    recipe = env.recipe(
+        HYBRID_RECIPE.format(a=env.models["e1"], b=env.models["e2"], parameter="threshold", values="[0.1]")
+    )
+    return {
+        "embedding-report-lrs-nan": (["embedding", "report", "--lrs", "1e-3,nan"], ["--lrs: 'nan'", "above 0"]),
+        "embedding-report-lrs-negative": (["embedding", "report", "--lrs", "-1e-3"], ["--lrs: '-1e-3'"]),
+        "embedding-report-over-model": (
+            ["embedding", "report", str(model), "-o", str(model), "--force"],
+            ["is an input"],
+        ),
+        "embedding-export-into-model": (
+            ["embedding", "export", str(model), "-o", str(model / "onnx")],
+            ["is inside the input"],
+        ),
+        "hybrid-export-over-model": (["hybrid", "export", str(model), "-o", str(model), "--force"], ["is an input"]),
+        "comigs-bake-into-model": (["comigs", "bake", str(model), "-o", str(model / "mixtral")], ["inside the input"]),
+        "comigs-adapters-around-model": (
+            ["comigs", "adapters", str(model), "-o", str(env.root / "models"), "--force"],
+            ["contains the input"],
+        ),
+        "gem-route-tau-nan": (["gem", "route", str(model), "--text", "x", "--tau", "nan"], ["--tau"]),
+        "gem-route-tau-above-one": (["gem", "route", str(model), "--text", "x", "--tau", "2"], ["--tau"]),
+        "gem-route-log-over-config": (
+            ["gem", "route", str(model), "--text", "x", "--log", str(model / "config.json")],
+            ["--log", "is inside the input"],
+        ),
+        "profile-lengths-zero": (["profile", str(model), "--lengths", "0,16"], ["--lengths: 0 is below 1"]),
+        "profile-lengths-one": (["profile", str(model), "--lengths", "16,16"], ["at least 2 different values"]),
+        "pareto-values-out-of-range": (
+            ["hybrid", "pareto", str(recipe), "-o", str(env.outs / "p"), "--parameter", "threshold", "--values", "5"],
+            ["--values 5 as loss.threshold", "less than or equal to 1"],
+        ),
+        "pareto-values-nan": (
+            ["hybrid", "pareto", str(recipe), "-o", str(env.outs / "p"), "--values", "0.5,nan"],
+            ["--values: 'nan' is not a finite number"],
+        ),
+        "recipe-sweep-values-out-of-range": (
+            [
+                "validate",
+                str(
+                    env.recipe(
+                        HYBRID_RECIPE.format(
+                            a=env.models["e1"], b=env.models["e2"], parameter="threshold", values="[0.1, 3]"
+                        ),
+                        "bad.yaml",
+                    )
+                ),
+            ],
+            ["bad.yaml:10: sweep.values.1: 3.0 as loss.threshold", "less than or equal to 1"],
+        ),
+    }
+
+
+METHOD_CASES = [  # the keys of _method_cases
+    "embedding-report-lrs-nan",
+    "embedding-report-lrs-negative",
+    "embedding-report-over-model",
+    "embedding-export-into-model",
+    "hybrid-export-over-model",
+    "comigs-bake-into-model",
+    "comigs-adapters-around-model",
+    "gem-route-tau-nan",
+    "gem-route-tau-above-one",
+    "gem-route-log-over-config",
+    "profile-lengths-zero",
+    "profile-lengths-one",
+    "pareto-values-out-of-range",
+    "pareto-values-nan",
+    "recipe-sweep-values-out-of-range",
+]
+
+
+@pytest.mark.parametrize("case", METHOD_CASES)
+def test_method_command_option(env, refused, case):
+    args, expected = _method_cases(env)[case]
+    recipes = list(env.work.glob("*.yaml"))
+    refused(args, expected, inputs=[*env.models.values(), *recipes], sandbox=env.root)

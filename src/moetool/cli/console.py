@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -52,6 +53,46 @@ def _disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+
+
+def float_list(option: str, text: str, *, positive: bool = False) -> list[float]:
+    """``"1e-3,3e-3"`` → finite numbers (above 0 with ``positive``): a comma-separated option's values.
+
+    Raises:
+        MoetoolError: a value that is not a number, ``nan``/``inf`` (``float()`` takes both), or not above 0.
+    """
+    values = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = float(item)
+        except ValueError:
+            raise MoetoolError(f"{option}: {text!r} is not a comma-separated list of numbers") from None
+        if not math.isfinite(value) or (positive and value <= 0):
+            raise MoetoolError(f"{option}: {item!r} is not a finite number{' above 0' if positive else ''}")
+        values.append(value)
+    if not values:
+        raise MoetoolError(f"{option}: give at least one number")
+    return values
+
+
+def int_list(option: str, text: str, *, minimum: int = 1, distinct: int = 1) -> list[int]:
+    """``"16,32,64"`` → integers of at least ``minimum``, at least ``distinct`` different ones.
+
+    Raises:
+        MoetoolError: a value that is not an integer or below ``minimum``, or too few different values.
+    """
+    values = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = int(item)
+        except ValueError:
+            raise MoetoolError(f"{option}: {text!r} is not a comma-separated list of integers") from None
+        if value < minimum:
+            raise MoetoolError(f"{option}: {value} is below {minimum}")
+        values.append(value)
+    if len(set(values)) < max(1, distinct):
+        raise MoetoolError(f"{option}: {text!r}: give at least {distinct} different values")
+    return values
 
 
 def human(n: float) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from moetool.recipe.base import RecipeBase, StrictModel
 from moetool.recipe.export import TargetSpec, check_target_names
@@ -159,5 +159,19 @@ class HybridRecipe(RecipeBase):
                 f"profile.lengths: the longest ({max(self.profile.lengths)}) must reach router.max_length "
                 f"({self.router.max_length}) so latency is measured, not extrapolated"
             )
+        for i, v in enumerate(self.sweep.values):
+            problem = sweep_value_problem(self.loss, self.sweep.parameter, v)
+            if problem:
+                raise ValueError(f"sweep.values.{i}: {v!r} as loss.{self.sweep.parameter}: {problem}")
         check_target_names(self.targets)
         return self
+
+
+def sweep_value_problem(loss: HybridLossSpec, parameter: str, value: float) -> str | None:
+    """Why ``value`` cannot be ``loss.<parameter>``, or None: the sweep sets each value on the loss without the
+    loss's own validation (a threshold of 5, a NaN weight), so each is checked here first."""
+    try:
+        HybridLossSpec.model_validate({**loss.model_dump(), parameter: value})
+    except ValidationError as exc:
+        return "; ".join(str(e["msg"]) for e in exc.errors())
+    return None

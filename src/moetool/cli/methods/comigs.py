@@ -71,8 +71,10 @@ def bake_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Merge every expert's LoRA into its own MLP: a standard Mixtral checkpoint (parity ≤ 1e-5 checked)."""
+    from moetool.io.checks import check_output_path
     from moetool.methods.comigs.bake import bake_user
 
+    check_output_path(output, [model])  # --force over the user's model (or a folder holding it) would delete it
     report = bake_user(model, output, force=force)
     typer.echo(
         f"wrote {output} (Mixtral, {len(report['experts'])} experts, top-{report['top_k']}); "
@@ -90,7 +92,9 @@ def adapters_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Each expert (its MLP LoRA + the shared attention LoRA) as a PEFT adapter over the dense base."""
+    from moetool.io.checks import check_output_path
     from moetool.methods.comigs.bake import load_user, save_adapters
 
+    check_output_path(output, [model])
     dirs = save_adapters(load_user(model), output, base_model=base_model, force=force)
     typer.echo(f"wrote {len(dirs)} adapters to {output}: {', '.join(d.name for d in dirs)}")

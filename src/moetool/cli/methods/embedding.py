@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from moetool.cli.console import console, friendly, out
+from moetool.cli.console import console, float_list, friendly, out
 
 app = typer.Typer(
     no_args_is_help=True, help="Routed input embeddings (method: embedding): export and the parameter/quality report."
@@ -34,8 +34,11 @@ def embedding_export_cmd(
 
     if not (model / "config.json").is_file():  # a local folder: never a Hub lookup for a mistyped path
         raise MoetoolError(f"{model}: not a routed-embedding model directory (no config.json)")
+    from moetool.io.checks import check_output_path
     from moetool.io.safe import read_text
     from moetool.methods.embedding.export import export_routed
+
+    check_output_path(output, [model])  # --force over the model (or a folder holding it) would delete it
 
     text = read_text(eval_text, what="--eval-text") if eval_text is not None else None
     m = export_routed(model, target, output, force=force, eval_text=text)
@@ -60,15 +63,13 @@ def embedding_report_cmd(
 ) -> None:
     """Parameters and held-out perplexity of routed embeddings against fair dense baselines (zoo domains)."""
     from moetool.io.atomic import atomic_dir, check_output
+    from moetool.io.checks import check_output_path
+    from moetool.io.sources import resolve_source
     from moetool.methods.embedding.report import render_markdown, run_report
 
-    try:
-        rates = tuple(float(x) for x in lrs.split(","))
-    except ValueError:
-        from moetool.errors import MoetoolError
-
-        raise MoetoolError(f"--lrs: {lrs!r} is not a comma-separated list of numbers") from None
+    rates = tuple(float_list("--lrs", lrs, positive=True))
     if output is not None:
+        check_output_path(output, [resolve_source(model).path])  # --force over the model would delete it
         check_output(output, force=force)
     rep = run_report(model, steps=steps, learning_rates=rates, eval_tokens=eval_tokens, log=console.print)
     md = render_markdown(rep)

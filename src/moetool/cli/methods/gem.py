@@ -77,19 +77,21 @@ def eval_cmd(
     domain's held-out text from the recipe it was built from."""
     import torch
 
+    from moetool import api
     from moetool.io.sources import resolve_source
     from moetool.methods.gem.evaluate import gem_report
     from moetool.methods.gem.heldout import built_recipe, domain_held_out
 
     torch.set_num_threads(1)
     r = built_recipe(model)
-    texts = domain_held_out(model)
     experts = {d.name: resolve_source(d.source).path for d in r.domains}
-    report = gem_report(model, resolve_source(r.general).path, experts, texts, seq_len=seq_len, max_tokens=max_tokens)
+    general = resolve_source(r.general).path
+    api.check_report_outputs(json_file, None, [model, general, *experts.values()])  # before minutes of evaluation
+    texts = domain_held_out(model)
+    report = gem_report(model, general, experts, texts, seq_len=seq_len, max_tokens=max_tokens)
     _print_report(report)
-    if json_file:
-        json_file.parent.mkdir(parents=True, exist_ok=True)
-        json_file.write_text(json.dumps(report, indent=2))
+    for path in api.write_report(report, json_file, None):
+        out.print(f"wrote {path}")
 
 
 @app.command("export")
@@ -126,18 +128,24 @@ def export_cmd(
 def route_cmd(
     model: Annotated[Path, typer.Argument(help="A token-level GEM model.")],
     text: Annotated[str, typer.Option(help="Text to route.")],
-    tau: Annotated[float | None, typer.Option(help="Threshold (default: the model's).")] = None,
+    tau: Annotated[
+        float | None, typer.Option(min=0.0, max=1.0, help="Threshold in [0, 1] (default: the model's).")
+    ] = None,
     log: Annotated[Path | None, typer.Option(help="Write every decision as JSON lines.")] = None,
 ) -> None:
     """Per-token routing decisions: pathway, max P(d|x) and every P."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import moetool.methods.gem.model  # noqa: F401  (registers its model class)
+    from moetool.io.atomic import atomic_write_text
+    from moetool.io.checks import check_report_path
     from moetool.methods.gem.router import log_decisions
 
+    if log is not None:
+        check_report_path(log, [model], option="--log")
     m = AutoModelForCausalLM.from_pretrained(str(model)).eval()
     rows = log_decisions(m, AutoTokenizer.from_pretrained(str(model)), text, tau)
     if log:
-        log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        atomic_write_text(log, "".join(json.dumps(r) + "\n" for r in rows))
     for r in rows:
         sys.stdout.write(f"{r['pos']:4d} {r['token']!r:>16} → {r['route']:<10} max P {r['max_p']:.3f}\n")

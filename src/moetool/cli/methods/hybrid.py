@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from moetool.cli.console import console, friendly, out
+from moetool.cli.console import console, float_list, friendly, int_list, out
 
 app = typer.Typer(no_args_is_help=True, help="Heterogeneous experts behind a cost-aware router (method: hybrid).")
 
@@ -36,18 +36,18 @@ def profile_cmd(
     from rich.table import Table
 
     from moetool.errors import MoetoolError
+    from moetool.io.checks import check_report_path
     from moetool.methods.hybrid.assemble import read_model
     from moetool.methods.hybrid.profile import PROFILE_FILE, latency_at, measure_profile, read_profile
 
+    ls = int_list("--lengths", lengths, minimum=1, distinct=2)  # the fit needs two lengths, each of 1 token or more
     meta, _ = read_model(model)
     names = [e["name"] for e in meta["experts"]]
     target = output or model / PROFILE_FILE
+    # the profile belongs in the model folder; it must not replace the --from file or a --gguf export it reads
+    check_report_path(target, [p for p in (from_file, gguf) if p is not None], option="--output")
     if target.exists() and not force:
         raise MoetoolError(f"{target} exists; pass --force to replace it")
-    try:
-        ls = [int(x) for x in lengths.split(",") if x]
-    except ValueError:
-        raise MoetoolError(f"--lengths: {lengths!r} is not a comma-separated list of integers") from None
     vocab = int(meta["tokenizer"]["vocab_size"])
     if from_file is not None:
         prof = read_profile(from_file, names)
@@ -117,16 +117,18 @@ def pareto_cmd(
     from moetool.methods.hybrid.pareto import sweep, table, write_sweep
     from moetool.methods.hybrid.pipeline import prepare
     from moetool.recipe import load_recipe
+    from moetool.recipe.hybrid import sweep_value_problem
 
     r: Any = load_recipe(recipe)
     if r.method != "hybrid":
         raise MoetoolError(f"{recipe}: method is {r.method!r}, not hybrid")
     if parameter not in (None, "lambda_penalty", "threshold", "cost_weight"):
         raise MoetoolError(f"--parameter: {parameter!r} is not lambda_penalty, threshold or cost_weight")
-    try:
-        vals = [float(v) for v in values.split(",")] if values else None
-    except ValueError:
-        raise MoetoolError(f"--values: {values!r} is not a comma-separated list of numbers") from None
+    vals = float_list("--values", values) if values else None
+    for v in vals or []:  # checked as the recipe's own sweep.values are
+        problem = sweep_value_problem(r.loss, parameter or r.sweep.parameter, v)
+        if problem:
+            raise MoetoolError(f"--values {v:g} as loss.{parameter or r.sweep.parameter}: {problem}")
     check_output(output, force=force)
     p = prepare(r, recipe.parent, console)
     result = sweep(p, parameter=parameter, values=vals, timed_requests=timed_requests, console=console)
@@ -147,8 +149,10 @@ def export_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Router as its own ONNX graph (onnxruntime parity), each expert via moetool's exporters, manifest, dispatcher."""
+    from moetool.io.checks import check_output_path
     from moetool.methods.hybrid.export import export_hybrid
 
+    check_output_path(output, [model])  # --force over the model (or a folder holding it) would delete it
     with console.status("exporting router and experts …"):
         m = export_hybrid(
             model,
