@@ -182,10 +182,31 @@ def _export_cases(env, t: dict[str, Path], bad_imatrix: Path) -> dict[str, tuple
             ["--calibration", "only whitespace"],
         ),
         "imatrix-bad-info": (["--quant", "q4_k", "--imatrix", str(bad_imatrix)], [str(bad_imatrix), "not valid JSON"]),
+        "moe-kernel-gguf": (["--moe-kernel", "dense"], ["--moe-kernel dense: only the onnx target reads it, not gguf"]),
+        "compute-units-onnx": (
+            ["--target", "onnx", "--compute-units", "ALL"],
+            ["--compute-units ALL: only the coreml target reads it, not onnx"],
+        ),
+        "eval-text-without-verification": (
+            ["--no-verify", "--eval-text", str(t["good"])],
+            ["--eval-text", "--no-verify skips it"],
+        ),
+        "base-of-a-model": (["--base", str(env.models["base"])], ["--base", "is not one"]),
     }
 
 
-@pytest.mark.parametrize("case", ["budget-onnx", "calibration-blank", "imatrix-bad-info"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "budget-onnx",
+        "calibration-blank",
+        "imatrix-bad-info",
+        "moe-kernel-gguf",
+        "compute-units-onnx",
+        "eval-text-without-verification",
+        "base-of-a-model",
+    ],
+)
 def test_export_option(env, refused, texts, case):
     from quant.test_imatrix import write_imatrix
 

@@ -12,12 +12,14 @@ from rich.table import Table
 
 from moetool.cli.console import console, friendly, human, out
 
-ComputeUnitsOpt = Annotated[str, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE.")]
+ComputeUnitsOpt = Annotated[
+    str | None, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE (the default).")
+]
 MoeKernelOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
-        help="ONNX: sparse (onnxruntime's MoE/QMoE operators, only each token's top-k experts run) or dense "
-        "(every expert as standard MatMuls, for ONNX runtimes other than onnxruntime)."
+        help="ONNX: sparse (the default: onnxruntime's MoE/QMoE operators, only each token's top-k experts run) or "
+        "dense (every expert as standard MatMuls, for ONNX runtimes other than onnxruntime)."
     ),
 ]
 # the importance-matrix options (GGUF), as aliases: export_cmd's signature stays readable
@@ -71,8 +73,8 @@ def export_cmd(
         bool, typer.Option("--dry-run", help="Print the plan and memory estimate; write nothing.")
     ] = False,
     verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
-    compute_units: ComputeUnitsOpt = "CPU_AND_NE",
-    moe_kernel: MoeKernelOpt = "sparse",
+    compute_units: ComputeUnitsOpt = None,
+    moe_kernel: MoeKernelOpt = None,
     imatrix: ImatrixOpt = None,
     calibration: CalibrationOpt = None,
     imatrix_mode: ImatrixModeOpt = None,
@@ -92,11 +94,17 @@ def export_cmd(
     """
     from moetool import api
     from moetool.cli.render import print_export_plan, print_manifest
+    from moetool.errors import MoetoolError
     from moetool.export.gguf.lora import is_adapter
+    from moetool.export.resolve import check_target_options
     from moetool.io.safe import read_text
 
+    if eval_text and not verify:
+        raise MoetoolError("--eval-text is the text the verification runs on; --no-verify skips it, so leave it out")
     text = read_text(eval_text, what="--eval-text") if eval_text else None
     calib = read_text(calibration, what="--calibration") if calibration else None
+    if base is not None and not is_adapter(Path(model)):
+        raise MoetoolError(f"--base is the base model of a PEFT adapter, and {model} is not one; leave it out")
     if is_adapter(Path(model)):
         if dry_run:
             raise typer.BadParameter("--dry-run is for models, not adapters")
@@ -111,8 +119,9 @@ def export_cmd(
         context=context, imatrix=imatrix, calibration=calib, imatrix_mode=imatrix_mode,
         imatrix_min_tokens=imatrix_floor,
     )  # fmt: skip
-    job.request.options["compute_units"] = compute_units
-    job.request.options["moe_kernel"] = moe_kernel
+    options = {"compute_units": compute_units, "moe_kernel": moe_kernel}
+    check_target_options(job.exporter.name, options)
+    job.request.options.update({k: v for k, v in options.items() if v is not None})
     label = getattr(getattr(job.plan, "quant", None), "label", "")
     print_export_plan(job.exporter, job.plan, f"{job.exporter.name} plan '{label}' for {job.plan.name}")
     if dry_run:

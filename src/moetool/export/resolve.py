@@ -6,6 +6,7 @@ hybrid expert) through the standard exporters.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
@@ -79,6 +80,25 @@ def resolve_quant(
     if spec is None:
         spec = QuantSpec() if device is not None else QuantSpec(preset=default)
     return spec
+
+
+# exporter options (ExportRequest.options) and the command-line flag and the one target that reads each
+TARGET_OPTIONS: dict[str, tuple[str, str]] = {
+    "compute_units": ("--compute-units", "coreml"),
+    "moe_kernel": ("--moe-kernel", "onnx"),
+}
+
+
+def check_target_options(target: str, options: Mapping[str, object]) -> None:
+    """Refuse an exporter option given for a target that never reads it (None: not given).
+
+    Raises:
+        ExportError: naming the flag, the target that reads it and the one planned.
+    """
+    for key, value in options.items():
+        flag, reader = TARGET_OPTIONS[key]
+        if value is not None and target != reader:
+            raise ExportError(f"{flag} {value}: only the {reader} target reads it, not {target}; leave it out")
 
 
 class ExportOptions(TypedDict, total=False):
