@@ -208,10 +208,15 @@ def test_not_a_model_or_run(tmp_path):
 
 
 def test_output_may_not_replace_the_source(run):
-    for out in (run / "merged", run, run / "exports" / "q8"):
+    before = sorted(p.name for p in (run / "merged").iterdir())
+    # into the model, into an artifact, over the eval report: each input would gain or lose files
+    for out in (run / "merged", run, run / "exports" / "q8", run / "merged" / "repo", run / "exports" / "q8" / "r"):
         with pytest.raises(PackageError, match="being packaged"):
             build_repo(run, out, force=True)
-    assert (run / "merged" / "config.json").is_file()
+    with pytest.raises(PackageError, match="being packaged"):  # the run's eval.json, read into the card
+        build_repo(run, run / "eval.json", force=True)
+    assert (run / "eval.json").is_file()
+    assert sorted(p.name for p in (run / "merged").iterdir()) == before
 
 
 def test_packaged_gguf_runs_in_llama_cpp(packaged):

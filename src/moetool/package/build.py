@@ -117,9 +117,14 @@ def build_repo(
 def _check_destinations(inp: Inputs, source: Path, output: Path) -> None:
     """Refuse an output folder that would swallow a source, and two artifacts that would land in one folder."""
     target = output.resolve()
-    for src in (source.resolve(), inp.model, *(a.dir.resolve() for a in inp.artifacts)):
+    read = [inp.model, *(a.dir.resolve() for a in inp.artifacts)]
+    read += [p.resolve() for p in (inp.eval_json, inp.plots) if p is not None]
+    for src in (source.resolve(), *read):
         if target == src or target in src.parents:  # --force would delete what is being packaged
             raise PackageError(f"--output {output} would replace {src}, which is being packaged; pick another folder")
+    for src in read:  # a run directory may hold its repo folder; a model, an artifact or a plots folder may not
+        if src in target.parents:
+            raise PackageError(f"--output {output} lies inside {src}, which is being packaged; pick another folder")
     seen: dict[str, Path] = {}
     for a in inp.artifacts:
         if a.repo_dir in seen:
