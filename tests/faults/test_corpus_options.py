@@ -367,3 +367,43 @@ def test_method_command_option(env, refused, case):
     args, expected = _method_cases(env)[case]
     recipes = list(env.work.glob("*.yaml"))
     refused(args, expected, inputs=[*env.models.values(), *recipes], sandbox=env.root)
+
+
+def test_a_model_card_that_is_not_utf8_is_named(env, refused, moe):
+    """An edit rewrites the input's card into the output; a third-party card in Latin-1 was a UnicodeDecodeError."""
+    (moe / "README.md").write_bytes("# Mod\xe8le\n".encode("latin-1"))
+    refused(
+        ["experts", "remove", str(moe), "x1", "-o", str(env.outs / "edited"), "--no-check"],
+        [str(moe / "README.md"), "not UTF-8 text"],
+        inputs=[moe],
+        sandbox=env.root,
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "base", "expected"),
+    [
+        ({"base_model_name_or_path": 5}, False, ["is a LoRA adapter of 5", "give it with --base"]),
+        ({"r": 0}, True, ["adapter_config.json: r is 0, not a positive integer"]),
+        ({"r": 4, "lora_alpha": "8"}, True, ["lora_alpha is '8', not a finite number"]),
+    ],
+)
+def test_a_malformed_adapter_config_is_named(env, refused, moe, config, base, expected):
+    adapter = env.root / "models" / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4} | config))
+    args = ["experts", "add", str(moe), "--source", str(adapter), "--name", "n", "--prompt", "def"]
+    args += ["--base", str(env.models["base"])] if base else []
+    refused([*args, "-o", str(env.outs / "added")], expected, inputs=[moe, adapter], sandbox=env.root)
+
+
+def test_gem_eval_of_a_model_whose_kept_recipe_is_not_utf8(env, refused):
+    model = env.root / "models" / "gem"
+    model.mkdir()
+    (model / "moetool-recipe.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
+    refused(
+        ["gem", "eval", str(model)],
+        [str(model / "moetool-recipe.yaml"), "not UTF-8 text"],
+        inputs=[model],
+        sandbox=env.root,
+    )

@@ -265,7 +265,7 @@ def adapter_base(adapter: Path, given: Path | None) -> Path:
         return given
     cfg = read_json(adapter / "adapter_config.json", what="PEFT adapter config", error=EditError)
     named = cfg.get("base_model_name_or_path")
-    if named and (Path(named) / "config.json").is_file():
+    if isinstance(named, str) and named and (Path(named) / "config.json").is_file():
         return Path(named)
     raise EditError(
         f"--source: {adapter} is a LoRA adapter of {named!r}, which is not a local model folder; give it with --base"

@@ -16,6 +16,7 @@ from moetool.edit.layout import EditError
 from moetool.edit.plan import EditOp, EditPlan, Piece
 from moetool.io.checkpoint import SAFETENSORS_DTYPES, Checkpoint
 from moetool.io.files import TOKENIZER_FILES
+from moetool.io.safe import read_text
 from moetool.io.writer import ShardedWriter
 from moetool.progress import task
 
@@ -91,7 +92,11 @@ def stream(
 def _card(plan: EditPlan, meta: dict[str, Any]) -> str:
     """The input's card with its "Edits" section rewritten from every edit in ``meta``."""
     card_file = plan.layout.path / "README.md"
-    card = card_file.read_text(encoding="utf-8") if card_file.is_file() else f"# {meta.get('name', 'MoE')}\n\n"
+    card = (  # a third-party folder's card may not be UTF-8: named, not a UnicodeDecodeError
+        read_text(card_file, what="model card", error=EditError)
+        if card_file.is_file()
+        else f"# {meta.get('name', 'MoE')}\n\n"
+    )
     lines = ["Changed after it was built, with `moetool experts` (details in `moetool.json`):\n"]
     lines += [f"{i}. {e.get('summary', e.get('op'))}" for i, e in enumerate(meta.get("edits", []), 1)]
     return put_section(card, "Edits", "\n".join(lines) + "\n\n")

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool.errors import MoetoolError
+from moetool.io.safe import read_text
 from moetool.recipe.gem import GemRecipe
 from moetool.recipe.load import parse_recipe
 from moetool.train.data import load_source
@@ -22,7 +23,7 @@ def built_recipe(model_dir: Path) -> GemRecipe:
     path = Path(model_dir) / RECIPE
     if not path.is_file():
         raise MoetoolError(f"{model_dir}: no {RECIPE} (not written by `moetool merge` for method: gem)")
-    recipe: Any = parse_recipe(path.read_text(encoding="utf-8"), path)
+    recipe: Any = parse_recipe(read_text(path, what="the model's recipe", error=MoetoolError), path)
     if not isinstance(recipe, GemRecipe):
         raise MoetoolError(f"{path}: method {recipe.method!r}, not gem")
     return recipe
