@@ -36,8 +36,8 @@ def edit_need(plan: EditPlan, out: Path, *, verify: bool, tuned: bool) -> Need:
     """What writing ``plan`` needs: one tensor at a time (twice the largest) without the check; with it, the larger
     of input and output loaded once (they run one after the other); the output's bytes on disk (twice when the
     edited model is tuned into its final place)."""
-    from moetool.eval.perplexity import eval_need
     from moetool.compute.upcast import float32_overhead
+    from moetool.eval.perplexity import eval_need
 
     sizes = [op.numel * SAFETENSORS_TAG_BYTES[op.dtype] for op in plan.ops]
     written = sum(sizes)
