@@ -12,6 +12,7 @@ from rich.console import Console
 
 from moetool import registry
 from moetool.errors import MoetoolError, OutputPathError
+from moetool.export.gate import GateReport
 from moetool.io.atomic import check_output
 from moetool.io.files import weights_sha256
 from moetool.io.hashes import sha256_file
@@ -143,6 +144,13 @@ class Manifest(dict[str, Any]):
         """The parity figures against the PyTorch model, or why there are none (``--no-verify``)."""
         value = self.get("parity")
         return value if isinstance(value, dict | str) else None
+
+    @property
+    def gate(self) -> GateReport | None:
+        """The margin gate's figures and verdict (a GGUF's ``parity.gate``; None where the artifact has none)."""
+        parity = self.parity
+        doc = parity.get("gate") if isinstance(parity, dict) else None
+        return GateReport.from_json(doc) if isinstance(doc, dict) else None
 
     @property
     def verified(self) -> bool:

@@ -119,20 +119,32 @@ class Agreement:
         }
 
 
+def reference_logits(model: Any, seqs: list[list[int]]) -> list[np.ndarray]:
+    """``model``'s (transformers) float32 logits ``[T, V]`` for each of ``seqs``, one forward pass each."""
+    import torch
+
+    out = []
+    for ids in seqs:
+        with torch.no_grad():
+            out.append(model(torch.tensor([ids])).logits[0].float().numpy())
+    return out
+
+
 def agreement(got: list[np.ndarray], model: Any, probes: list[list[int]], ppl_windows: list[list[int]]) -> Agreement:
     """A runtime's logits (``got``, one array per probe then per window) against ``model`` (transformers) on the same
     ids: max |Δ| per probe length; top-1 agreement and both perplexities over the windows."""
-    import torch
+    return agreement_of(got, reference_logits(model, probes + ppl_windows), probes, ppl_windows)
 
-    ref_out = []
-    for ids in probes + ppl_windows:
-        with torch.no_grad():
-            ref_out.append(model(torch.tensor([ids])).logits[0].float().numpy())
-    diffs = {str(len(ids)): float(np.abs(r - g).max()) for ids, r, g in zip(probes, ref_out, got, strict=False)}
+
+def agreement_of(
+    got: list[np.ndarray], ref: list[np.ndarray], probes: list[list[int]], ppl_windows: list[list[int]]
+) -> Agreement:
+    """:func:`agreement` over logits already computed: ``ref`` in the same order as ``got``."""
+    diffs = {str(len(ids)): float(np.abs(r - g).max()) for ids, r, g in zip(probes, ref, got, strict=False)}
     agree = total = 0
     nll_ref = nll_got = 0.0
     scored = 0
-    for ids, r, g in zip(ppl_windows, ref_out[len(probes) :], got[len(probes) :], strict=True):
+    for ids, r, g in zip(ppl_windows, ref[len(probes) :], got[len(probes) :], strict=True):
         agree += int((r.argmax(-1) == g.argmax(-1)).sum())
         total += len(ids)
         a, n = nll(r, ids)

@@ -8,12 +8,14 @@ parity figure that must be small.
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from moetool.export.gate import FAMILIES, family_of
 from moetool.export.gguf.layout import GGUFTensor, Layout
 
 
@@ -42,9 +44,31 @@ def _array(by_name: dict[str, Any], t: GGUFTensor) -> np.ndarray:
     return arr.reshape(1, -1) if t.squeeze else arr
 
 
-def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: Path, dtype: str = "float32") -> Path:
+@dataclass
+class ArtifactWeights:
+    """The artifact's dequantized weights as a checkpoint (``path``) and, per source tensor, the GGUF type it was
+    stored in and its relative error against the source: ``||dequantized - source|| / ||source||`` (``rounding``,
+    which :func:`moetool.export.gate.margin_gate` holds to what the type's rounding can do)."""
+
+    path: Path
+    rounding: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    """``||got - want|| / ||want||`` in float64; 0 when both are equal, inf for a nonzero ``got`` of a zero ``want``."""
+    diff = float(np.linalg.norm((got.astype(np.float64) - want.astype(np.float64)).ravel()))
+    if diff == 0.0:
+        return 0.0
+    norm = float(np.linalg.norm(want.astype(np.float64).ravel()))
+    return diff / norm if norm > 0 else float("inf")
+
+
+def artifact_checkpoint(
+    gguf_path: Path, model_dir: Path, layout: Layout, out: Path, dtype: str = "float32"
+) -> ArtifactWeights:
     """Write ``out`` (config, tokenizer, model.safetensors) with the weights as llama.cpp will see them, in ``dtype``
-    (the verification reference's), one tensor at a time: memory holds one tensor, not the model."""
+    (the verification reference's), one tensor at a time: memory holds one tensor, not the model; each is compared
+    with the source tensor as it goes (:class:`ArtifactWeights`)."""
     import gguf
 
     from moetool.io.checkpoint import Checkpoint
@@ -68,22 +92,33 @@ def artifact_checkpoint(gguf_path: Path, model_dir: Path, layout: Layout, out: P
     ckpt = Checkpoint(model_dir)
     torch_dtype = getattr(torch, dtype)
     entries = [(src, torch_dtype, tuple(ckpt.tensors[src].shape)) for src, _ in steps]
-    ckpt.close()
     out.mkdir(parents=True, exist_ok=True)
+    result = ArtifactWeights(out)
     stacked: tuple[str, np.ndarray] | None = None  # a stacked expert tensor, read once for its experts
     with ShardedWriter(out, entries, 2**62) as writer:
         for src, g in steps:
             if g is None:
                 pieces = sorted(parts[src], key=lambda p: p.rows[0] if p.rows else 0)
                 arr = np.concatenate([_array(by_name, p) for p in pieces], axis=-2)
+                kind = max((by_name[p.name].tensor_type.name.lower() for p in pieces), key=_coarseness)
             elif len(g.sources) > 1:
                 if stacked is None or stacked[0] != g.name:
                     stacked = (g.name, _array(by_name, g))
                 arr = stacked[1][g.sources.index(src)]
+                kind = by_name[g.name].tensor_type.name.lower()
             else:
                 arr = _array(by_name, g)
+                kind = by_name[g.name].tensor_type.name.lower()
+            want = ckpt.get(src).float().numpy()
+            result.rounding[src] = (kind, relative_error(np.asarray(arr).reshape(want.shape), want))
             writer.add(src, torch.from_numpy(np.array(arr, dtype=np.float32)).to(torch_dtype))
+    ckpt.close()
     for f in model_dir.iterdir():
         if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja") and not f.name.endswith(".index.json"):
             shutil.copy2(f, out / f.name)
-    return out
+    return result
+
+
+def _coarseness(kind: str) -> int:
+    """Rank of a GGUF type by the rounding it allows (a split source is judged by its coarsest piece)."""
+    return [name for name, _ in FAMILIES].index(family_of({kind}))

@@ -2,7 +2,9 @@
 
 - tokenizer: llama.cpp's token ids must equal the Hugging Face tokenizer's on strings that stress byte-level BPE;
 - logits at two sequence lengths: max |Δ|, top-1 agreement;
-- perplexity of both on held-out windows, and its relative change.
+- perplexity of both on held-out windows, and its relative change;
+- the margin gate over those windows (:mod:`moetool.export.gate`): top-1 agreement where rounding cannot decide it,
+  and KL(reference || llama.cpp) under a bound per type family.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from moetool.export.heldout import Agreement, agreement, windows
+from moetool.export.gate import GateReport, margin_gate
+from moetool.export.heldout import Agreement, agreement_of, reference_logits, windows
 from moetool.extras import require
 
 TOKENIZER_PROBES: tuple[str, ...] = (
@@ -51,6 +54,7 @@ class ParityReport:
     tokens_scored: int
     reference_dtype: str = "float32"  # what the source model's weights are held in; arithmetic is float32
     artifact_dtype: str = "float32"  # what the artifact's dequantized weights are held in
+    gate: GateReport | None = None  # the margin gate (None where no plan types were given)
 
     @property
     def tokenizer_match(self) -> bool:
@@ -73,7 +77,7 @@ class ParityReport:
             **self.original.to_json(),
             "conversion": self.conversion.to_json()
             | {"reference": f"{_reference(self.artifact_dtype)}, on the artifact's dequantized weights"},
-        }
+        } | ({"gate": self.gate.to_json()} if self.gate is not None else {})
 
 
 def _reference(storage: str) -> str:
@@ -186,9 +190,13 @@ class LlamaRun:
     logits: list[np.ndarray]
     tokenizer_mismatches: list[dict[str, Any]]
 
-    def against(self, model: Any) -> Agreement:
-        """These logits against ``model`` (transformers) on the same ids."""
-        return agreement(self.logits, model, self.probes, self.ppl_windows)
+    def against(self, ref: list[np.ndarray]) -> Agreement:
+        """These logits against a transformers run's on the same ids (``ref``: :func:`reference_logits`)."""
+        return agreement_of(self.logits, ref, self.probes, self.ppl_windows)
+
+    def transformers_logits(self, model: Any) -> list[np.ndarray]:
+        """``model``'s logits on the same ids, in the same order."""
+        return reference_logits(model, self.probes + self.ppl_windows)
 
 
 def reference_model(path: Path, storage: torch.dtype) -> Any:
@@ -237,6 +245,8 @@ def compare(
     equivalent: Callable[[str], str] | None = None,
     dtype: str = "float32",
     artifact_dtype: str | None = None,
+    types: set[str] | None = None,
+    rounding: dict[str, tuple[str, float]] | None = None,
 ) -> ParityReport:
     """Run llama.cpp and transformers on the same ids.
 
@@ -244,7 +254,10 @@ def compare(
     (None when they equal the source's, as for f32); ``equivalent`` as in :func:`check_tokenizer`; ``dtype`` the
     dtype the reference holds the source's weights in (float32, or the checkpoint's own 16-bit dtype when float32 does
     not fit in memory; it computes in float32 either way), ``artifact_dtype`` the dtype ``artifact_weights`` are
-    held in (default ``dtype``). llama.cpp runs first and lets its copy go, so one model is held at a time.
+    held in (default ``dtype``); ``types`` the plan's matrix types, which the margin gate's bounds follow (None: no
+    gate), and ``rounding`` each source tensor's (type, relative error) in the artifact
+    (:class:`moetool.export.gguf.dequant.ArtifactWeights`). llama.cpp runs first and lets its copy go, so one model is held at a time; the reference's logits are
+    kept (``[T, V]`` per window) for the gate while the dequantized weights run.
     """
     import torch
     from transformers import AutoConfig, AutoTokenizer
@@ -255,18 +268,21 @@ def compare(
     lens = sorted({min(n, max_pos) for n in seq_lens})
     run = run_llama(gguf_path, tok, text, lens, n_windows=n_windows, lora_path=lora_path, equivalent=equivalent)
     original = reference_model(model_dir, torch_dtype)
-    vs_original = run.against(original)
-    if artifact_weights is None:
-        conversion = vs_original
-    else:
-        del original
-        conversion = run.against(reference_model(artifact_weights, getattr(torch, artifact_dtype or dtype)))
+    ref = run.transformers_logits(original)
+    del original
+    own = None
+    if artifact_weights is not None:
+        own = run.transformers_logits(reference_model(artifact_weights, getattr(torch, artifact_dtype or dtype)))
+    vs_original = run.against(ref)
+    n = len(run.probes)
+    gate = None if types is None else margin_gate(ref[n:], own[n:] if own else None, run.logits[n:], types, rounding)
     return ParityReport(
         tokenizer_mismatches=run.tokenizer_mismatches,
         seq_lens=lens,
-        conversion=conversion,
+        conversion=vs_original if own is None else run.against(own),
         original=vs_original,
         tokens_scored=sum(len(w) - 1 for w in run.ppl_windows),
         reference_dtype=dtype,
         artifact_dtype=dtype if artifact_weights is None else artifact_dtype or dtype,
+        gate=gate,
     )
