@@ -179,6 +179,30 @@ def print_parity(p: Any) -> None:
     if "tokenizer_match" in p:
         line += f"; tokenizer {'matches' if p['tokenizer_match'] else 'DIFFERS'} on {p['tokenizer_probes']} probes"
     out.print(line, highlight=False)
+    if isinstance(p.get("gate"), dict):
+        print_gate(p["gate"])
+
+
+def print_gate(doc: dict[str, Any]) -> None:
+    """The margin gate's verdict and figures (a GGUF's ``parity.gate``), beside the old gate's raw top-1."""
+    from moetool.export.gate import GateReport
+
+    g = GateReport.from_json(doc)
+    verdict = "[green]pass[/]" if g.passed else "[red]FAIL[/]"
+    if g.agreement is None or not g.agreement_judged:
+        agree = f"top-1 not judged ({g.decisive} of {g.tokens} tokens decisive, {g.min_decisive} needed)"
+    else:
+        agree = f"top-1 {g.agreement:.4f} on {g.decisive} of {g.tokens} decisive tokens (≥ {g.min_agreement})"
+    worst = max(g.rounding.values(), default=0.0)
+    out.print(
+        f"gate ({g.family} plan): {verdict}: {agree}, margin > 2 × noise (median {g.noise_median:.3g}, max "
+        f"{g.noise_max:.3g}); mean KL {g.kl_mean:.3g} (max {g.kl_max:.3g}) ≤ {g.kl_bound:.3g}; weights within "
+        f"rounding (worst {100 * worst:.2f}%); raw top-1 {g.raw_top1:.4f}, old gate (conversion top-1 ≥ 0.95) "
+        f"{g.raw_top1_conversion:.4f}",
+        highlight=False,
+    )
+    for problem in g.problems:
+        out.print(f"[red]gate[/]: {escape(problem)}", highlight=False)
 
 
 def _flat(value: Any, prefix: str = "") -> str:
