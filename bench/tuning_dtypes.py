@@ -53,14 +53,42 @@ def one(moe: Path, recipe: Path, dtype: str, autocast: bool, out: Path) -> None:
         precision.native_matmul = lambda dtype, device: True  # type: ignore[assignment]
     torch.set_num_threads(os.cpu_count() or 1)
     console = Console(file=io.StringIO(), width=400)
-    stamps = [time.perf_counter()]
+    stamps, cpu = [time.perf_counter()], [time.process_time()]
+
+    def tick(step: int, metrics: object) -> None:
+        stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
+
     train_router(load_recipe(recipe), moe, out, force=True, resume=False, dtype=dtype, console=console,
-                 callback=lambda step, metrics: stamps.append(time.perf_counter()))  # fmt: skip
+                 callback=tick)  # fmt: skip
     said = console.file.getvalue()  # type: ignore[attr-defined]
     line = next((x for x in said.splitlines() if x.startswith("training in")), "")
     how = "float32 over bf16" if "float32 arithmetic" in line else "bf16 autocast" if "autocast" in line else "float32"
     steps = [b - a for a, b in itertools.pairwise(stamps)]
-    print(json.dumps({"steps": steps, "arithmetic": how}))
+    cpu_steps = [b - a for a, b in itertools.pairwise(cpu)]
+    print(json.dumps({"steps": steps, "cpu": cpu_steps, "arithmetic": how}))
+
+
+def matmul_probe() -> list[str]:
+    """The cause in two lines: a linear layer's backward product (``grad @ W``, both operands contiguous) in float32
+    and in bf16 on this CPU, the shape of one attention projection at 128 tokens."""
+    import torch
+
+    lines = []
+    for m, k, n in ((128, 960, 960), (128, 49152, 960)):  # a projection; the tied head's input gradient
+        took = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            torch.mm(a, b)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                torch.mm(a, b)
+            took[dtype] = (time.perf_counter() - t0) / 3
+        f32, b16 = took[torch.float32], took[torch.bfloat16]
+        lines.append(
+            f"  [{m}, {k}] @ [{k}, {n}]: float32 {f32 * 1e3:.1f} ms, bf16 {b16 * 1e3:.1f} ms ({b16 / f32:.1f}×)"
+        )
+    return lines
 
 
 def _child(args: list[str]) -> tuple[dict[str, object], float, int]:
@@ -106,6 +134,7 @@ def main() -> None:
     cpu = torch.backends.cpu.get_cpu_capability()
     native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     print(f"CPU: {os.cpu_count()} cores, {cpu}, native bf16 matmul (oneDNN): {native}; load {os.getloadavg()}")
+    print("matmul, as a linear layer's backward computes it:", *matmul_probe(), sep="\n")
     print(f"rung {args.rung}, {args.steps} steps of {args.batch} × {args.seq} tokens, mofe preset", flush=True)
     rows = []
     dtypes = ["float32", "bfloat16"] + (["bfloat16+autocast"] if args.autocast else [])
@@ -123,20 +152,23 @@ def main() -> None:
             got, wall, rss = _child(["--one", str(moe), str(recipe), dtype, str(root / "tuned")])
             steps = [float(s) for s in got["steps"]]  # type: ignore[union-attr]
             later = statistics.median(steps[1:]) if len(steps) > 1 else steps[0]
-            rows.append((routers, dtype, str(got["arithmetic"]), steps[0], later, wall, rss))
-            print(f"  {routers} {dtype} ({got['arithmetic']}): load + first step {steps[0]:.1f} s, then {later:.1f} s/step, peak {rss / 1e9:.2f} "
+            cpu = [float(s) for s in got["cpu"]]  # type: ignore[union-attr]
+            cpu_later = statistics.median(cpu[1:]) if len(cpu) > 1 else cpu[0]
+            rows.append((routers, dtype, str(got["arithmetic"]), steps[0], later, cpu_later, wall, rss))
+            print(f"  {routers} {dtype} ({got['arithmetic']}): load + first step {steps[0]:.1f} s, then {later:.1f} s/step "
+                  f"({cpu_later:.1f} s CPU), peak {rss / 1e9:.2f} "
                   f"GB, whole run {wall:.0f} s", flush=True)  # fmt: skip
             shutil.rmtree(root / "tuned", ignore_errors=True)
     tokens = args.batch * args.seq
     print(f"\nload after: {os.getloadavg()}")
-    print(
-        "\n| routers | dtype | arithmetic | load + first step | later steps | tok/s | × float32 | peak RSS | whole run |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for routers, dtype, how, first, later, wall, rss in rows:
-        ref = next(r[4] for r in rows if r[0] == routers and r[1] == "float32")
+    print("\n| routers | dtype | arithmetic | load + first step | later steps (wall) | tok/s | × float32 | later steps "
+          "(CPU) | × float32 (CPU) | peak RSS | whole run |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for routers, dtype, how, first, later, cpu_later, wall, rss in rows:
+        ref = next(r for r in rows if r[0] == routers and r[1] == "float32")
         print(f"| {routers} | {dtype} | {how} | {first:.1f} s | {later:.1f} s | {tokens / later:.1f} | "
-              f"{ref / later:.2f}× | {rss / 1e9:.2f} GB | {wall:.0f} s |")  # fmt: skip
+              f"{ref[4] / later:.2f}× | {cpu_later:.1f} s | {ref[5] / cpu_later:.2f}× | {rss / 1e9:.2f} GB | "
+              f"{wall:.0f} s |")  # fmt: skip
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 
