@@ -12,13 +12,16 @@ Three runs over the same verification tokens (the parity windows) feed it:
 rounding can: ``||D_w - R_w|| / ||R_w|| <= ROUNDING_BOUNDS[family]`` (relative RMS error; Gaussian blocks give about
 0.5% at q8_0 and 8% at q4_0). The noise below is the rounding's only when ``D``'s weights are the source's rounded; a
 swapped expert or layer, a zeroed router row or a mis-mapped tensor is 60-140% off, whatever it does to the logits.
+(An all-f32 plan has no dequantized copy: its weights are the source's bytes, and its conversion gate, max |Δlogit|
+<= 1e-3 against the source, catches any of those.)
 
 **Rounding noise.** At position ``t``, the plan's weight rounding moves no logit by more than
 ``n_t = max_v |D[t, v] - R[t, v]|``. llama.cpp also rounds what ``D`` does not contain (its activations to 8 bits
 for the block types, to the weight type for the float types), so the noise the gate allows is
-``noise_t = SAFETY * n_t + FLOOR[family]``: ``SAFETY = 2`` (8-bit activation rounding is of the order of 8-bit
-weight rounding, and the maximum over the vocabulary already bounds every token), ``FLOOR`` the conversion tolerance
-of a float plan (:data:`FLOORS`, the same figures as the float plans' max |Δlogit| gates).
+``noise_t = SAFETY * n_t + FLOOR``: ``SAFETY = 2`` (8-bit activation rounding is of the order of 8-bit weight
+rounding, and the maximum over the vocabulary already bounds every token), ``FLOOR`` the tolerance of the plan's
+coarsest float type (:data:`FLOORS`: f32 1e-3, f16 1e-2, bf16 0.1, the float plans' max |Δlogit| gates; 0 when it
+has none), for llama.cpp's rounding of activations to that type.
 
 **Margin-filtered agreement.** The reference's margin at ``t`` is ``m_t = R[t, top1] - R[t, top2]``. Moving every
 logit by at most ``noise_t`` changes the margin by at most ``2 * noise_t``, so a token is *decisive*, and counted,
