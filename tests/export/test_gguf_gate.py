@@ -135,7 +135,8 @@ def test_near_ties_fail_raw_top1_but_pass_the_gate(tmp_path):
 
 
 def test_the_rule_on_synthetic_logits():
-    """Decisive tokens: margin > 2 × (2 × max|D - R| + floor); agreement counts only those; KL in float64."""
+    """Decisive tokens: margin > 2 × (2 × max|D - R| + floor); agreement counts only those; KL in float64; a tensor
+    past its type's rounding fails the gate whatever the logits."""
     rng = np.random.default_rng(0)
     ref = rng.normal(size=(64, 50)).astype(np.float32)
     own = ref + rng.uniform(-0.01, 0.01, size=ref.shape).astype(np.float32)
@@ -152,6 +153,9 @@ def test_the_rule_on_synthetic_logits():
     assert kl_divergence(ref, ref).max() == 0.0 and gate.kl_mean > 0
     report = GateReport.from_json(gate.to_json())
     assert report.decisive == gate.decisive and report.passed and report.family == "q8_0"
+    swapped = margin_gate([ref], [own], [got], {"q8_0"}, {"a": ("q8_0", 0.005), "b.experts.1": ("q8_0", 1.41)})
+    assert not swapped.passed and "b.experts.1 (q8_0) differs from its source by 141%" in swapped.problems[0]
+    assert swapped.rounding == {"q8_0": 1.41}
     wrong = rng.normal(size=ref.shape).astype(np.float32)  # an unrelated model: both checks fail
     bad = margin_gate([ref], [ref], [wrong], {"q8_0"})
     assert not bad.passed and len(bad.problems) == 2
