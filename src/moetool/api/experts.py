@@ -18,6 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from moetool.edit.layout import EditError, read_layout
+from moetool.edit.options import check_precision, check_unread_data
 from moetool.edit.run import EditResult, run
 from moetool.edit.tune import Recalibration, data_files, data_sources
 from moetool.eval.perplexity import eval_need
@@ -50,41 +51,6 @@ def _local(ref: str | Path, what: str) -> Path:
         return resolve_source(str(ref)).path
     except SourceError as exc:
         raise EditError(f"{what}: {exc}") from None
-
-
-def check_precision(model: Path, dtype: str | None, device: str | None, *, runs: bool = True, why: str = "") -> None:
-    """Refuse, before any work, a ``dtype`` or ``device`` that train and eval refuse, or one nothing would read.
-
-    The values go through the same checks as train's and eval's (:func:`moetool.train.precision.resolve_dtype`
-    and ``resolve_device``); where ``runs`` is False the edit runs no model, and ``why`` says so.
-
-    Raises:
-        MoetoolError: an unknown dtype or device, or CUDA where there is none (naming the option and its values).
-        EditError: a dtype or device given where ``runs`` is False.
-    """
-    from moetool.train.precision import resolve_device, resolve_dtype
-
-    for option, value in (("--dtype", dtype), ("--device", device)):
-        if value in (None, "auto"):
-            continue
-        if option == "--dtype":
-            resolve_dtype(value, model)
-        else:
-            resolve_device(value)
-        if not runs:
-            raise EditError(f"{option} {value}: {why}; leave it out")
-
-
-def check_unread_data(data: dict[str, str] | None, steps: int) -> None:
-    """Refuse ``--data`` for an edit whose only reader of text is router recalibration, when there is none.
-
-    Raises:
-        EditError: naming ``--tune-steps``.
-    """
-    if data and not steps:
-        raise EditError(
-            "--data: this edit reads text only to recalibrate the routers; give --tune-steps N, or leave --data out"
-        )
 
 
 def calibration_text(data: dict[str, str], *, seed: int = 0) -> dict[str, str]:
@@ -310,6 +276,25 @@ def prune(
     )
 
 
+def _add_record(
+    layout: Any, name: str, origin: dict[str, Any], prompts: list[str], negative: list[str]
+) -> dict[str, Any]:
+    """The edit record ``moetool.json`` keeps of an ``add``."""
+    before, after = layout.n_experts, layout.n_experts + 1
+    return {
+        "op": "add",
+        "moe": str(layout.path.resolve()),
+        "name": name,
+        **origin,
+        "prompts": prompts,
+        "negative_prompts": negative,
+        "experts_before": before,
+        "experts_after": after,
+        "top_k": layout.top_k,
+        "summary": f"added {name} ({before} → {after} experts, top-{layout.top_k})",
+    }
+
+
 def add(
     moe: str | Path,
     source: str | Path,
@@ -374,19 +359,7 @@ def add(
             if dry_run
             else router_rows(layout, prompts, negative or [], chat_template=chat_template, dtype=dtype, device=device)
         )
-        record = {
-            "op": "add",
-            "moe": str(layout.path.resolve()),
-            "name": name,
-            **origin,
-            "prompts": prompts,
-            "negative_prompts": negative or [],
-            "experts_before": layout.n_experts,
-            "experts_after": layout.n_experts + 1,
-            "top_k": layout.top_k,
-            "summary": f"added {name} ({layout.n_experts} → {layout.n_experts + 1} experts, top-{layout.top_k})",
-        }
-        plan = add_plan(layout, source, name, shapes, record)
+        plan = add_plan(layout, source, name, shapes, _add_record(layout, name, origin, prompts, negative or []))
         plan.warnings += warnings
         return run(
             plan,

@@ -106,10 +106,8 @@ def export_cmd(
     if base is not None and not is_adapter(Path(model)):
         raise MoetoolError(f"--base is the base model of a PEFT adapter, and {model} is not one; leave it out")
     if is_adapter(Path(model)):
-        if dry_run:
-            raise typer.BadParameter("--dry-run is for models, not adapters")
-        if imatrix or calibration:
-            raise typer.BadParameter("--imatrix and --calibration are for models, not adapters")
+        if dry_run or imatrix or calibration:
+            raise typer.BadParameter("--dry-run, --imatrix and --calibration are for models, not adapters")
         with console.status("writing and verifying the GGUF adapter …"):
             manifest = api.export(model, output, base=base, quant=quant, force=force, verify=verify, eval_text=text)
         print_manifest(output, manifest)

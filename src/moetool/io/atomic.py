@@ -14,15 +14,11 @@ Crash safety:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
-import functools
 import os
 import re
 import secrets
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -32,6 +28,7 @@ from types import FrameType
 from typing import Any
 
 from moetool.errors import OutputExistsError, OutputPathError
+from moetool.io.exchange import exchange
 
 TMP_MARK = ".moetool-tmp-"
 OLD_MARK = ".moetool-old-"
@@ -232,38 +229,6 @@ def _signals_blocked() -> Iterator[None]:
         finally:
             for s, prev in displaced.items():
                 signal.signal(s, prev)
-
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-@functools.cache
-def _renameat2() -> Any:
-    """glibc's ``renameat2``, or None (another C library, or glibc < 2.28)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def exchange(a: Path, b: Path) -> bool:
-    """Atomically swap the names ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``, both must exist).
-
-    Returns False where the call is not available (other systems, old C libraries, filesystems without it).
-    """
-    fn = _renameat2() if sys.platform.startswith("linux") else None
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
-        return False
-    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def _swap_in(tmp: Path, out: Path) -> Path | None:
