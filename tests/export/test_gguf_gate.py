@@ -153,9 +153,13 @@ def test_the_rule_on_synthetic_logits():
     assert kl_divergence(ref, ref).max() == 0.0 and gate.kl_mean > 0
     report = GateReport.from_json(gate.to_json())
     assert report.decisive == gate.decisive and report.passed and report.family == "q8_0"
-    swapped = margin_gate([ref], [own], [got], {"q8_0"}, {"a": ("q8_0", 0.005), "b.experts.1": ("q8_0", 1.41)})
+    swapped = margin_gate(
+        [ref], [own], [got], {"q8_0"}, {"a": ("q8_0", 0.005, 0.0), "b.experts.1": ("q8_0", 1.41, 1.4)}
+    )
     assert not swapped.passed and "b.experts.1 (q8_0) differs from its source by 141%" in swapped.problems[0]
     assert swapped.rounding == {"q8_0": 1.41}
+    near = margin_gate([ref], [own], [got], {"q8_0"}, {"a": ("q8_0", 0.005, 0.0), "b": ("q8_0", 0.008, 0.005)})
+    assert not near.passed and "b (q8_0) lies 0.50% from the source rounded to q8_0" in near.problems[0]
     wrong = rng.normal(size=ref.shape).astype(np.float32)  # an unrelated model: both checks fail
     bad = margin_gate([ref], [ref], [wrong], {"q8_0"})
     assert not bad.passed and len(bad.problems) == 2

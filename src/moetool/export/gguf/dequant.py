@@ -47,11 +47,33 @@ def _array(by_name: dict[str, Any], t: GGUFTensor) -> np.ndarray:
 @dataclass
 class ArtifactWeights:
     """The artifact's dequantized weights as a checkpoint (``path``) and, per source tensor, the GGUF type it was
-    stored in and its relative error against the source: ``||dequantized - source|| / ||source||`` (``rounding``,
-    which :func:`moetool.export.gate.margin_gate` holds to what the type's rounding can do)."""
+    stored in, its relative error against the source, ``||dequantized - source|| / ||source||``, and, for the types
+    gguf-py rounds as llama.cpp does (:data:`REPRODUCIBLE`), its distance from the source rounded here, relative to
+    the source (``rounding``, which :func:`moetool.export.gate.margin_gate` holds to what the type's rounding can
+    do)."""
 
     path: Path
-    rounding: dict[str, tuple[str, float]] = field(default_factory=dict)
+    rounding: dict[str, tuple[str, float, float | None]] = field(default_factory=dict)
+
+
+# types whose rounding gguf-py reproduces (round to nearest on a block's absmax): the file's tensor must be the
+# source's rounded, up to ties rounded the other way by llama.cpp's quantizer
+REPRODUCIBLE = frozenset({"f16", "bf16", "q8_0"})
+
+
+def off_rounding(got: np.ndarray, want: np.ndarray, kind: str) -> float | None:
+    """``||got - round(want)|| / ||round(want)||`` for a :data:`REPRODUCIBLE` ``kind`` (None for the others, or when the
+    rows do not fall into its blocks)."""
+    import gguf
+
+    if kind not in REPRODUCIBLE or not want.size:
+        return None
+    qtype = gguf.GGMLQuantizationType[kind.upper()]
+    rows = want.reshape(-1, want.shape[-1]).astype(np.float32)
+    if rows.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return None
+    rounded = np.asarray(gguf.quants.dequantize(gguf.quants.quantize(rows, qtype), qtype), dtype=np.float32)
+    return relative_error(got.reshape(rounded.shape), rounded)
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -110,7 +132,8 @@ def artifact_checkpoint(
                 arr = _array(by_name, g)
                 kind = by_name[g.name].tensor_type.name.lower()
             want = ckpt.get(src).float().numpy()
-            result.rounding[src] = (kind, relative_error(np.asarray(arr).reshape(want.shape), want))
+            got = np.asarray(arr, dtype=np.float32).reshape(want.shape)
+            result.rounding[src] = (kind, relative_error(got, want), off_rounding(got, want, kind))
             writer.add(src, torch.from_numpy(np.array(arr, dtype=np.float32)).to(torch_dtype))
     ckpt.close()
     for f in model_dir.iterdir():

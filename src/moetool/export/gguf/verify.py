@@ -246,7 +246,7 @@ def compare(
     dtype: str = "float32",
     artifact_dtype: str | None = None,
     types: set[str] | None = None,
-    rounding: dict[str, tuple[str, float]] | None = None,
+    rounding: dict[str, tuple[str, float, float | None]] | None = None,
 ) -> ParityReport:
     """Run llama.cpp and transformers on the same ids.
 
