@@ -57,7 +57,7 @@ class QuantRule(StrictModel):
 class QuantSpec(StrictModel):
     """The ``quantization:`` recipe section: a preset, overridden by ``default`` and ``rules``."""
 
-    preset: str | None = Field(default=None, description="A named plan (`moetool quant presets`), or a type name.")
+    preset: str | None = Field(default=None, description="A named plan (`moetool presets`), or a type name.")
     default: str | None = Field(default=None, description="Type for tensors no rule matches.")
     rules: list[QuantRule] = Field(default_factory=list, description="Tried in order; the first match decides.")
     budget: int | None = Field(
