@@ -1,4 +1,4 @@
-"""Every shell command in README.md and docs/*.md runs as written (issue 20, item 5).
+"""Every shell command in README.md and docs/**/*.md runs as written (issue 20, item 5; the site of issue 41).
 
 The docs are read for commands: each line of a ```bash block (split at ``&&``, comments dropped) and each inline
 span that starts a command (``moetool …``, ``bash scripts/…``, ``python …``, ``.venv/bin/…``). ``COMMANDS`` says
@@ -57,7 +57,7 @@ from conftest import dense_config, make_tokenizer
 from moetool.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 
 # ------------------------------------------------------------------------------------------------ the table
 
@@ -550,6 +550,29 @@ COMMANDS: list[Cmd] = [
     ),
     helponly("moetool profile --from", REFERENCE),
     helponly("moetool merge --dry-run", REFERENCE),
+    # the documentation site (issue 41, item 6): README's tour and docs/commands, docs/targets, docs/reference
+    helponly("moetool push", REFERENCE),
+    helponly("moetool zoo", REFERENCE),
+    helponly("moetool comigs", REFERENCE),
+    helponly("moetool gem", REFERENCE),
+    helponly("moetool hybrid", REFERENCE),
+    helponly("moetool embedding", REFERENCE),
+    helponly("moetool export MODEL --target gguf", SYNOPSIS),
+    helponly("moetool export --for", REFERENCE),
+    helponly("moetool profile --for", REFERENCE),
+    notrun("bash scripts/setup.sh --llama", SETUP),
+    notrun("bash scripts/setup.sh --tflite", SETUP),
+    notrun("bash scripts/setup.sh --coreml", SETUP),
+    notrun("bash scripts/setup.sh --executorch", SETUP),
+    notrun(
+        ".venv/bin/mkdocs build --strict",
+        "builds the whole site (about 20 s): .ci/run runs it; tests/docs/test_recipe_reference.py checks the page it "
+        "generates",
+    ),
+    helponly(
+        ".venv/bin/python scripts/gen_recipe_reference.py",
+        "rewrites docs/reference/recipe.md; tests/docs/test_recipe_reference.py runs its --check",
+    ),
 ]
 BY_DOC = {c.doc: c for c in COMMANDS}
 HOWS = ("run", "small", "dry-run", "help", "not run")
@@ -597,14 +620,14 @@ def documented_commands() -> dict[str, list[str]]:
         for n, line in enumerate([*path.read_text(encoding="utf-8").splitlines(), ""], 1):
             m = FENCE.match(line)
             if fence is None and (m or not line.strip()):
-                _spans(path.name, prose, found)
+                _spans(str(path.relative_to(ROOT)), prose, found)
                 prose = []
             if m:
                 fence = None if fence is not None else m.group(1)
             elif fence is not None:
                 if fence in SHELL_FENCES:
                     for part in shell_parts(line):
-                        found.setdefault(part, []).append(f"{path.name}:{n}")
+                        found.setdefault(part, []).append(f"{path.relative_to(ROOT)}:{n}")
             elif line.strip():
                 prose.append((n, line))
     return found
