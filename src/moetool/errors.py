@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 
 class MoetoolError(Exception):
     """Base class for errors caused by input, not by bugs."""
@@ -37,3 +39,13 @@ class InputFileError(MoetoolError):
 
 class OutputPathError(MoetoolError):
     """The output path cannot be written safely (a file as parent, no write permission, inside an input, …)."""
+
+
+class MoetoolDeprecationWarning(FutureWarning):
+    """An old spelling moetool still reads for one release (a renamed option or recipe key); the message names the
+    new spelling. The CLI prints it as one ``deprecated:`` line."""
+
+
+def deprecated(message: str) -> None:
+    """Warn that an old spelling was read: ``message`` names the new one (and that the old goes in a release)."""
+    warnings.warn(message, MoetoolDeprecationWarning, stacklevel=3)

@@ -25,9 +25,9 @@ experts: [{{name: a, source: {m["e1"]}}}, {{name: b, source: {m["e2"]}}}, {{name
 quantization: {{preset: moe-q4}}
 train: {{data: {{code: {{text: {tmp_path / "t.txt"}}}}}}}
 targets:
-  - device: raspberry-pi-4
+  - for: raspberry-pi-4
   - {{target: onnx, quant: q8_0}}
-  - device: iphone-13
+  - for: iphone-13
 """,
     )
     assert [t.dir_name for t in load_recipe(recipe).targets] == ["raspberry-pi-4", "onnx", "iphone-13"]
@@ -65,16 +65,16 @@ gate_mode: random
 experts_per_token: 1
 experts: [{{name: a, source: {m["e1"]}}}]
 targets:
-  - {{device: toaster}}
+  - {{for: toaster}}
 """
     r = CliRunner().invoke(app, ["validate", str(write_recipe(tmp_path / "r.yaml", body))])
-    assert r.exit_code == 2 and "targets.0.device" in r.output and "unknown device 'toaster'" in r.output
+    assert r.exit_code == 2 and "targets.0.for" in r.output and "unknown device 'toaster'" in r.output
     try:
-        load_recipe(write_recipe(tmp_path / "r2.yaml", body.replace("{device: toaster}", "{quant: q4_0}")))
+        load_recipe(write_recipe(tmp_path / "r2.yaml", body.replace("{for: toaster}", "{quant: q4_0}")))
     except RecipeError as exc:
-        assert "needs a device, a target, or both" in str(exc)
+        assert "needs `for` (a deployment profile), a target, or both" in str(exc)
     else:
-        raise AssertionError("a target without device or target must be refused")
+        raise AssertionError("a target without for or target must be refused")
 
 
 def test_failed_optional_steps_end_the_build_with_their_reasons(monkeypatch):

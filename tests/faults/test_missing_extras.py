@@ -18,12 +18,16 @@ def no_onnxscript(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "onnxscript", None)
 
 
-def test_hybrid_export_without_the_onnx_extra(env, refused, no_onnxscript):
-    # refused before the model is read: the folder need not even be a hybrid model
+@pytest.mark.parametrize("command", [["export"], ["hybrid", "export"]], ids=["export", "hybrid-export"])
+def test_hybrid_export_without_the_onnx_extra(env, refused, no_onnxscript, command):
+    # refused before the model is read: only the hybrid model's marker is there
+    model = env.root / "hybrid"
+    model.mkdir()
+    (model / "hybrid.json").write_text("{}")
     refused(
-        ["hybrid", "export", str(env.models["base"]), "-o", str(env.outs / "hx")],
+        [*command, str(model), "-o", str(env.outs / "hx")],
         ["the hybrid router's ONNX export (router.onnx) needs onnxscript (the onnx extra)", ONNX],
-        inputs=[env.models["base"]],
+        inputs=[model],
         sandbox=env.root,
     )
 

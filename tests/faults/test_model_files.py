@@ -132,8 +132,11 @@ def test_profile_gguf_needs_a_hybrid_export_folder(env, refused, kind):
     if kind == "garbage-manifest":
         (folder / "manifest.json").write_text("{")
     expected = {
-        "no-manifest": [f"{folder / 'manifest.json'}: missing", "`moetool hybrid export MODEL -o DIR` writes it"],
-        "no-folder": [f"{folder}: no such directory", "`moetool hybrid export MODEL -o DIR` writes it"],
+        "no-manifest": [
+            f"{folder / 'manifest.json'}: missing",
+            "`moetool export MODEL -o DIR` of a hybrid model writes it",
+        ],
+        "no-folder": [f"{folder}: no such directory", "`moetool export MODEL -o DIR` of a hybrid model writes it"],
         "other-manifest": ["manifest.json: format is 'moetool-gguf', not a hybrid export manifest"],
         "garbage-manifest": ["manifest.json:1:2: hybrid export manifest is not valid JSON"],
     }[kind]

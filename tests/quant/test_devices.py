@@ -72,7 +72,7 @@ def test_cli_dry_run_prints_plan_and_writes_nothing(tiny_models, tmp_path):
             str(tmp_path / "o"),
             "--quant",
             "moe-q4",
-            "--device",
+            "--for",
             "raspberry-pi-4",
             "--dry-run",
         ],
@@ -80,7 +80,7 @@ def test_cli_dry_run_prints_plan_and_writes_nothing(tiny_models, tmp_path):
     assert r.exit_code == 0, r.output
     assert "total" in r.output and "budget on raspberry-pi-4" in r.output and "attention" in r.output
     assert not (tmp_path / "o").exists()
-    r = CliRunner().invoke(app, ["export", str(base), "-o", str(tmp_path / "o"), "--device", "toaster"])
+    r = CliRunner().invoke(app, ["export", str(base), "-o", str(tmp_path / "o"), "--for", "toaster"])
     assert r.exit_code == 2 and "unknown device 'toaster'" in r.output
     r = CliRunner().invoke(app, ["export", str(base), "-o", str(tmp_path / "o"), "--target", "tensorrt"])
     assert r.exit_code == 2 and "unknown target 'tensorrt'; available: gguf, onnx" in r.output

@@ -68,8 +68,8 @@ def build(
     Tuning runs when ``tune`` says (default: when the recipe has ``train:``), once per preset; evaluation covers the
     merged and tuned models beside ``compare`` on ``max_tokens`` held-out tokens per domain (default 8192; lm-eval
     ``tasks`` too, ``task_limit`` documents each, optional: a failure is recorded in ``BuildResult.failed`` and the
-    build goes on); every ``targets:`` entry (or only
-    ``devices``) is exported; the recipe's ``questions:`` are asked of the final model and of each GGUF written
+    build goes on); every ``targets:`` entry (or only those ``for:`` one of
+    ``devices``, deployment profiles) is exported; the recipe's ``questions:`` are asked of the final model and of each GGUF written
     (``answers.json``). ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures).
 
     Another method runs the stages it has (:func:`build_method`).
@@ -152,7 +152,7 @@ def build_method(
     if tune and not has_stage(p, "train"):
         missing.append("--train (its models train inside `moetool merge`)")
     if devices is not None:
-        missing.append("--device (its targets: name targets, not devices)")
+        missing.append("devices (its targets: name targets, not deployment profiles)")
     if missing:
         raise MoetoolError(
             f"{r.path or r.name}: method {r.method} has no stage for {', '.join(missing)}; `moetool build` runs its "
@@ -197,7 +197,7 @@ def _build_exports(
 ) -> None:
     """Export every ``targets:`` entry of the recipe (or only those for ``devices``) into ``out/exports``."""
     for t in r.targets:
-        if devices is None or t.device in devices:
+        if devices is None or t.for_ in devices:
             _export_one(t, out, result, force=force, verify=verify, console=console, stage=stage)
 
 
@@ -211,7 +211,7 @@ def _export_one(
         out / "exports" / t.dir_name,
         target=t.target,
         quant=t.quant,
-        device=t.device,
+        device=t.for_,
         context=t.context,
         force=force,
         verify=verify,

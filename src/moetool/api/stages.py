@@ -303,8 +303,8 @@ def plan_export(model: str | Path, output: str | Path, **opts: Unpack[ExportOpti
     ``plan_export(...).run(console)`` writes it.
 
     Raises:
-        ExportError: what :func:`~moetool.export.resolve.plan_standard_export` refuses; ``--device`` for a
-            method's output.
+        ExportError: what :func:`~moetool.export.resolve.plan_standard_export` refuses; a deployment profile
+            (``device``, ``--for``) for a method's output.
         OutputPathError: ``output`` names an artifact file or lies inside the model.
     """
     model_dir = resolve_source(str(model)).path
@@ -315,7 +315,9 @@ def plan_export(model: str | Path, output: str | Path, **opts: Unpack[ExportOpti
         check_finished_model_dir(model_dir)
         return plan_standard_export(model_dir, output, **opts)
     if opts.get("device") is not None:
-        raise ExportError(f"{model_dir} is a {owner.name} model: --device applies to standard MoE models; use --target")
+        raise ExportError(
+            f"{model_dir} is a {owner.name} model: --for (a deployment profile) applies to standard MoE models; use --target"
+        )
     if any(opts.get(k) is not None for k in ("imatrix", "calibration", "imatrix_mode", "imatrix_min_tokens")):
         raise ExportError(f"{model_dir} is a {owner.name} model: --imatrix applies to standard MoE models")
     exporter = owner.exporter(model_dir, opts.get("target"))

@@ -13,7 +13,7 @@ import typer
 
 from moetool import registry
 from moetool.cli import build, eval, experts, export, merge, package, train, zoo
-from moetool.cli.console import set_verbosity
+from moetool.cli.console import set_verbosity, show_deprecations
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -29,6 +29,7 @@ def _options(
     ] = False,
 ) -> None:
     set_verbosity(verbose)
+    show_deprecations()
 
 
 for _module in (merge, train, eval, export, experts, zoo, build, package):

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import typer
 from rich.markup import escape
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolDeprecationWarning, MoetoolError
 from moetool.progress import cli_console
 
 console = cli_console(stderr=True)  # progress, stage rules, warnings
@@ -139,3 +139,20 @@ def set_verbosity(verbose: bool) -> None:
         warnings.filterwarnings("ignore", module=module)
     # raised from copyreg while torch.export pickles its tree specs: no module of torch's to match
     warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec", category=FutureWarning)
+
+
+def show_deprecations() -> None:
+    """Print each of moetool's deprecation warnings (an old spelling read) as one ``deprecated:`` line on stderr;
+    every other warning is shown as Python shows it."""
+    shown = warnings.showwarning
+    if getattr(shown, "moetool", False):
+        return
+
+    def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, MoetoolDeprecationWarning):
+            console.print(f"[yellow]deprecated:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+        else:
+            shown(message, category, *args, **kwargs)
+
+    show.moetool = True  # type: ignore[attr-defined]
+    warnings.showwarning = show

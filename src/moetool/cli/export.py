@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from moetool.cli.console import console, friendly, human, out
+from moetool.cli.options import ForOpt, OldDeviceOpt, old_spelling
 
 ComputeUnitsOpt = Annotated[
     str | None, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE (the default).")
@@ -53,7 +54,7 @@ def export_cmd(
     target: Annotated[
         str | None,
         typer.Option(
-            help="gguf, onnx, tflite, coreml or executorch (default: the device's first format, else gguf; "
+            help="gguf, onnx, tflite, coreml or executorch (default: the --for profile's first format, else gguf; "
             "a method's output: its own default)."
         ),
     ] = None,
@@ -64,9 +65,7 @@ def export_cmd(
             "Default: the recipe's quantization section, else f16 for gguf and f32 for the graph targets."
         ),
     ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="Device profile (`moetool devices`): picks format and the best plan that fits.")
-    ] = None,
+    for_: ForOpt = None,
     context: Annotated[int | None, typer.Option(min=1, help="Context length for the memory estimate.")] = None,
     eval_text: Annotated[Path | None, typer.Option(help="Held-out text file for the parity check.")] = None,
     dry_run: Annotated[
@@ -86,6 +85,7 @@ def export_cmd(
             help="Base model of a PEFT adapter given as MODEL (default: the adapter's base_model_name_or_path)."
         ),
     ] = None,
+    old_device: OldDeviceOpt = None,
 ) -> None:
     """Export a model for a device, with a per-tensor precision plan, verified in the target runtime.
 
@@ -99,6 +99,7 @@ def export_cmd(
     from moetool.export.resolve import check_target_options
     from moetool.io.safe import read_text
 
+    profile = old_spelling("export", "--device", old_device, for_)
     if eval_text and not verify:
         raise MoetoolError("--eval-text is the text the verification runs on; --no-verify skips it, so leave it out")
     text = read_text(eval_text, what="--eval-text") if eval_text else None
@@ -113,7 +114,7 @@ def export_cmd(
         print_manifest(output, manifest)
         return
     job = api.plan_export(
-        model, output, target=target, quant=quant, device=device, force=force, verify=verify, eval_text=text,
+        model, output, target=target, quant=quant, device=profile, force=force, verify=verify, eval_text=text,
         context=context, imatrix=imatrix, calibration=calib, imatrix_mode=imatrix_mode,
         imatrix_min_tokens=imatrix_floor,
     )  # fmt: skip
@@ -163,6 +164,16 @@ def presets() -> None:
     for ty in TYPES.values():
         t.add_row(ty.name, str(ty.bits), f"{ty.bpw:.4g}", str(ty.block), "gguf-py" if ty.python else "llama.cpp")
     out.print(t)
+
+
+def register_alias(app: typer.Typer, models: str) -> None:
+    """``moetool <method> export``: the same command as ``moetool export`` under a method's group (one export door:
+    every artifact is written by :meth:`~moetool.export.base.ExportJob.run`)."""
+    app.command(
+        "export",
+        help=f"The same command as `moetool export` (an alias kept for {models}; prefer `moetool export`): every "
+        "method's output exports there, with the same options and checks.",
+    )(export_cmd)
 
 
 def register(app: typer.Typer) -> None:

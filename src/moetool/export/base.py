@@ -51,7 +51,7 @@ class ArtifactPlan:
     device: str | None = None
     memory: MemoryEstimate | None = None
     context: int = 2048
-    candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits) when --device
+    candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits) when --for
     origin: Origin | None = None  # the request's, for the manifest
 
 
@@ -170,7 +170,7 @@ class Exporter(Protocol[PlanT]):
 
     name: str
     requires: str  # the pip extra that provides the runtime used for verification
-    default_quant: str  # the plan when neither --quant, the model's recipe nor --device gives one
+    default_quant: str  # the plan when neither --quant, the model's recipe nor --for gives one
 
     def plan(self, req: ExportRequest) -> PlanT:
         """Resolve the quantization plan (no writes)."""

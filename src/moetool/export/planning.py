@@ -68,7 +68,7 @@ def choose_plan(
     cannot: dict[str, str] | None = None,
     fit_rows: bool = True,
 ) -> PlanChoice:
-    """The request's plan, or with ``--device`` and no plan the first of the device's ladder that fits.
+    """The request's plan, or with ``--for`` (a profile) and no plan the first of the device's ladder that fits.
 
     ``precision_of`` maps a plan type to the name the device profile lists for ``fmt`` (a GGUF type, or fp32/int8/
     int4 for graph formats); types the target cannot store at all raise ``ValueError`` there.

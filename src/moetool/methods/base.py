@@ -41,7 +41,7 @@ def register_causal_lm(config_cls: Any, model_cls: Any) -> None:
 
 # why a method's export reads no such key of a ``targets:`` entry (:meth:`MethodPlugin.check_targets`)
 _UNREAD = {
-    "device": "device profiles pick a standard MoE's format and plan",
+    "for": "deployment profiles pick a standard MoE's format and plan",
     "context": "it sizes a standard export's memory estimate",
     "imatrix": "importance matrices are for a standard MoE's GGUF",
     "quant": "this export is written in float32 only",
@@ -234,7 +234,7 @@ class MethodPlugin(Generic[RecipeT, PlanT]):
 
     def check_targets(self, recipe: RecipeT) -> None:
         """Refuse, before any work, a ``targets:`` entry this method's output cannot be exported as asked: a target
-        it cannot write, a device profile (devices pick a standard MoE's format and plan), or a key its exporter
+        it cannot write, a deployment profile (``for:`` picks a standard MoE's format and plan), or a key its exporter
         would not read (``context``, ``imatrix``, a ``quant`` for an export that is float32 only).
 
         Raises:
@@ -246,16 +246,17 @@ class MethodPlugin(Generic[RecipeT, PlanT]):
             where = f"{recipe.path or recipe.name}: targets.{i}"
             if t.target is None:
                 raise RecipeError(
-                    f"{where}.device: method {self.name}'s outputs export by target, not by device profile (a device "
-                    f"picks a standard MoE's format and plan); name a target: {supported}"
+                    f"{where}.for: method {self.name}'s outputs export by target, not for a deployment profile (a "
+                    f"profile picks a standard MoE's format and plan); name a target: {supported}"
                 )
             if t.target not in keys:
                 raise RecipeError(
                     f"{where}.target: method {self.name}{self.target_note(recipe)} cannot write target {t.target!r}; "
                     f"the targets it writes: {supported}"
                 )
-            for key in ("device", "context", "imatrix", "quant"):
-                if getattr(t, key) is not None and key not in keys[t.target]:
+            given = {"for": t.for_, "context": t.context, "imatrix": t.imatrix, "quant": t.quant}
+            for key, value in given.items():
+                if value is not None and key not in keys[t.target]:
                     raise RecipeError(
                         f"{where}.{key}: method {self.name}'s {t.target} export does not read {key} "
                         f"({_UNREAD[key]}); remove it"

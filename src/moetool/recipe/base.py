@@ -7,10 +7,12 @@ use, such as ``moetool.quant.plan``, can import it without importing the recipe 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import PrivateAttr
 
+from moetool.errors import deprecated
 from moetool.strict import StrictModel
 
 
@@ -52,4 +54,22 @@ class RecipeBase(StrictModel):
         return result
 
 
-__all__ = ["RecipeBase", "StrictModel"]
+def renamed_key(data: Any, old: str, new: str, section: str) -> Any:
+    """A section's raw mapping with the old spelling ``old`` of key ``new`` read as ``new``, and a deprecation
+    warning naming both (for a ``mode="before"`` validator; the old key is read for one release).
+
+    Raises:
+        ValueError: both spellings are given.
+    """
+    if not isinstance(data, dict) or old not in data:
+        return data
+    if new in data:
+        raise ValueError(f"{old}: the old spelling of `{new}`, which is also given; keep only `{new}`")
+    deprecated(
+        f"{section}: `{old}: {data[old]}` is the old spelling; write `{new}: {data[old]}` "
+        f"(`{old}:` is still read in this release, not in the next)"
+    )
+    return {(new if k == old else k): v for k, v in data.items()}
+
+
+__all__ = ["RecipeBase", "StrictModel", "renamed_key"]

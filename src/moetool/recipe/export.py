@@ -1,26 +1,33 @@
-"""The ``targets:`` recipe section: what ``moetool build`` exports, by device or by target."""
+"""The ``targets:`` recipe section: what ``moetool build`` exports, for a deployment profile (``for:``) or by target."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from moetool.recipe.base import renamed_key
 from moetool.strict import StrictModel
 
 Target = Literal["gguf", "onnx", "tflite", "coreml", "executorch"]
 
 
 class TargetSpec(StrictModel):
-    """One artifact: a device (its preferred available format and a plan that fits), a target, or both."""
+    """One artifact: for a deployment profile (its preferred available format and a plan that fits), a target, or
+    both. The profile's key is ``for:`` (``--for`` on the command line); ``device:`` is its old spelling."""
 
-    device: str | None = Field(default=None, description="A device profile (`moetool devices`).")
-    target: Target | None = Field(default=None, description="Format; default: the device's first available one.")
+    # `for` is a Python keyword: the field is `for_`, read and written as `for`
+    model_config = ConfigDict(**StrictModel.model_config, serialize_by_alias=True)
+
+    for_: str | None = Field(
+        default=None, alias="for", description="A deployment profile (`moetool devices`), as `moetool export --for`."
+    )
+    target: Target | None = Field(default=None, description="Format; default: the profile's first available one.")
     quant: str | None = Field(default=None, description="--quant syntax; default: the recipe's quantization section.")
     name: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-        description="Directory under exports/ (default: device or target).",
+        description="Directory under exports/ (default: the profile and/or the target).",
     )
     context: int | None = Field(default=None, ge=16, description="Context length for the memory estimate.")
     imatrix: str | None = Field(
@@ -29,9 +36,14 @@ class TargetSpec(StrictModel):
         "tokens) for llama.cpp's quantizer, or a GGUF imatrix file; needed by q2_k, q3_k and the IQ types.",
     )
 
-    @field_validator("device")
+    @model_validator(mode="before")
     @classmethod
-    def _device(cls, v: str | None) -> str | None:
+    def _old_spelling(cls, data: Any) -> Any:
+        return renamed_key(data, "device", "for", "targets")
+
+    @field_validator("for_")
+    @classmethod
+    def _profile(cls, v: str | None) -> str | None:
         if v is not None:
             from moetool.quant.devices import get_device
 
@@ -49,13 +61,13 @@ class TargetSpec(StrictModel):
 
     @model_validator(mode="after")
     def _some(self) -> TargetSpec:
-        if self.device is None and self.target is None:
-            raise ValueError("a target entry needs a device, a target, or both")
+        if self.for_ is None and self.target is None:
+            raise ValueError("a target entry needs `for` (a deployment profile), a target, or both")
         return self
 
     @property
     def dir_name(self) -> str:
-        return self.name or "-".join(x for x in (self.device, self.target) if x)
+        return self.name or "-".join(x for x in (self.for_, self.target) if x)
 
 
 def check_target_names(targets: list[TargetSpec]) -> None:

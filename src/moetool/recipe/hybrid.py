@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from moetool.recipe.base import RecipeBase, StrictModel
+from moetool.recipe.base import RecipeBase, StrictModel, renamed_key
 from moetool.recipe.export import TargetSpec, check_target_names
 from moetool.recipe.train import DataSource
 
@@ -103,7 +103,14 @@ class HybridTrainSpec(StrictModel):
 class HybridProfileSpec(StrictModel):
     """Where the latency profiles c_k(L) = a·L + b·L² come from."""
 
-    device: str = Field(default="this-machine", description="Name recorded with the profile.")
+    # `for` is a Python keyword: the field is `for_`, read and written as `for` (`device:` is its old spelling)
+    model_config = ConfigDict(**StrictModel.model_config, serialize_by_alias=True)
+
+    for_: str = Field(
+        default="this-machine",
+        alias="for",
+        description="The device the profile describes, recorded with it (as `moetool profile --for`).",
+    )
     file: str | None = Field(default=None, description="A profile JSON measured on the device (else measured here).")
     lengths: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256], min_length=2)
     repeats: int = Field(default=5, ge=1, description="Timed runs per length (after one warm-up); the fastest counts.")
@@ -113,6 +120,11 @@ class HybridProfileSpec(StrictModel):
         description="cpu: CPU time of the calling thread (= wall time on an idle core for threads: 1; immune to "
         "other load); wall: perf_counter, for a dedicated device or threads > 1.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spelling(cls, data: Any) -> Any:
+        return renamed_key(data, "device", "for", "profile")
 
 
 class HybridSweepSpec(StrictModel):

@@ -208,6 +208,12 @@ def test_profile_fit_and_device_file(built, tmp_path):
     assert stored["device"] == "raspberry-pi-4" and stored["experts"]["llama"]["fit"]["b"] == pytest.approx(3e-7)
     again = runner.invoke(app, ["profile", str(built["model"]), "--from", str(dev), "-o", str(tmp_path / "p.json")])
     assert again.exit_code == 2 and "--force" in again.output
+    # --for names the device the profile is for (--device, its old spelling, is read with a deprecation line)
+    for option, device in (("--for", "pi-5"), ("--device", "pi-4")):
+        args = ["profile", str(built["model"]), "--from", str(dev), "-o", str(tmp_path / "p.json"), "--force"]
+        res = runner.invoke(app, [*args, option, device])
+        assert res.exit_code == 0, res.output
+        assert json.loads((tmp_path / "p.json").read_text())["device"] == device
 
 
 def test_cli_dry_run_and_pareto(built, tmp_path):

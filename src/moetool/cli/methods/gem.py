@@ -1,4 +1,5 @@
-"""``moetool gem …``: evaluate, export and inspect the routing of a GEM model (``moetool merge`` builds it).
+"""``moetool gem …``: evaluate and inspect the routing of a GEM model (``moetool merge`` builds it, ``moetool export``
+exports it; ``moetool gem export`` is an alias of it).
 
 The registry (:data:`moetool.registry.METHODS`) attaches ``app`` as ``moetool gem``; heavy imports stay in commands.
 """
@@ -12,9 +13,11 @@ from typing import Annotated, Any
 
 import typer
 
-from moetool.cli.console import console, friendly, out
+from moetool.cli.console import friendly, out
+from moetool.cli.export import register_alias
 
 app = typer.Typer(no_args_is_help=True, help="GEM models: evaluation (GG/CDTR/DSI), export, routing logs.")
+register_alias(app, "GEM models and bundles")
 
 
 def _print_report(report: dict[str, Any]) -> None:
@@ -92,35 +95,6 @@ def eval_cmd(
     _print_report(report)
     for path in api.write_report(report, json_file, None):
         out.print(f"wrote {path}")
-
-
-@app.command("export")
-@friendly
-def export_cmd(
-    model: Annotated[Path, typer.Argument(help="A GEM model (token level) or bundle (sequence level).")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory.")],
-    target: Annotated[
-        str | None,
-        typer.Option(
-            help="Token level: onnx (default) or tflite. Sequence level: the "
-            "pathways' format (default gguf; onnx, tflite, coreml, executorch)."
-        ),
-    ] = None,
-    quant: Annotated[
-        str | None,
-        typer.Option(
-            help="--quant plan: token level e.g. gem (pathways int4, rest int8); sequence level: for each pathway."
-        ),
-    ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
-) -> None:
-    """Token level: gem.onnx with the router and threshold inside the graph. Sequence level: router.onnx plus one
-    artifact per pathway and manifest.json (see moetool.methods.gem.dispatch). Same as ``moetool export``."""
-    from moetool import api
-    from moetool.cli.render import print_manifest
-
-    manifest = api.export(model, output, target=target, quant=quant, force=force, console=console)
-    print_manifest(output, manifest)
 
 
 @app.command("route")

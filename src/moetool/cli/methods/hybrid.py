@@ -1,4 +1,5 @@
-"""``moetool profile`` and ``moetool hybrid pareto|export|zoo-mamba``: thin Typer commands over the hybrid package.
+"""``moetool profile`` and ``moetool hybrid pareto|zoo-mamba`` (and ``hybrid export``, an alias of ``moetool export``):
+thin Typer commands over the hybrid package.
 
 moetool.cli registers these; anything taken from it is imported when a command runs, not at import.
 """
@@ -13,17 +14,28 @@ from typing import Annotated, Any
 import typer
 
 from moetool.cli.console import console, float_list, friendly, int_list, out
+from moetool.cli.export import register_alias
+from moetool.cli.options import PROFILES, OldDeviceOpt, old_spelling
 
 app = typer.Typer(no_args_is_help=True, help="Heterogeneous experts behind a cost-aware router (method: hybrid).")
+register_alias(app, "hybrid models: router.onnx + each expert as --target + dispatcher")
 
 
 @friendly
 def profile_cmd(
     model: Annotated[Path, typer.Argument(help="Hybrid model directory (written by `moetool merge`).")],
-    device: Annotated[str, typer.Option(help="Name of the device the profile describes.")] = "this-machine",
+    for_: Annotated[
+        str | None,
+        typer.Option(
+            "--for",
+            help=f"The deployment device the profile describes (a {PROFILES} name, or any label; default: "
+            "this-machine).",
+        ),
+    ] = None,
     from_file: Annotated[Path | None, typer.Option("--from", help="A profile JSON measured on the device.")] = None,
     gguf: Annotated[
-        Path | None, typer.Option(help="A `moetool hybrid export` directory: time its GGUF experts in llama.cpp.")
+        Path | None,
+        typer.Option(help="A `moetool export` folder of the hybrid model: time its GGUF experts in llama.cpp."),
     ] = None,
     lengths: Annotated[str, typer.Option(help="Comma-separated request lengths (tokens).")] = "16,32,64,128,256",
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per length; the fastest counts.")] = 10,
@@ -31,15 +43,16 @@ def profile_cmd(
     clock: Annotated[str, typer.Option(help="cpu (compute thread's CPU time) or wall.")] = "cpu",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of MODEL.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing profile.")] = False,
+    old_device: OldDeviceOpt = None,
 ) -> None:
     """Measure each expert's latency over request lengths (or read a device's), fit a·L + b·L² + c0, store it."""
-    from rich.table import Table
-
     from moetool.errors import MoetoolError
     from moetool.io.checks import check_report_path
     from moetool.methods.hybrid.assemble import read_model
     from moetool.methods.hybrid.profile import PROFILE_FILE, latency_at, measure_profile, read_profile
 
+    named = old_spelling("profile", "--device", old_device, for_)
+    device = named or "this-machine"
     ls = int_list("--lengths", lengths, minimum=1, distinct=2)  # the fit needs two lengths, each of 1 token or more
     meta, _ = read_model(model)
     names = [e["name"] for e in meta["experts"]]
@@ -51,7 +64,7 @@ def profile_cmd(
     vocab = int(meta["tokenizer"]["vocab_size"])
     if from_file is not None:
         prof = read_profile(from_file, names)
-        prof["device"] = device if device != "this-machine" else prof["device"]
+        prof["device"] = named or prof["device"]
     elif gguf is not None:
         from moetool.methods.hybrid.export import load_export
         from moetool.methods.hybrid.profile import measure_gguf_profile
@@ -75,6 +88,18 @@ def profile_cmd(
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(prof, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, target)
+    _print_profile(prof)
+    slow = max(names, key=lambda n: latency_at(prof["experts"][n]["fit"], meta["router"]["layout"]["max_length"]))
+    out.print(
+        f"[green]wrote[/] {target}; costly at max_length: {slow} (trained with: {meta['costly']}; "
+        "retrain with profile.file to use a new profile in the loss)"
+    )
+
+
+def _print_profile(prof: dict[str, Any]) -> None:
+    """Each expert's measured latency per length and its fit."""
+    from rich.table import Table
+
     t = Table(title=f"latency on {prof['device']} (ms)")
     t.add_column("expert")
     some = next(iter(prof["experts"].values()))["lengths"]
@@ -90,11 +115,6 @@ def profile_cmd(
             f"max rel err {100 * f['max_rel_error']:.0f}%",
         )
     out.print(t)
-    slow = max(names, key=lambda n: latency_at(prof["experts"][n]["fit"], meta["router"]["layout"]["max_length"]))
-    out.print(
-        f"[green]wrote[/] {target}; costly at max_length: {slow} (trained with: {meta['costly']}; "
-        "retrain with profile.file to use a new profile in the loss)"
-    )
 
 
 @app.command("pareto")
@@ -135,49 +155,6 @@ def pareto_cmd(
     write_sweep(result, output, force=force)
     out.print(table(result))
     out.print(f"[green]wrote[/] {output}/pareto.json, pareto.md, pareto.png")
-
-
-@app.command("export")
-@friendly
-def export_cmd(
-    model: Annotated[Path, typer.Argument(help="Hybrid model directory.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Export directory.")],
-    expert_target: Annotated[str, typer.Option(help="Exporter for the experts (gguf, onnx, …).")] = "gguf",
-    quant: Annotated[str | None, typer.Option(help="Expert precision (e.g. f16, q8_0).")] = None,
-    experts: Annotated[bool, typer.Option("--experts/--router-only", help="Export the experts too.")] = True,
-    verify: Annotated[bool, typer.Option(help="Check each expert artifact in its runtime.")] = True,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
-) -> None:
-    """Router as its own ONNX graph (onnxruntime parity), each expert via moetool's exporters, manifest, dispatcher."""
-    from moetool.io.checks import check_output_path
-    from moetool.methods.hybrid.export import export_hybrid
-
-    check_output_path(output, [model])  # --force over the model (or a folder holding it) would delete it
-    with console.status("exporting router and experts …"):
-        m = export_hybrid(
-            model,
-            output,
-            expert_target=expert_target,
-            quant=quant,
-            force=force,
-            verify=verify,
-            experts=experts,
-            console=console,
-        )
-    rp = m["router"]["parity"]
-    out.print(
-        f"[green]wrote[/] {output} (router {m['router']['bytes']} bytes; router: max |Δscore| "
-        f"{rp['max_abs_score_diff']:.2e}, choice agreement {rp['choice_agreement']:.3f} on {rp['requests']} requests)"
-    )
-    for e in m["experts"]:
-        par = e.get("parity")
-        if isinstance(par, dict):
-            out.print(
-                f"  {e['name']}: {e['dir']}/{e['file']}, {par['runtime']} vs {par['reference']}: top-1 "
-                f"{par['top1_agreement']:.4f}, ppl change {100 * par['ppl_change']:+.2f}%"
-            )
-        else:
-            out.print(f"  {e['name']}: {e.get('reason') or par or 'router only'}")
 
 
 @app.command("zoo-mamba")

@@ -94,7 +94,7 @@ class HybridAssembler:
             f"  data: {', '.join(r.train.data)}; {r.train.samples_per_domain} train / "
             f"{r.train.valid_samples_per_domain} held-out requests per domain, lengths "
             f"{r.train.min_length}–{r.router.max_length}",
-            f"  profile: {r.profile.file or f'measured here as {r.profile.device!r} at lengths {r.profile.lengths}'}",
+            f"  profile: {r.profile.file or f'measured here as {r.profile.for_!r} at lengths {r.profile.lengths}'}",
         ]
         inputs = {f"expert {e.name}": str(e.source) for e in r.experts}
         return MethodPlan("hybrid", r.name, inputs=inputs, lines=tuple(lines))

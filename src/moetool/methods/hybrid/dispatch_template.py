@@ -31,7 +31,7 @@ def trained_bos_id(manifest: dict[str, Any], root: Path) -> int:
     bos = bos.get("content") if isinstance(bos, dict) else bos
     bos_id = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(bos) if bos else None
     if bos_id is None:
-        raise SystemExit(f"{folder}: no BOS token in tokenizer_config.json; re-export with moetool hybrid export")
+        raise SystemExit(f"{folder}: no BOS token in tokenizer_config.json; re-export with moetool export")
     return int(bos_id)
 
 

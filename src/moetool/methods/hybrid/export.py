@@ -257,14 +257,14 @@ def _member(e: dict[str, Any], target: str, quant: str | None, verify: bool) -> 
 
 
 def load_export(path: Path) -> dict[str, Any]:
-    """The manifest of a ``moetool hybrid export`` folder.
+    """The manifest of a hybrid model's ``moetool export`` folder.
 
     Raises:
         ExportError: no such folder, no manifest.json, or a manifest that is not a hybrid export's, naming the file
             and the command that writes one.
     """
     manifest = Path(path) / "manifest.json"
-    writes_it = "`moetool hybrid export MODEL -o DIR` writes it"
+    writes_it = "`moetool export MODEL -o DIR` of a hybrid model writes it"
     if not Path(path).is_dir():
         raise ExportError(f"{path}: no such directory; a hybrid export folder is expected ({writes_it})")
     if not manifest.is_file():

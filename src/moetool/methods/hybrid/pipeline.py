@@ -53,7 +53,7 @@ def get_profile(recipe: HybridRecipe, recipe_dir: Path, experts: list[Expert]) -
     vocab = len(experts[0].tokenizer)
     return measure_profile(
         {e.name: e.model for e in experts},
-        device=spec.device,
+        device=spec.for_,
         lengths=spec.lengths,
         repeats=spec.repeats,
         threads=spec.threads,
