@@ -5,6 +5,7 @@
 #   bash scripts/setup.sh --bench  # + mergekit-moe for bench/, in a venv of its own (.venv-mergekit)
 #   bash scripts/setup.sh --llama  # + llama-cpp-python (GGUF parity, K-quants); --dev includes it
 #   bash scripts/setup.sh --eval   # + lm-evaluation-harness (moetool eval --tasks, the demo's task accuracy); --dev too
+#   bash scripts/setup.sh --mlx    # + mlx-lm (MLX export and the consumer check; mlx's CPU build on Linux); --dev too
 #   bash scripts/setup.sh --onnx   # + onnx, onnxruntime, onnxscript (ONNX export); --dev includes it
 #   bash scripts/setup.sh --executorch / --coreml   # ExecuTorch (XNNPACK) / Core ML export; --dev includes both
 #   bash scripts/setup.sh --tflite # litert-torch in its own venv, .venv-litert (it pins typing-extensions and
@@ -25,6 +26,7 @@ for arg in "$@"; do
     --llama) extras="${extras:+$extras,}llama" ;;
     --eval) extras="${extras:+$extras,}eval" ;;
     --onnx) extras="${extras:+$extras,}onnx" ;;
+    --mlx) extras="${extras:+$extras,}mlx" ;;
     --executorch) extras="${extras:+$extras,}executorch" ;;
     --coreml) extras="${extras:+$extras,}coreml" ;;
     --tflite) tflite=1 ;;

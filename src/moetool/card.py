@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool import __version__
-from moetool.arch.records import converter_caveat
+from moetool.arch.records import consumer_caveats
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.hashes import cached_sha256, sha256_file
 
@@ -68,8 +68,8 @@ def base_model_ids(sources: dict[str, Any]) -> list[str]:
 
 def limits_section(config: dict[str, Any]) -> str:
     """A model card's "Known limits" section for ``config`` (config.json as a dict); empty when it has none."""
-    caveat = converter_caveat(config)
-    return f"## Known limits\n\n- {caveat}.\n\n" if caveat else ""
+    caveats = consumer_caveats(config)
+    return "## Known limits\n\n" + "".join(f"- {c}.\n" for c in caveats) + "\n" if caveats else ""
 
 
 def model_card(

@@ -60,6 +60,7 @@ TARGETS: dict[str, str] = {
     "executorch": "moetool.export.executorch.exporter:ExecuTorchExporter",
     "coreml": "moetool.export.coreml.exporter:CoreMLExporter",
     "tflite": "moetool.export.tflite.exporter:TFLiteExporter",
+    "mlx": "moetool.export.mlx.exporter:MLXExporter",
 }
 
 # model reference schemes (``zoo:NAME``): scheme -> a function ``(name: str) -> pathlib.Path`` raising MoetoolError

@@ -70,6 +70,7 @@ CASES = {
     "qwen2_moe-shared": ("qwen2", SHARED, "qwen2moe"),
     "qwen2_moe-no-shared": ("qwen2", "norm_topk_prob: false\n", "qwen2moe"),
     "qwen3_moe": ("qwen3", "", "qwen3moe"),
+    "granitemoe": ("granite", "", "granitemoe"),
 }
 
 

@@ -92,7 +92,7 @@ def test_mixtral_f16_and_quantized_plans(mixtral, tmp_path):
 def test_qwen2_moe_shared_expert(tiny_models, tmp_path):
     m = tiny_models("qwen2")
     shared = f"shared_expert: {{source: {m['base']}, positive_prompts: ['def']}}\n"
-    normed = _merge(tmp_path, m, "q2n", shared)
+    normed = _merge(tmp_path, m, "q2n", shared + "norm_topk_prob: true\n")
     with pytest.raises(ExportError, match="norm_topk_prob: false"):
         plan_export(normed, tmp_path / "x", quant="f32")
     plain = _merge(tmp_path, m, "q2", shared + "norm_topk_prob: false\n")
@@ -103,10 +103,10 @@ def test_qwen2_moe_shared_expert(tiny_models, tmp_path):
 
 def test_qwen2_moe_without_shared_expert_uses_llama_moe(tiny_models, tmp_path):
     m = tiny_models("qwen2")
-    man = export(_merge(tmp_path, m, "q2ns"), tmp_path / "o", quant="f32")
+    man = export(_merge(tmp_path, m, "q2ns", "norm_topk_prob: true\n"), tmp_path / "o", quant="f32")
     assert man["llama_cpp_arch"] == "llama" and any("Mixtral form" in n for n in man["notes"])
     assert max(_parity(man)["max_abs_logit_diff"].values()) <= 1e-3
-    zero = _merge(tmp_path, m, "q2z", "norm_topk_prob: false\n")
+    zero = _merge(tmp_path, m, "q2z")  # the default: un-normalised
     man = export(zero, tmp_path / "z", quant="f32")
     assert man["llama_cpp_arch"] == "qwen2moe" and any("zero" in n for n in man["notes"])
     assert max(_parity(man)["max_abs_logit_diff"].values()) <= 1e-3

@@ -89,6 +89,11 @@ class MoEArch(ModelFacts):
         stacked: experts held as one tensor per layer and group ``[E, rows, ...]`` instead of ``expert``'s one per
             expert: (template with ``{layer}``, dense projections concatenated along the rows), e.g. GraniteMoE's
             ``input_linear`` = [gate; up] of every expert.
+        count_key: the config key of the routed expert count in the family's released checkpoints, the one
+            mlx-lm and llama.cpp's converter read (``arch.released``).
+        mlx_switch: mlx-lm's module of a layer's experts stacked ``[E, rows, cols]`` for one dense projection
+            (``{layer}``, ``{proj}`` = gate_proj | up_proj | down_proj), which its ``sanitize`` builds from the
+            per-expert (or GraniteMoE's stacked) tensors.
     """
 
     name: str
@@ -103,6 +108,8 @@ class MoEArch(ModelFacts):
     zero_attn_bias: tuple[str, ...] = ()
     checks: tuple[Callable[[PretrainedConfig], str | None], ...] = field(default=())
     stacked: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    count_key: str = "num_local_experts"
+    mlx_switch: str = "model.layers.{layer}.block_sparse_moe.switch_mlp.{proj}"
 
     def supports(self, base: PretrainedConfig, *, shared: bool) -> Verdict:
         """Explain whether this architecture can hold a MoE built on dense config ``base``."""
@@ -192,8 +199,10 @@ def _qwen_moe_extra(base: PretrainedConfig, n: int, k: int, shared: int | None) 
         "moe_intermediate_size": base.intermediate_size,
         "num_experts": n,
         "num_experts_per_tok": k,
-        # renormalised top-k weights (as Mixtral): an MoE of identical experts then equals the dense model
-        "norm_topk_prob": True,
+        # the top-k rule every consumer computes alike (arch.consumers): Qwen3-MoE's releases renormalise and all
+        # honour the key; Qwen2-MoE's do not, and llama.cpp and mlx-lm never renormalise it (so an MoE of identical
+        # experts equals the dense model only with `norm_topk_prob: true`, which the merge warns about)
+        "norm_topk_prob": base.model_type == "qwen3",
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "use_sliding_window": False,
@@ -240,6 +249,8 @@ QWEN2_MOE = MoEArch(
     expert="model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
     proj_map=_QWEN_PROJ,
     config_extra=_qwen_moe_extra,
+    count_key="num_experts",
+    mlx_switch="model.layers.{layer}.mlp.switch_mlp.{proj}",
     shared="model.layers.{layer}.mlp.shared_expert.{proj}.weight",
     shared_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
     # Qwen2 attention always has q/k/v biases; zeros make a bias-free llama base compute exactly the same
@@ -267,6 +278,8 @@ QWEN3_MOE = MoEArch(
     expert="model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
     proj_map=_QWEN_PROJ,
     config_extra=_qwen_moe_extra,
+    count_key="num_experts",
+    mlx_switch="model.layers.{layer}.mlp.switch_mlp.{proj}",
 )
 
 

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from moetool.arch.consumers import differing, ignoring_rope_scaling, rope_scaling_type
 from moetool.arch.facts import GraphTarget, ModelFacts
 from moetool.arch.families import FAMILIES, MLP_PROJS
 from moetool.arch.outputs import OUTPUT_ARCHS, MoEArch, expert_count, shared_expert_width
@@ -113,28 +114,65 @@ GGUF_TENSOR_MAP, GGUF_SPLIT_MAP = _gguf_maps()
 
 
 def converter_caveat(cfg: Mapping[str, Any]) -> str | None:
-    """Why llama.cpp's own converter (``convert_hf_to_gguf.py``) would mis-convert a model of config ``cfg``.
+    """Why a consumer other than transformers would compute another function from a model of config ``cfg``.
 
-    ``cfg`` is config.json as a dict. None when the converter gives a GGUF that computes the same function (as far
-    as moetool knows). The converter writes every model type as its own llama.cpp architecture
-    (``ModelFacts.gguf_arch``), whose top-k rule may differ from the model's.
+    ``cfg`` is config.json as a dict. None when every consumer moetool knows (llama.cpp's ``convert_hf_to_gguf.py``,
+    mlx-lm, vLLM: ``arch.consumers``) weights the top-k experts as transformers does. The converter writes every
+    model type as its own llama.cpp architecture (``ModelFacts.gguf_arch``), whose top-k rule may differ from the
+    model's; the others have a class per model type with its own rule.
     """
     rec = model_record(cfg.get("model_type"))
     n, k = expert_count(cfg), int(cfg.get("num_experts_per_tok") or 0)
     if rec is None or not n or k >= n or rec.gguf.renormalises_topk is None:
         return None
     norm = rec.normalises_topk(cfg)
-    if norm == rec.gguf.renormalises_topk:
+    others = differing(cfg, norm)
+    said = f"this model has norm_topk_prob: {str(norm).lower()}"
+    parts = []
+    if norm != rec.gguf.renormalises_topk:
+        rule = "always" if rec.gguf.renormalises_topk else "never"
+        ways = []
+        unshared = rec.gguf_unshared
+        if not shared_expert_width(cfg) and unshared is not None and unshared.renormalises_topk == norm:
+            ways.append(f"`moetool export --target gguf` (exact: it writes llama.cpp's {unshared.name!r} form)")
+        if rec.topk == "config":
+            ways.append(f"a merge with `norm_topk_prob: {str(not norm).lower()}`")
+        parts.append(
+            f"llama.cpp's convert_hf_to_gguf.py writes this {rec.model_type} as its {rec.gguf.name!r} architecture, "
+            f"which {rule} renormalises the top-k routing weights, but {said}: a GGUF from that converter computes a "
+            f"different function. Use {' or '.join(ways) or 'ONNX'} instead"
+        )
+    if others:
+        names = " and ".join(f"{c.name} ({c.checked})" for c in others)
+        fix = (
+            f"; a merge with `norm_topk_prob: {str(not norm).lower()}` computes alike everywhere"
+            if rec.topk == "config"
+            else ""
+        )
+        parts.append(
+            f"{names} {'do not renormalise' if norm else 'renormalise'} this {rec.model_type}'s top-k routing weights "
+            f"where transformers {'does' if norm else 'does not'} ({said}): loaded there it computes a different "
+            f"function{fix}"
+        )
+    return ". ".join(parts) or None
+
+
+def rope_caveat(cfg: Mapping[str, Any]) -> str | None:
+    """Why a consumer would load a model of config dict ``cfg`` with another rope (None when every one scales it).
+
+    mlx-lm's Mixtral and Qwen MoE classes ignore ``rope_scaling``.
+    """
+    ignoring = ignoring_rope_scaling(cfg)
+    if not ignoring:
         return None
-    rule = "always" if rec.gguf.renormalises_topk else "never"
-    ways = []
-    unshared = rec.gguf_unshared
-    if not shared_expert_width(cfg) and unshared is not None and unshared.renormalises_topk == norm:
-        ways.append(f"`moetool export --target gguf` (exact: it writes llama.cpp's {unshared.name!r} form)")
-    if rec.topk == "config":
-        ways.append(f"a merge with `norm_topk_prob: {str(not norm).lower()}`")
+    names = " and ".join(f"{c.name} ({c.checked})" for c in ignoring)
     return (
-        f"llama.cpp's convert_hf_to_gguf.py writes this {rec.model_type} as its {rec.gguf.name!r} architecture, which "
-        f"{rule} renormalises the top-k routing weights, but this model has norm_topk_prob: {str(norm).lower()}: a "
-        f"GGUF from that converter computes a different function. Use {' or '.join(ways) or 'ONNX'} instead"
+        f"{names} load{'s' if len(ignoring) == 1 else ''} a {cfg.get('model_type')} with the plain rope, ignoring this "
+        f"model's {rope_scaling_type(cfg)} rope_scaling: loaded there it computes a different function at every "
+        f"position. transformers, vLLM and llama.cpp scale it"
     )
+
+
+def consumer_caveats(cfg: Mapping[str, Any]) -> list[str]:
+    """Every reason a consumer other than transformers computes another function from a model of config ``cfg``."""
+    return [c for c in (converter_caveat(cfg), rope_caveat(cfg)) if c]

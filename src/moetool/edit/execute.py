@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from moetool.arch.released import released_config
 from moetool.card import put_section
 from moetool.edit.layout import EditError
 from moetool.edit.plan import EditOp, EditPlan, Piece
@@ -105,7 +106,7 @@ def _card(plan: EditPlan, meta: dict[str, Any]) -> str:
 def write_metadata(plan: EditPlan, tmp: Path) -> None:
     """config.json, the carried files, moetool.json with this edit appended to ``edits``, and the card."""
     src = plan.layout.path
-    (tmp / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True))
+    (tmp / "config.json").write_text(json.dumps(released_config(plan.config), indent=2, sort_keys=True))
     for name in CARRIED:
         f = src / name
         if f.is_file() and not f.is_symlink():

@@ -28,6 +28,8 @@ ALL_GGUF: tuple[str, ...] = (
     "q3_k",
     "q2_k",
 )
+# what mlx-lm stores per weight: floats, or affine groups of N bits (export.mlx.names.MLX_PRECISIONS)
+MLX_PRECISIONS: tuple[str, ...] = ("f32", "f16", "bf16", "8-bit", "6-bit", "5-bit", "4-bit", "3-bit", "2-bit")
 GRAPH_PRECISIONS: tuple[str, ...] = (
     "fp32",
     "int8",
@@ -55,7 +57,8 @@ class Device:
 def _profile(name: str, description: str, *, memory: int, budget: int, formats: tuple[str, ...], **more: Any) -> Device:
     """A device whose runtimes run every precision their format stores: each GGUF type in llama.cpp, fp32, int8 and
     int4 weights in a graph runtime."""
-    precisions = {f: ALL_GGUF if f == "gguf" else GRAPH_PRECISIONS for f in formats}
+    by_format = {"gguf": ALL_GGUF, "mlx": MLX_PRECISIONS}
+    precisions = {f: by_format.get(f, GRAPH_PRECISIONS) for f in formats}
     return Device(name, description, memory, budget, formats, precisions, **more)
 
 
@@ -84,8 +87,19 @@ DEVICES: dict[str, Device] = {
             "Apple iPhone 13 Pro, 6 GB (A15)",
             memory=6 * GB,
             budget=int(4.2 * GB),
-            formats=("coreml", "gguf"),
+            formats=("coreml", "mlx", "gguf"),
             note="about 4.2 GB with the increased-memory-limit entitlement (GEM's figure); about 3 GB without",
+        ),
+        _profile(
+            "mac-16gb",
+            "Apple-silicon Mac (M1-M4), 16 GB unified memory",
+            memory=16 * GB,
+            budget=int(10.6 * GB),
+            formats=("mlx", "gguf"),
+            context=4096,
+            ladder=("f16", "q8_0", "moe-q5", "gem", "moe-q4", "q4_0"),
+            note="Metal's recommended working set is about two thirds of unified memory (10.7 GB of 16 GB): what "
+            "MLX and llama.cpp's Metal backend allocate within",
         ),
         _profile(
             "laptop",

@@ -76,9 +76,10 @@ class MoFERecipe(RecipeBase):
     )
     norm_topk_prob: bool | None = Field(
         default=None,
-        description="Qwen MoE outputs: renormalise the top-k routing weights (default true, as Mixtral; an MoE of "
-        "identical experts then equals the dense model). false gives Qwen2-MoE's un-normalised weights, which is "
-        "what llama.cpp's qwen2moe computes (needed for a GGUF of a Qwen2-MoE with a shared expert).",
+        description="Qwen MoE outputs: renormalise the top-k routing weights. Default: what every consumer "
+        "computes alike (Qwen3-MoE true; Qwen2-MoE false, as its releases: llama.cpp and mlx-lm never renormalise "
+        "it). true on a Qwen2-MoE makes an MoE of identical experts equal the dense model in transformers and vLLM, "
+        "and the merge warns that llama.cpp's converter and mlx-lm compute another function.",
     )
     seed: int = Field(default=0, description="Seed for random gates.")
     max_shard_size: int = Field(default=2_000_000_000, ge=1024, description="Output shard size in bytes.")

@@ -24,8 +24,9 @@ def _recipe(tmp: Path, base: Path, k: int, extra: str = "") -> Path:
 @pytest.mark.parametrize(
     ("family", "k", "extra", "warned", "ways"),
     [
-        ("qwen2", 2, "", True, ["moetool export --target gguf", "norm_topk_prob: false"]),
-        ("qwen2", 2, "shared_expert: {source: BASE}\n", True, ["norm_topk_prob: false"]),
+        ("qwen2", 2, "norm_topk_prob: true\n", True, ["moetool export --target gguf", "norm_topk_prob: false"]),
+        ("qwen2", 2, "shared_expert: {source: BASE}\nnorm_topk_prob: true\n", True, ["norm_topk_prob: false"]),
+        ("qwen2", 2, "", False, []),  # the default: un-normalised, as llama.cpp computes a Qwen2-MoE
         ("qwen2", 2, "norm_topk_prob: false\n", False, []),
         ("qwen2", 3, "", False, []),  # top-k of every expert: renormalising changes nothing
         ("llama", 2, "", False, []),
@@ -41,7 +42,7 @@ def test_merge_warns_when_llama_cpps_converter_would_differ(tmp_path, family, k,
         assert way in caveats[0]
     if "shared_expert" in extra:
         assert "moetool export --target gguf" not in caveats[0]  # moetool's exporter refuses that one too
-    if extra or k == 3 or family == "qwen3":
+    if "shared_expert" in extra or "false" in extra or k == 3 or family == "qwen3":
         return  # the plan is what the merge prints; two merges below show the printout and the card
     log = Console(record=True, width=300)
     out = assemble(recipe, tmp_path / "moe", console=log)

@@ -1,4 +1,7 @@
-"""An MoE of identical experts computes exactly what the dense model computes, whatever the router weights."""
+"""An MoE of identical experts computes exactly what the dense model computes, whatever the router weights.
+
+A Qwen2-MoE does with renormalised top-k weights (``norm_topk_prob: true``); its default is the un-normalised form
+every consumer computes alike (arch.consumers), which weights the one expert by less than 1."""
 
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ name: parity
 method: mofe
 base_model: {m["base"]}
 architecture: {arch}
+{"norm_topk_prob: true" if arch == "qwen2_moe" else ""}
 experts_per_token: 2
 gate_mode: random
 seed: {seed}

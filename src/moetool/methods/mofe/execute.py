@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 
 from moetool.arch.outputs import NULL_SHARED_GATE
+from moetool.arch.released import released_config
 from moetool.card import limits_section, model_card, provenance, source_hashes
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import Checkpoint
@@ -175,7 +176,7 @@ def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str, hashes: dict[P
     """config.json, the base's tokenizer files, the recipe, moetool.json (provenance) and the model card."""
 
     recipe: MoFERecipe = plan.recipe
-    cfg = dict(plan.config) | {"dtype": plan.dtype}
+    cfg = released_config(plan.config) | {"dtype": plan.dtype}
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     base_path = plan.sources["base"].path
     copy_tokenizer(base_path, tmp)

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from moetool.arch.families import FOUNDATION_KEYS, MLP_PROJS, MOFE_FAMILIES, REFUSED_FAMILIES, dense_mlp_name
 from moetool.arch.outputs import MoEArch, select_output_arch
-from moetool.arch.records import converter_caveat
+from moetool.arch.records import consumer_caveats
 from moetool.errors import MoetoolError, PreflightError
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.files import tokenizer_signature
@@ -202,9 +202,8 @@ def plan_mofe(recipe: MoFERecipe, *, allow_pickle: bool = False) -> MergePlan:
         if "norm_topk_prob" not in config:
             raise PreflightError(f"norm_topk_prob: the {arch.name} output has no such option")
         config["norm_topk_prob"] = recipe.norm_topk_prob
-    caveat = converter_caveat(config)  # the usual GGUF path for a downloaded folder: warn before it is shared
-    if caveat:
-        warnings.append(caveat)
+    # llama.cpp's converter, mlx-lm, vLLM: the ways a shared folder is used, warned about before it is shared
+    warnings += consumer_caveats(config)
     ops = _ops(arch, base_t, recipe, base_cfg.num_hidden_layers, shared_inter, base_cfg.hidden_size)
     return MergePlan(
         recipe=recipe,

@@ -1,0 +1,116 @@
+"""``moetool export --target mlx``: an mlx-lm folder (Apple silicon; mlx's CPU build on Linux) with the plan's
+precision per role — by default experts 4-bit, router and norms kept, everything else 8-bit, MLX's affine groups —
+checked in mlx-lm against transformers float32.
+
+mlx-lm computes an MoE sparsely (``SwitchGLU``: ``gather_qmm`` over the chosen experts only). Files:
+``model.safetensors``, ``config.json`` (with ``quantization``: the default and one entry per module that differs),
+the tokenizer files, ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from rich.console import Console
+
+from moetool.arch.outputs import output_arch
+from moetool.arch.records import model_record
+from moetool.arch.released import released_config
+from moetool.export.base import NOT_VERIFIED, ArtifactPlan, ExportError, ExportRequest, write_manifest
+from moetool.export.graph.parity import gate
+from moetool.export.heldout import held_out_text, model_name
+from moetool.export.mlx.names import mlx_precision, module_paths, module_precisions
+from moetool.export.planning import choose_plan, manifest_base
+from moetool.io.atomic import atomic_dir
+from moetool.io.checkpoint import Checkpoint
+from moetool.io.files import copy_tokenizer
+from moetool.progress import step_printer
+from moetool.quant.plan import TensorEntry
+
+# the config keys mlx-lm reads that a folder merged before the released form (arch.released) may lack
+_RELEASED_KEYS = ("rope_theta", "rope_scaling", "num_experts", "num_local_experts")
+
+
+class MLXPlan(ArtifactPlan):
+    def module_paths(self) -> dict[str, list[str]]:
+        """mlx-lm module path → the Hugging Face tensors its weight is made of."""
+        return module_paths(
+            output_arch(self.config.get("model_type")), [a.entry.hf_name for a in self.quant.assignments]
+        )
+
+    def module_precisions(self) -> dict[str, str]:
+        """mlx-lm module path → MLX precision (``f32``, ``bf16``, ``4-bit``, …)."""
+        return module_precisions(self.module_paths(), {a.entry.hf_name: a.type for a in self.quant.assignments})
+
+
+class MLXExporter:
+    name = "mlx"
+    requires = "mlx"
+    # what mlx-community's MoEs are: experts 4-bit, the rest 8-bit (the router kept float, as in every preset)
+    default_quant = "moe-q4"
+
+    def plan(self, req: ExportRequest) -> MLXPlan:
+        ck = Checkpoint(req.model_dir)
+        cfg = ck.config
+        if model_record(cfg.get("model_type")) is None:
+            raise ExportError(
+                f"--target mlx: {req.model_dir} is a {cfg.get('model_type')!r} model; mlx-lm classes are known for "
+                "the Llama, Mistral, Qwen and Granite families and their MoEs (export a method's model with its own "
+                "targets)"
+            )
+        entries = [TensorEntry(n, tuple(info.shape)) for n, info in ck.tensors.items()]
+        # no GGUF block fallback: mlx quantizes any row that a group of 64 or 32 divides (runtime.write_folder)
+        c = choose_plan(req, entries, cfg, "mlx", precision_of=mlx_precision, fit_rows=False)
+        plan = MLXPlan(
+            req.model_dir,
+            cfg,
+            c.quant,
+            model_name(req.named_model),
+            c.device,
+            c.memory,
+            c.context,
+            c.candidates,
+            req.origin,
+        )
+        try:
+            plan.module_precisions()
+        except ValueError as exc:
+            raise ExportError(f"plan {c.quant.label!r} for mlx: {exc}") from None
+        return plan
+
+    def export(self, req: ExportRequest, plan: MLXPlan, console: Console | None = None) -> dict[str, Any]:
+        from moetool.export.mlx import runtime
+
+        runtime.versions()  # no mlx-lm: refuse before anything is written
+        started = time.perf_counter()
+        step = step_printer(console, started)
+        released = released_config(plan.config)
+        overrides = {k: released[k] for k in _RELEASED_KEYS if k in released}
+        precisions = plan.module_precisions()
+        with atomic_dir(req.output, force=req.force) as tmp:
+            step(f"writing the mlx-lm folder with mlx-lm's loader and quantizer ({plan.quant.label})")
+            config, notes = runtime.write_folder(req.model_dir, tmp, precisions, overrides)
+            copy_tokenizer(req.model_dir, tmp, overwrite=False)
+            parity: dict[str, Any] | str = NOT_VERIFIED
+            if req.verify:
+                step("checking the folder in mlx-lm against transformers")
+                text, src = held_out_text(req.model_dir, req.eval_text)
+                parity = runtime.check_folder(tmp, req.model_dir, text, plan.module_paths()) | {"text": src}
+                if all(p == "f32" for p in precisions.values()):
+                    gate(parity, "MLX (f32)")
+            files = {p.name: p for p in sorted(tmp.iterdir()) if p.is_file()}
+            manifest = manifest_base("mlx", plan, files, "model.safetensors")
+            manifest["plan"]["mlx_precisions"] = dict(Counter(precisions.values()))
+            manifest |= {
+                "runtime": runtime.versions(),
+                "quantization": config.get("quantization"),
+                "moe_kernel": {"kind": "sparse", "op": "mlx-lm SwitchGLU (gather_mm / gather_qmm over the top-k)"},
+                "load": "mlx_lm.load(folder) or mlx_lm.generate --model folder",
+                "notes": manifest["notes"] + notes,
+                "parity": parity,
+                "timing_s": {"total": round(time.perf_counter() - started, 3)},
+            }
+            write_manifest(tmp, manifest)
+        return manifest
