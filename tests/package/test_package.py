@@ -348,3 +348,24 @@ def test_a_link_out_of_the_model_folder_is_refused(run, tmp_path):
     (model / "real.json").write_text("{}")
     (model / "generation_config.json").symlink_to(model / "real.json")
     build_repo(model, tmp_path / "repo2")
+
+
+def test_card_lists_where_the_model_runs(run, packaged, tmp_path, tiny_models):
+    """The consumer matrix: mlx-lm run on the folder (figures), llama.cpp by its converter's rule, vLLM by its
+    source; a Qwen2-MoE asking for renormalised top-k says which consumers compute another function."""
+    text = (packaged / "README.md").read_text()
+    section = text.split("## Where it runs", 1)[1].split("\n## ", 1)[0]
+    mlx = next(line for line in section.splitlines() if line.startswith("| mlx-lm"))
+    assert "| ✓ |" in mlx and "max abs Δlogit" in mlx and "@32" in mlx
+    assert "| llama.cpp | ✓ |" in section and "'llama'" in section and "| vLLM" in section
+
+    m = tiny_models("qwen2")
+    recipe = write_recipe(
+        tmp_path / "q.yaml",
+        f"name: q\nmethod: mofe\nbase_model: {m['base']}\nexperts_per_token: 2\ngate_mode: random\n"
+        f"norm_topk_prob: true\nexperts:\n  - {{name: a, source: {m['e1']}}}\n  - {{name: b, source: {m['e2']}}}\n"
+        f"  - {{name: c, source: {m['e3']}}}\n",
+    )
+    card = (build_repo(assemble(recipe, tmp_path / "q"), tmp_path / "repo") / "README.md").read_text()
+    rows = card.split("## Where it runs", 1)[1].split("\n## ", 1)[0]
+    assert "| llama.cpp | ✗ (its converter) |" in rows and "| mlx-lm (0.32.2) | ✗ |" in rows

@@ -44,7 +44,7 @@ MLX_LM = Consumer(
 )
 VLLM = Consumer(
     "vLLM",
-    "main, read 2026-11 (not run here: it needs a GPU)",
+    "main, source read 2026-11",
     # FusedMoE(renormalize=True) for Mixtral and GraniteMoE, renormalize=config.norm_topk_prob for the Qwen MoEs
     {"mixtral": "always", "qwen2_moe": "config", "qwen3_moe": "config", "granitemoe": "always"},
     frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"}),  # get_rope(rope_parameters) in every class

@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from moetool.arch.records import model_record
 from moetool.card import limits_section
+from moetool.export.heldout import held_out_text
 from moetool.io.files import BUNDLE_LAYOUT
 from moetool.io.safe import parse_yaml, read_json
+from moetool.package.consumers import consumer_matrix, consumers_section
 from moetool.package.inputs import REPO_ID_PLACEHOLDER, Artifact, PackageError
 
 
@@ -346,7 +349,10 @@ def render_card(
     config = model / "config.json"
     body += _usage_section(artifacts, transformers=config.is_file())
     if config.is_file():
-        body += limits_section(read_json(config, what="model config"))
+        cfg = read_json(config, what="model config")
+        if model_record(cfg.get("model_type")) is not None:  # a model_type mlx-lm and llama.cpp have classes for
+            body += consumers_section(consumer_matrix(model, cfg, artifacts, held_out_text(model)[0]))
+        body += limits_section(cfg)
     if recipe:
         body += "## Recipe\n\n" + _fence(recipe, "yaml") + "\n"
     if train_recipe:
