@@ -126,3 +126,13 @@ def test_the_mac_profile_picks_an_mlx_plan(tmp_path, tiny_models):
     req = ExportRequest(model_dir=moe, output=tmp_path / "out", quant=QuantSpec(), device="mac-16gb")
     plan = get_exporter("mlx").plan(req)
     assert plan.device == "mac-16gb" and plan.quant.label == "f16"  # the ladder's first, far within 10.6 GB
+
+
+def test_every_registered_target_is_a_recipe_target():
+    """``targets: [{target: mlx}]`` in a recipe is accepted for every exporter the registry has."""
+    from typing import get_args
+
+    from moetool.recipe.export import Target
+    from moetool.registry import TARGETS
+
+    assert set(get_args(Target)) == set(TARGETS)

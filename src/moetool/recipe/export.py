@@ -9,7 +9,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from moetool.recipe.base import renamed_key
 from moetool.strict import StrictModel
 
-Target = Literal["gguf", "onnx", "tflite", "coreml", "executorch"]
+Target = Literal["gguf", "onnx", "tflite", "coreml", "executorch", "mlx"]
 
 
 class TargetSpec(StrictModel):
