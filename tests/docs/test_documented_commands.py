@@ -139,7 +139,7 @@ COMMANDS: list[Cmd] = [
         why="the stand-in smollm2 profile (its 600-word held-out texts make 14 items per local task)",
     ),
     run(
-        "moetool export out/demo/tuned-mofe --device raspberry-pi-4 --output out/demo/exports/raspberry-pi-4",
+        "moetool export out/demo/tuned-mofe --for raspberry-pi-4 --output out/demo/exports/raspberry-pi-4",
         extra="llama",
     ),
     run("moetool package out/demo --output out/demo/hf-repo"),
@@ -179,7 +179,7 @@ COMMANDS: list[Cmd] = [
     ),
     helponly("moetool zoo build [--profile default|tiny] [--force]", SYNOPSIS),
     helponly(
-        "moetool export MODEL --output DIR [--target gguf] [--quant PLAN] [--device NAME] [--context N] "
+        "moetool export MODEL --output DIR [--target gguf] [--quant PLAN] [--for NAME] [--context N] "
         "[--imatrix auto|FILE] [--calibration FILE] [--dry-run] [--no-verify] [--eval-text FILE] [--force]",
         SYNOPSIS,
     ),
@@ -206,7 +206,7 @@ COMMANDS: list[Cmd] = [
     helponly("moetool comigs train|bake|adapters …", REFERENCE),
     helponly("moetool gem eval|export|route …", REFERENCE),
     helponly("moetool hybrid zoo-mamba|pareto|export …", REFERENCE),
-    helponly("moetool profile MODEL --device NAME", SYNOPSIS),
+    helponly("moetool profile MODEL --for NAME", SYNOPSIS),
     helponly("moetool embedding export|report …", REFERENCE),
     helponly("moetool train", REFERENCE),
     helponly("moetool eval", REFERENCE),
@@ -235,7 +235,7 @@ COMMANDS: list[Cmd] = [
         background=True,
     ),
     run("moetool comigs bake out/comigs/medical -o out/medical-mixtral"),
-    run("moetool export out/medical-mixtral --device laptop -o out/medical-gguf", extra="llama"),
+    run("moetool export out/medical-mixtral --for laptop -o out/medical-gguf", extra="llama"),
     run("moetool merge recipes/demo-gem.yaml -o out/gem"),
     run("moetool gem eval out/gem"),
     run("moetool gem export out/gem -o out/gem-onnx", extra="onnx", slow=True),
@@ -358,7 +358,7 @@ COMMANDS: list[Cmd] = [
     helponly("moetool hybrid pareto", REFERENCE),
     helponly("moetool hybrid export", REFERENCE),
     run(  # warms llama.cpp up for 4 s per expert before timing
-        "moetool profile out/hybrid --gguf out/hybrid-export --device this-machine-llama.cpp --force",
+        "moetool profile out/hybrid --gguf out/hybrid-export --for this-machine-llama.cpp --force",
         extra="llama",
         slow=True,
     ),
