@@ -564,6 +564,7 @@ COMMANDS: list[Cmd] = [
     notrun("bash scripts/setup.sh --tflite", SETUP),
     notrun("bash scripts/setup.sh --coreml", SETUP),
     notrun("bash scripts/setup.sh --executorch", SETUP),
+    notrun("bash scripts/setup.sh --mlx", SETUP),
     notrun(
         ".venv/bin/mkdocs build --strict",
         "builds the whole site (about 20 s): .ci/run runs it; tests/docs/test_recipe_reference.py checks the page it "
