@@ -33,7 +33,9 @@ def test_inspect_refuses_a_garbage_config_json(env, refused):
     refused(["inspect", str(model)], ["config.json", "not UTF-8"], inputs=[model], sandbox=env.root)
 
 
-# moetool-recipe.yaml is the recipe a model was merged from; export reads its quantization section
+# moetool-recipe.yaml is the recipe a model was merged from; export reads it (validated, as a recipe file is) for its
+# quantization section
+KEPT = "name: m\nmethod: mofe\nbase_model: zoo:base\ngate_mode: random\nexperts: [{name: a, source: zoo:code}]\n"
 RECIPES = [
     ("syntax", "quantization: [\n", ["moetool-recipe.yaml:2:", "not valid YAML"]),
     (
@@ -43,10 +45,12 @@ RECIPES = [
     ),
     (
         "bad-preset",
-        "quantization: {preset: q9_9}\n",
-        ["moetool-recipe.yaml: quantization: preset:", "unknown preset 'q9_9'"],
+        KEPT + "quantization: {preset: q9_9}\n",
+        ["moetool-recipe.yaml:6: quantization.preset:", "unknown preset 'q9_9'"],
     ),
-    ("not-a-mapping", "- quantization\n", ["moetool-recipe.yaml: the model's recipe is not a YAML mapping"]),
+    ("not-a-recipe", "quantization: {preset: q8_0}\n", ["moetool-recipe.yaml:1: method: None is not a known method"]),
+    ("unknown-key", KEPT + "quantisation: {preset: q8_0}\n", ["moetool-recipe.yaml:6: quantisation: unknown key"]),
+    ("not-a-mapping", "- quantization\n", ["moetool-recipe.yaml: a recipe must be a YAML mapping"]),
     ("latin-1", "name: caf\xe9\n".encode("latin-1"), ["moetool-recipe.yaml:1:", "not UTF-8"]),
 ]
 

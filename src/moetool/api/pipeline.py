@@ -170,7 +170,7 @@ def build_method(
         result.tuned["tuned"] = result.model = outcome.output
         stage("trained", (None, outcome))
     for t in targets:
-        _export_one(t, out, result, force=force, verify=verify, console=console, stage=stage)
+        _export_one(r, t, out, result, force=force, verify=verify, console=console, stage=stage)
     if (result.model / "config.json").is_file() or is_bundle(result.model):
         console.rule("Hugging Face repo folder")
         exports = [out / "exports" / n for n in result.manifests]
@@ -198,13 +198,25 @@ def _build_exports(
     """Export every ``targets:`` entry of the recipe (or only those for ``devices``) into ``out/exports``."""
     for t in r.targets:
         if devices is None or t.for_ in devices:
-            _export_one(t, out, result, force=force, verify=verify, console=console, stage=stage)
+            _export_one(r, t, out, result, force=force, verify=verify, console=console, stage=stage)
 
 
 def _export_one(
-    t: TargetSpec, out: Path, result: BuildResult, *, force: bool, verify: bool, console: Console, stage: Stage
+    r: RecipeBase,
+    t: TargetSpec,
+    out: Path,
+    result: BuildResult,
+    *,
+    force: bool,
+    verify: bool,
+    console: Console,
+    stage: Stage,
 ) -> None:
-    """One ``targets:`` entry of the final model into ``out/exports/<its name>``."""
+    """One ``targets:`` entry of the final model into ``out/exports/<its name>``.
+
+    Planned from recipe ``r`` itself (its quantization section and training data, as objects): nothing is read
+    back from the model's folder.
+    """
     console.rule(f"export {t.dir_name}")
     job = plan_export(
         result.model,
@@ -216,6 +228,7 @@ def _export_one(
         force=force,
         verify=verify,
         imatrix=t.imatrix,
+        recipe=r,
     )
     stage("export_plan", (t.dir_name, job.exporter, job.plan))
     with console.status(f"writing and verifying {job.exporter.name} …"):

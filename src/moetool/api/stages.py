@@ -15,7 +15,7 @@ from moetool.eval.perplexity import eval_need
 from moetool.eval.report import evaluate as run
 from moetool.export.base import ExportError, ExportJob, ExportRequest, Manifest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
-from moetool.export.resolve import ExportOptions, plan_standard_export
+from moetool.export.resolve import ExportOptions, check_method_options, plan_standard_export
 from moetool.io.atomic import atomic_write_text
 from moetool.io.checks import check_finished_model_dir, check_output_path, check_report_path, is_moetool_temp
 from moetool.io.safe import read_json, read_text
@@ -314,12 +314,7 @@ def plan_export(model: str | Path, output: str | Path, **opts: Unpack[ExportOpti
     if owner is None:  # a standard model: not a killed run's temp dir, not a half-written folder
         check_finished_model_dir(model_dir)
         return plan_standard_export(model_dir, output, **opts)
-    if opts.get("device") is not None:
-        raise ExportError(
-            f"{model_dir} is a {owner.name} model: --for (a deployment profile) applies to standard MoE models; use --target"
-        )
-    if any(opts.get(k) is not None for k in ("imatrix", "calibration", "imatrix_mode", "imatrix_min_tokens")):
-        raise ExportError(f"{model_dir} is a {owner.name} model: --imatrix applies to standard MoE models")
+    check_method_options(model_dir, owner.name, opts)
     exporter = owner.exporter(model_dir, opts.get("target"))
     quant = opts.get("quant")
     req = ExportRequest(
@@ -330,7 +325,7 @@ def plan_export(model: str | Path, output: str | Path, **opts: Unpack[ExportOpti
         force=opts.get("force", False),
         eval_text=opts.get("eval_text"),
         context=opts.get("context"),
-        options={"quant": quant if isinstance(quant, str) else None},
+        options={**(opts.get("options") or {}), "quant": quant if isinstance(quant, str) else None},
     )
     return ExportJob(exporter, req, exporter.plan(req))
 
@@ -354,12 +349,12 @@ def export(
     *,
     console: Console | None = None,
     base: str | Path | None = None,
-    options: dict[str, Any] | None = None,
     **kw: Any,
 ) -> Manifest:
     """Plan, write, verify and describe one artifact; returns its manifest (also written next to it).
 
-    A PEFT adapter directory as ``model`` becomes a GGUF LoRA adapter for ``base``.
+    ``kw``: :class:`~moetool.export.resolve.ExportOptions` (target options and a method's ``options`` included: they
+    are part of the plan). A PEFT adapter directory as ``model`` becomes a GGUF LoRA adapter for ``base``.
     """
     if is_adapter(Path(model)):
         check_artifact_dir(output)
@@ -373,9 +368,7 @@ def export(
             out_type=str(kw.get("quant") or "f32"),
         )
         return Manifest.of(doc, source="the GGUF LoRA exporter")
-    job = plan_export(model, output, **kw)
-    job.request.options.update(options or {})
-    return job.run(console or silent())
+    return plan_export(model, output, **kw).run(console or silent())
 
 
 def package(

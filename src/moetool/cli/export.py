@@ -96,7 +96,6 @@ def export_cmd(
     from moetool.cli.render import print_export_plan, print_manifest
     from moetool.errors import MoetoolError
     from moetool.export.gguf.lora import is_adapter
-    from moetool.export.resolve import check_target_options
     from moetool.io.safe import read_text
 
     profile = old_spelling("export", "--device", old_device, for_)
@@ -116,11 +115,8 @@ def export_cmd(
     job = api.plan_export(
         model, output, target=target, quant=quant, device=profile, force=force, verify=verify, eval_text=text,
         context=context, imatrix=imatrix, calibration=calib, imatrix_mode=imatrix_mode,
-        imatrix_min_tokens=imatrix_floor,
+        imatrix_min_tokens=imatrix_floor, compute_units=compute_units, moe_kernel=moe_kernel,
     )  # fmt: skip
-    options = {"compute_units": compute_units, "moe_kernel": moe_kernel}
-    check_target_options(job.exporter.name, options)
-    job.request.options.update({k: v for k, v in options.items() if v is not None})
     label = getattr(getattr(job.plan, "quant", None), "label", "")
     print_export_plan(job.exporter, job.plan, f"{job.exporter.name} plan '{label}' for {job.plan.name}")
     if dry_run:

@@ -146,6 +146,9 @@ def print_quant_plan(plan: Any, title: str) -> None:
 
             line += f" (budget on {plan.device}: {human(get_device(plan.device).budget)})"
         out.print(line)
+    options = {k: v for k, v in getattr(plan, "options", {}).items() if v is not None}
+    if options:
+        out.print("target options: " + ", ".join(f"{k} {v}" for k, v in options.items()), highlight=False)
     for label, total, fits in getattr(plan, "candidates", []):
         mark = "[green]fits[/]" if fits else "[red]too big or unsupported[/]"
         out.print(f"  plan {label}: {human(total)} {mark}{'  ← chosen' if label == q.label else ''}")

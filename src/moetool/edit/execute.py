@@ -20,9 +20,10 @@ from moetool.io.files import TOKENIZER_FILES
 from moetool.io.safe import read_text
 from moetool.io.writer import ShardedWriter
 from moetool.progress import task
+from moetool.recipe.kept import KEPT_RECIPE
 
 # files of an MoE folder an edit carries over as they are (the weights, config, card and moetool.json are rewritten)
-CARRIED = (*TOKENIZER_FILES, "LICENSE", "LICENSE.txt", "NOTICE", "moetool-recipe.yaml", "moetool-train-recipe.yaml")
+CARRIED = (*TOKENIZER_FILES, "LICENSE", "LICENSE.txt", "NOTICE", KEPT_RECIPE, "moetool-train-recipe.yaml")
 MAX_SHARD = 2_000_000_000
 
 

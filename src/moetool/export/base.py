@@ -53,6 +53,7 @@ class ArtifactPlan:
     context: int = 2048
     candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits) when --for
     origin: Origin | None = None  # the request's, for the manifest
+    options: dict[str, Any] = field(default_factory=dict)  # the target options planned (compute_units, moe_kernel)
 
 
 class ExportError(MoetoolError):

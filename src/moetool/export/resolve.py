@@ -14,10 +14,12 @@ from pydantic import ValidationError
 
 from moetool.export.base import TARGETS, ExportError, ExportJob, ExportRequest, get_exporter
 from moetool.export.planning import ArtifactPlan
-from moetool.io.safe import read_yaml
 from moetool.quant.devices import get_device
 from moetool.quant.imatrix import MODES, Calibration
 from moetool.quant.plan import QuantSpec, parse_quant
+from moetool.recipe.base import RecipeBase
+from moetool.recipe.kept import read_kept_recipe
+from moetool.recipe.train import TrainSpec
 
 
 def resolve_target(device: str | None, target: str | None) -> tuple[str, Any]:
@@ -38,36 +40,33 @@ def resolve_target(device: str | None, target: str | None) -> tuple[str, Any]:
     return target, dev
 
 
-def quant_spec_of_model(model_dir: Path) -> QuantSpec | None:
-    """The ``quantization:`` section of the recipe a model was merged from (kept as moetool-recipe.yaml), if any."""
-    path = Path(model_dir) / "moetool-recipe.yaml"
-    if not path.is_file():
-        return None
-    data = read_yaml(path, what="the model's recipe", error=ExportError) or {}
-    if not isinstance(data, dict):
-        raise ExportError(f"{path}: the model's recipe is not a YAML mapping")
-    section = data.get("quantization")
-    if section is None:
-        return None
-    try:
-        return QuantSpec.model_validate(section)
-    except ValidationError as exc:  # one sentence naming the key, not pydantic's dump
-        reasons = "; ".join(_reason(e) for e in exc.errors())
-        raise ExportError(f"{path}: quantization: {reasons}") from None
+def model_recipe(model_dir: Path, given: RecipeBase | None = None) -> RecipeBase | None:
+    """The recipe ``model_dir`` was built from: ``given`` (``api.build`` passes the recipe it runs), else the one the
+    folder keeps (``moetool-recipe.yaml``, read and validated by :func:`~moetool.recipe.kept.read_kept_recipe`).
+
+    Raises:
+        RecipeError: the kept recipe is not a valid recipe (file, field and line named).
+    """
+    return given if given is not None else read_kept_recipe(model_dir)
 
 
-def _reason(error: Any) -> str:
-    """One pydantic error as ``field.path: message``."""
-    loc = ".".join(str(p) for p in error.get("loc", ()))
-    msg = str(error["msg"]).removeprefix("Value error, ")
-    return f"{loc}: {msg}" if loc else msg
+def recipe_quant(recipe: RecipeBase | None) -> QuantSpec | None:
+    """The recipe's ``quantization:`` section, where its method has one and it is given."""
+    spec = getattr(recipe, "quantization", None)
+    return spec if isinstance(spec, QuantSpec) else None
 
 
 def resolve_quant(
-    model_dir: Path, quant: QuantSpec | str | None, device: str | None, default: str = "f16"
+    model_dir: Path,
+    quant: QuantSpec | str | None,
+    device: str | None,
+    default: str = "f16",
+    *,
+    recipe: RecipeBase | None = None,
 ) -> QuantSpec:
-    """``quant`` as given (``--quant`` text parsed), else the model's recipe section, else the device's best
-    fitting plan when a device is given, else ``default`` (the target's own default plan)."""
+    """``quant`` as given (``--quant`` text parsed), else the quantization section of the model's recipe
+    (``recipe``, else the one ``model_dir`` keeps), else the device's best fitting plan when a device is given, else
+    ``default`` (the target's own default plan)."""
     try:
         spec = parse_quant(quant) if isinstance(quant, str) else quant
     except ValidationError as exc:  # one sentence, not pydantic's dump with its links
@@ -76,7 +75,7 @@ def resolve_quant(
     except ValueError as exc:
         raise ExportError(f"--quant {quant!r}: {exc}") from None
     if spec is None:
-        spec = quant_spec_of_model(model_dir)
+        spec = recipe_quant(model_recipe(model_dir, recipe))
     if spec is None:
         spec = QuantSpec() if device is not None else QuantSpec(preset=default)
     return spec
@@ -101,6 +100,39 @@ def check_target_options(target: str, options: Mapping[str, object]) -> None:
             raise ExportError(f"{flag} {value}: only the {reader} target reads it, not {target}; leave it out")
 
 
+def target_options(target: str, opts: ExportOptions) -> dict[str, Any]:
+    """The request's exporter options for ``target``: the target options given (each checked to be read by
+    ``target``) and a method exporter's own ``options``, fixed at planning time.
+
+    Raises:
+        ExportError: a target option for a target that does not read it.
+    """
+    given = {key: opts.get(key) for key in TARGET_OPTIONS}
+    check_target_options(target, given)
+    return {**(opts.get("options") or {}), **{k: v for k, v in given.items() if v is not None}}
+
+
+# what a method's own exporter never reads (it picks its own format and precision), by the flag that sets it
+STANDARD_ONLY = {
+    "--for (a deployment profile)": ("device",),
+    "--imatrix": ("imatrix", "calibration", "imatrix_mode", "imatrix_min_tokens"),
+    "--compute-units": ("compute_units",),
+    "--moe-kernel": ("moe_kernel",),
+}
+
+
+def check_method_options(model_dir: Path, method: str, opts: ExportOptions) -> None:
+    """Refuse, for an output of ``method`` (its own exporter), the options only a standard MoE's export reads.
+
+    Raises:
+        ExportError: naming the model, its method and the flag.
+    """
+    for flag, keys in STANDARD_ONLY.items():
+        if any(opts.get(k) is not None for k in keys):
+            target = "; use --target" if keys == ("device",) else ""
+            raise ExportError(f"{model_dir} is a {method} model: {flag} applies to standard MoE models{target}")
+
+
 class ExportOptions(TypedDict, total=False):
     """What ``moetool export`` takes besides the model and the output (every key optional)."""
 
@@ -115,6 +147,10 @@ class ExportOptions(TypedDict, total=False):
     calibration: str | None  # calibration text for imatrix "auto" (default: the model recipe's domain data)
     imatrix_mode: str | None  # routed (default) or all
     imatrix_min_tokens: int | None  # routed mode's floor per expert (default 128)
+    compute_units: str | None  # Core ML's compute units (coreml only)
+    moe_kernel: str | None  # ONNX's MoE operators, sparse or dense (onnx only)
+    options: dict[str, Any] | None  # a method exporter's own settings (hybrid: experts=False, the router only)
+    recipe: RecipeBase | None  # the recipe the model was built from (default: the one its folder keeps)
 
 
 def plan_standard_export(model_dir: Path, output: str | Path, **opts: Unpack[ExportOptions]) -> ExportJob[ArtifactPlan]:
@@ -128,7 +164,9 @@ def plan_standard_export(model_dir: Path, output: str | Path, **opts: Unpack[Exp
     device = opts.get("device")
     target, _ = resolve_target(device, opts.get("target"))
     exporter = get_exporter(target)
-    spec = resolve_quant(Path(model_dir), opts.get("quant"), device, exporter.default_quant)
+    options = target_options(target, opts)
+    recipe = model_recipe(Path(model_dir), opts.get("recipe"))
+    spec = resolve_quant(Path(model_dir), opts.get("quant"), device, exporter.default_quant, recipe=recipe)
     if spec.budget is not None and target != "gguf":
         quant = opts.get("quant")
         given = f"--quant {quant!r}" if isinstance(quant, str) else "quantization: budget (the model's recipe)"
@@ -145,14 +183,17 @@ def plan_standard_export(model_dir: Path, output: str | Path, **opts: Unpack[Exp
         force=opts.get("force", False),
         eval_text=opts.get("eval_text"),
         context=opts.get("context"),
-        imatrix=resolve_imatrix(Path(model_dir), target, opts),
+        options=options,
+        imatrix=resolve_imatrix(Path(model_dir), target, opts, recipe),
     )
     return ExportJob(exporter, req, exporter.plan(req))
 
 
-def resolve_imatrix(model_dir: Path, target: str, opts: ExportOptions) -> Path | Calibration | None:
+def resolve_imatrix(
+    model_dir: Path, target: str, opts: ExportOptions, recipe: RecipeBase | None
+) -> Path | Calibration | None:
     """``imatrix`` as the exporter takes it: a file, or the calibration to collect one on (``auto``: the
-    ``calibration`` text, else the training split of every domain of the model's recipe).
+    ``calibration`` text, else the training split of every domain of ``recipe``, the model's recipe).
 
     Raises:
         ExportError: an imatrix for a target other than GGUF, a missing file, calibration options without
@@ -185,32 +226,32 @@ def resolve_imatrix(model_dir: Path, target: str, opts: ExportOptions) -> Path |
             raise ExportError("--calibration: the file has no text (only whitespace); give it calibration text")
         texts, source = {"calibration": text}, "--calibration"
     else:
-        texts, source = recipe_domain_text(model_dir), "the recipe's domain data (training split)"
+        texts, source = recipe_domain_text(recipe, model_dir), "the recipe's domain data (training split)"
     return Calibration(texts, source=source, mode=mode, min_tokens=128 if floor is None else floor)
 
 
-def recipe_domain_text(model_dir: Path) -> dict[str, str]:
-    """Each domain's training split from the recipe the model was built from (``moetool-recipe.yaml``).
+def recipe_domain_text(recipe: RecipeBase | None, model_dir: Path) -> dict[str, str]:
+    """Each domain's training split from ``train.data`` of the recipe the model was built from.
 
     Raises:
-        ExportError: no recipe with ``train.data`` beside the model, naming ``--calibration``.
+        ExportError: no recipe, or one without ``train.data``, naming ``--calibration``; a domain whose text
+            cannot be read.
     """
     from moetool.errors import MoetoolError
-    from moetool.recipe.train import DataSource
-    from moetool.train.data import load_source
+    from moetool.train.data import load_source  # torch: only for --imatrix auto
 
-    path = model_dir / "moetool-recipe.yaml"
-    data = read_yaml(path, what="the model's recipe", error=ExportError) if path.is_file() else None
-    section = ((data or {}).get("train") or {}).get("data") if isinstance(data, dict) else None
-    if not isinstance(section, dict) or not section:
+    train = getattr(recipe, "train", None)
+    given = recipe is not None and "train" in recipe.model_fields_set
+    data = train.data if given and isinstance(train, TrainSpec) and "data" in train.model_fields_set else {}
+    if recipe is None or not data:
         raise ExportError(
             f"--imatrix auto: {model_dir} has no recipe with train.data to calibrate on; pass --calibration FILE"
         )
     out = {}
-    for name, raw in section.items():
+    for name, src in data.items():
         try:
-            src = DataSource.model_validate(raw)
-            out[str(name)] = load_source(str(name), src, base_dir=model_dir, fraction=0.1, seed=0)[0]
-        except (ValidationError, MoetoolError) as exc:
-            raise ExportError(f"--imatrix auto: {path}: train.data.{name}: {exc}; pass --calibration FILE") from None
+            out[name] = load_source(name, src, base_dir=recipe.recipe_dir, fraction=0.1, seed=0)[0]
+        except MoetoolError as exc:
+            where = recipe.path or recipe.name
+            raise ExportError(f"--imatrix auto: {where}: train.data.{name}: {exc}; pass --calibration FILE") from None
     return out

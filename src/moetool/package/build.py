@@ -23,6 +23,7 @@ from moetool.package.inputs import (
     resolve_inputs,
     text_of,
 )
+from moetool.recipe.kept import KEPT_RECIPE
 
 __all__ = ["PackageError", "build_repo"]
 
@@ -103,7 +104,7 @@ def build_repo(
         card = render_card(
             meta=read_json(inp.model / "moetool.json", what="moetool metadata", error=PackageError),
             model=inp.model,
-            recipe=text_of(inp.model / "moetool-recipe.yaml"),
+            recipe=text_of(inp.model / KEPT_RECIPE),  # shown in the card as written
             train_recipe=text_of(inp.model / "moetool-train-recipe.yaml"),
             artifacts=inp.artifacts,
             report=report,

@@ -9,9 +9,9 @@ from moetool.arch.records import model_record
 from moetool.card import limits_section
 from moetool.export.heldout import held_out_text
 from moetool.io.files import BUNDLE_LAYOUT
-from moetool.io.safe import parse_yaml, read_json
+from moetool.io.safe import read_json
 from moetool.package.consumers import consumer_matrix, consumers_section
-from moetool.package.inputs import REPO_ID_PLACEHOLDER, Artifact, PackageError
+from moetool.package.inputs import REPO_ID_PLACEHOLDER, Artifact
 
 
 def _size(n: float) -> str:
@@ -30,28 +30,23 @@ def _fence(text: str, lang: str) -> str:
 def front_matter(
     meta: dict[str, Any],
     artifacts: list[Artifact],
-    recipe: str | None,
-    recipe_path: Path = Path("moetool-recipe.yaml"),
     task_scores: dict[str, dict[str, float]] | None = None,
 ) -> str:
     """YAML the Hub reads. Only Hub repo ids go into ``base_model``: zoo and local sources are not on the Hub.
 
-    ``recipe`` is the text of ``recipe_path`` (named in errors), read strictly for its ``license``. ``task_scores``
-    (the packaged model's lm-eval scores: task → metric → value) become the ``model-index`` results the Hub shows.
+    ``task_scores`` (the packaged model's lm-eval scores: task → metric → value) become the ``model-index`` results
+    the Hub shows. No license is claimed: a recipe has no license key, and the sources' licenses are their own.
     """
     from huggingface_hub import ModelCardData
 
     sources = meta.get("provenance", {}).get("sources", {})
     hub = list(dict.fromkeys(s["ref"] for s in sources.values() if s.get("kind") == "hf-cache"))
-    parsed = parse_yaml(recipe, recipe_path, what="the model's recipe", error=PackageError)[0] if recipe else None
-    license_ = parsed.get("license") if isinstance(parsed, dict) else None
     tags = ["moe", "moetool", "merge", meta.get("method"), meta.get("architecture")]
     if any(a.target == "gguf" for a in artifacts):
         tags += ["gguf", "llama-cpp"]
     data = ModelCardData(
         base_model=hub or None,
         base_model_relation="merge" if hub else None,
-        license=license_ or None,
         library_name=None if meta.get("layout") == BUNDLE_LAYOUT else "transformers",  # a bundle is no one model
         pipeline_tag="text-generation",
         tags=list(dict.fromkeys(t for t in tags if t)),
@@ -359,4 +354,4 @@ def render_card(
         body += "## Training recipe\n\n" + _fence(train_recipe, "yaml") + "\n"
     this = _eval_key(report, model, same_run) if report is not None else None
     scores = (report or {}).get("tasks", {}).get(this) if this is not None else None
-    return front_matter(meta, artifacts, recipe, model / "moetool-recipe.yaml", scores) + "\n" + body.rstrip() + "\n"
+    return front_matter(meta, artifacts, scores) + "\n" + body.rstrip() + "\n"

@@ -13,6 +13,7 @@ from moetool.errors import MoetoolError
 from moetool.export.base import Manifest, read_manifest
 from moetool.io.files import TOKENIZER_FILES, is_bundle, weight_files
 from moetool.io.safe import decode_utf8, read_bytes, read_json
+from moetool.recipe.kept import KEPT_RECIPE
 
 
 class PackageError(MoetoolError):
@@ -21,7 +22,7 @@ class PackageError(MoetoolError):
 
 # what transformers needs besides the weights; everything else in a model directory stays behind
 MODEL_FILES = ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
-MOETOOL_FILES = ("moetool.json", "moetool-recipe.yaml", "moetool-train-recipe.yaml")
+MOETOOL_FILES = ("moetool.json", KEPT_RECIPE, "moetool-train-recipe.yaml")
 RUN_MODELS = ("tuned-mofe", "merged")  # a run directory's model when no artifact names one, best first
 REPO_ID_PLACEHOLDER = "<this-repo-id>"  # the card is written before anyone picks the repo id
 

@@ -20,7 +20,8 @@ class RecipeBase(StrictModel):
     """A whole recipe (one per method): ``name``, ``method`` and where it came from.
 
     The loader records the file and its text, so every stage takes this object alone: relative model paths resolve
-    against :attr:`recipe_dir`, and outputs keep :attr:`text` verbatim as ``moetool-recipe.yaml``.
+    against :attr:`recipe_dir`, and a model folder keeps the recipe as ``moetool-recipe.yaml``
+    (:mod:`moetool.recipe.kept`: the one writer and the one reader of that file).
     """
 
     name: str

@@ -11,6 +11,7 @@ from moetool.card import put_section
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
 from moetool.io.safe import read_json
+from moetool.recipe.kept import KEPT_RECIPE
 from moetool.recipe.mofe import MoFERecipe
 from moetool.recipe.train import TrainSpec, TuningRecipe
 from moetool.train.freeze import FreezeReport
@@ -52,9 +53,8 @@ def write_output(
         model.save_pretrained(str(tmp), max_shard_size="2GB")
         copy_tokenizer(model_dir, tmp, overwrite=False)
         (tmp / "moetool-train-recipe.yaml").write_text(recipe.text, encoding="utf-8")
-        for f in ("moetool-recipe.yaml",):
-            if (model_dir / f).is_file():
-                shutil.copy2(model_dir / f, tmp / f)
+        if (model_dir / KEPT_RECIPE).is_file():  # the merged model's recipe, kept as it was written
+            shutil.copy2(model_dir / KEPT_RECIPE, tmp / KEPT_RECIPE)
         meta_path = model_dir / "moetool.json"
         meta = read_json(meta_path, what="moetool metadata") if meta_path.is_file() else {}
         meta["training"] = {

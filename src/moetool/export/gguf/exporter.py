@@ -77,6 +77,7 @@ class GGUFExporter:
             c.context,
             c.candidates,
             origin=req.origin,
+            options=dict(req.options),
             layout=layout,
         )
 

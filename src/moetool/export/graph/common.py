@@ -79,6 +79,7 @@ def plan_graph(req: ExportRequest, fmt: str) -> GraphPlan:
         c.context,
         c.candidates,
         origin=req.origin,
+        options=dict(req.options),
     )
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from rich.console import Console
 
 from moetool.errors import MoetoolError
@@ -19,6 +18,7 @@ from moetool.methods.comigs.assemble import PARITY_TOL, base_config, build_user_
 from moetool.methods.comigs.bilevel import ClientTrainer
 from moetool.methods.comigs.federated import Federation, prepare, run_inprocess, variant_recipe
 from moetool.recipe.comigs import ComigsRecipe
+from moetool.recipe.kept import write_kept_recipe
 
 
 def save_user(client: ClientTrainer, out: Path, tokenizer_dir: Path) -> float:
@@ -96,7 +96,7 @@ def assemble(
             report[user.name] = {"max_abs_logit_diff_vs_base": diff, "fresh_lora": fresh}
             if console is not None:
                 console.print(f"{user.name}: {model.config.n_experts} experts, vs base max |Δlogit| {diff:.2e}")
-        (tmp / "moetool-recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+        write_kept_recipe(tmp, recipe)
         (tmp / "comigs-assemble.json").write_text(json.dumps(report, indent=2) + "\n")
     return Path(output)
 
@@ -142,6 +142,6 @@ def train(
                 "train_tokens": len(c.data.train),
                 "reload_max_abs_logit_diff": diff,
             }
-        (tmp / "moetool-recipe.yaml").write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False))
+        write_kept_recipe(tmp, r)
         (tmp / "comigs-report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

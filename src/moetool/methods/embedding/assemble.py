@@ -36,6 +36,7 @@ from moetool.methods.embedding.retrofit import TrainSettings, retrofit, svd_seed
 from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import EmbeddingConfig, measured_counts, param_counts
 from moetool.recipe.embedding import EmbeddingRecipe
+from moetool.recipe.kept import write_kept_recipe
 from moetool.train.data import load_source, sample_batch, tokenize_stream
 
 EVAL_TOKENS = 4096  # held-out tokens per domain for the build's own perplexity figures
@@ -162,8 +163,6 @@ class EmbeddingAssembler:
         force: bool = False,
         console: Console | None = None,
     ) -> Path:
-        import yaml
-
         output = Path(output)
         check_output(output, force=force)  # before any work, not only at the final move
         torch.manual_seed(recipe.train.seed)
@@ -207,7 +206,7 @@ class EmbeddingAssembler:
         with atomic_dir(output, force=force) as tmp:
             model.save_pretrained(str(tmp))
             copy_tokenizer(src.path, tmp)
-            (tmp / "moetool-recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+            write_kept_recipe(tmp, recipe)
             reload = reload_check(tmp, model, probe)
             if reload > CACHE_TOLERANCE * max(scale, 1.0):
                 raise MoetoolError(

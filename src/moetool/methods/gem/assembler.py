@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from rich.console import Console
 
 from moetool.card import provenance
@@ -37,6 +36,7 @@ from moetool.methods.gem.training import (
 from moetool.quant.devices import estimate_memory, get_device
 from moetool.quant.plan import TensorEntry, resolve
 from moetool.recipe.gem import GemRecipe
+from moetool.recipe.kept import kept_recipe_text, write_kept_recipe
 
 PARITY_LIMIT = 1e-4  # max |Δlogit| of a forced pathway against its source model (float32, same ops)
 REPORT = "gem-report.json"
@@ -145,22 +145,9 @@ def _probe(streams: dict[str, tuple[torch.Tensor, torch.Tensor]], bos: int | Non
     return torch.cat([torch.tensor([bos]), first])[None] if bos is not None else first[None]
 
 
-def _recipe_yaml(recipe: GemRecipe, recipe_dir: Path) -> str:
-    """The validated recipe (defaults filled in); ``moetool gem eval`` and the export's parity probes read the
-    domains' held-out text from it, so local data files are written as absolute paths."""
-    data = recipe.model_dump(mode="json", exclude_none=True)
-    for domain in data["domains"]:
-        for key in ("text", "jsonl"):
-            raw = domain["data"].get(key)
-            if raw and not Path(raw).is_absolute() and (Path(recipe_dir) / raw).is_file():
-                domain["data"][key] = str((Path(recipe_dir) / raw).resolve())
-    result: str = yaml.safe_dump(data, sort_keys=False)
-    return result
+def _meta(recipe: GemRecipe, pw: Pathways) -> dict[str, Any]:
 
-
-def _meta(recipe: GemRecipe, pw: Pathways, recipe_dir: Path) -> dict[str, Any]:
-
-    text = _recipe_yaml(recipe, recipe_dir)
+    text = kept_recipe_text(recipe)
     srcs = {"general": pw.general} | dict(pw.domains)
     # the sequence level is a bundle (gem.json, a router, whole pathway models), exported and packaged whole
     layout = {"layout": BUNDLE_LAYOUT} if recipe.level == "sequence" else {}
@@ -205,8 +192,8 @@ def assemble_token(
     with atomic_dir(output, force=force) as tmp:
         model.save_pretrained(str(tmp))
         copy_tokenizer(pw.general.path, tmp)
-        (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw, recipe_dir), indent=2))
-        (tmp / "moetool-recipe.yaml").write_text(_recipe_yaml(recipe, recipe_dir))
+        (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw), indent=2))
+        write_kept_recipe(tmp, recipe)
         (tmp / REPORT).write_text(json.dumps(report, indent=2))
     return output
 
@@ -267,8 +254,8 @@ def assemble_sequence(
             "pathways": {n: f"pathways/{n}" for n in ["general", *pw.domains]},
         }
         (tmp / BUNDLE).write_text(json.dumps(bundle, indent=2))
-        (tmp / "moetool-recipe.yaml").write_text(_recipe_yaml(recipe, recipe_dir))
-        (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw, recipe_dir), indent=2))
+        write_kept_recipe(tmp, recipe)
+        (tmp / "moetool.json").write_text(json.dumps(_meta(recipe, pw), indent=2))
         (tmp / REPORT).write_text(json.dumps(report, indent=2))
         copy_tokenizer(pw.general.path, tmp)
     return output

@@ -19,7 +19,8 @@ import torch
 from moetool.export.graph.model import causal_mask
 from moetool.export.heldout import held_out_text, nll
 from moetool.extras import require
-from moetool.methods.gem.heldout import RECIPE, domain_held_out
+from moetool.methods.gem.heldout import domain_held_out
+from moetool.recipe.kept import KEPT_RECIPE
 
 __all__ = [
     "PARITY_LIMIT",
@@ -67,7 +68,7 @@ def probe_windows(tok: PreTrainedTokenizerBase, model_dir: Path, lengths: tuple[
 
     # every domain's own held-out text, whatever its source (zoo, a local file, a cached dataset); a model with no
     # kept recipe (none of moetool's GEM outputs) gets the mixed held-out sample
-    if (model_dir / RECIPE).is_file():
+    if (model_dir / KEPT_RECIPE).is_file():
         texts = [text[:20000] for text in domain_held_out(model_dir).values()]
     else:
         texts = [held_out_text(model_dir)[0]]

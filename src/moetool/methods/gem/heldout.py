@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from moetool.errors import MoetoolError
-from moetool.io.safe import read_text
 from moetool.recipe.gem import GemRecipe
-from moetool.recipe.load import parse_recipe
+from moetool.recipe.kept import KEPT_RECIPE, read_kept_recipe
 from moetool.train.data import load_source
-
-RECIPE = "moetool-recipe.yaml"
 
 
 def built_recipe(model_dir: Path) -> GemRecipe:
@@ -19,13 +15,13 @@ def built_recipe(model_dir: Path) -> GemRecipe:
 
     Raises:
         MoetoolError: no moetool-recipe.yaml, or not a GEM recipe.
+        RecipeError: the kept recipe is not a valid recipe (file, field and line named).
     """
-    path = Path(model_dir) / RECIPE
-    if not path.is_file():
-        raise MoetoolError(f"{model_dir}: no {RECIPE} (not written by `moetool merge` for method: gem)")
-    recipe: Any = parse_recipe(read_text(path, what="the model's recipe", error=MoetoolError), path)
+    recipe = read_kept_recipe(model_dir)
+    if recipe is None:
+        raise MoetoolError(f"{model_dir}: no {KEPT_RECIPE} (not written by `moetool merge` for method: gem)")
     if not isinstance(recipe, GemRecipe):
-        raise MoetoolError(f"{path}: method {recipe.method!r}, not gem")
+        raise MoetoolError(f"{Path(model_dir) / KEPT_RECIPE}: method {recipe.method!r}, not gem")
     return recipe
 
 

@@ -6,7 +6,7 @@ Layout of the output::
                            feature layout, loss, tokenizer check, held-out evaluation, training history
     router.safetensors     the router (input standardisation + MLP), float32
     latency_profile.json   each expert's latency over lengths and its fit (see profile.py)
-    recipe.yaml            the recipe as given
+    moetool-recipe.yaml    the recipe it was built from (moetool.recipe.kept, as every method's output keeps it)
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 
 from moetool.errors import MoetoolError
@@ -29,6 +28,7 @@ from moetool.methods.hybrid.profile import PROFILE_FILE
 from moetool.methods.hybrid.router import HybridRouter, router_param_count
 from moetool.methods.hybrid.training import evaluate_choice, oracle_choice, route, soft_nll
 from moetool.recipe.hybrid import HybridRecipe
+from moetool.recipe.kept import kept_recipe_text, write_kept_recipe
 
 HYBRID_JSON = "hybrid.json"
 ROUTER_FILE = "router.safetensors"
@@ -157,8 +157,7 @@ def write_model(
         save_file(state, str(tmp / ROUTER_FILE), metadata={"format": "pt"})
         (tmp / HYBRID_JSON).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         (tmp / PROFILE_FILE).write_text(json.dumps(p.profile, indent=2) + "\n", encoding="utf-8")
-        (tmp / "recipe.yaml").write_text(yaml.safe_dump(p.recipe.model_dump(mode="json"), sort_keys=False))
-        (tmp / "moetool-recipe.yaml").write_text(p.recipe.text)
+        write_kept_recipe(tmp, p.recipe)
         (tmp / MOETOOL_META).write_text(json.dumps(_moetool_meta(p, recipe_dir), indent=2) + "\n", encoding="utf-8")
 
 
@@ -174,7 +173,7 @@ def _moetool_meta(p: Prepared, recipe_dir: Path) -> dict[str, Any]:
         "name": p.recipe.name,
         "layout": BUNDLE_LAYOUT,
         "experts": list(p.names),
-        "provenance": provenance(sources, p.recipe.text),
+        "provenance": provenance(sources, kept_recipe_text(p.recipe)),
     }
 
 

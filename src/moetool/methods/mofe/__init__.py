@@ -63,7 +63,7 @@ class MoFEPlugin(MethodPlugin[MoFERecipe, MergePlan]):
 
         resolve_device(device)  # an unusable --device is refused before any work
         plan = replace(self.describe(recipe, allow_pickle=allow_pickle), device=device or "auto")
-        return execute(plan, output, force=force, recipe_text=recipe.text, console=console)
+        return execute(plan, output, force=force, console=console)
 
     def train(
         self, recipe: MoFERecipe, model: Path | None, output: Path, options: TrainOptions, console: Console

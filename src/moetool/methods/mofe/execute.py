@@ -22,6 +22,7 @@ from moetool.io.safe import read_json
 from moetool.io.writer import ShardedWriter
 from moetool.methods.mofe.plan import DTYPES, MergePlan, Parts, TensorOp
 from moetool.progress import silent, task
+from moetool.recipe.kept import write_kept_recipe
 from moetool.recipe.mofe import MoFERecipe
 from moetool.routing import init as rinit
 from moetool.train.precision import resolve_device
@@ -172,15 +173,16 @@ def _open(plan: MergePlan, label: str) -> Checkpoint:
     return Checkpoint(plan.sources[label].path, allow_pickle=plan.allow_pickle, check_finite=False)
 
 
-def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str, hashes: dict[Path, str] | None = None) -> None:
-    """config.json, the base's tokenizer files, the recipe, moetool.json (provenance) and the model card."""
+def _write_metadata(plan: MergePlan, tmp: Path, hashes: dict[Path, str] | None = None) -> None:
+    """config.json, the base's tokenizer files, the recipe (the one kept form), moetool.json (provenance) and the
+    model card."""
 
     recipe: MoFERecipe = plan.recipe
     cfg = released_config(plan.config) | {"dtype": plan.dtype}
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     base_path = plan.sources["base"].path
     copy_tokenizer(base_path, tmp)
-    (tmp / "moetool-recipe.yaml").write_text(recipe_text)
+    recipe_text = write_kept_recipe(tmp, recipe)
     meta: dict[str, Any] = {
         "method": recipe.method,
         "name": recipe.name,
@@ -208,9 +210,7 @@ def _write_metadata(plan: MergePlan, tmp: Path, recipe_text: str, hashes: dict[P
     (tmp / "README.md").write_text(card)
 
 
-def execute(
-    plan: MergePlan, out: Path, *, force: bool = False, recipe_text: str = "", console: Console | None = None
-) -> Path:
+def execute(plan: MergePlan, out: Path, *, force: bool = False, console: Console | None = None) -> Path:
     """Write the merged checkpoint to ``out`` atomically.
 
     Raises:
@@ -230,7 +230,7 @@ def execute(
         hashes = pool.submit(source_hashes, plan.sources, allow_pickle=plan.allow_pickle)
         with atomic_dir(out, force=force) as tmp:
             _stream_tensors(plan, tmp, routers, console)
-            _write_metadata(plan, tmp, recipe_text, hashes.result())
+            _write_metadata(plan, tmp, hashes.result())
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return out
