@@ -177,3 +177,20 @@ def test_null_shared_expert_layout(norm):
     if norm:
         with pytest.raises(ExportError, match="norm_topk_prob: false"):
             plan_layout(real, _qwen2_moe_shapes(cfg, NULL_SHARED_WIDTH))
+
+
+def test_converter_scales_the_rope_as_transformers(converter, tmp_path):
+    """A Mixtral of a llama3-rope base: the converter reads the top-level rope_scaling the folder carries (the
+    released form) and llama.cpp computes what transformers does past the original context (64 tokens)."""
+    from consumer_fixtures import merge
+    from rope_cases import MAX_POS, ROPES, THETA
+
+    from conftest import save_dense
+
+    kw = {"rope_parameters": {"rope_theta": THETA, **ROPES["llama3"]}, "max_position_embeddings": MAX_POS}
+    base = save_dense(tmp_path / "base", "llama", **kw)
+    experts = {f"e{i}": save_dense(tmp_path / f"e{i}", "llama", seed=i, base=base, mlp_noise=0.3) for i in (1, 2, 3)}
+    moe = merge(tmp_path, {"base": base} | experts, "mixtral")
+    theirs = lc.convert(moe, tmp_path / "c.gguf", outtype="f32", pre=read_vocab(moe).pre, converter=converter)
+    report = compare(theirs, moe, TEXT * 3)
+    assert max(report.max_abs_logit_diff.values()) <= GATES["f32"], report.max_abs_logit_diff
