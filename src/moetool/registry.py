@@ -1,10 +1,11 @@
-"""The one plugin registry: merge methods, export targets and model-source schemes, named as data.
+"""The one plugin registry: merge methods, export targets and model-source resolvers, named as data.
 
 Every entry is a ``"module:attribute"`` string imported on first use, so ``moetool --help`` and a ``mofe`` merge never
 import the other methods (or torch), and no layer needs a static import of a layer above it to find a plugin.
 This module imports nothing of moetool's but :mod:`moetool.errors`; every layer may read it.
 
-Adding a method is one line in :data:`METHODS` (see docs/architecture.md); an exporter, one line in :data:`TARGETS`.
+Adding a method is one line in :data:`METHODS` (see docs/architecture.md); an exporter, one line in :data:`TARGETS`; a
+model-source scheme (``zoo:NAME``), one line in :data:`SOURCES`.
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ TARGETS: dict[str, str] = {
     "mlx": "moetool.export.mlx.exporter:MLXExporter",
 }
 
-# model reference schemes (``zoo:NAME``): scheme -> a function ``(name: str) -> pathlib.Path`` raising MoetoolError
-SOURCE_SCHEMES: dict[str, str] = {
-    "zoo": "moetool.zoo:resolve_zoo_model",
+# model-source schemes (``zoo:NAME``): scheme -> its resolver, a ``moetool.io.sources.SourceResolver`` (the folder of a
+# model, the scheme's text domains and their train/held-out text). The zoo sits above the layers that read it (io,
+# train, export): they reach it through ``moetool.io.sources.source_resolver``, never by import
+SOURCES: dict[str, str] = {
+    "zoo": "moetool.zoo.plugin:SOURCE",
 }
 
 
@@ -119,14 +122,3 @@ def load_all_methods() -> None:
     for entry in METHODS.values():
         for module in load(entry.plugin).model_modules:
             importlib.import_module(module)
-
-
-# demo text corpora that low layers read by scheme, never by import (``train.data.<d>.zoo: code``, the exporters'
-# held-out text): scheme -> a function ``(domain: str, split: "train" | "valid") -> str`` raising MoetoolError
-TEXT_SCHEMES: dict[str, str] = {
-    "zoo": "moetool.zoo:zoo_domain_text",
-}
-# scheme -> its domain names (a tuple of str), in the order held-out text interleaves them
-TEXT_DOMAINS: dict[str, str] = {
-    "zoo": "moetool.zoo:DOMAINS",
-}

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from moetool import registry
 from moetool.export.base import ExportError
 from moetool.io.safe import read_json
+from moetool.io.sources import source_resolver
 
 SAMPLE_TEXT = (
     "The parser reads each line, strips comments and splits the remaining tokens on whitespace. "
@@ -60,9 +60,8 @@ def held_out_text(model_dir: Path, override: str | None = None) -> tuple[str, st
         zoo = True
     if zoo:
         try:
-            # the zoo sits above export; the registry names its text so this layer never imports it
-            domain_text = registry.load(registry.TEXT_SCHEMES["zoo"])
-            parts = [domain_text(d, "valid")[:6000] for d in registry.load(registry.TEXT_DOMAINS["zoo"])]
+            source = source_resolver("zoo")  # the zoo's source plugin: it sits above export, which never imports it
+            parts = [source.domain_text(d, "valid")[:6000] for d in source.domains]
             return "\n".join(p for trio in zip(*(t.split("\n") for t in parts), strict=False) for p in trio), "zoo"
         except Exception:  # the zoo cache may be gone; the sample still proves parity
             pass

@@ -1,10 +1,16 @@
-"""Resolve a recipe's model reference (local dir, cached Hugging Face repo id, ``zoo:NAME``) to a directory."""
+"""Resolve a recipe's model reference (local dir, cached Hugging Face repo id, ``zoo:NAME``) to a directory.
+
+A ``SCHEME:NAME`` reference belongs to a source plugin: a :class:`SourceResolver` registered in
+:data:`moetool.registry.SOURCES` (the zoo's is ``moetool.zoo.plugin:SOURCE``). The zoo sits above every layer that
+reads it (io, train, export), so those reach it through :func:`source_resolver` alone, never by import.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Protocol
 
 from moetool import registry
 from moetool.errors import MoetoolError, PreflightError, SourceError
@@ -29,6 +35,40 @@ class ResolvedSource:
     revision: str | None = None
 
 
+class SourceResolver(Protocol):
+    """A model-source plugin: the models behind ``SCHEME:NAME`` and the text domains they were trained on.
+
+    Attributes:
+        scheme: the references' prefix (``zoo``).
+        domains: the text domains, in the order held-out text interleaves them.
+    """
+
+    scheme: str
+    domains: tuple[str, ...]
+
+    def resolve(self, name: str) -> Path:
+        """The local folder of model ``name``; raises a MoetoolError naming what to build when it is missing."""
+        ...
+
+    def domain_text(self, domain: str, split: Literal["train", "valid"]) -> str:
+        """One domain's training or held-out text; raises a MoetoolError when it cannot be read."""
+        ...
+
+
+def source_resolver(scheme: str) -> SourceResolver:
+    """The registered source plugin of ``scheme`` (:data:`moetool.registry.SOURCES`).
+
+    Raises:
+        UnknownPluginError: no plugin is registered for ``scheme`` (with "did you mean").
+    """
+    if scheme not in registry.SOURCES:
+        raise registry.UnknownPluginError(
+            f"unknown source scheme {scheme!r} ({registry.did_you_mean(scheme, registry.SOURCES)})"
+        )
+    resolver: SourceResolver = registry.load(registry.SOURCES[scheme])
+    return resolver
+
+
 def resolve_source(ref: str, *, relative_to: Path | None = None) -> ResolvedSource:
     """Resolve ``ref`` without touching the network.
 
@@ -38,10 +78,9 @@ def resolve_source(ref: str, *, relative_to: Path | None = None) -> ResolvedSour
         SourceError: nothing local matches, naming what was tried.
     """
     scheme, sep, name = ref.partition(":")
-    if sep and scheme in registry.SOURCE_SCHEMES:
-        # the scheme's resolver lives above this layer (the zoo); the registry names it, so io never imports it
+    if sep and scheme in registry.SOURCES:
         try:
-            return ResolvedSource(ref, registry.load(registry.SOURCE_SCHEMES[scheme])(name), scheme)
+            return ResolvedSource(ref, source_resolver(scheme).resolve(name), scheme)
         except MoetoolError as exc:
             raise SourceError(str(exc)) from None
     candidates = [Path(ref).expanduser()]

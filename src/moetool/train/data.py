@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.io.safe import read_text
+from moetool.io.sources import source_resolver
 from moetool.recipe.train import DataSource
 
 
@@ -37,9 +37,8 @@ def load_source(name: str, src: DataSource, *, base_dir: Path | None, fraction: 
     """
     where = f"train.data.{name}"
     if src.zoo:
-        # the zoo sits above train; the registry names its text reader so this layer never imports it
-        domain_text = registry.load(registry.TEXT_SCHEMES["zoo"])
-        return domain_text(src.zoo, "train"), domain_text(src.zoo, "valid")
+        zoo = source_resolver("zoo")  # the zoo's source plugin: it sits above train, which never imports it
+        return zoo.domain_text(src.zoo, "train"), zoo.domain_text(src.zoo, "valid")
     if src.text or src.jsonl:
         raw = Path(src.text or src.jsonl or "")
         path = base_dir / raw if base_dir is not None and not raw.is_absolute() and (base_dir / raw).exists() else raw
