@@ -65,9 +65,16 @@ def translation_table() -> dict[Any, Callable[..., Any]]:
 
     register_moe_schema()
     msft = onnxscript.values.Opset("com.microsoft", 1)
+    op = onnxscript.opset18
 
     def moe(x: Any, logits: Any, fc1: Any, fc2: Any, k: int, normalize: bool) -> Any:
-        return msft.MoE(x, logits, fc1, None, fc2, k=k, normalize_routing_weights=int(normalize), **_SWIGLU)
+        out = msft.MoE(x, logits, fc1, None, fc2, k=k, normalize_routing_weights=1, **_SWIGLU)
+        if normalize:
+            return out
+        # onnxruntime 1.31's MoE renormalises the top-k whatever normalize_routing_weights says (QMoE too, without
+        # router_weights): the un-normalised mixture is the renormalised one times the chosen experts' softmax share
+        top, _ = op.TopK(op.Softmax(logits, axis=-1), op.Constant(value_ints=[k]), axis=-1)
+        return op.Mul(out, op.ReduceSum(top, op.Constant(value_ints=[-1]), keepdims=1))
 
     return {torch.ops.moetool.sparse_moe.default: moe}
 
