@@ -73,8 +73,10 @@ def translation_table() -> dict[Any, Callable[..., Any]]:
             return out
         # onnxruntime 1.31's MoE renormalises the top-k whatever normalize_routing_weights says (QMoE too, without
         # router_weights): the un-normalised mixture is the renormalised one times the chosen experts' softmax share
-        top, _ = op.TopK(op.Softmax(logits, axis=-1), op.Constant(value_ints=[k]), axis=-1)
-        return op.Mul(out, op.ReduceSum(top, op.Constant(value_ints=[-1]), keepdims=1))
+        count: Any = op.Constant(value_ints=[k])  # an INT64 tensor (onnxscript types Constant's output loosely)
+        last: Any = op.Constant(value_ints=[-1])
+        top, _ = op.TopK(op.Softmax(logits, axis=-1), count, axis=-1)
+        return op.Mul(out, op.ReduceSum(top, last, keepdims=1))
 
     return {torch.ops.moetool.sparse_moe.default: moe}
 
