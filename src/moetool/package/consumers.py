@@ -17,7 +17,8 @@ from moetool.arch.consumers import MLX_LM, VLLM
 from moetool.arch.records import converter_caveat, model_record, rope_caveat
 from moetool.package.inputs import Artifact
 
-TOLERANCE = 1e-4  # float32 on both sides
+# float32 on both sides, summed in another order: the MLX target's f32 gate (the real SmolLM2 MoE: 1.75e-4)
+TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True)
