@@ -367,6 +367,8 @@ COMMANDS: list[Cmd] = [
     helponly(".venv/bin/python bench/hybrid_pareto.py", BENCH),
     helponly(".venv/bin/python bench/size_ladder.py --rungs 135m,360m,1.7b", BENCH),
     helponly(".venv/bin/python bench/size_ladder.py --rungs 135m,360m --experts", BENCH),
+    helponly(".venv/bin/python bench/mlx_vs_gguf.py --model out/real/merged", BENCH),
+    notrun("moetool export out/real/merged --target mlx -o out/mlx-bench/mlx-moe-q4", REAL_DEFAULT),
     helponly('.venv/bin/python bench/size_ladder.py --rungs 360m --only "onnx q8_0"', BENCH),
     helponly(".venv/bin/python bench/tuning_dtypes.py --rung 360m --steps 3", BENCH),
     helponly(".venv/bin/python bench/larger_than_ram.py --reps 2", BENCH),
