@@ -9,6 +9,7 @@ from typing import Any
 
 from moetool import __version__
 from moetool.export.base import ArtifactPlan, ExportError, ExportRequest
+from moetool.export.heldout import model_name
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.hashes import sha256_file
 from moetool.quant.devices import MemoryEstimate, estimate_memory, get_device
@@ -56,6 +57,21 @@ class PlanChoice:
     context: int
     device: str | None = None
     candidates: list[tuple[str, int, bool]] = field(default_factory=list)  # (plan, estimate, fits)
+
+    def plan_fields(self, req: ExportRequest, config: dict[str, Any]) -> dict[str, Any]:
+        """The :class:`ArtifactPlan` fields of this choice for ``req`` (a target's plan class adds its own)."""
+        return {
+            "model_dir": req.model_dir,
+            "config": config,
+            "quant": self.quant,
+            "name": model_name(req.named_model),
+            "device": self.device,
+            "memory": self.memory,
+            "context": self.context,
+            "candidates": self.candidates,
+            "origin": req.origin,
+            "options": dict(req.options),
+        }
 
 
 def choose_plan(

@@ -17,7 +17,7 @@ from moetool.export.gguf.dequant import artifact_checkpoint
 from moetool.export.gguf.layout import Layout, plan_layout
 from moetool.export.gguf.tokenizer import llama_cpp_equivalent, read_vocab
 from moetool.export.gguf.write import by_llama_cpp, requantize, write_gguf
-from moetool.export.heldout import held_out_text, model_name
+from moetool.export.heldout import held_out_text
 from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
 from moetool.io.atomic import atomic_dir
 from moetool.io.budget import Need
@@ -59,7 +59,6 @@ class GGUFExporter:
         shapes = {n: t.shape for n, t in ckpt.tensors.items()}
         layout = plan_layout(cfg, shapes)
         entries = [t.entry() for t in layout.tensors]
-        name = model_name(req.named_model)
         if req.quant.budget is not None:  # planned at q8_0 (an upper bound), routers f32; export() allocates
             rules = list(req.quant.rules)
             if any(_role(e) == "router" for e in entries) and not any(r.role == "router" for r in rules):
@@ -67,19 +66,7 @@ class GGUFExporter:
             spec = req.quant.model_copy(update={"default": req.quant.default or "q8_0", "rules": rules})
             req = dataclasses.replace(req, quant=spec)
         c = choose_plan(req, entries, cfg, "gguf", cannot=_ROUTER_K)
-        return GGUFPlan(
-            req.model_dir,
-            cfg,
-            c.quant,
-            name,
-            c.device,
-            c.memory,
-            c.context,
-            c.candidates,
-            origin=req.origin,
-            options=dict(req.options),
-            layout=layout,
-        )
+        return GGUFPlan(**c.plan_fields(req, cfg), layout=layout)
 
     def check(self, req: ExportRequest, plan: GGUFPlan) -> None:
         """Refuse before anything is written: a type that needs an importance matrix without one.

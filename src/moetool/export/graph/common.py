@@ -13,7 +13,6 @@ from moetool.export.base import ExportError, ExportRequest
 from moetool.export.graph.model import ExportLM
 from moetool.export.graph.names import plan_entries
 from moetool.export.graph.precision import graph_precision
-from moetool.export.heldout import model_name
 from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
 from moetool.io.budget import Need, human
 from moetool.io.checkpoint import Checkpoint
@@ -69,18 +68,7 @@ def plan_graph(req: ExportRequest, fmt: str) -> GraphPlan:
     cfg = Checkpoint(req.model_dir).config
     entries = plan_entries(meta_export_model(cfg))
     c = choose_plan(req, entries, cfg, fmt, precision_of=graph_precision, fit_rows=False)
-    return GraphPlan(
-        req.model_dir,
-        cfg,
-        c.quant,
-        model_name(req.named_model),
-        c.device,
-        c.memory,
-        c.context,
-        c.candidates,
-        origin=req.origin,
-        options=dict(req.options),
-    )
+    return GraphPlan(**c.plan_fields(req, cfg))
 
 
 def graph_need(target: str, plan: GraphPlan, multiple: float, measured: bool, output: Path) -> Need:

@@ -20,7 +20,7 @@ from moetool.arch.records import model_record
 from moetool.arch.released import released_config
 from moetool.export.base import NOT_VERIFIED, ArtifactPlan, ExportError, ExportRequest, write_manifest
 from moetool.export.graph.parity import gate
-from moetool.export.heldout import held_out_text, model_name
+from moetool.export.heldout import held_out_text
 from moetool.export.mlx.names import mlx_precision, module_paths, module_precisions
 from moetool.export.planning import choose_plan, manifest_base
 from moetool.io.atomic import atomic_dir
@@ -66,17 +66,7 @@ class MLXExporter:
         entries = [TensorEntry(n, tuple(info.shape)) for n, info in ck.tensors.items()]
         # no GGUF block fallback: mlx quantizes any row that a group of 64 or 32 divides (runtime.write_folder)
         c = choose_plan(req, entries, cfg, "mlx", precision_of=mlx_precision, fit_rows=False)
-        plan = MLXPlan(
-            req.model_dir,
-            cfg,
-            c.quant,
-            model_name(req.named_model),
-            c.device,
-            c.memory,
-            c.context,
-            c.candidates,
-            req.origin,
-        )
+        plan = MLXPlan(**c.plan_fields(req, cfg))
         try:
             plan.module_precisions()
         except ValueError as exc:
