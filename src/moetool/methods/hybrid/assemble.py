@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -25,57 +25,70 @@ from moetool.methods.base import MethodPlan
 from moetool.methods.hybrid.pareto import train_recipe_router
 from moetool.methods.hybrid.pipeline import Prepared, prepare
 from moetool.methods.hybrid.profile import PROFILE_FILE
+from moetool.methods.hybrid.records import (
+    ChoiceFigures,
+    ExpertRow,
+    FeatureLayoutDoc,
+    HeldOut,
+    ModelMeta,
+    RouterConfig,
+    model_meta_from_json,
+)
 from moetool.methods.hybrid.router import HybridRouter, router_param_count
 from moetool.methods.hybrid.training import evaluate_choice, oracle_choice, route, soft_nll
 from moetool.recipe.hybrid import HybridRecipe
 from moetool.recipe.kept import kept_recipe_text, write_kept_recipe
+
+if TYPE_CHECKING:
+    import torch
 
 HYBRID_JSON = "hybrid.json"
 ROUTER_FILE = "router.safetensors"
 FORMAT = 1
 
 
-def held_out_report(p: Prepared, router: HybridRouter) -> dict[str, Any]:
+def held_out_report(p: Prepared, router: HybridRouter) -> HeldOut:
     """Router vs each expert alone vs the oracle on the held-out requests."""
     r = p.recipe.router
     valid = p.valid
     shape = valid.features.shape[:-1]
-    rows: dict[str, Any] = {}
+    rows: dict[str, ChoiceFigures] = {}
     for k, name in enumerate(p.names):
         rows[f"{name} alone"] = evaluate_choice(valid, _full(shape, k), p.costly, alone=True)
     rows["oracle"] = evaluate_choice(valid, oracle_choice(valid, p.costly), p.costly)
     choice = route(router, valid, costly=p.costly, decision=r.decision, utility_threshold=r.utility_threshold)
-    rows["router"] = evaluate_choice(valid, choice, p.costly) | {"soft_nll": soft_nll(router, valid)}
-    return {"requests": int(valid.features.shape[0]), "rows": rows}
+    rows["router"] = evaluate_choice(valid, choice, p.costly)
+    rows["router"]["soft_nll"] = soft_nll(router, valid)
+    return HeldOut(requests=int(valid.features.shape[0]), rows=rows)
 
 
-def _full(shape: Any, k: int) -> Any:
+def _full(shape: torch.Size, k: int) -> torch.Tensor:
     import torch
 
     return torch.full(tuple(shape), k, dtype=torch.long)
 
 
-def _router_config(p: Prepared) -> dict[str, Any]:
+def _router_config(p: Prepared) -> RouterConfig:
     r = p.recipe.router
-    return {
-        "features": list(r.features),
-        "layout": {
-            "length": p.layout.length,
-            "n_domains": p.layout.n_domains,
-            "hidden_dim": p.layout.hidden_dim,
-            "max_length": p.layout.max_length,
-        },
-        "domains": p.domains,
-        "in_features": p.layout.width,
-        "hidden_size": r.hidden_size,
-        "utility_head": r.utility_head,
-        "decision": r.decision,
-        "utility_threshold": r.utility_threshold,
-        "granularity": r.granularity,
-        "encoder": p.encoder.name if p.encoder is not None else None,
-        "encoder_layers": r.encoder_layers,
-        "parameters": router_param_count(p.layout.width, r.hidden_size, len(p.names), r.utility_head),
-    }
+    return RouterConfig(
+        features=list(r.features),
+        layout=FeatureLayoutDoc(
+            length=p.layout.length,
+            n_domains=p.layout.n_domains,
+            hidden_dim=p.layout.hidden_dim,
+            max_length=p.layout.max_length,
+        ),
+        domains=p.domains,
+        in_features=p.layout.width,
+        hidden_size=r.hidden_size,
+        utility_head=r.utility_head,
+        decision=r.decision,
+        utility_threshold=r.utility_threshold,
+        granularity=r.granularity,
+        encoder=p.encoder.name if p.encoder is not None else None,
+        encoder_layers=r.encoder_layers,
+        parameters=router_param_count(p.layout.width, r.hidden_size, len(p.names), r.utility_head),
+    )
 
 
 class HybridAssembler:
@@ -128,7 +141,7 @@ def write_model(
     output: Path,
     p: Prepared,
     router: HybridRouter,
-    report: dict[str, Any],
+    report: HeldOut,
     history: list[dict[str, float]],
     *,
     force: bool,
@@ -136,22 +149,25 @@ def write_model(
 ) -> None:
     from safetensors.torch import save_file
 
-    meta = {
-        "format": FORMAT,
-        "method": "hybrid",
-        "name": p.recipe.name,
-        "experts": [
-            {"name": e.name, "source": s.source, "path": str(e.path), "model_type": e.model_type, "kind": e.kind}
+    meta = ModelMeta(
+        format=FORMAT,
+        method="hybrid",
+        name=p.recipe.name,
+        experts=[
+            ExpertRow(name=e.name, source=s.source, path=str(e.path), model_type=e.model_type, kind=e.kind)
             for e, s in zip(p.experts, p.recipe.experts, strict=True)
         ],
-        "costly": p.names[p.costly],
-        "router": _router_config(p),
-        "loss": p.recipe.loss.model_dump(),
-        "tokenizer": p.tokenizer_check,
-        "held_out": report,
-        "training": {"history": history, **p.recipe.train.model_dump(exclude={"data"})},
-        "profile_device": p.profile["device"],
-    }
+        costly=p.names[p.costly],
+        router=_router_config(p),
+        loss=p.recipe.loss.model_dump(mode="json"),
+        tokenizer=p.tokenizer_check,
+        held_out=report,
+        training={
+            "history": [{k: v for k, v in h.items()} for h in history],
+            **p.recipe.train.model_dump(mode="json", exclude={"data"}),
+        },
+        profile_device=p.profile["device"],
+    )
     with atomic_dir(output, force=force) as tmp:
         state = {k: v.detach().contiguous() for k, v in router.state_dict().items()}
         save_file(state, str(tmp / ROUTER_FILE), metadata={"format": "pt"})
@@ -161,7 +177,7 @@ def write_model(
         (tmp / MOETOOL_META).write_text(json.dumps(_moetool_meta(p, recipe_dir), indent=2) + "\n", encoding="utf-8")
 
 
-def _moetool_meta(p: Prepared, recipe_dir: Path) -> dict[str, Any]:
+def _moetool_meta(p: Prepared, recipe_dir: Path) -> dict[str, object]:
     """``moetool.json``: what every moetool output carries (method, name, provenance), and ``layout: bundle``: the
     experts stay where they are (hybrid.json names them), so the folder is a router bundle, packaged whole."""
     from moetool.card import provenance
@@ -177,7 +193,7 @@ def _moetool_meta(p: Prepared, recipe_dir: Path) -> dict[str, Any]:
     }
 
 
-def read_model(path: Path) -> tuple[dict[str, Any], HybridRouter]:
+def read_model(path: Path) -> tuple[ModelMeta, HybridRouter]:
     """The metadata and router of a hybrid model directory.
 
     Raises:
@@ -188,7 +204,7 @@ def read_model(path: Path) -> tuple[dict[str, Any], HybridRouter]:
     meta_path = Path(path) / HYBRID_JSON
     if not meta_path.is_file():
         raise MoetoolError(f"{path}: not a hybrid model ({HYBRID_JSON} missing; build one with `moetool merge`)")
-    meta = read_json(meta_path, what="hybrid model metadata")
+    meta = model_meta_from_json(read_json(meta_path, what="hybrid model metadata"), str(meta_path))
     rc = meta["router"]
     router = HybridRouter(rc["in_features"], rc["hidden_size"], len(meta["experts"]), rc["utility_head"])
     router.load_state_dict(load_file(str(Path(path) / ROUTER_FILE)))

@@ -17,6 +17,7 @@ import torch
 
 from moetool.errors import MoetoolError
 from moetool.io.sources import resolve_source
+from moetool.methods.hybrid.records import TokenizerCheck
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -105,7 +106,7 @@ def load_expert(name: str, source: str, *, relative_to: Path | None = None) -> E
     return Expert(name=name, path=path, model=model, tokenizer=tokenizer)
 
 
-def check_tokenizers(experts: list[Expert]) -> dict[str, Any]:
+def check_tokenizers(experts: list[Expert]) -> TokenizerCheck:
     """Check every expert shares the first one's tokenizer: identical vocab (token → id), special token ids,
     encodings of probe strings, and an embedding table that covers the vocabulary.
 
@@ -140,9 +141,10 @@ def check_tokenizers(experts: list[Expert]) -> dict[str, Any]:
         rows = int(e.model.get_input_embeddings().weight.shape[0])
         if rows < len(ref_vocab):
             raise MoetoolError(f"expert {e.name!r} ({e.path}): embedding has {rows} rows < vocabulary {len(ref_vocab)}")
-    return {
-        "vocab_size": len(ref_vocab),
-        "special_ids": {a: getattr(ref.tokenizer, a) for a in specials},
-        "probes": len(PROBES),
-        "identical": True,
-    }
+    ids = {a: getattr(ref.tokenizer, a) for a in specials}
+    return TokenizerCheck(
+        vocab_size=len(ref_vocab),
+        special_ids={a: v if isinstance(v, int) else None for a, v in ids.items()},
+        probes=len(PROBES),
+        identical=True,
+    )

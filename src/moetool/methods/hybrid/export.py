@@ -10,8 +10,9 @@ the embedding table, standardisation and MLP are inside. Otherwise it takes the 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 import torch
@@ -22,11 +23,13 @@ from moetool.errors import MoetoolError
 from moetool.export.base import ExportError, check_artifact_dir
 from moetool.export.bundle import Bundle, Member, MemberArtifact, export_bundle
 from moetool.export.graph.common import onnx_export
+from moetool.export.parity import ParityRecord, RouteCheck
 from moetool.extras import require
 from moetool.io.files import copy_tokenizer
 from moetool.io.safe import read_json
 from moetool.methods.hybrid.assemble import read_model
 from moetool.methods.hybrid.data import pooled_hidden
+from moetool.methods.hybrid.records import ExpertRow, FeatureLayoutDoc, ModelMeta
 from moetool.methods.hybrid.router import FeatureLayout, HybridRouter, sequence_features
 
 ROUTER_ONNX = "router.onnx"
@@ -36,7 +39,7 @@ DISPATCHER = "dispatch.py"
 class RouterGraph(nn.Module):
     """Token ids (+ domain one-hot) → scores and hard choice, features computed inside (router.py's definitions)."""
 
-    def __init__(self, router: HybridRouter, layout: dict[str, Any], embedding: torch.Tensor | None) -> None:
+    def __init__(self, router: HybridRouter, layout: FeatureLayoutDoc, embedding: torch.Tensor | None) -> None:
         super().__init__()
         self.router = router
         self.use_length = bool(layout["length"])
@@ -70,13 +73,12 @@ class FeatureRouterGraph(nn.Module):
         return scores, scores.argmax(dim=-1)
 
 
-def self_contained(meta: dict[str, Any]) -> bool:
+def self_contained(meta: ModelMeta) -> bool:
     rc = meta["router"]
-    result: bool = rc["granularity"] == "sequence" and rc["encoder_layers"] == 0 and rc["decision"] == "argmax"
-    return result
+    return rc["granularity"] == "sequence" and rc["encoder_layers"] == 0 and rc["decision"] == "argmax"
 
 
-def encoder_embedding(meta: dict[str, Any]) -> torch.Tensor | None:
+def encoder_embedding(meta: ModelMeta) -> torch.Tensor | None:
     """The encoder expert's token embedding table ``[V, H]`` (read from its safetensors), or None."""
     rc = meta["router"]
     if not rc["layout"]["hidden_dim"]:
@@ -84,12 +86,39 @@ def encoder_embedding(meta: dict[str, Any]) -> torch.Tensor | None:
     from transformers import AutoModelForCausalLM
 
     path = next(e["path"] for e in meta["experts"] if e["name"] == rc["encoder"])
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    weight: torch.Tensor = model.get_input_embeddings().weight
-    return weight.detach().clone()
+    embedding = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).get_input_embeddings()
+    if not isinstance(embedding, nn.Embedding):
+        raise MoetoolError(f"expert {rc['encoder']!r} ({path}): its input embedding is not an nn.Embedding")
+    return embedding.weight.detach().clone()
 
 
-def export_router_onnx(meta: dict[str, Any], router: HybridRouter, path: Path) -> dict[str, Any]:
+class RouterGraphDoc(TypedDict):
+    """The router graph's entry in the manifest, as traced: its inputs and outputs, and whether it is
+    self-contained (token ids in) or takes the feature vectors."""
+
+    inputs: list[str]
+    outputs: list[str]
+    self_contained: bool
+
+
+class ExportedExpert(TypedDict):
+    """An expert row of a hybrid export's manifest: where its artifact is (``dir``/``file``), or why the target
+    refused it (``exported: false``, ``reason``)."""
+
+    name: str
+    dir: NotRequired[str]
+    file: NotRequired[str]
+
+
+class HybridExport(TypedDict):
+    """What :func:`load_export` reads back from a hybrid export's ``manifest.json``."""
+
+    format: str
+    name: str
+    experts: list[ExportedExpert]
+
+
+def export_router_onnx(meta: ModelMeta, router: HybridRouter, path: Path) -> RouterGraphDoc:
     """Trace the router graph with torch.onnx (dynamo) to ``path``; returns its input/output description."""
 
     if self_contained(meta):
@@ -97,9 +126,9 @@ def export_router_onnx(meta: dict[str, Any], router: HybridRouter, path: Path) -
         nd = meta["router"]["layout"]["n_domains"]
         ids = torch.randint(0, 10, (1, 8))
         seq = torch.export.Dim("seq", min=1, max=1 << 16)
-        shapes: tuple[Any, ...]
+        shapes: tuple[dict[int, torch.export.Dim] | None, ...]
         if nd:
-            args: tuple[Any, ...] = (ids, torch.zeros(1, nd))
+            args: tuple[torch.Tensor, ...] = (ids, torch.zeros(1, nd))
             names, shapes = ["input_ids", "domain"], ({1: seq}, None)
         else:
             args, names, shapes = (ids,), ["input_ids"], ({1: seq},)
@@ -108,12 +137,12 @@ def export_router_onnx(meta: dict[str, Any], router: HybridRouter, path: Path) -
         n = torch.export.Dim("n", min=1, max=1 << 20)
         args, names, shapes = (torch.zeros(2, router.in_features),), ["features"], ({0: n},)
     onnx_export(graph, args, path, inputs=names, outputs=["scores", "choice"], dynamic_shapes=shapes)
-    return {"inputs": names, "outputs": ["scores", "choice"], "self_contained": self_contained(meta)}
+    return RouterGraphDoc(inputs=names, outputs=["scores", "choice"], self_contained=self_contained(meta))
 
 
 def router_parity(
-    meta: dict[str, Any], router: HybridRouter, path: Path, requests: list[tuple[list[int], int]]
-) -> dict[str, Any]:
+    meta: ModelMeta, router: HybridRouter, path: Path, requests: list[tuple[list[int], int]]
+) -> ParityRecord:
     """onnxruntime vs PyTorch on ``requests`` (token ids incl. BOS, domain id): features built the way training built
     them (router.py / data.py), so this checks the whole graph, not just the MLP."""
     import onnxruntime as ort
@@ -130,7 +159,7 @@ def router_parity(
         with torch.no_grad():
             ref = router.scores(feats)
         if self_contained(meta):
-            feed: dict[str, Any] = {"input_ids": np.array([ids], dtype=np.int64)}
+            feed: dict[str, np.ndarray] = {"input_ids": np.array([ids], dtype=np.int64)}
             if layout.n_domains:
                 onehot = np.zeros((1, layout.n_domains), dtype=np.float32)
                 if dom >= 0:
@@ -141,16 +170,15 @@ def router_parity(
         scores, choice = sess.run(["scores", "choice"], feed)
         worst = max(worst, float(np.abs(scores - ref.numpy()).max()))
         agree += int(int(choice[0]) == int(ref.argmax(-1)[0]))
-    return {
-        "runtime": f"onnxruntime {ort.__version__}",
-        "reference": "PyTorch router on features built as in training",
-        "requests": len(requests),
-        "max_abs_score_diff": worst,
-        "choice_agreement": agree / max(1, len(requests)),
-    }
+    return ParityRecord(
+        runtime=f"onnxruntime {ort.__version__}",
+        reference="PyTorch router on features built as in training",
+        requests=len(requests),
+        routes=RouteCheck(max_abs_score_diff=worst, choice_agreement=agree / max(1, len(requests))),
+    )
 
 
-def _parity_requests(meta: dict[str, Any], n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+def _parity_requests(meta: ModelMeta, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """Held-out-like requests for the parity check: zoo/recipe text is not needed, the expert's tokenizer on
     varied lengths of random ids is enough to exercise every feature (lengths past max_length included)."""
     g = torch.Generator().manual_seed(seed)
@@ -196,8 +224,9 @@ def export_hybrid(
     def write_router(tmp: Path) -> dict[str, Any]:
         graph = export_router_onnx(meta, router, tmp / ROUTER_ONNX)
         parity = router_parity(meta, router, tmp / ROUTER_ONNX, _parity_requests(meta, parity_requests))
-        if not (parity["max_abs_score_diff"] <= 1e-4 and parity["choice_agreement"] == 1.0):
-            raise MoetoolError(f"router ONNX parity failed: {parity}")
+        if not _router_passes(parity):
+            raise MoetoolError(f"router ONNX parity failed: {parity.to_json()}")
+        parity = replace(parity, verdict="pass")
         tok_dir = tmp / "tokenizer"
         tok_dir.mkdir()
         copy_tokenizer(Path(meta["experts"][0]["path"]), tok_dir)
@@ -212,7 +241,7 @@ def export_hybrid(
             "config": meta["router"],
             # the training tokenizer's special ids: dispatch.py starts every request with this BOS, as training
             "special_ids": meta["tokenizer"]["special_ids"],
-            "parity": parity,
+            "parity": parity.to_json(),
             "bytes": sum((tmp / f).stat().st_size for f in files),
         }
 
@@ -244,7 +273,18 @@ def export_hybrid(
     )  # fmt: skip
 
 
-def _member(e: dict[str, Any], target: str, quant: str | None, verify: bool) -> Member:
+def _router_passes(parity: ParityRecord) -> bool:
+    """The router graph's gate: every score within 1e-4 of PyTorch's and every choice the same."""
+    routes = parity.routes
+    return (
+        routes is not None
+        and routes.max_abs_score_diff is not None
+        and routes.max_abs_score_diff <= 1e-4
+        and routes.choice_agreement == 1.0
+    )
+
+
+def _member(e: ExpertRow, target: str, quant: str | None, verify: bool) -> Member:
     """One expert of the bundle; a Mamba expert's GGUF is written by the Mamba GGUF writer."""
     writer = None
     if e["model_type"] == "mamba" and target == "gguf":
@@ -256,7 +296,7 @@ def _member(e: dict[str, Any], target: str, quant: str | None, verify: bool) -> 
     return Member(e["name"], Path(e["path"]), f"experts/{e['name']}", writer)
 
 
-def load_export(path: Path) -> dict[str, Any]:
+def load_export(path: Path) -> HybridExport:
     """The manifest of a hybrid model's ``moetool export`` folder.
 
     Raises:
@@ -269,7 +309,19 @@ def load_export(path: Path) -> dict[str, Any]:
         raise ExportError(f"{path}: no such directory; a hybrid export folder is expected ({writes_it})")
     if not manifest.is_file():
         raise ExportError(f"{manifest}: missing; {path} is not a hybrid export folder ({writes_it})")
-    data: dict[str, Any] = read_json(manifest, what="hybrid export manifest", error=ExportError)
-    if data.get("format") != "moetool-hybrid-export" or not isinstance(data.get("experts"), list):
+    data = read_json(manifest, what="hybrid export manifest", error=ExportError)
+    experts = data.get("experts")
+    if data.get("format") != "moetool-hybrid-export" or not isinstance(experts, list):
         raise ExportError(f"{manifest}: format is {data.get('format')!r}, not a hybrid export manifest ({writes_it})")
-    return data
+    rows: list[ExportedExpert] = []
+    for i, e in enumerate(experts):
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+            raise ExportError(f"{manifest}: experts.{i}: not an expert entry with a name")
+        row = ExportedExpert(name=str(e["name"]))
+        if isinstance(folder := e.get("dir"), str):
+            row["dir"] = folder
+        if isinstance(file := e.get("file"), str):
+            row["file"] = file
+        rows.append(row)
+    name = data.get("name")
+    return HybridExport(format="moetool-hybrid-export", name=name if isinstance(name, str) else "", experts=rows)

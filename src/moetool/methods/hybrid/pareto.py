@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from rich.console import Console
@@ -24,6 +26,15 @@ from rich.console import Console
 from moetool.io.atomic import atomic_dir
 from moetool.methods.hybrid.pipeline import Prepared
 from moetool.methods.hybrid.profile import clock, timing_llama, warm_llama
+from moetool.methods.hybrid.records import (
+    ChoiceFigures,
+    LatencyCheck,
+    SweepParameter,
+    SweepResult,
+    SweepRow,
+    SweepTiming,
+    sweep_parameter,
+)
 from moetool.methods.hybrid.router import HybridRouter, sequence_features
 from moetool.methods.hybrid.training import (
     TrainResult,
@@ -33,11 +44,15 @@ from moetool.methods.hybrid.training import (
     soft_nll,
     train_router,
 )
+from moetool.recipe.hybrid import HybridLossSpec
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
 
 _CLOCK = ["cpu"]
 
 
-def _time(fn: Any, repeats: int) -> float:
+def _time(fn: Callable[[], object], repeats: int) -> float:
     """Fastest of ``repeats`` runs (seconds) on the profile's clock (profile.clock: CPU time by default)."""
     now = clock(_CLOCK[0])
     times = []
@@ -54,10 +69,10 @@ class Runners:
     GGUF files (``experts.<name>.file``), transformers otherwise."""
 
     def __init__(self, p: Prepared) -> None:
-        self.llms: list[Any] = []
+        self.llms: list[Llama] = []
         self.runtime = "transformers"
-        files = [p.profile["experts"][n].get("file") for n in p.names]
-        if all(files):
+        files = [f for n in p.names if (f := p.profile["experts"][n].get("file"))]
+        if len(files) == len(p.names):
             from moetool.export.gguf.verify import quiet_stderr
 
             self.quiet = quiet_stderr
@@ -93,7 +108,7 @@ def time_experts(p: Prepared, run: Runners, idx: torch.Tensor, repeats: int) -> 
             ids = req.ids[i : i + 1, : int(req.lengths[i])]
             for k in range(len(p.experts)):
                 run(k, ids)  # warm
-                out[j, k] = _time(lambda k=k, x=ids: run(k, x), repeats)
+                out[j, k] = _time(partial(run, k, ids), repeats)
     return out
 
 
@@ -124,12 +139,12 @@ def time_routed(
             dom = req.domains[i : i + 1]
             k = choices[j] = routed(ids, dom)  # also the warm-up
             for _ in range(repeats):
-                routed_s[j] = min(float(routed_s[j]), _time(lambda x=ids, d=dom: routed(x, d), 1))
-                alone_s[j] = min(float(alone_s[j]), _time(lambda k=k, x=ids: run(k, x), 1))
+                routed_s[j] = min(float(routed_s[j]), _time(partial(routed, ids, dom), 1))
+                alone_s[j] = min(float(alone_s[j]), _time(partial(run, k, ids), 1))
     return routed_s, alone_s, choices
 
 
-def train_recipe_router(p: Prepared, loss: Any) -> TrainResult:
+def train_recipe_router(p: Prepared, loss: HybridLossSpec) -> TrainResult:
     """The router trained as the recipe's ``router`` and ``train`` sections say, under ``loss`` (a recipe loss
     section, e.g. the recipe's own with one weight swept)."""
     r = p.recipe
@@ -146,7 +161,7 @@ def train_recipe_router(p: Prepared, loss: Any) -> TrainResult:
     )
 
 
-def baselines_of(p: Prepared) -> dict[str, dict[str, Any]]:
+def baselines_of(p: Prepared) -> dict[str, ChoiceFigures]:
     """The held-out figures every router is judged against: each expert alone, and the oracle router."""
     valid = p.valid
     shape = tuple(valid.features.shape[:-1])
@@ -167,30 +182,31 @@ def latency_check(
     *,
     repeats: int,
     tolerance: float,
-) -> dict[str, Any]:
+) -> LatencyCheck:
     """The routed system timed live on the requests ``idx`` against the sum of its parts (module docstring);
     ``alone`` [n, K]: each expert's seconds on those requests from :func:`time_experts`."""
     secs, paired, ch = time_routed(p, router, run, idx, repeats)
     parts = float(paired.mean())  # Σ_k share_k·latency_k, latency_k on the requests routed to k
     unconditional = sum(float((ch == k).float().mean()) * float(alone[:, k].mean()) for k in range(len(p.names)))
     measured = float(secs.mean())
-    return {
-        "measured_latency_ms": 1000 * measured,
-        "sum_share_latency_ms": 1000 * parts,
-        "sum_share_mean_latency_ms": 1000 * unconditional,
-        "router_overhead_ms": 1000 * (measured - parts),
-        "latency_check": measured >= parts * (1 - tolerance),
-    }
+    return LatencyCheck(
+        measured_latency_ms=1000 * measured,
+        sum_share_latency_ms=1000 * parts,
+        sum_share_mean_latency_ms=1000 * unconditional,
+        router_overhead_ms=1000 * (measured - parts),
+        latency_check=measured >= parts * (1 - tolerance),
+    )
 
 
-def _sweep_row(p: Prepared, parameter: str, value: float) -> tuple[dict[str, Any], HybridRouter]:
+def _sweep_row(p: Prepared, parameter: SweepParameter, value: float) -> tuple[SweepRow, HybridRouter]:
     """Train the router at ``parameter = value`` and score its routing of the held-out requests."""
     r = p.recipe
     router = train_recipe_router(p, r.loss.model_copy(update={parameter: value})).router
     choice = route(
         router, p.valid, costly=p.costly, decision=r.router.decision, utility_threshold=r.router.utility_threshold
     )
-    row: dict[str, Any] = {parameter: value, **evaluate_choice(p.valid, choice, p.costly)}
+    row = SweepRow(**evaluate_choice(p.valid, choice, p.costly))
+    row[parameter] = value
     row["soft_nll"] = soft_nll(router, p.valid)
     return row, router
 
@@ -205,17 +221,17 @@ def sweep(
     tolerance: float = 0.03,
     threads: int = 1,
     console: Console | None = None,
-) -> dict[str, Any]:
+) -> SweepResult:
     """Train one router per value and evaluate everything on the held-out requests."""
     r = p.recipe
-    parameter = parameter or r.sweep.parameter
+    swept = sweep_parameter(parameter or r.sweep.parameter)
     values = values if values is not None else r.sweep.values
     baselines = baselines_of(p)
     measure = timed_requests > 0 and r.router.granularity == "sequence"
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     run: Runners | None = None
-    _CLOCK[0] = str(p.profile.get("clock", "wall"))
+    _CLOCK[0] = p.profile.get("clock", "wall")
     try:
         idx = torch.randperm(len(p.valid_requests), generator=torch.Generator().manual_seed(1))[:timed_requests]
         run = Runners(p) if measure else None
@@ -225,67 +241,62 @@ def sweep(
                 baselines[f"{n} alone"]["measured_latency_ms"] = 1000 * float(alone[:, k].mean())
         rows = []
         for v in values:
-            row, router = _sweep_row(p, parameter, v)
+            row, router = _sweep_row(p, swept, v)
             if alone is not None and run is not None:
-                row |= latency_check(p, router, run, idx, alone, repeats=repeats, tolerance=tolerance)
+                row.update(latency_check(p, router, run, idx, alone, repeats=repeats, tolerance=tolerance))
             rows.append(row)
             if console is not None:
                 console.print(
-                    f"  {parameter}={v:g}: perplexity {row['perplexity']:.3f}, costly share "
+                    f"  {swept}={v:g}: perplexity {row['perplexity']:.3f}, costly share "
                     f"{row['costly_share']:.3f}, expected {row['expected_latency_ms']:.2f} ms"
                 )
     finally:
         torch.set_num_threads(before)
         if run is not None:
             run.close()
-    return _sweep_result(
-        p,
-        parameter,
-        baselines,
-        rows,
-        timed_requests=len(idx) if measure else 0,
-        timing={"repeats": repeats, "threads": threads, "clock": _CLOCK[0], "tolerance": tolerance},
+    timing = SweepTiming(
+        repeats=repeats,
+        threads=threads,
+        clock=_CLOCK[0],
+        tolerance=tolerance,
         runtime=run.runtime if measure and run is not None else None,
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        note="llama.cpp timed in a process that also runs torch is only reliable with "
+        "OMP_WAIT_POLICY=PASSIVE set before torch loads (bench/hybrid_pareto.py sets it)",
     )
+    return _sweep_result(p, swept, baselines, rows, timed_requests=len(idx) if measure else 0, timing=timing)
 
 
 def _sweep_result(
     p: Prepared,
-    parameter: str,
-    baselines: dict[str, dict[str, Any]],
-    rows: list[dict[str, Any]],
+    parameter: SweepParameter,
+    baselines: dict[str, ChoiceFigures],
+    rows: list[SweepRow],
     *,
     timed_requests: int,
-    timing: dict[str, Any],
-    runtime: str | None,
-) -> dict[str, Any]:
+    timing: SweepTiming,
+) -> SweepResult:
     """pareto.json: the rows and baselines with what they were measured on and how (``timing``: repeats, threads,
-    clock and tolerance of the measurement)."""
+    clock and tolerance of the measurement, and the runtime timed)."""
     r = p.recipe
-    return {
-        "parameter": parameter,
-        "costly": p.names[p.costly],
-        "experts": p.names,
-        "granularity": r.router.granularity,
-        "device": p.profile["device"],
-        "held_out_requests": int(p.valid.features.shape[0]),
-        "timed_requests": timed_requests,
-        "timing": timing
-        | {
-            "runtime": runtime,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "note": "llama.cpp timed in a process that also runs torch is only reliable with "
-            "OMP_WAIT_POLICY=PASSIVE set before torch loads (bench/hybrid_pareto.py sets it)",
-        },
-        "loss": r.loss.model_dump(),
-        "baselines": baselines,
-        "rows": rows,
-        "oracle_definition": "per held-out request, the expert with the lower mean NLL per token on that request "
+    return SweepResult(
+        parameter=parameter,
+        costly=p.names[p.costly],
+        experts=p.names,
+        granularity=r.router.granularity,
+        device=p.profile["device"],
+        held_out_requests=int(p.valid.features.shape[0]),
+        timed_requests=timed_requests,
+        timing=timing,
+        loss=r.loss.model_dump(mode="json"),
+        baselines=baselines,
+        rows=rows,
+        oracle_definition="per held-out request, the expert with the lower mean NLL per token on that request "
         "(ties to the cheap expert); ignores latency",
-    }
+    )
 
 
-def table(result: dict[str, Any]) -> str:
+def table(result: SweepResult) -> str:
     """Markdown table of the sweep and the baselines."""
     par = result["parameter"]
     measured = result["timed_requests"] > 0
@@ -294,7 +305,7 @@ def table(result: dict[str, Any]) -> str:
         head += ["measured ms", "Σ share·lat ms", "check"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
-    def line(name: str, row: dict[str, Any]) -> str:
+    def line(name: str, row: ChoiceFigures) -> str:
         cells = [
             name,
             f"{row['perplexity']:.3f}",
@@ -317,7 +328,7 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(result: SweepResult, path: Path) -> None:
     """Two panels: held-out perplexity against expected latency, and against the costly-expert share."""
     import matplotlib
 
@@ -327,10 +338,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     par = result["parameter"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     rows = result["rows"]
-    for ax, key, label in (
-        (axes[0], "expected_latency_ms", "expected latency per request (ms, fitted profile)"),
-        (axes[1], "costly_share", f"share of requests to {result['costly']} (costly)"),
-    ):
+    panels: tuple[tuple[Literal["expected_latency_ms", "costly_share"], str], ...] = (
+        ("expected_latency_ms", "expected latency per request (ms, fitted profile)"),
+        ("costly_share", f"share of requests to {result['costly']} (costly)"),
+    )
+    for ax, (key, label) in zip(axes, panels, strict=True):
         ax.plot([r[key] for r in rows], [r["perplexity"] for r in rows], "o-", label=f"router, {par} sweep")
         for r in rows:
             ax.annotate(f"{r[par]:g}", (r[key], r["perplexity"]), fontsize=7, textcoords="offset points", xytext=(4, 4))
@@ -346,7 +358,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_sweep(result: dict[str, Any], output: Path, *, force: bool = False) -> Path:
+def write_sweep(result: SweepResult, output: Path, *, force: bool = False) -> Path:
     """``output/``: pareto.json, pareto.md, pareto.png (atomically)."""
     with atomic_dir(Path(output), force=force) as tmp:
         (tmp / "pareto.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

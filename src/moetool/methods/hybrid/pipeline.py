@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -13,7 +12,8 @@ from rich.console import Console
 from moetool.errors import MoetoolError
 from moetool.methods.hybrid.data import Requests, expert_outputs, sample_requests
 from moetool.methods.hybrid.experts import Expert, check_tokenizers, load_expert
-from moetool.methods.hybrid.profile import cost_ms, costly_expert, measure_profile, read_profile
+from moetool.methods.hybrid.profile import LatencyProfile, cost_ms, costly_expert, load_profile, time_profile
+from moetool.methods.hybrid.records import TokenizerCheck
 from moetool.methods.hybrid.router import FeatureLayout
 from moetool.methods.hybrid.training import RoutingSet, build_set
 from moetool.recipe.hybrid import HybridRecipe
@@ -30,28 +30,28 @@ class Prepared:
     costly: int
     layout: FeatureLayout
     domains: list[str]
-    profile: dict[str, Any]
-    tokenizer_check: dict[str, Any]
+    profile: LatencyProfile
+    tokenizer_check: TokenizerCheck
     train: RoutingSet
     valid: RoutingSet
     valid_requests: Requests
     encoder: Expert | None
 
 
-def load_experts(recipe: HybridRecipe, recipe_dir: Path) -> tuple[list[Expert], dict[str, Any]]:
+def load_experts(recipe: HybridRecipe, recipe_dir: Path) -> tuple[list[Expert], TokenizerCheck]:
     experts = [load_expert(e.name, e.source, relative_to=recipe_dir) for e in recipe.experts]
     return experts, check_tokenizers(experts)
 
 
-def get_profile(recipe: HybridRecipe, recipe_dir: Path, experts: list[Expert]) -> dict[str, Any]:
+def get_profile(recipe: HybridRecipe, recipe_dir: Path, experts: list[Expert]) -> LatencyProfile:
     """The recipe's profile file (relative to the recipe), else measured here now."""
     names = [e.name for e in experts]
     spec = recipe.profile
     if spec.file:
         path = Path(spec.file)
-        return read_profile(path if path.is_absolute() else recipe_dir / path, names)
+        return load_profile(path if path.is_absolute() else recipe_dir / path, names)
     vocab = len(experts[0].tokenizer)
-    return measure_profile(
+    return time_profile(
         {e.name: e.model for e in experts},
         device=spec.for_,
         lengths=spec.lengths,
@@ -139,7 +139,7 @@ def prepare(
 
 
 def _token_streams(
-    recipe: HybridRecipe, recipe_dir: Path, first: Any, name: str
+    recipe: HybridRecipe, recipe_dir: Path, first: Expert, name: str
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
     """Train and held-out token streams per domain (the first expert's tokenizer: they are identical), BOS and pad."""
 

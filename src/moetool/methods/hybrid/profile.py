@@ -17,22 +17,40 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Unpack
 
 import torch
 
 from moetool.errors import MoetoolError
 from moetool.export.gguf.verify import quiet_stderr
+from moetool.methods.hybrid.profile_doc import (
+    PROFILE_FORMAT,
+    ExpertTimes,
+    HowTimed,
+    LatencyProfile,
+    fit_latency,
+    latency_at,
+    profile_from_json,
+)
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
 
 PROFILE_FILE = "latency_profile.json"
-PROFILE_FORMAT = 1
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+InputT = TypeVar("InputT")
 
 
-def clock(name: str) -> Any:
+class ForwardModel(Protocol):
+    """A causal LM timed by its forward pass (a transformers model): ``model(input_ids=ids [1, L])``."""
+
+    def __call__(self, *, input_ids: torch.Tensor) -> object: ...
+
+
+def clock(name: str) -> Callable[[], float]:
     """``cpu``: CPU seconds of the calling thread. The profiled runs are single-threaded (torch with one thread,
     llama.cpp with n_threads=1 both compute in the caller), so this equals wall time on an idle core, and other
     processes preempting it do not count. Measured here at load ~7 on 2 cores, for llama.cpp on 64 tokens: thread
@@ -44,35 +62,7 @@ def clock(name: str) -> Any:
         raise MoetoolError(f"clock must be cpu or wall, got {name!r}") from None
 
 
-def fit_latency(lengths: list[int], seconds: list[float]) -> dict[str, float]:
-    """Non-negative least-squares fit of ``seconds ≈ a·L + b·L² + c0``; returns a, b, c0 and the max relative error."""
-    if len(lengths) != len(seconds) or len(lengths) < 2:
-        raise ValueError("need at least two (length, seconds) points of equal count")
-    x = torch.tensor(lengths, dtype=torch.float64)
-    y = torch.tensor(seconds, dtype=torch.float64)
-    cols = {"a": x, "b": x * x, "c0": torch.ones_like(x)}
-    active = list(cols)
-    coef: dict[str, float] = {}
-    while active:
-        design = torch.stack([cols[k] for k in active], dim=1)
-        sol = torch.linalg.lstsq(design, y.unsqueeze(1)).solution.squeeze(1)
-        coef = {k: float(v) for k, v in zip(active, sol, strict=True)}
-        negative = [k for k, v in coef.items() if v < 0]
-        if not negative:
-            break
-        active.remove(min(negative, key=lambda k: coef[k]))
-    fit = {k: coef.get(k, 0.0) for k in cols}
-    pred = [latency_at(fit, n) for n in lengths]
-    fit["max_rel_error"] = max(abs(p - s) / s for p, s in zip(pred, seconds, strict=True))
-    return fit
-
-
-def latency_at(fit: dict[str, float], length: float) -> float:
-    """Seconds for a request of ``length`` tokens under a fit."""
-    return fit["a"] * length + fit["b"] * length * length + fit.get("c0", 0.0)
-
-
-def time_forward(model: Any, input_ids: torch.Tensor, repeats: int, clock_name: str = "cpu") -> float:
+def time_forward(model: ForwardModel, input_ids: torch.Tensor, repeats: int, clock_name: str = "cpu") -> float:
     """Fastest of ``repeats`` forward passes of ``input_ids`` ``[1, L]`` after one warm-up (seconds)."""
     now = clock(clock_name)
     with torch.inference_mode():
@@ -87,11 +77,11 @@ def time_forward(model: Any, input_ids: torch.Tensor, repeats: int, clock_name: 
 
 
 def fastest_in_rounds(
-    inputs: list[Any],
+    inputs: list[InputT],
     repeats: int,
     now: Callable[[], float],
-    run: Callable[[Any], object],
-    prepare: Callable[[Any], object],
+    run: Callable[[InputT], object],
+    prepare: Callable[[InputT], object],
 ) -> list[float]:
     """Per input, the fastest of ``repeats`` timed ``run(x)`` (seconds on ``now``), each after an untimed
     ``prepare(x)`` (a warm-up pass, a state reset).
@@ -109,12 +99,12 @@ def fastest_in_rounds(
     return best
 
 
-def _expert_entry(lengths: list[int], seconds: list[float]) -> dict[str, Any]:
+def _expert_entry(lengths: list[int], seconds: list[float]) -> ExpertTimes:
     return {"lengths": list(lengths), "seconds": seconds, "fit": fit_latency(list(lengths), seconds)}
 
 
-def measure_profile(
-    experts: dict[str, Any],
+def time_profile(
+    experts: Mapping[str, ForwardModel],
     *,
     device: str,
     lengths: list[int],
@@ -122,18 +112,18 @@ def measure_profile(
     threads: int = 1,
     vocab: int,
     clock_name: str = "cpu",
-) -> dict[str, Any]:
+) -> LatencyProfile:
     """Time each model in ``experts`` (name → transformers causal LM) at each length on this machine."""
     now = clock(clock_name)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     try:
-        out: dict[str, Any] = {}
+        out: dict[str, ExpertTimes] = {}
         for name, model in experts.items():
             inputs = [torch.randint(0, vocab, (1, n), generator=g) for n in lengths]
 
-            def forward(ids: torch.Tensor, model: Any = model) -> None:
+            def forward(ids: torch.Tensor, model: ForwardModel = model) -> None:
                 model(input_ids=ids)
 
             with torch.inference_mode():
@@ -151,7 +141,7 @@ def measure_profile(
     )
 
 
-def timing_llama(path: Path | str, n_ctx: int, threads: int) -> Any:
+def timing_llama(path: Path | str, n_ctx: int, threads: int) -> Llama:
     """A llama.cpp model set up for timing a prefill: one batch takes a whole request, only the last logits are
     kept, and the weights are read in at load (no mmap page-ins while timing)."""
     import llama_cpp
@@ -169,7 +159,7 @@ def timing_llama(path: Path | str, n_ctx: int, threads: int) -> Any:
         )
 
 
-def warm_llama(llm: Any, vocab: int, length: int, seconds: float = 4.0) -> None:
+def warm_llama(llm: Llama, vocab: int, length: int, seconds: float = 4.0) -> None:
     """Evaluate for ``seconds`` (3 runs at least) before timing: llama.cpp's first seconds after loading run up to
     ~100x slower than steady state (measured here: 1.7 s vs 15 ms for 32 tokens)."""
 
@@ -182,7 +172,7 @@ def warm_llama(llm: Any, vocab: int, length: int, seconds: float = 4.0) -> None:
         runs += 1
 
 
-def measure_gguf_profile(
+def time_gguf_profile(
     files: dict[str, Path],
     *,
     device: str,
@@ -191,21 +181,21 @@ def measure_gguf_profile(
     threads: int = 1,
     vocab: int,
     clock_name: str = "cpu",
-) -> dict[str, Any]:
+) -> LatencyProfile:
     """Time each expert's GGUF in llama.cpp (llama-cpp-python): prefill of L tokens, fresh state each run."""
     import llama_cpp
 
     g = torch.Generator().manual_seed(0)
     now = clock(clock_name)
-    out: dict[str, Any] = {}
+    out: dict[str, ExpertTimes] = {}
     for name, path in files.items():
         llm = timing_llama(path, max(lengths), threads)
 
-        def prefill(ids: list[int], llm: Any = llm) -> None:
+        def prefill(ids: list[int], llm: Llama = llm) -> None:
             with quiet_stderr():
                 llm.eval(ids)
 
-        def reset(_: list[int], llm: Any = llm) -> None:
+        def reset(_: list[int], llm: Llama = llm) -> None:
             llm.reset()
 
         try:
@@ -215,7 +205,8 @@ def measure_gguf_profile(
         finally:
             with quiet_stderr():
                 llm.close()
-        out[name] = _expert_entry(lengths, secs) | {"file": str(path)}
+        out[name] = _expert_entry(lengths, secs)
+        out[name]["file"] = str(path)
     return _profile(
         device,
         f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), GGUF as exported, batch 1",
@@ -235,8 +226,8 @@ def _profile(
     threads: int,
     clock_name: str,
     repeats: int,
-    experts: dict[str, Any],
-) -> dict[str, Any]:
+    experts: dict[str, ExpertTimes],
+) -> LatencyProfile:
     """A measured profile: what was timed, how, on which machine, and each expert's times and fit."""
     return {
         "format": PROFILE_FORMAT,
@@ -258,7 +249,7 @@ def _transformers_version() -> str:
     return str(transformers.__version__)
 
 
-def read_profile(path: Path, expert_names: list[str]) -> dict[str, Any]:
+def load_profile(path: Path, expert_names: list[str]) -> LatencyProfile:
     """Read and check a profile JSON (e.g. measured on a device); refit every expert from its points.
 
     Raises:
@@ -270,25 +261,29 @@ def read_profile(path: Path, expert_names: list[str]) -> dict[str, Any]:
         raise MoetoolError(f"{path}: cannot read latency profile: {exc.strerror}") from None
     except ValueError as exc:
         raise MoetoolError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("experts"), dict):
-        raise MoetoolError(f"{path}: experts: missing (a mapping of expert name → lengths, seconds)")
-    if not isinstance(data.get("device"), str):
-        raise MoetoolError(f"{path}: device: missing (the name of the device it was measured on)")
-    for name in expert_names:
-        entry = data["experts"].get(name)
-        if not isinstance(entry, dict):
-            raise MoetoolError(f"{path}: experts.{name}: missing (profile has {', '.join(data['experts']) or 'none'})")
-        lengths, secs = entry.get("lengths"), entry.get("seconds")
-        if not (isinstance(lengths, list) and isinstance(secs, list) and len(lengths) == len(secs) >= 2):
-            raise MoetoolError(f"{path}: experts.{name}: needs 'lengths' and 'seconds' lists of equal length ≥ 2")
-        if not all(isinstance(v, (int, float)) and v > 0 for v in [*lengths, *secs]):
-            raise MoetoolError(f"{path}: experts.{name}: lengths and seconds must be positive numbers")
-        entry["fit"] = fit_latency([int(v) for v in lengths], [float(v) for v in secs])
-    data.setdefault("format", PROFILE_FORMAT)
-    return data
+    return profile_from_json(data, expert_names, where=str(path))
 
 
-def cost_ms(profile: dict[str, Any], names: list[str], lengths: torch.Tensor) -> torch.Tensor:
+# The CLI's plain-dict spellings (cli/methods/hybrid.py passes the profile to a printer typed dict[str, Any]): the
+# same documents as load_profile / time_profile / time_gguf_profile, which the rest of the method uses.
+
+
+def read_profile(path: Path, expert_names: list[str]) -> dict[str, Any]:
+    """:func:`load_profile` as a plain dict."""
+    return dict(load_profile(path, expert_names))
+
+
+def measure_profile(experts: Mapping[str, ForwardModel], **how: Unpack[HowTimed]) -> dict[str, Any]:
+    """:func:`time_profile` as a plain dict."""
+    return dict(time_profile(experts, **how))
+
+
+def measure_gguf_profile(files: dict[str, Path], **how: Unpack[HowTimed]) -> dict[str, Any]:
+    """:func:`time_gguf_profile` as a plain dict."""
+    return dict(time_gguf_profile(files, **how))
+
+
+def cost_ms(profile: LatencyProfile, names: list[str], lengths: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` fitted latency in milliseconds of each expert (``names`` order) at each request length ``[N]``."""
     cols = []
     for name in names:
@@ -297,7 +292,7 @@ def cost_ms(profile: dict[str, Any], names: list[str], lengths: torch.Tensor) ->
     return torch.stack(cols, dim=1)
 
 
-def costly_expert(profile: dict[str, Any], names: list[str], max_length: int) -> int:
+def costly_expert(profile: LatencyProfile, names: list[str], max_length: int) -> int:
     """Index of the slower expert at ``max_length`` under the profile's fits."""
     at = [latency_at(profile["experts"][n]["fit"], max_length) for n in names]
     return int(max(range(len(names)), key=lambda i: at[i]))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from moetool.methods.hybrid.data import ExpertOutputs, Requests, pooled_hidden
 from moetool.methods.hybrid.loss import hybrid_loss, mixture_nll
+from moetool.methods.hybrid.records import ChoiceFigures
 from moetool.methods.hybrid.router import FeatureLayout, HybridRouter, sequence_features, token_features
 from moetool.recipe.hybrid import HybridLossSpec
 
@@ -157,7 +157,7 @@ def oracle_choice(data: RoutingSet, costly: int) -> torch.Tensor:
     return torch.where(nll[:, costly] < nll[:, cheap], costly, cheap)
 
 
-def evaluate_choice(data: RoutingSet, choice: torch.Tensor, costly: int, *, alone: bool = False) -> dict[str, Any]:
+def evaluate_choice(data: RoutingSet, choice: torch.Tensor, costly: int, *, alone: bool = False) -> ChoiceFigures:
     """Quality and expected latency of hard routing ``choice`` (``[N]`` or ``[N, T-1]``).
 
     nll: mean NLL per real token of the chosen experts; costly_share: share of routing units (requests, or tokens)
@@ -185,11 +185,11 @@ def evaluate_choice(data: RoutingSet, choice: torch.Tensor, costly: int, *, alon
         for d in sorted(set(data.domains.tolist())):
             sel = data.domains == d
             by_domain[int(d)] = float((choice[sel] == costly).float().mean())
-    return {
-        "nll": nll,
-        "perplexity": math.exp(nll),
-        "costly_share": share,
-        "expected_latency_ms": float(latency.mean()),
-        "mean_length_by_expert": per_expert_len,
-        "costly_share_by_domain": by_domain,
-    }
+    return ChoiceFigures(
+        nll=nll,
+        perplexity=math.exp(nll),
+        costly_share=share,
+        expected_latency_ms=float(latency.mean()),
+        mean_length_by_expert=per_expert_len,
+        costly_share_by_domain=by_domain,
+    )
