@@ -22,6 +22,7 @@ from moetool.api import assemble, export
 from moetool.export import ExportError
 from moetool.export.base import Manifest
 from moetool.export.gate import GateReport, family_of, kl_divergence, margin_gate, top_margin
+from moetool.export.parity import ParityRecord
 
 PLANS = ["f16", "q8_0", "experts=q4_0,router=f32,*=q8_0"]
 EXPERTS3 = """
@@ -112,10 +113,13 @@ def test_sound_artifacts_pass_with_the_figures_recorded(moe, tmp_path, plan):
     """The manifest records the gate beside the raw top-1 figures, and the typed manifest reads it back."""
     man = Manifest.of(export(moe, tmp_path / "o", quant=plan), source="test")
     gate, parity = man.gate, man.parity
-    assert isinstance(parity, dict) and gate is not None and gate.passed and parity["gate"]["verdict"] == "pass"
+    assert isinstance(parity, ParityRecord) and gate is not None and gate.passed and parity.gate == gate
+    assert man["parity"]["gate"]["verdict"] == "pass" and parity.outcome == "pass"
+    assert parity.tolerance == (1e-2 if plan == "f16" else None)  # a float plan's conversion has a tolerance too
     assert gate.tokens == 512 and gate.kl_mean <= gate.kl_bound / 3  # room under the bound
-    assert gate.raw_top1 == pytest.approx(parity["top1_agreement"], abs=1e-6)
-    assert gate.raw_top1_conversion == pytest.approx(parity["conversion"]["top1_agreement"], abs=1e-6)
+    assert gate.raw_top1 == pytest.approx(parity.top1_agreement, abs=1e-6)
+    assert parity.conversion is not None
+    assert gate.raw_top1_conversion == pytest.approx(parity.conversion.top1_agreement, abs=1e-6)
     assert gate.agreement in (None, 1.0) and gate.family == {"f16": "float", "q8_0": "q8_0"}.get(plan, "q4")
 
 

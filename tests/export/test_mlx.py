@@ -76,14 +76,14 @@ def test_the_weight_check_catches_two_experts_swapped(family, case, tmp_path):
     plan = exporter.plan(req)
     exporter.export(req, plan)
     path = next(p for p in plan.module_paths() if "layers.1." in p and p.endswith("switch_mlp.up_proj"))
-    assert rounding(tmp_path / "out", moe, plan.module_paths())["differing"] == []
+    assert rounding(tmp_path / "out", moe, plan.module_paths()).differing == ()
     file = tmp_path / "out" / "model.safetensors"
     w = dict(mx.load(str(file)))
     for k in ("weight", "scales", "biases"):
         t = w[f"{path}.{k}"]
         w[f"{path}.{k}"] = mx.concatenate([t[1:2], t[0:1], t[2:]])
     mx.save_safetensors(str(file), w, metadata={"format": "mlx"})
-    assert rounding(tmp_path / "out", moe, plan.module_paths())["differing"] == [path]
+    assert rounding(tmp_path / "out", moe, plan.module_paths()).differing == (path,)
 
 
 def test_a_plan_that_splits_a_layers_experts_is_refused_before_writing(tmp_path):

@@ -143,3 +143,31 @@ def test_parity_of_a_manifest_value():
     assert parity_of(NOT_VERIFIED) == NOT_VERIFIED
     assert parity_of(None) is None and parity_of(3) is None
     assert parity_of(GRAPH) == ParityRecord.from_json(GRAPH)
+
+
+def test_the_record_in_words_has_the_verdict_and_the_gate():
+    from moetool.export.parity_text import describe
+
+    judged = ParityRecord.from_json(GGUF)
+    text = describe(judged)
+    assert text.startswith("pass (margin gate, q8_0 plan): max abs Δlogit 1.2e-05 @32, 3.4e-05 @128 tokens")
+    assert "margin gate pass: top-1 99.50% on 400 decisive tokens" in text and "tokenizer DIFFERS on 10 probes" in text
+    assert "|" not in text  # it goes into a Markdown table cell
+    graph = ParityRecord.from_json(GRAPH).judged(1e-4)
+    assert describe(graph).startswith("pass (max abs Δlogit ≤ 0.0001): ")
+    assert "max abs ΔP 1.0e-06; 1 route(s) differ (0 off the tau boundary)" in describe(
+        ParityRecord.from_json(GEM_TOKEN)
+    )
+    bundle = describe(ParityRecord.from_json(BUNDLE))
+    assert "router: reported" in bundle and "same route on 8 of 8 windows" in bundle
+    assert "code: not exported (no)" in bundle and f"legal: {NOT_VERIFIED}" in bundle
+    assert describe(NOT_VERIFIED) == NOT_VERIFIED
+
+
+def test_the_cli_prints_the_verdict_and_the_gate(capsys):
+    from moetool.cli import render
+
+    render.print_parity(ParityRecord.from_json(GGUF))
+    printed = capsys.readouterr().out
+    assert "parity (llama-cpp-python vs transformers float32, zoo text): pass (margin gate, q8_0 plan)" in printed
+    assert "gate (q8_0 plan): pass: top-1 0.9950 on 400 of 508 decisive tokens" in printed

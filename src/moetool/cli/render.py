@@ -10,13 +10,23 @@ from rich.table import Table
 from moetool.cli.console import human, out
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from rich.console import Console
+
+    from moetool.api.ask import AskedQuestion
+    from moetool.edit.plan import EditPlan
+    from moetool.export.base import ArtifactPlan
+    from moetool.io.jsontypes import JsonValue
+    from moetool.methods.mofe.plan import MergePlan
 
 if TYPE_CHECKING:  # the CLI imports this module at start-up; the export package is imported when used
     from moetool.export.base import Manifest
+    from moetool.export.gate import GateReport
+    from moetool.export.parity import ParityRecord
 
 
-def print_plan(plan: Any) -> None:
+def print_plan(plan: MergePlan) -> None:
     by_kind = plan.bytes_by_kind()
     t = Table(title=f"merge plan: {plan.recipe.name} → {plan.arch.name} ({plan.dtype})")
     for col in ("tensor", "kind", "source", "shape"):
@@ -122,7 +132,7 @@ def acceptance(report: dict[str, Any], candidates: list[str], tolerance: float =
     return ok
 
 
-def print_quant_plan(plan: Any, title: str) -> None:
+def print_quant_plan(plan: ArtifactPlan, title: str) -> None:
     """Bytes per role and the total: printed before anything is written."""
     q = plan.quant
     t = Table(title=title)
@@ -154,70 +164,38 @@ def print_quant_plan(plan: Any, title: str) -> None:
         out.print(f"  plan {label}: {human(total)} {mark}{'  ← chosen' if label == q.label else ''}")
 
 
-_STANDARD_PARITY = ("runtime", "reference", "top1_agreement", "ppl_reference", "ppl_artifact", "ppl_change")
+def print_parity(p: ParityRecord | str | None) -> None:
+    """A manifest's parity record: what was compared, the verdict with its tolerance or gate, the figures, and the
+    margin gate's figures where there is one; or why it was not verified."""
+    from moetool.export.parity import ParityRecord
+    from moetool.export.parity_text import describe, figures, verdict_text
 
-
-def print_parity(p: Any) -> None:
-    """The parity figures of a manifest: the standard exporters' per-length layout, or any method's own fields."""
-    if not isinstance(p, dict):
-        out.print(f"[yellow]{escape(str(p))}[/]")
+    if not isinstance(p, ParityRecord):
+        out.print(f"[yellow]{escape(verdict_text(p))}[/]")
         return
-    if not (all(k in p for k in _STANDARD_PARITY) and isinstance(p.get("max_abs_logit_diff"), dict)):
-        out.print(f"parity: {_flat(p)}", highlight=False)
+    colour = {"pass": "green", "fail": "red"}.get(p.outcome, "yellow")
+    if p.bundle is not None:
+        out.print(f"parity: [{colour}]{escape(describe(p))}[/]", highlight=False)
         return
-    diffs = ", ".join(f"seq {k}: {v:.2e}" for k, v in p["max_abs_logit_diff"].items())
-    line = (
-        f"parity ({p['runtime']} vs {p['reference']}, {p.get('text', '?')} text): max |Δlogit| {diffs}; top-1 "
-        f"agreement {p['top1_agreement']:.4f}; perplexity {p['ppl_reference']:.3f} → {p['ppl_artifact']:.3f} "
-        f"({100 * p['ppl_change']:+.2f}%)"
-    )
-    if "conversion" in p:
-        conv = p["conversion"]
-        worst = max(conv["max_abs_logit_diff"].values())
-        line += (
-            f"; conversion alone (artifact's own weights): max |Δlogit| {worst:.2e}, top-1 {conv['top1_agreement']:.4f}"
-        )
-    if "decode" in p:
-        line += f"; decode with KV cache: max |Δlogit| {p['decode']['max_abs_logit_diff']:.2e}"
-    if "tokenizer_match" in p:
-        line += f"; tokenizer {'matches' if p['tokenizer_match'] else 'DIFFERS'} on {p['tokenizer_probes']} probes"
-    out.print(line, highlight=False)
-    if isinstance(p.get("gate"), dict):
-        print_gate(p["gate"])
-
-
-def print_gate(doc: dict[str, Any]) -> None:
-    """The margin gate's verdict and figures (a GGUF's ``parity.gate``), beside the old gate's raw top-1."""
-    from moetool.export.gate import GateReport
-
-    g = GateReport.from_json(doc)
-    verdict = "[green]pass[/]" if g.passed else "[red]FAIL[/]"
-    if g.agreement is None or not g.agreement_judged:
-        agree = f"top-1 not judged ({g.decisive} of {g.tokens} tokens decisive, {g.min_decisive} needed)"
-    else:
-        agree = f"top-1 {g.agreement:.4f} on {g.decisive} of {g.tokens} decisive tokens (≥ {g.min_agreement})"
-    worst = max(g.rounding.values(), default=0.0)
+    what = " vs ".join(x for x in (p.runtime, p.reference) if x)
+    text = f", {p.text} text" if p.text else ""
     out.print(
-        f"gate ({g.family} plan): {verdict}: {agree}, margin > 2 × noise (median {g.noise_median:.3g}, max "
-        f"{g.noise_max:.3g}); mean KL {g.kl_mean:.3g} (max {g.kl_max:.3g}) ≤ {g.kl_bound:.3g}; weights within "
-        f"rounding (worst {100 * worst:.2f}%); raw top-1 {g.raw_top1:.4f}, old gate (conversion top-1 ≥ 0.95) "
-        f"{g.raw_top1_conversion:.4f}",
+        f"parity ({escape(what or 'figures')}{escape(text)}): [{colour}]{escape(verdict_text(p))}[/]: "
+        + escape("; ".join(figures(p, gate=False)) or "no figures"),
         highlight=False,
     )
+    if p.gate is not None:
+        print_gate(p.gate)
+
+
+def print_gate(g: GateReport) -> None:
+    """The margin gate's verdict and figures (a GGUF's ``parity.gate``), beside the old gate's raw top-1."""
+    from moetool.export.parity_text import gate_text
+
+    colour = "green" if g.passed else "red"
+    out.print(f"[{colour}]{escape(gate_text(g))}[/]", highlight=False)
     for problem in g.problems:
         out.print(f"[red]gate[/]: {escape(problem)}", highlight=False)
-
-
-def _flat(value: Any, prefix: str = "") -> str:
-    """``a 1.20e-05; b.c 0.9310`` for nested figures (numbers compact, lists by length)."""
-    if isinstance(value, dict):
-        return "; ".join(_flat(v, f"{prefix}{k}.") for k, v in value.items())
-    key = prefix.rstrip(".")
-    if isinstance(value, float):
-        return f"{key} {value:.4g}"
-    if isinstance(value, list):
-        return f"{key} [{len(value)} values]"
-    return f"{key} {value}"
 
 
 def print_description(text: str) -> None:
@@ -234,16 +212,19 @@ def print_export_plan(exporter: Any, plan: Any, title: str) -> None:
         out.print(f"{exporter.name} plan for {plan.name}: {plan.description}", highlight=False)
 
 
-def print_manifest(output: Any, manifest: Manifest) -> None:
+def print_manifest(output: Path | str, manifest: Manifest) -> None:
     """What an export wrote and its parity figures (standard exporters and methods' own alike)."""
     from pathlib import Path
 
     where = Path(output) / manifest.file if manifest.file else Path(output)
     size = manifest.get("artifact", {}).get("bytes")
     out.print(f"[green]wrote[/] {where}" + (f" ({human(size)})" if size else ""))
-    if "baked_from" in manifest:
-        b = manifest["baked_from"]
-        out.print(f"bake: from {b['comigs_user']}, max |Δlogit| {b['parity_max_abs_logit_diff']:.2e}", highlight=False)
+    origin = manifest.origin
+    if origin is not None:
+        key, source, parity = origin
+        from moetool.export.parity_text import describe
+
+        out.print(f"{key}: {escape(source)}: {escape(describe(parity))}", highlight=False)
     if manifest.parity is not None:
         print_parity(manifest.parity)
     gen = manifest.get("generation")
@@ -270,7 +251,7 @@ def print_manifest(output: Any, manifest: Manifest) -> None:
         out.print(line + ")", highlight=False)
 
 
-def _summary(value: Any) -> str:
+def _summary(value: JsonValue) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k} {v}" for k, v in value.items() if not isinstance(v, dict | list))
     if isinstance(value, list):
@@ -286,7 +267,7 @@ def _one_line(text: str, limit: int = 160) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
-def print_answers(answers: list[Any]) -> None:
+def print_answers(answers: list[AskedQuestion]) -> None:
     """The closing table: each question, the MoE's answer in transformers with the expert shares behind it, and
     each GGUF's answer in llama.cpp (answers on one line; answers.json has them whole)."""
     t = Table(title="one question per domain, greedy answers through the chat template (answers.json has them whole)")
@@ -330,7 +311,7 @@ def experts_table(console: Console, report: dict[str, Any]) -> None:
         console.print(f"edit: {escape(str(edit))}", highlight=False)
 
 
-def print_edit_plan(console: Console, plan: Any) -> None:
+def print_edit_plan(console: Console, plan: EditPlan) -> None:
     """``moetool experts … --dry-run``: what the edit would write, read from its plan (no weights)."""
     from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES
 

@@ -13,9 +13,15 @@ from rich.console import Console
 from moetool import registry
 from moetool.errors import MoetoolError, OutputPathError
 from moetool.export.gate import GateReport
+from moetool.export.parity import (
+    NOT_VERIFIED,  # noqa: F401  (re-exported: exporters import it from here)
+    ParityRecord,
+    parity_of,
+)
 from moetool.io.atomic import check_output
 from moetool.io.files import weights_sha256
 from moetool.io.hashes import sha256_file
+from moetool.io.jsontypes import JsonObject
 from moetool.io.safe import read_json
 from moetool.quant.devices import MemoryEstimate
 from moetool.quant.imatrix import Calibration
@@ -31,13 +37,23 @@ class Origin:
 
     Attributes:
         path: the model the user named.
-        key: the manifest field that holds ``record`` (e.g. ``baked_from``).
-        record: what the derivation was, with its own parity figures.
+        key: the manifest field that holds ``record`` (one of :data:`ORIGIN_KEYS`).
+        record: what the derivation was (e.g. ``comigs_user``).
+        parity: the derived copy against the model the user named, written as the record's ``parity``.
     """
 
     path: Path
     key: str
-    record: dict[str, Any]
+    record: JsonObject
+    parity: ParityRecord | None = None
+
+    def to_json(self) -> JsonObject:
+        """The manifest field: ``record``, with ``parity`` where the derivation was checked."""
+        return self.record | ({"parity": self.parity.to_json()} if self.parity is not None else {})
+
+
+# the manifest fields an Origin is written under: a CoMiGS user baked into a Mixtral
+ORIGIN_KEYS = ("baked_from",)
 
 
 @dataclass
@@ -97,9 +113,6 @@ class ExportRequest:
         return self.origin.path if self.origin else self.model_dir
 
 
-NOT_VERIFIED = "not verified (--no-verify)"  # a manifest's parity when the check was skipped
-
-
 class Manifest(dict[str, Any]):
     """An artifact's manifest, with typed fields for its readers: the CLI, the build, bundles, packaging.
 
@@ -141,22 +154,43 @@ class Manifest(dict[str, Any]):
         return value if isinstance(value, str) else None
 
     @property
-    def parity(self) -> dict[str, Any] | str | None:
-        """The parity figures against the PyTorch model, or why there are none (``--no-verify``)."""
-        value = self.get("parity")
-        return value if isinstance(value, dict | str) else None
+    def parity(self) -> ParityRecord | str | None:
+        """The parity record against the PyTorch model, or why there is none (``--no-verify``).
+
+        None where the manifest has no ``parity``.
+        """
+        return parity_of(self.get("parity"))
 
     @property
     def gate(self) -> GateReport | None:
         """The margin gate's figures and verdict (a GGUF's ``parity.gate``; None where the artifact has none)."""
         parity = self.parity
-        doc = parity.get("gate") if isinstance(parity, dict) else None
-        return GateReport.from_json(doc) if isinstance(doc, dict) else None
+        return parity.gate if isinstance(parity, ParityRecord) else None
+
+    @property
+    def origin(self) -> tuple[str, str, ParityRecord | str | None] | None:
+        """Where a derived copy came from: the field, the model the user named, and the copy's parity against it.
+
+        A manifest written before ``parity`` was recorded there has its one figure, ``parity_max_abs_logit_diff``.
+        None where the artifact was exported from the model itself.
+        """
+        for key in ORIGIN_KEYS:
+            record = self.get(key)
+            if not isinstance(record, dict):
+                continue
+            model = self.get("model")
+            path = model.get("path") if isinstance(model, dict) else None
+            parity = parity_of(record.get("parity"))
+            legacy = record.get("parity_max_abs_logit_diff")
+            if parity is None and isinstance(legacy, int | float):
+                parity = ParityRecord(max_abs_logit_diff=float(legacy))
+            return key, str(path or record.get("comigs_user") or "?"), parity
+        return None
 
     @property
     def verified(self) -> bool:
         """Whether the artifact was checked in its runtime (its parity is figures, not a reason)."""
-        return isinstance(self.parity, dict)
+        return isinstance(self.parity, ParityRecord)
 
 
 PlanT = TypeVar("PlanT")

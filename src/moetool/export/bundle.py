@@ -9,17 +9,19 @@ like any other export.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from moetool.export.base import NOT_VERIFIED, ExportError, Manifest, manifest_fields, write_manifest
+from moetool.export.base import ExportError, Manifest, manifest_fields, write_manifest
+from moetool.export.parity import NOT_VERIFIED, BundleParity, ParityRecord, Refused, parity_of
 from moetool.export.resolve import plan_standard_export
 from moetool.extras import MissingExtraError
 from moetool.io.atomic import atomic_dir
+from moetool.io.jsontypes import JsonValue
 
 # a member's own writer (hybrid's Mamba experts): (source, output folder) → its manifest
 MemberWriter = Callable[[Path, Path], dict[str, Any]]
@@ -44,7 +46,7 @@ class MemberArtifact:
     target: str
     folder: str | None = None
     file: str | None = None
-    parity: Any = None
+    parity: ParityRecord | str | None = None
     refused: str | None = None
 
     @property
@@ -55,7 +57,8 @@ class MemberArtifact:
     def to_json(self) -> dict[str, Any]:
         if self.refused is not None:
             return {"target": self.target, "exported": False, "reason": self.refused}
-        return {"target": self.target, "dir": self.folder, "file": self.file, "parity": self.parity}
+        parity = self.parity.to_json() if isinstance(self.parity, ParityRecord) else self.parity
+        return {"target": self.target, "dir": self.folder, "file": self.file, "parity": parity}
 
 
 @dataclass(frozen=True)
@@ -97,12 +100,15 @@ def export_member(member: Member, root: Path, bundle: Bundle, console: Console |
     return MemberArtifact(member.name, m.target or bundle.target, member.folder, m.file, m.parity)
 
 
-def bundle_parity(router: dict[str, Any], artifacts: list[MemberArtifact], verify: bool) -> dict[str, Any] | str:
-    """A bundle's parity: the router graph's figures and each member's (or why the target refused it)."""
+def bundle_parity(router: Mapping[str, JsonValue], artifacts: list[MemberArtifact], verify: bool) -> ParityRecord | str:
+    """A bundle's parity: the router graph's figures (its entry's ``parity``) and each member's (or why the target
+    refused it)."""
     if not verify:
         return NOT_VERIFIED
-    members = {a.name: a.parity if a.refused is None else {"exported": False, "reason": a.refused} for a in artifacts}
-    return {"router": router.get("parity"), "members": members}
+    members: dict[str, ParityRecord | Refused | str | None] = {
+        a.name: a.parity if a.refused is None else Refused(a.refused) for a in artifacts
+    }
+    return ParityRecord(bundle=BundleParity(router=parity_of(router.get("parity")), members=members))
 
 
 def export_bundle(
@@ -132,6 +138,7 @@ def export_bundle(
         artifacts = [export_member(m, tmp, bundle, console) for m in bundle.members]
         doc = manifest(tmp, entry, artifacts)
         doc |= manifest_fields(tmp, source, entry["file"], target=bundle.target, model_type=None)
-        doc["parity"] = bundle_parity(entry, artifacts, bundle.verify)
+        parity = bundle_parity(entry, artifacts, bundle.verify)
+        doc["parity"] = parity.to_json() if isinstance(parity, ParityRecord) else parity
         write_manifest(tmp, doc)
     return doc

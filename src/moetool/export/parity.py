@@ -69,13 +69,13 @@ class BundleParity:
     """A bundle's parts: its router graph's check (None where it recorded none) and each member's parity record,
     the reason it was not verified, or why the target refused it."""
 
-    router: ParityRecord | None
+    router: ParityRecord | str | None
     members: dict[str, ParityRecord | Refused | str | None]
 
     def to_json(self) -> JsonObject:
         """``router`` and ``members``, as a bundle's ``parity`` holds them."""
         return {
-            "router": self.router.to_json() if self.router is not None else None,
+            "router": self.router.to_json() if isinstance(self.router, ParityRecord) else self.router,
             "members": {name: _member_json(m) for name, m in self.members.items()},
         }
 
@@ -85,9 +85,8 @@ class BundleParity:
         members = doc.get("members")
         if "router" not in doc or not isinstance(members, dict):
             return None
-        router = doc["router"]
         return cls(
-            router=ParityRecord.from_json(router) if isinstance(router, dict) else None,
+            router=parity_of(doc["router"]),
             members={name: _member(m) for name, m in members.items()},
         )
 

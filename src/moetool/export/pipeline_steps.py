@@ -8,16 +8,19 @@ holds the skeleton so the three cannot drift apart in what a manifest or a parit
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from torch import nn
 
 from moetool.export.base import ExportRequest, write_manifest
 from moetool.export.graph.common import GraphPlan, graph_manifest, graph_need, plan_graph
 from moetool.export.graph.model import load_export_model
-from moetool.export.graph.parity import Decode, Prefill, gate, graph_parity
+from moetool.export.graph.parity import Decode, Prefill, judge, measure_graph
 from moetool.export.heldout import held_out_text
+from moetool.export.parity import ParityRecord
 from moetool.extras import require
 from moetool.progress import Step, step_printer
 
@@ -74,30 +77,31 @@ def is_float_plan(plan: GraphPlan) -> bool:
 
 def runtime_parity(
     req: ExportRequest,
-    hf: Any,
-    wrapper: Any,
+    hf: nn.Module,
+    wrapper: nn.Module,
     prefill: Prefill,
     decode: Decode | None,
     *,
     runtime: str,
     gate_as: str | None,
     seq_lens: tuple[int, ...] | None = None,
-) -> dict[str, Any]:
+) -> ParityRecord:
     """Parity of the artifact (through ``prefill``/``decode``, run in its runtime) and of the torch ``wrapper`` that
     was converted, both against transformers ``hf`` on the model's held-out text.
 
-    ``gate_as`` names the artifact in the error raised when it misses the fp32 gate; None reports without judging.
+    ``gate_as`` names the artifact in the error raised when it misses the fp32 gate (the record then says ``pass``
+    at that tolerance); None reports without judging (``reported``).
+
+    Raises:
+        ExportError: ``gate_as`` is given and the artifact misses the fp32 gate.
     """
     from transformers import AutoTokenizer
 
     text, src = held_out_text(req.model_dir, req.eval_text)
     tok = AutoTokenizer.from_pretrained(str(req.model_dir))
-    lens: dict[str, Any] = {} if seq_lens is None else {"seq_lens": seq_lens}  # else graph_parity's default
-    parity = graph_parity(hf, wrapper, tok, text, prefill, decode, runtime=runtime, **lens)
-    parity["text"] = src
-    if gate_as is not None:
-        gate(parity, gate_as)
-    return parity
+    lens = seq_lens if seq_lens is not None else (32, 128)
+    record = replace(measure_graph(hf, wrapper, tok, text, prefill, decode, runtime=runtime, seq_lens=lens), text=src)
+    return judge(record, gate_as) if gate_as is not None else record.judged(None)
 
 
 def finish_graph_manifest(
@@ -108,7 +112,7 @@ def finish_graph_manifest(
     main: str,
     fields: dict[str, Any],
     *,
-    parity: dict[str, Any] | str,
+    parity: ParityRecord | str,
     started: float,
     notes: list[str] | None = None,
 ) -> dict[str, Any]:
@@ -118,6 +122,9 @@ def finish_graph_manifest(
     manifest |= fields
     if notes:
         manifest["notes"] = manifest["notes"] + notes
-    manifest |= {"parity": parity, "timing_s": {"total": round(time.perf_counter() - started, 3)}}
+    manifest |= {
+        "parity": parity.to_json() if isinstance(parity, ParityRecord) else parity,
+        "timing_s": {"total": round(time.perf_counter() - started, 3)},
+    }
     write_manifest(out_dir, manifest)
     return manifest

@@ -20,7 +20,7 @@ def manifest_base(target: str, plan: ArtifactPlan, files: dict[str, Path], main:
     """The manifest fields every artifact has: files with sizes and hashes, the source weights' hashes, the device,
     the memory estimate, the plan and its notes. Exporters add their runtime, parity and timing."""
 
-    origin = {} if plan.origin is None else {plan.origin.key: plan.origin.record}
+    origin = {} if plan.origin is None else {plan.origin.key: plan.origin.to_json()}
     return {
         "format": "moetool-artifact/1",
         "target": target,

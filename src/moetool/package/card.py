@@ -8,7 +8,10 @@ from typing import Any
 from moetool.arch.records import model_record
 from moetool.card import limits_section
 from moetool.export.heldout import held_out_text
+from moetool.export.parity import parity_of
+from moetool.export.parity_text import describe
 from moetool.io.files import BUNDLE_LAYOUT
+from moetool.io.jsontypes import JsonValue
 from moetool.io.safe import read_json
 from moetool.package.consumers import consumer_matrix, consumers_section
 from moetool.package.inputs import REPO_ID_PLACEHOLDER, Artifact
@@ -184,50 +187,9 @@ def _tasks_table(report: dict[str, Any], this: str | None) -> str:
     )
 
 
-def _parity(p: Any) -> str:
-    if not isinstance(p, dict):
-        return str(p or "not verified")
-    if "router" in p and "members" in p:  # a bundle: its router graph's check, then each member's own
-        parts = [f"router: {_flat_figures(p['router'])}"]
-        for name, m in p["members"].items():
-            refused = isinstance(m, dict) and m.get("exported") is False
-            parts.append(f"{name}: not exported ({m.get('reason')})" if refused else f"{name}: {_parity(m)}")
-        return "; ".join(parts)
-    worst = p.get("max_abs_logit_diff")
-    if isinstance(worst, dict):  # the standard exporters: per sequence length
-        parts = [f"max abs Δlogit {', '.join(f'{float(v):.1e} @{k}' for k, v in worst.items())} tokens"]
-    else:  # a method's graph (GEM's): one figure over its probes, and the router's probabilities
-        parts = [f"max abs Δlogit {float(worst):.1e}"] if isinstance(worst, int | float) else []
-        if isinstance(p.get("max_abs_prob_diff"), int | float):
-            parts.append(f"max abs ΔP {float(p['max_abs_prob_diff']):.1e}")
-    if "top1_agreement" in p:
-        parts.append(f"top-1 agreement {100 * p['top1_agreement']:.2f}%")
-    if "ppl_change" in p:
-        parts.append(f"perplexity {100 * p['ppl_change']:+.2f}%")
-    if "decode" in p:
-        parts.append(f"cached decode {float(p['decode']['max_abs_logit_diff']):.1e}")
-    if "conversion" in p:
-        conv = max(float(v) for v in p["conversion"]["max_abs_logit_diff"].values())
-        parts.append(f"conversion alone (artifact's own weights) {conv:.1e}")
-    if "tokenizer_match" in p:
-        parts.append("tokenizer matches" if p["tokenizer_match"] else "tokenizer DIFFERS")
-    text = "; ".join(parts) or _flat_figures(p)  # a layout of figures the card does not know: as they are
-    if "core_ml_runtime" in p:  # the figures are the converted torch wrapper's, not Core ML's
-        text = (
-            f"torch wrapper that was converted (Core ML runs on macOS only; see scripts/coreml_parity_mac.py): {text}"
-        )
-    return text
-
-
-def _flat_figures(p: Any) -> str:
-    """A method's own figures (a router graph's), numbers compact: ``max_abs_prob_diff 2.1e-07, same_route 4``."""
-    if not isinstance(p, dict):
-        return str(p or "not verified")
-    return ", ".join(f"{k} {v:.2g}" if isinstance(v, float) else f"{k} {v}" for k, v in p.items() if _scalar(v))
-
-
-def _scalar(v: Any) -> bool:
-    return isinstance(v, int | float | str | bool)
+def _parity(value: JsonValue) -> str:
+    """A manifest's ``parity`` in a table cell: the verdict with its tolerance or gate, then the figures."""
+    return describe(parity_of(value))
 
 
 def _artifacts_section(artifacts: list[Artifact]) -> str:

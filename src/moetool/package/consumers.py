@@ -15,6 +15,7 @@ from typing import Any
 
 from moetool.arch.consumers import MLX_LM, VLLM
 from moetool.arch.records import converter_caveat, model_record, rope_caveat
+from moetool.export.parity import ParityRecord
 from moetool.package.inputs import Artifact
 
 # float32 on both sides, summed in another order: the MLX target's f32 gate (the real SmolLM2 MoE: 1.75e-4)
@@ -65,7 +66,7 @@ def _mlx_row(model: Path, config: dict[str, Any], text: str) -> ConsumerRow:
 def _llama_row(config: dict[str, Any], artifacts: list[Artifact]) -> ConsumerRow:
     rec = model_record(config.get("model_type"))
     name = "llama.cpp"
-    ggufs = [a for a in artifacts if a.target == "gguf" and isinstance(a.manifest.get("parity"), dict)]
+    ggufs = [a for a in artifacts if a.target == "gguf" and isinstance(a.manifest.parity, ParityRecord)]
     caveat = converter_caveat(config)
     if caveat and "convert_hf_to_gguf" in caveat:
         own = f"; the packaged GGUF (`{ggufs[0].repo_dir}/{ggufs[0].file}`) is moetool's exact form" if ggufs else ""
@@ -77,8 +78,13 @@ def _llama_row(config: dict[str, Any], artifacts: list[Artifact]) -> ConsumerRow
     )
     if ggufs:
         a = ggufs[0]
-        worst = max(float(v) for v in a.manifest["parity"]["max_abs_logit_diff"].values())
-        how = f"the packaged GGUF `{a.repo_dir}/{a.file}` in llama.cpp: max abs Δlogit {worst:.1e}; {how}"
+        parity = a.manifest.parity
+        assert isinstance(parity, ParityRecord)  # ggufs holds only verified ones
+        gate = f", margin gate {'pass' if parity.gate.passed else 'fail'}" if parity.gate is not None else ""
+        how = (
+            f"the packaged GGUF `{a.repo_dir}/{a.file}` in llama.cpp: {parity.outcome}, max abs Δlogit "
+            f"{parity.worst_logit_diff or 0.0:.1e}{gate}; {how}"
+        )
     return ConsumerRow(name, "✓", how)
 
 

@@ -10,17 +10,20 @@ weights were compressed to what. ``scripts/coreml_parity_mac.py`` runs the numer
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.coreml.stateful import StatefulLM
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import causal_mask
 from moetool.export.graph.parity import Decode, Prefill
+from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
 from moetool.io.atomic import atomic_dir
 from moetool.progress import Step
@@ -140,7 +143,7 @@ def _wrapper_runners(wrapper: Any) -> tuple[Prefill, Decode]:
     return prefill, decode
 
 
-def _wrapper_parity(req: ExportRequest, hf: Any, em: ExportLM, capacity: int) -> dict[str, Any]:
+def _wrapper_parity(req: ExportRequest, hf: nn.Module, em: ExportLM, capacity: int) -> ParityRecord:
     """Parity of the torch wrapper that was converted (Core ML itself runs on macOS only), held to the fp32 gate."""
 
     prefill, decode = _wrapper_runners(StatefulLM(em, capacity).eval())
@@ -154,8 +157,7 @@ def _wrapper_parity(req: ExportRequest, hf: Any, em: ExportLM, capacity: int) ->
         gate_as="Core ML wrapper",
         seq_lens=(32, min(128, capacity)),
     )
-    parity["core_ml_runtime"] = "not run: Core ML prediction needs macOS (scripts/coreml_parity_mac.py)"
-    return parity
+    return replace(parity, runtime_not_run="not run: Core ML prediction needs macOS (scripts/coreml_parity_mac.py)")
 
 
 def _compute_units(req: ExportRequest) -> str:
@@ -193,7 +195,7 @@ class CoreMLExporter(GraphExporter):
                 raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
             if req.verify:
                 step("checking the traced wrapper against transformers (Core ML predicts only on macOS)")
-            parity = _wrapper_parity(req, hf, em, capacity) if req.verify else NOT_VERIFIED
+            parity: ParityRecord | str = _wrapper_parity(req, hf, em, capacity) if req.verify else NOT_VERIFIED
             files = {p.relative_to(tmp).as_posix(): p for p in path.rglob("*") if p.is_file()}
             fields = {
                 "file": "model.mlpackage",  # a package is a folder: its Manifest.json stands for it in the hashes

@@ -16,6 +16,7 @@ from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import ExportLM, causal_mask, prefill_inputs
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.graph.parity import Decode, Prefill
+from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
 from moetool.progress import Step
@@ -128,7 +129,7 @@ class ExecuTorchExporter(GraphExporter):
         with atomic_dir(req.output, force=req.force) as tmp:
             path = tmp / "model.pte"
             path.write_bytes(buf)
-            parity: dict[str, Any] | str = NOT_VERIFIED
+            parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
                 step("checking the program in executorch.runtime against transformers")
                 prefill, decode = _pte_runners(path)

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from moetool.export.gguf.layout import Layout, plan_layout
 from moetool.export.gguf.tokenizer import llama_cpp_equivalent, read_vocab
 from moetool.export.gguf.write import by_llama_cpp, requantize, write_gguf
 from moetool.export.heldout import held_out_text
+from moetool.export.parity import ParityRecord
 from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
 from moetool.io.atomic import atomic_dir
 from moetool.io.budget import Need
@@ -146,14 +147,15 @@ class GGUFExporter:
             manifest |= {
                 "llama_cpp_arch": plan.layout.arch,
                 "notes": plan.layout.notes + vocab.notes + manifest["notes"],
-                "parity": parity if parity is not None else NOT_VERIFIED,
+                "parity": parity.to_json() if parity is not None else NOT_VERIFIED,
                 "timing_s": {"write": round(write_s, 3), "total": round(time.perf_counter() - t0, 3)},
             }
             write_manifest(tmp, manifest)
         return manifest
 
-    def _verify(self, req: ExportRequest, plan: GGUFPlan, target: Path, tmp: Path, vocab: Any) -> dict[str, Any]:
-        """The parity report of the written GGUF (llama.cpp against transformers), gated by the plan's kind.
+    def _verify(self, req: ExportRequest, plan: GGUFPlan, target: Path, tmp: Path, vocab: Any) -> ParityRecord:
+        """The parity record of the written GGUF (llama.cpp against transformers), gated by the plan's kind: a float
+        plan's conversion is held to its max |Δlogit| tolerance, every plan to the margin gate.
 
         Raises:
             ExportError: a gate is missed or the tokenizers disagree.
@@ -180,8 +182,8 @@ class GGUFExporter:
                 types=matrix_types(plan.quant),
                 rounding=own.rounding if own else None,
             )
-        gate_problems(report, plan.quant)
-        return report.to_json() | {"text": text_src}
+        tolerance = gate_problems(report, plan.quant)
+        return replace(report.record(), text=text_src, tolerance=tolerance, verdict="pass")
 
     def _imatrix(
         self, req: ExportRequest, plan: GGUFPlan, given: ImportanceMatrix | None, path: Path, console: Console | None
@@ -335,9 +337,14 @@ def matrix_types(plan: QuantPlan) -> set[str]:
     return {a.type for a in plan.assignments if len(a.entry.shape) >= 2}
 
 
-def gate_problems(report: ParityReport, plan: QuantPlan) -> None:
+def gate_problems(report: ParityReport, plan: QuantPlan) -> float | None:
     """Raise when the artifact misses its gates: the tokenizer disagrees, a float plan's conversion differs by more
-    than its max |Δlogit| gate, or the margin gate (:mod:`moetool.export.gate`) fails."""
+    than its max |Δlogit| gate, or the margin gate (:mod:`moetool.export.gate`) fails; else return the max |Δlogit|
+    tolerance the conversion was held to (None for a quantized plan, which the margin gate judges).
+
+    Raises:
+        ExportError: a gate is missed.
+    """
     if not report.tokenizer_match:
         bad = report.tokenizer_mismatches[0]
         raise ExportError(
@@ -357,6 +364,7 @@ def gate_problems(report: ParityReport, plan: QuantPlan) -> None:
             f"parity failed: {'; '.join(report.gate.problems)} (llama.cpp vs the transformers float32 reference; "
             f"raw top-1 {report.gate.raw_top1:.3f})"
         )
+    return GATES[kind] if kind is not None else None
 
 
 _FLOAT_KINDS = (("f32", {"f32"}), ("f16", {"f32", "f16"}), ("bf16", {"f32", "bf16"}))

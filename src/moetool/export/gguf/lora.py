@@ -11,6 +11,7 @@ import re
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from moetool.export.gguf.names import gguf_name, permute_qk
 from moetool.export.gguf.verify import compare
 from moetool.export.gguf.write import write_gguf
 from moetool.export.heldout import held_out_text, model_name
+from moetool.export.parity import NOT_VERIFIED, ParityRecord
 from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.hashes import sha256_file
@@ -202,7 +204,7 @@ def export_adapter(
     t0 = time.perf_counter()
     with atomic_dir(output, force=force) as tmp:
         facts = write_adapter(adapter_dir, base.config, shapes, tmp / fname, out_type)
-        parity: Any = "not verified (--no-verify)"
+        parity: ParityRecord | str = NOT_VERIFIED
         if verify:
             from moetool.export.gguf.tokenizer import read_vocab
 
@@ -223,16 +225,14 @@ def export_adapter(
                 ref = merged_checkpoint(base_dir, adapter_dir, Path(work) / "merged")
                 text, source = held_out_text(base_dir, eval_text)
                 report = compare(base_gguf, ref, text, lora_path=tmp / fname)
-            parity = report.to_json() | {
-                "reference": "transformers float32, LoRA merged into the weights",
-                "text": source,
-            }
             worst = max(report.max_abs_logit_diff.values())
             gate = GATES[out_type]
             if worst > gate or not report.tokenizer_match:
                 raise ExportError(
                     f"LoRA parity failed: max |Δlogit| {worst:.3g} > {gate:g} (llama.cpp lora_path vs merged)"
                 )
+            reference = "transformers float32, LoRA merged into the weights"
+            parity = replace(report.record(), reference=reference, text=source, tolerance=gate, verdict="pass")
         base.close()
         manifest = {
             "format": "moetool-artifact/1",
@@ -249,7 +249,7 @@ def export_adapter(
             },
             "artifact": {"bytes": (tmp / fname).stat().st_size, "sha256": sha256_file(tmp / fname)},
             "plan": {"label": out_type},
-            "parity": parity,
+            "parity": parity.to_json() if isinstance(parity, ParityRecord) else parity,
             "timing_s": {"total": round(time.perf_counter() - t0, 3)},
             "moetool": __version__,
         }

@@ -8,6 +8,7 @@ SSM's small tensors (conv, x/dt projections, A, D) stay f32 whatever the chosen 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from moetool.export.gate import margin_gate
 from moetool.export.gguf.tokenizer import read_vocab, write_vocab
 from moetool.export.gguf.verify import run_llama
 from moetool.export.heldout import held_out_text
+from moetool.export.parity import NOT_VERIFIED, ParityRecord, TokenizerCheck
 from moetool.io.atomic import atomic_dir
 from moetool.io.safe import read_json
 
@@ -114,7 +116,7 @@ def write_mamba_gguf(model_dir: Path, path: Path, *, quant: str = "f32") -> dict
 
 def verify_mamba_gguf(
     path: Path, model_dir: Path, text: str, seq_lens: tuple[int, ...] = (32, 128), quant: str = "f32"
-) -> dict[str, Any]:
+) -> ParityRecord:
     """llama.cpp (llama-cpp-python) against transformers on the same ids: tokenizer, logits, perplexity, and the
     margin gate (:mod:`moetool.export.gate`) for a ``quant`` file."""
     import torch
@@ -129,15 +131,14 @@ def verify_mamba_gguf(
     n = len(run.probes)
     # the weights are the source's rounded to f16 at most, within the float floor: no dequantized run is needed
     gate = margin_gate(logits[n:], None, run.logits[n:], {quant})
-    return {
-        "runtime": "llama-cpp-python",
-        "reference": "transformers float32 (MambaForCausalLM)",
-        "tokenizer_match": not mismatches,
-        "tokenizer_mismatches": mismatches,
-        "seq_lens": list(seq_lens),
-        **agree.to_json(),
-        "gate": gate.to_json(),
-    }
+    record = ParityRecord(
+        runtime="llama-cpp-python",
+        reference="transformers float32 (MambaForCausalLM)",
+        tokenizer=TokenizerCheck(match=not mismatches, mismatches=tuple(mismatches)),
+        seq_lens=tuple(seq_lens),
+        gate=gate,
+    )
+    return record.with_figures(agree)
 
 
 def export_mamba_gguf(
@@ -159,12 +160,13 @@ def export_mamba_gguf(
     model_dir = Path(model_dir)
     with atomic_dir(Path(output), force=force) as tmp:
         info = write_mamba_gguf(model_dir, tmp / "model.gguf", quant=quant)
-        parity: Any = "not verified (--no-verify)"
+        parity: ParityRecord | str = NOT_VERIFIED
         if verify:
             sample, source = held_out_text(model_dir, text)
-            parity = verify_mamba_gguf(tmp / "model.gguf", model_dir, sample, quant=quant) | {"text": source}
-            if not parity["tokenizer_match"] or parity["gate"]["verdict"] != "pass":
-                raise ExportError(f"Mamba GGUF parity failed: {parity}")
+            parity = verify_mamba_gguf(tmp / "model.gguf", model_dir, sample, quant=quant).judged(None)
+            parity = replace(parity, text=source)
+            if parity.tokenizer is None or not parity.tokenizer.match or parity.outcome != "pass":
+                raise ExportError(f"Mamba GGUF parity failed: {parity.to_json()}")
         manifest = {
             "format": "gguf",
             "arch": ARCH,
@@ -173,7 +175,7 @@ def export_mamba_gguf(
             "quant": quant,
             "tensors": info["tensors"],
             "artifact": {"bytes": (tmp / "model.gguf").stat().st_size},
-            "parity": parity,
+            "parity": parity.to_json() if isinstance(parity, ParityRecord) else parity,
         }
         write_manifest(tmp, manifest)
     return manifest

@@ -26,6 +26,7 @@ import numpy as np
 
 from moetool.export.gate import GateReport, margin_gate
 from moetool.export.heldout import Agreement, agreement_of, reference_logits, windows
+from moetool.export.parity import ConversionCheck, ParityRecord, TokenizerCheck, TokenizerMismatch
 from moetool.extras import require
 
 TOKENIZER_PROBES: tuple[str, ...] = (
@@ -47,7 +48,7 @@ class ParityReport:
     """``conversion``: llama.cpp vs transformers running the artifact's own (dequantized) weights, which isolates
     the conversion; ``original``: vs the source model, which adds what the precision plan costs."""
 
-    tokenizer_mismatches: list[dict[str, Any]]
+    tokenizer_mismatches: list[TokenizerMismatch]
     seq_lens: list[int]
     conversion: Agreement
     original: Agreement
@@ -64,20 +65,22 @@ class ParityReport:
     def max_abs_logit_diff(self) -> dict[str, float]:
         return self.conversion.max_abs_logit_diff
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "runtime": "llama-cpp-python",
-            "reference": _reference(self.reference_dtype),
-            "tokenizer_match": self.tokenizer_match,
-            "tokenizer_probes": len(TOKENIZER_PROBES),
-            "tokenizer_mismatches": self.tokenizer_mismatches,
-            "seq_lens": self.seq_lens,
-            "tokens_scored": self.tokens_scored,
-            # the headline figures are against the source model (what a user compares with)
-            **self.original.to_json(),
-            "conversion": self.conversion.to_json()
-            | {"reference": f"{_reference(self.artifact_dtype)}, on the artifact's dequantized weights"},
-        } | ({"gate": self.gate.to_json()} if self.gate is not None else {})
+    def record(self) -> ParityRecord:
+        """The manifest's parity record: the headline figures against the source model (what a user compares
+        with), the conversion check, the tokenizer and the margin gate (verdict and tolerance are the exporter's)."""
+        conversion = ConversionCheck.of(
+            self.conversion, f"{_reference(self.artifact_dtype)}, on the artifact's dequantized weights"
+        )
+        record = ParityRecord(
+            runtime="llama-cpp-python",
+            reference=_reference(self.reference_dtype),
+            tokenizer=TokenizerCheck(self.tokenizer_match, len(TOKENIZER_PROBES), tuple(self.tokenizer_mismatches)),
+            seq_lens=tuple(self.seq_lens),
+            tokens_scored=self.tokens_scored,
+            conversion=conversion,
+            gate=self.gate,
+        )
+        return record.with_figures(self.original)
 
 
 def _reference(storage: str) -> str:
@@ -163,7 +166,7 @@ def llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
 
 def check_tokenizer(
     llm: Any, tok: PreTrainedTokenizerBase, equivalent: Callable[[str], str] | None = None
-) -> list[dict[str, Any]]:
+) -> list[TokenizerMismatch]:
     """Strings where llama.cpp's ids differ from the HF tokenizer's (empty when they all agree).
 
     ``equivalent(text)`` is the text whose HF ids llama.cpp should give for ``text``: the text itself, except where a
@@ -176,7 +179,7 @@ def check_tokenizer(
         add_bos = bool(ref) and tok.bos_token_id is not None and ref[0] == tok.bos_token_id
         got = llm.tokenize(s.encode("utf-8"), add_bos=add_bos, special=False)
         if list(got) != list(ref):
-            bad.append({"text": s, "hf": ref[:32], "llama_cpp": list(got)[:32]})
+            bad.append(TokenizerMismatch(text=s, hf=list(ref[:32]), llama_cpp=list(got)[:32]))
     return bad
 
 
@@ -188,7 +191,7 @@ class LlamaRun:
     probes: list[list[int]]
     ppl_windows: list[list[int]]
     logits: list[np.ndarray]
-    tokenizer_mismatches: list[dict[str, Any]]
+    tokenizer_mismatches: list[TokenizerMismatch]
 
     def against(self, ref: list[np.ndarray]) -> Agreement:
         """These logits against a transformers run's on the same ids (``ref``: :func:`reference_logits`)."""

@@ -8,23 +8,25 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
+from torch import nn
 
 from moetool.export.base import ExportError
 from moetool.export.graph.model import prefill_inputs
 from moetool.export.heldout import agreement, windows
+from moetool.export.parity import DecodeCheck, ParityRecord
+from moetool.io.jsontypes import JsonObject, JsonValue
 
 Prefill = Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]]  # ids [1, T] → (logits, present)
 Decode = Callable[[np.ndarray, int, list[np.ndarray]], tuple[np.ndarray, list[np.ndarray]]]  # (ids [1,1], pos, past)
 
 
-def graph_parity(
-    hf: Any,
-    export_model: Any,
+def measure_graph(
+    hf: nn.Module,
+    export_model: nn.Module,
     tok: PreTrainedTokenizerBase,
     text: str,
     prefill: Prefill,
@@ -34,9 +36,11 @@ def graph_parity(
     seq_lens: tuple[int, ...] = (32, 128),
     n_windows: int = 4,
     decode_steps: int = 8,
-) -> dict[str, Any]:
-    """Figures for the manifest. ``export_model`` (the torch wrapper that was converted) is compared too, so a
-    mismatch can be told apart from the conversion's."""
+) -> ParityRecord:
+    """The artifact's figures (its ``prefill``/``decode`` in its runtime) against transformers ``hf`` on ``text``:
+    max |Δlogit| per length in ``seq_lens`` (capped at the model's positions), the cached decode's over
+    ``decode_steps`` tokens, top-1 and perplexity over ``n_windows`` windows. ``export_model`` (the torch wrapper
+    that was converted) is compared too, so a mismatch can be told apart from the conversion's."""
 
     max_pos = int(getattr(hf.config, "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
@@ -50,13 +54,7 @@ def graph_parity(
             ref = hf(x).logits[0].numpy()
             ours = export_model(*prefill_inputs(x))[0][0].numpy()
         wrapper[str(len(ids))] = float(np.abs(ref - ours).max())
-    out: dict[str, Any] = {
-        "runtime": runtime,
-        "reference": "transformers float32",
-        "seq_lens": lens,
-        "max_abs_logit_diff": vs.max_abs_logit_diff,
-        "export_model_vs_transformers": wrapper,
-    }
+    checked = None
     if decode is not None:
         ids = probes[-1]
         n0 = len(ids) - decode_steps
@@ -67,17 +65,54 @@ def graph_parity(
         for t in range(n0, len(ids)):
             logits, past = decode(np.array([[ids[t]]], dtype=np.int64), t, past)
             worst = max(worst, float(np.abs(logits[0, -1] - ref[t]).max()))
-        out["decode"] = {"prefill_tokens": n0, "steps": decode_steps, "max_abs_logit_diff": worst}
-    out |= vs.to_json() | {"tokens_scored": sum(len(w) - 1 for w in ppl_windows)}
-    return out
+        checked = DecodeCheck(prefill_tokens=n0, steps=decode_steps, max_abs_logit_diff=worst)
+    record = ParityRecord(
+        runtime=runtime,
+        reference="transformers float32",
+        seq_lens=tuple(lens),
+        wrapper=wrapper,
+        decode=checked,
+        tokens_scored=sum(len(w) - 1 for w in ppl_windows),
+    )
+    return record.with_figures(vs)
+
+
+def graph_parity(
+    hf: nn.Module,
+    export_model: nn.Module,
+    tok: PreTrainedTokenizerBase,
+    text: str,
+    prefill: Prefill,
+    decode: Decode | None,
+    *,
+    runtime: str,
+    seq_lens: tuple[int, ...] = (32, 128),
+) -> JsonObject:
+    """:func:`measure_graph` as the manifest's JSON (for the methods' exporters that still build a dict)."""
+    return measure_graph(hf, export_model, tok, text, prefill, decode, runtime=runtime, seq_lens=seq_lens).to_json()
 
 
 FP32_GATE = 1e-4
 
 
-def gate(parity: dict[str, Any], what: str, *, limit: float = FP32_GATE) -> None:
-    """Raise when the worst logit difference (both prefill lengths and the cached decode) exceeds ``limit``."""
+def judge(record: ParityRecord, what: str, *, limit: float = FP32_GATE) -> ParityRecord:
+    """``record`` held to ``limit`` (max |Δlogit| over every prefill length and the cached decode).
 
-    worst = max([*parity["max_abs_logit_diff"].values(), parity["decode"]["max_abs_logit_diff"]])
-    if worst > limit:
-        raise ExportError(f"{what} parity failed: max |Δlogit| {worst:.3g} > {limit:g}")
+    Raises:
+        ExportError: the worst difference exceeds ``limit`` (naming ``what``).
+    """
+    judged = record.judged(limit)
+    if judged.outcome != "pass":
+        worst = judged.worst_logit_diff
+        shown = "unmeasured" if worst is None else f"{worst:.3g}"
+        raise ExportError(f"{what} parity failed: max |Δlogit| {shown} > {limit:g}")
+    return judged
+
+
+def gate(parity: Mapping[str, JsonValue], what: str, *, limit: float = FP32_GATE) -> None:
+    """:func:`judge` of a parity dict (for the methods' exporters that still build one).
+
+    Raises:
+        ExportError: the worst difference exceeds ``limit``.
+    """
+    judge(ParityRecord.from_json(parity), what, limit=limit)

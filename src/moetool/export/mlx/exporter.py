@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
@@ -19,9 +20,10 @@ from moetool.arch.outputs import output_arch
 from moetool.arch.records import model_record
 from moetool.arch.released import released_config
 from moetool.export.base import NOT_VERIFIED, ArtifactPlan, ExportError, ExportRequest, write_manifest
-from moetool.export.graph.parity import gate
+from moetool.export.graph.parity import judge
 from moetool.export.heldout import held_out_text
 from moetool.export.mlx.names import mlx_precision, module_paths, module_precisions
+from moetool.export.parity import ParityRecord
 from moetool.export.planning import choose_plan, manifest_base
 from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import Checkpoint
@@ -86,13 +88,13 @@ class MLXExporter:
             step(f"writing the mlx-lm folder with mlx-lm's loader and quantizer ({plan.quant.label})")
             config, notes = runtime.write_folder(req.model_dir, tmp, precisions, overrides)
             copy_tokenizer(req.model_dir, tmp, overwrite=False)
-            parity: dict[str, Any] | str = NOT_VERIFIED
+            parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
                 step("checking the folder in mlx-lm against transformers")
                 text, src = held_out_text(req.model_dir, req.eval_text)
-                parity = runtime.check_folder(tmp, req.model_dir, text, plan.module_paths()) | {"text": src}
-                if all(p == "f32" for p in precisions.values()):
-                    gate(parity, "MLX (f32)", limit=F32_GATE)
+                parity = replace(runtime.check_folder(tmp, req.model_dir, text, plan.module_paths()), text=src)
+                lossless = all(p == "f32" for p in precisions.values())
+                parity = judge(parity, "MLX (f32)", limit=F32_GATE) if lossless else parity.judged(None)
             files = {p.name: p for p in sorted(tmp.iterdir()) if p.is_file()}
             manifest = manifest_base("mlx", plan, files, "model.safetensors")
             manifest["plan"]["mlx_precisions"] = dict(Counter(precisions.values()))
@@ -102,7 +104,7 @@ class MLXExporter:
                 "moe_kernel": {"kind": "sparse", "op": "mlx-lm SwitchGLU (gather_mm / gather_qmm over the top-k)"},
                 "load": "mlx_lm.load(folder) or mlx_lm.generate --model folder",
                 "notes": manifest["notes"] + notes,
-                "parity": parity,
+                "parity": parity.to_json() if isinstance(parity, ParityRecord) else parity,
                 "timing_s": {"total": round(time.perf_counter() - started, 3)},
             }
             write_manifest(tmp, manifest)

@@ -20,6 +20,7 @@ import numpy as np
 from moetool.export.base import ExportError
 from moetool.export.heldout import agreement, windows
 from moetool.export.mlx.names import FLOAT_TYPES, GROUP_SIZES, bits_of
+from moetool.export.parity import DecodeCheck, ParityRecord, RoundingCheck, TokenizerCheck
 from moetool.extras import require
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -109,7 +110,7 @@ def mlx_logits(model: Any, ids: list[int]) -> np.ndarray:
     return out
 
 
-def _decode(model: Any, ids: list[int], ref: np.ndarray, steps: int) -> dict[str, Any]:
+def _decode(model: Any, ids: list[int], ref: np.ndarray, steps: int) -> DecodeCheck:
     """Prefill all but ``steps`` tokens, then one token at a time through mlx-lm's KV cache, against ``ref``."""
     mx, _ = _mlx()
     from mlx_lm.models.cache import make_prompt_cache
@@ -120,7 +121,7 @@ def _decode(model: Any, ids: list[int], ref: np.ndarray, steps: int) -> dict[str
     for t in range(n0, len(ids)):
         step = np.array(model(mx.array([[ids[t]]]), cache=cache)[0, -1].astype(mx.float32))
         worst = max(worst, float(np.abs(step - ref[t]).max()))
-    return {"prefill_tokens": n0, "steps": steps, "max_abs_logit_diff": worst}
+    return DecodeCheck(prefill_tokens=n0, steps=steps, max_abs_logit_diff=worst)
 
 
 def _source(ck: Any, path: str, names: list[str]) -> np.ndarray:
@@ -143,7 +144,7 @@ def _source(ck: Any, path: str, names: list[str]) -> np.ndarray:
     return src
 
 
-def rounding(folder: Path, model_dir: Path, paths: Mapping[str, list[str]]) -> dict[str, Any]:
+def rounding(folder: Path, model_dir: Path, paths: Mapping[str, list[str]]) -> RoundingCheck:
     """Every quantized module of the written folder is MLX's rounding of its own source tensors, read from the
     model's safetensors independently of mlx-lm's loader (experts stacked by their index): the same bytes as
     ``mx.quantize`` gives them. Catches a module quantized from the wrong tensors, two experts swapped however alike.
@@ -168,7 +169,7 @@ def rounding(folder: Path, model_dir: Path, paths: Mapping[str, list[str]]) -> d
                 differing.append(path)
     finally:
         ck.close()
-    return {"modules": len(modules), "identical": len(modules) - len(differing), "differing": differing}
+    return RoundingCheck(modules=len(modules), identical=len(modules) - len(differing), differing=tuple(differing))
 
 
 def check_folder(
@@ -179,7 +180,7 @@ def check_folder(
     *,
     seq_lens: tuple[int, ...] = (32, 128),
     n_windows: int = 4,
-) -> dict[str, Any]:
+) -> ParityRecord:
     """The written folder in mlx-lm against ``model_dir`` in transformers float32, on ``text``; its quantized
     modules against the source tensors (``paths``: module → Hugging Face names, :func:`rounding`).
 
@@ -188,10 +189,10 @@ def check_folder(
             quantized module is not its source rounded.
     """
     weights = rounding(folder, model_dir, paths)
-    if weights["differing"]:
+    if weights.differing:
         raise ExportError(
-            f"{folder}: {', '.join(weights['differing'][:3])} are not MLX's rounding of their source tensors in "
-            f"{model_dir} ({len(weights['differing'])} of {weights['modules']} quantized modules)"
+            f"{folder}: {', '.join(weights.differing[:3])} are not MLX's rounding of their source tensors in "
+            f"{model_dir} ({len(weights.differing)} of {weights.modules} quantized modules)"
         )
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -212,14 +213,13 @@ def check_folder(
     vs = agreement(got, hf, probes, ppl_windows)
     with torch.no_grad():
         ref = hf(torch.tensor([probes[-1]])).logits[0].numpy()
-    return {
-        "runtime": versions(),
-        "reference": "transformers float32",
-        "tokenizer_match": True,
-        "tokenizer_probes": len(samples),
-        "weights": weights,
-        "seq_lens": lens,
-        "decode": _decode(model, probes[-1], ref, 8),
-        **vs.to_json(),
-        "tokens_scored": sum(len(w) - 1 for w in ppl_windows),
-    }
+    record = ParityRecord(
+        runtime=versions(),
+        reference="transformers float32",
+        tokenizer=TokenizerCheck(match=True, probes=len(samples)),
+        weights=weights,
+        seq_lens=tuple(lens),
+        decode=_decode(model, probes[-1], ref, 8),
+        tokens_scored=sum(len(w) - 1 for w in ppl_windows),
+    )
+    return record.with_figures(vs)

@@ -18,6 +18,7 @@ from moetool.export.onnx.decoder import SCOPE, export_decoder, name_dims, write_
 from moetool.export.onnx.moe_op import to_qmoe, translation_table
 from moetool.export.onnx.quantize import quantize_graph
 from moetool.export.onnx.runner import genai_check, ort_runners, ort_session
+from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
 from moetool.progress import Step
@@ -91,7 +92,7 @@ class ONNXExporter(GraphExporter):
             counts, qnotes = quantize_graph(path, precisions, SCOPE, before=before_quantizing)
             context = min(plan.context, int(plan.config.get("max_position_embeddings", plan.context)))
             side = write_runner_files(req.model_dir, tmp, em, path.name, context)
-            parity: dict[str, Any] | str = NOT_VERIFIED
+            parity: ParityRecord | str = NOT_VERIFIED
             generation: dict[str, Any] | str | None = NOT_VERIFIED
             if req.verify:
                 step("checking the graph in onnxruntime against transformers")

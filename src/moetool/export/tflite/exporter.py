@@ -8,14 +8,17 @@ The conversion runs in litert-torch's own interpreter through :mod:`moetool.expo
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
 
 from moetool.export.base import ExportError, ExportRequest, write_manifest
 from moetool.export.graph.common import GraphPlan, graph_manifest, graph_need, plan_graph
-from moetool.export.graph.parity import gate
+from moetool.export.graph.parity import judge
 from moetool.export.heldout import held_out_text
+from moetool.export.parity import NOT_VERIFIED, ParityRecord, parity_of
+from moetool.export.pipeline_steps import is_float_plan
 from moetool.export.tflite.runner import REPO, litert_python, run_worker
 from moetool.export.tflite.worker import role_precisions
 from moetool.io.atomic import atomic_dir
@@ -62,11 +65,11 @@ class TFLiteExporter:
             checked = ", then checking it in the LiteRT interpreter" if req.verify else ""
             step(f"converting with litert-torch in its own interpreter{checked}")
             result = run_worker("moetool.export.tflite.worker", request)
-            parity = result.pop("parity", "not verified (--no-verify)")
-            if isinstance(parity, dict):
-                parity["text"] = src
-                if all(p == "fp32" for p in plan.precisions().values()):
-                    gate(parity, "TFLite (fp32)")
+            # the worker's figures come back as JSON (it runs in its own interpreter)
+            parity = parity_of(result.pop("parity", NOT_VERIFIED)) or NOT_VERIFIED
+            if isinstance(parity, ParityRecord):
+                parity = replace(parity, text=src)
+                parity = judge(parity, "TFLite (fp32)") if is_float_plan(plan) else parity.judged(None)
             path = tmp / "model.tflite"
             manifest = graph_manifest("tflite", plan, {"model.tflite": path}, "model.tflite")
             manifest |= {
@@ -74,7 +77,7 @@ class TFLiteExporter:
                 "signatures": {"prefill": f"{prefill_len} tokens (right-padded)", "decode": "1 token"},
                 "kv_cache": f"explicit inputs/outputs, capacity {capacity}",
                 **result,
-                "parity": parity,
+                "parity": parity.to_json() if isinstance(parity, ParityRecord) else parity,
                 "timing_s": {"total": round(time.perf_counter() - t0, 3)},
             }
             write_manifest(tmp, manifest)
