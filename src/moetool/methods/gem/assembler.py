@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -24,6 +25,7 @@ from moetool.methods.base import MethodPlan
 from moetool.methods.gem.model import GemForCausalLM
 from moetool.methods.gem.pathways import Pathways, build_token_model, resolve_pathways, token_config, token_parity
 from moetool.methods.gem.qat import gem_plan
+from moetool.methods.gem.records import AssemblyReport, DeviceMemory, MemoryTable
 from moetool.methods.gem.router import domain_streams, held_out_probs, hf_encoder, tau_table
 from moetool.methods.gem.training import (
     digest,
@@ -38,25 +40,28 @@ from moetool.quant.plan import TensorEntry, resolve
 from moetool.recipe.gem import GemRecipe
 from moetool.recipe.kept import kept_recipe_text, write_kept_recipe
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 PARITY_LIMIT = 1e-4  # max |Δlogit| of a forced pathway against its source model (float32, same ops)
 REPORT = "gem-report.json"
 BUNDLE = "gem.json"
 
 
-def _meta_model(pw: Pathways, recipe: GemRecipe) -> Any:
+def _meta_model(pw: Pathways, recipe: GemRecipe) -> GemForCausalLM:
 
     with torch.device("meta"):
         return GemForCausalLM(token_config(pw, recipe))
 
 
-def memory_table(pw: Pathways, recipe: GemRecipe) -> dict[str, Any]:
+def memory_table(pw: Pathways, recipe: GemRecipe) -> MemoryTable:
     """The hybrid plan by role and, per device profile, the memory estimate (weights + KV cache + runtime).
 
     Token level: every pathway is resident. Sequence level: the router's encoder layers plus the largest pathway
     (one pathway is loaded per input); the plan is the recipe's applied to each pathway checkpoint.
     """
 
-    by_role: dict[str, Any]
+    by_role: Mapping[str, object]
     if recipe.level == "token":
         plan = gem_plan(_meta_model(pw, recipe), recipe.quantization)
         weights = plan.total_bytes
@@ -65,7 +70,7 @@ def memory_table(pw: Pathways, recipe: GemRecipe) -> dict[str, Any]:
         from moetool.io.checkpoint import Checkpoint
 
         per: dict[str, int] = {}
-        roles: dict[str, Any] = {}
+        roles: dict[str, Mapping[str, object]] = {}
         for name, src in [("general", pw.general), *pw.domains.items()]:
             entries = [TensorEntry(n, t.shape) for n, t in Checkpoint(src.path).tensors.items()]
             p = resolve(recipe.quantization, entries)
@@ -79,21 +84,21 @@ def memory_table(pw: Pathways, recipe: GemRecipe) -> dict[str, Any]:
     for name in recipe.devices:
         dev = get_device(name)
         mem = estimate_memory(weights, pw.config, dev.context)
-        devices[name] = {
-            "context": dev.context,
-            "weights": mem.weights,
-            "kv_cache": mem.kv_cache,
-            "runtime": mem.runtime,
-            "total": mem.total,
-            "budget": dev.budget,
-            "fits": mem.total <= dev.budget,
-        }
-    return {
-        "plan": recipe.quantization.model_dump(exclude_none=True),
-        "weights": weights,
-        "by_role": by_role,
-        "devices": devices,
-    }
+        devices[name] = DeviceMemory(
+            context=dev.context,
+            weights=mem.weights,
+            kv_cache=mem.kv_cache,
+            runtime=mem.runtime,
+            total=mem.total,
+            budget=dev.budget,
+            fits=mem.total <= dev.budget,
+        )
+    return MemoryTable(
+        plan=recipe.quantization.model_dump(mode="json", exclude_none=True),
+        weights=weights,
+        by_role=by_role,
+        devices=devices,
+    )
 
 
 class GemAssembler:
@@ -134,7 +139,7 @@ class GemAssembler:
         return assemble_sequence(recipe, pw, recipe_dir, output, force, console)
 
 
-def _tokenizer(pw: Pathways) -> Any:
+def _tokenizer(pw: Pathways) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(pw.general.path))
@@ -145,7 +150,7 @@ def _probe(streams: dict[str, tuple[torch.Tensor, torch.Tensor]], bos: int | Non
     return torch.cat([torch.tensor([bos]), first])[None] if bos is not None else first[None]
 
 
-def _meta(recipe: GemRecipe, pw: Pathways) -> dict[str, Any]:
+def _meta(recipe: GemRecipe, pw: Pathways) -> dict[str, object]:
 
     text = kept_recipe_text(recipe)
     srcs = {"general": pw.general} | dict(pw.domains)
@@ -178,12 +183,7 @@ def assemble_token(
     )
     if not notes and max(parity.values()) > PARITY_LIMIT:
         raise MoetoolError(f"gem assembly parity failed: {parity} (limit {PARITY_LIMIT})")
-    report: dict[str, Any] = {
-        "level": "token",
-        "notes": notes,
-        "assembly_parity": parity,
-        "memory": memory_table(pw, recipe),
-    }
+    report = AssemblyReport(level="token", notes=notes, assembly_parity=parity, memory=memory_table(pw, recipe))
     if recipe.scar.clusters:
         report["scar"] = fit_scar(model, recipe, streams, bos)
     report["router_training"], report["router"] = train_token_router(model, recipe, streams, bos, console)
@@ -216,7 +216,7 @@ def assemble_sequence(
         router.weight.zero_()
         router.bias.zero_()
     spec = recipe.router
-    report: dict[str, Any] = {"level": "sequence", "memory": memory_table(pw, recipe)}
+    report = AssemblyReport(level="sequence", memory=memory_table(pw, recipe))
     before = digest(general, "\0")
     report["router_training"] = train_recipe_router(router, featurize, streams, recipe, bos, console, pool=True)
     if digest(general, "\0") != before:
@@ -225,8 +225,8 @@ def assemble_sequence(
     probs, labels = held_out_probs(
         router, featurize, valid, seq_len=spec.seq_len, max_tokens=spec.eval_tokens, bos_id=bos, pool=True
     )
-    report["router"] = tau_table(probs, labels, spec.tau_grid, list(streams))
-    print_tau(console, report["router"])
+    report["router"] = table = tau_table(probs, labels, spec.tau_grid, list(streams))
+    print_tau(console, table)
     with atomic_dir(output, force=force) as tmp:
         save_file(
             {"weight": router.weight.detach().contiguous(), "bias": router.bias.detach().contiguous()},

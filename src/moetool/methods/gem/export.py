@@ -19,8 +19,9 @@ beside GEM's own, so ``moetool package`` (and ``moetool build``) take GEM artifa
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -29,22 +30,29 @@ from moetool.errors import MoetoolError
 from moetool.export.base import MANIFEST, manifest_fields, write_manifest
 from moetool.export.bundle import Bundle, Member, MemberArtifact, export_bundle
 from moetool.export.onnx.quantize import quantize_graph, save_model
+from moetool.export.parity import ParityRecord, RouteCheck, parity_of
 from moetool.export.tflite.runner import litert_python, run_worker
 from moetool.extras import require
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
 from moetool.io.hashes import sha256_file
+from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.io.safe import read_json
 from moetool.methods.gem.evaluate import SequenceGem
 from moetool.methods.gem.export_graph import GemGraph, RouterGraph, graph_precisions, trace_onnx
 from moetool.methods.gem.export_parity import (
     PARITY_LIMIT,
     SEQ_LENS,
-    parity_failed,
+    gated,
     probe_windows,
     router_parity,
     token_parity,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from moetool.methods.gem.model import GemForCausalLM
 
 __all__ = [
     "MANIFEST",
@@ -77,17 +85,17 @@ def trace_graph(graph: GemGraph, path: Path) -> None:
 
 
 def _token_manifest(
-    target: str, path: Path, model_dir: Path, cfg: Any, fields: dict[str, Any], t0: float
-) -> dict[str, Any]:
+    target: str, path: Path, model_dir: Path, cfg: PretrainedConfig, fields: JsonObject, t0: float
+) -> JsonObject:
     """What both token-level manifests hold around the target's own ``fields`` (inputs, outputs, parity, …): GEM's
     figures and the fields every manifest has (the folder's files, the model's weights), written as manifest.json.
 
     ``path`` is the graph inside the temporary folder, which holds everything else already (the tokenizer)."""
 
-    manifest = {
+    manifest: JsonObject = {
         "format": FORMAT,
         "level": "token",
-        "domains": list(cfg.domains),
+        "domains": [str(d) for d in cfg.domains],
         "tau": float(cfg.tau),
         "rule": RULE,
         **fields,
@@ -95,18 +103,19 @@ def _token_manifest(
         "bytes": path.stat().st_size,
         "sha256": sha256_file(path),
         "timing_s": round(time.perf_counter() - t0, 2),
-    } | manifest_fields(path.parent, model_dir, path.name, target=target, model_type=cfg.model_type)
+    }
+    manifest |= manifest_fields(path.parent, model_dir, path.name, target=target, model_type=cfg.model_type)
     write_manifest(path.parent, manifest)
     return manifest
 
 
-def _load_token_model(model_dir: Path) -> Any:
+def _load_token_model(model_dir: Path) -> GemForCausalLM:
     from transformers import AutoModelForCausalLM
 
-    import moetool.methods.gem.model  # noqa: F401  (registers its model class)
+    from moetool.methods.gem.model import GemForCausalLM  # registers its model class
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    if getattr(model.config, "model_type", None) != "moetool_gem":
+    if not isinstance(model, GemForCausalLM):
         raise MoetoolError(
             f"{model_dir}: not a token-level moetool_gem checkpoint (model_type "
             f"{model.config.model_type!r}); a sequence-level bundle exports with the same command"
@@ -116,7 +125,7 @@ def _load_token_model(model_dir: Path) -> Any:
 
 def export_token_onnx(
     model_dir: Path, output: Path, *, quant: str | None = None, force: bool = False, verify: bool = True
-) -> dict[str, Any]:
+) -> JsonObject:
     """``gem.onnx`` + ``manifest.json`` (+ tokenizer) into ``output`` atomically.
 
     ``quant`` (e.g. ``gem``: pathways int4, router and general layers int8) quantizes MatMul weights with
@@ -139,13 +148,14 @@ def export_token_onnx(
             counts, notes = quantize_graph(path, precisions)
         else:
             _strip_metadata(path)
-        parity: Any = "not verified"
+        parity: JsonValue = "not verified"
         if verify:
-            parity = token_parity(model, path, probe_windows(tok, model_dir, SEQ_LENS))
-            if not counts and parity_failed(parity):
-                raise MoetoolError(f"gem ONNX parity failed: {parity}")
+            record = gated(token_parity(model, path, probe_windows(tok, model_dir, SEQ_LENS)), quantized=bool(counts))
+            if record.verdict == "fail":
+                raise MoetoolError(f"gem ONNX parity failed: {record.to_json()}")
+            parity = record.to_json()
         tok.save_pretrained(str(tmp))
-        fields: dict[str, Any] = {
+        fields: JsonObject = {
             "inputs": {
                 "input_ids": "[1, T] int64",
                 "position_ids": "[1, T] int64 (0..T-1)",
@@ -153,14 +163,14 @@ def export_token_onnx(
             },
             "outputs": {"logits": "[1, T, V]", "router_probs": "[1, T, n_domains]", "routes": "[1, T] int64"},
         }
-        fields |= {"quant": quant or "f32", "quantized_nodes": counts, "notes": notes, "parity": parity}
+        fields |= {"quant": quant or "f32", "quantized_nodes": dict(counts), "notes": list(notes), "parity": parity}
         manifest = _token_manifest("onnx", path, model_dir, model.config, fields, t0)
     return manifest
 
 
 def export_token_tflite(
     model_dir: Path, output: Path, *, force: bool = False, verify: bool = True, capacity: int = 128
-) -> dict[str, Any]:
+) -> JsonObject:
     """``gem.tflite`` (fp32, static length ``capacity``, router and rule inside) + manifest, converted by litert-torch
     in its own venv (moetool.methods.gem.tflite_worker); parity in the LiteRT interpreter gated like ONNX."""
     from transformers import AutoConfig, AutoTokenizer
@@ -176,11 +186,15 @@ def export_token_tflite(
     with atomic_dir(output, force=force) as tmp:
         request = {"model_dir": str(model_dir), "out_dir": str(tmp), "capacity": capacity, "verify": verify}
         result = run_worker("moetool.methods.gem.tflite_worker", request, what="gem TFLite conversion")
-        parity = result.get("parity", "not verified")
-        if isinstance(parity, dict) and parity_failed(parity):
-            raise MoetoolError(f"gem TFLite parity failed: {parity}")
+        parity: JsonValue = "not verified"
+        record = parity_of(result.get("parity"))
+        if isinstance(record, ParityRecord):
+            record = gated(record, quantized=False)
+            if record.verdict == "fail":
+                raise MoetoolError(f"gem TFLite parity failed: {record.to_json()}")
+            parity = record.to_json()
         AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(tmp))
-        fields = {
+        fields: JsonObject = {
             "capacity": capacity,
             "inputs": {
                 "args_0": f"[1, {capacity}] int32 ids, right-padded",
@@ -203,7 +217,7 @@ def _strip_metadata(path: Path) -> None:
     save_model(m, path)
 
 
-def _export_router(bundle: Path, seq: Any, graph: RouterGraph, path: Path, *, verify: bool) -> dict[str, Any]:
+def _export_router(bundle: Path, seq: SequenceGem, graph: RouterGraph, path: Path, *, verify: bool) -> JsonObject:
     """``router.onnx`` at ``path``; with ``verify`` its parity, gated (same decisions, |ΔP| ≤ 1e-5)."""
     trace_onnx(graph, path, ["router_probs", "route"])
     _strip_metadata(path)
@@ -213,9 +227,11 @@ def _export_router(bundle: Path, seq: Any, graph: RouterGraph, path: Path, *, ve
 
     probes = probe_windows(AutoTokenizer.from_pretrained(str(bundle)), bundle, SEQ_LENS)
     parity = router_parity(seq, path, probes)
-    if parity["max_abs_prob_diff"] > 1e-5 or parity["same_route"] != len(probes):
-        raise MoetoolError(f"gem router ONNX parity failed: {parity}")
-    return parity
+    routes = parity.routes or RouteCheck()
+    if (routes.max_abs_prob_diff or 0.0) > 1e-5 or routes.same_route != len(probes):
+        raise MoetoolError(f"gem router ONNX parity failed: {parity.to_json()}")
+    checked: JsonObject = replace(parity, verdict="pass").to_json()
+    return checked
 
 
 def export_sequence_bundle(
@@ -227,7 +243,7 @@ def export_sequence_bundle(
     force: bool = False,
     verify: bool = True,
     console: Console | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """``router.onnx`` + ``pathways/<name>/`` (one artifact each via the regular exporter for ``target``) +
     ``manifest.json``, written atomically; the router graph's parity is gated (same decisions, |ΔP| ≤ 1e-5)."""
 
@@ -244,7 +260,7 @@ def export_sequence_bundle(
     graph = RouterGraph(seq.pathways[0], spec["encoder"]["layers"], seq.router.weight, seq.router.bias, seq.tau).eval()
     t0 = time.perf_counter()
 
-    def write_router(tmp: Path) -> dict[str, Any]:
+    def write_router(tmp: Path) -> JsonObject:
         parity = _export_router(bundle, seq, graph, tmp / "router.onnx", verify=verify)
         copy_tokenizer(bundle, tmp)
         return {
@@ -258,7 +274,7 @@ def export_sequence_bundle(
             "parity": parity,
         }
 
-    def bundle_manifest(tmp: Path, router: dict[str, Any], artifacts: list[MemberArtifact]) -> dict[str, Any]:
+    def bundle_manifest(tmp: Path, router: JsonObject, artifacts: list[MemberArtifact]) -> JsonObject:
         return {
             "format": FORMAT,
             "level": "sequence",

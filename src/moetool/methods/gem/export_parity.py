@@ -6,18 +6,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from onnxruntime import InferenceSession
     from transformers import PreTrainedTokenizerBase
+
+    from moetool.methods.gem.evaluate import SequenceGem
+    from moetool.methods.gem.model import GemForCausalLM
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from moetool.export.graph.model import causal_mask
 from moetool.export.heldout import held_out_text, nll
+from moetool.export.parity import ParityRecord, RouteCheck
 from moetool.extras import require
 from moetool.methods.gem.heldout import domain_held_out
 from moetool.recipe.kept import KEPT_RECIPE
@@ -25,6 +30,7 @@ from moetool.recipe.kept import KEPT_RECIPE
 __all__ = [
     "PARITY_LIMIT",
     "SEQ_LENS",
+    "gated",
     "onnx_feeds",
     "ort_session",
     "parity_failed",
@@ -41,13 +47,14 @@ SEQ_LENS = (32, 128)
 TokenRun = Callable[[list[int]], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def ort_session(path: Path) -> Any:
+def ort_session(path: Path) -> InferenceSession:
 
     ort = require("onnxruntime", "onnx", why="checking a GEM ONNX graph")
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = 1
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    session: InferenceSession = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return session
 
 
 def onnx_feeds(ids: list[int]) -> dict[str, np.ndarray]:
@@ -84,7 +91,7 @@ def probe_windows(tok: PreTrainedTokenizerBase, model_dir: Path, lengths: tuple[
 
 
 @torch.no_grad()
-def route_parity(model: Any, probes: list[list[int]], run: TokenRun, *, runtime: str) -> dict[str, Any]:
+def route_parity(model: GemForCausalLM, probes: list[list[int]], run: TokenRun, *, runtime: str) -> ParityRecord:
     """The runtime (``run``) against the PyTorch ``model`` on each probe: max |Δlogit|, max |ΔP|, routes that differ
     (for an fp32 graph a route may only differ where max P is within 1e-5 of tau, where the runtimes round
     differently), top-1 agreement and both perplexities over the probes (what a quantized graph costs)."""
@@ -93,7 +100,8 @@ def route_parity(model: Any, probes: list[list[int]], run: TokenRun, *, runtime:
     nll_ref = nll_got = 0.0
     worst_logit = worst_p = 0.0
     mism = mism_off = tokens = 0
-    share = torch.zeros(len(model.config.domains) + 1)
+    domains, tau = list(model.config.domains), float(model.config.tau)
+    share = torch.zeros(len(domains) + 1)
     for ids in probes:
         ref = model(torch.tensor([ids]))
         logits, probs, routes = run(ids)
@@ -101,38 +109,50 @@ def route_parity(model: Any, probes: list[list[int]], run: TokenRun, *, runtime:
         worst_p = max(worst_p, float(np.abs(probs - ref.router_probs.numpy()).max()))
         diff = routes != ref.routes.numpy()
         mism += int(diff.sum())
-        near = np.abs(ref.router_probs.numpy().max(-1) - float(model.config.tau)) < 1e-5
+        near = np.abs(ref.router_probs.numpy().max(-1) - tau) < 1e-5
         mism_off += int((diff & ~near).sum())
         tokens += len(ids)
         agree += int((logits[0].argmax(-1) == ref.logits[0].numpy().argmax(-1)).sum())
         nll_ref += nll(ref.logits[0].numpy(), ids)[0]
         nll_got += nll(logits[0], ids)[0]
         share += torch.bincount(ref.routes.reshape(-1), minlength=len(share)).float()
-    names = ["general", *model.config.domains]
+    names = ["general", *domains]
     scored = tokens - len(probes)
-    return {
-        "runtime": runtime,
-        "reference": "PyTorch moetool_gem float32",
-        "seq_lens": sorted({len(p) for p in probes}),
-        "windows": len(probes),
-        "tokens": tokens,
-        "max_abs_logit_diff": worst_logit,
-        "max_abs_prob_diff": worst_p,
-        "route_mismatches": mism,
-        "route_mismatches_off_boundary": mism_off,
-        "top1_agreement": round(agree / tokens, 6),
-        "ppl_reference": round(math.exp(nll_ref / scored), 4),
-        "ppl_artifact": round(math.exp(nll_got / scored), 4),
-        "route_share": {n: round(float(s / tokens), 4) for n, s in zip(names, share, strict=True)},
-    }
+    return ParityRecord(
+        runtime=runtime,
+        reference="PyTorch moetool_gem float32",
+        seq_lens=tuple(sorted({len(p) for p in probes})),
+        windows=len(probes),
+        tokens=tokens,
+        max_abs_logit_diff=worst_logit,
+        top1_agreement=round(agree / tokens, 6),
+        ppl_reference=round(math.exp(nll_ref / scored), 4),
+        ppl_artifact=round(math.exp(nll_got / scored), 4),
+        routes=RouteCheck(
+            max_abs_prob_diff=worst_p,
+            mismatches=mism,
+            mismatches_off_boundary=mism_off,
+            share={n: round(float(s / tokens), 4) for n, s in zip(names, share, strict=True)},
+        ),
+    )
 
 
-def parity_failed(parity: dict[str, Any]) -> bool:
+def parity_failed(parity: ParityRecord) -> bool:
     """The fp32 gate of a token graph: logits within :data:`PARITY_LIMIT`, no route off the tau boundary differs."""
-    return bool(parity["max_abs_logit_diff"] > PARITY_LIMIT or parity["route_mismatches_off_boundary"])
+    worst = parity.worst_logit_diff
+    off = parity.routes.mismatches_off_boundary if parity.routes is not None else None
+    return worst is None or worst > PARITY_LIMIT or bool(off)
 
 
-def token_parity(model: Any, path: Path, probes: list[list[int]]) -> dict[str, Any]:
+def gated(parity: ParityRecord, *, quantized: bool) -> ParityRecord:
+    """The record with its verdict: an fp32 graph is held to :data:`PARITY_LIMIT` (and no route off the tau boundary
+    may differ: :func:`parity_failed`), a quantized graph's figures are reported."""
+    if quantized:
+        return replace(parity, verdict="reported")
+    return replace(parity, tolerance=PARITY_LIMIT, verdict="fail" if parity_failed(parity) else "pass")
+
+
+def token_parity(model: GemForCausalLM, path: Path, probes: list[list[int]]) -> ParityRecord:
     """:func:`route_parity` of the ONNX graph at ``path`` in onnxruntime."""
     sess = ort_session(path)
 
@@ -143,7 +163,7 @@ def token_parity(model: Any, path: Path, probes: list[list[int]]) -> dict[str, A
     return route_parity(model, probes, run, runtime="onnxruntime")
 
 
-def router_parity(seq: Any, path: Path, probes: list[list[int]]) -> dict[str, Any]:
+def router_parity(seq: SequenceGem, path: Path, probes: list[list[int]]) -> ParityRecord:
     """The sequence-level router graph at ``path`` in onnxruntime against ``seq.route`` (PyTorch) on each probe:
     max |ΔP| and how many probes take the same route."""
     sess = ort_session(path)
@@ -153,9 +173,8 @@ def router_parity(seq: Any, path: Path, probes: list[list[int]]) -> dict[str, An
         got_p, got_r = sess.run(None, onnx_feeds(p))
         worst = max(worst, float(np.abs(got_p - ref_p.numpy()).max()))
         agree += int((got_r == ref_r.numpy()).all())
-    return {
-        "windows": len(probes),
-        "seq_lens": sorted({len(p) for p in probes}),
-        "max_abs_prob_diff": worst,
-        "same_route": agree,
-    }
+    return ParityRecord(
+        windows=len(probes),
+        seq_lens=tuple(sorted({len(p) for p in probes})),
+        routes=RouteCheck(max_abs_prob_diff=worst, same_route=agree),
+    )

@@ -14,16 +14,21 @@ L = L_task + λq · Σ_W ‖W − Q(W)‖² + λkd · L_kd  (GEM's "QAKP" loss; 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from moetool.methods.gem.records import QatReport, QatStep
 from moetool.quant.plan import QuantPlan, QuantSpec, TensorEntry, resolve
 from moetool.quant.roles import Role, role_of
 from moetool.quant.types import get_type
 from moetool.train.data import sample_batch
+
+if TYPE_CHECKING:
+    from moetool.methods.gem.model import GemForCausalLM
+    from moetool.recipe.gem import GemQATSpec
 
 BLOCK = 32
 
@@ -111,15 +116,15 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) ->
 
 
 def run_qat(
-    model: Any,
-    teachers: dict[str, Any],
+    model: GemForCausalLM,
+    teachers: Mapping[str, nn.Module],
     streams: dict[str, torch.Tensor],
-    spec: Any,
+    spec: GemQATSpec,
     bits: dict[str, int],
     *,
     bos_id: int | None,
     log: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> QatReport:
     """Tune the parameters of ``spec.trainable`` with the QAKP loss; step s draws a batch of domain s mod n and
     distils from that domain's expert. Everything not trainable is frozen (requires_grad False, not in the optimiser).
 
@@ -150,24 +155,19 @@ def run_qat(
         loss.backward()
         opt.step()
         if step % 5 == 0 or step == spec.steps - 1:
-            row = {
-                "step": step,
-                "domain": d,
-                "task": out.loss.item(),
-                "quant": l_q.item(),
-                "kd": l_kd.item(),
-                "total": loss.item(),
-            }
+            row = QatStep(
+                step=step, domain=d, task=out.loss.item(), quant=l_q.item(), kd=l_kd.item(), total=loss.item()
+            )
             curve.append(row)
             if log is not None:
                 log(f"qat step {step} ({d}): task {row['task']:.4f} quant {row['quant']:.4f} kd {row['kd']:.4f}")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return {
-        "steps": spec.steps,
-        "trainable": sorted(spec.trainable),
-        "trainable_params": sum(p.numel() for p in params.values()),
-        "curve": curve,
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
+    return QatReport(
+        steps=spec.steps,
+        trainable=sorted(spec.trainable),
+        trainable_params=sum(p.numel() for p in params.values()),
+        curve=curve,
+        seconds=round(time.perf_counter() - t0, 2),
+    )

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetool.methods.gem.model import decide, rms_features
+from moetool.methods.gem.model import GemForCausalLM, decide, rms_features
+from moetool.methods.gem.records import RouteDecision, RouterTraining, TauRow, TauTable
 from moetool.recipe.gem import GemRecipe
 from moetool.train.data import load_source, sample_batch, tokenize_stream
 
@@ -49,7 +50,7 @@ def hf_encoder(hf: Any, n_layers: int) -> Featurize:
     return featurize
 
 
-def gem_encoder(model: Any) -> Featurize:
+def gem_encoder(model: GemForCausalLM) -> Featurize:
     """Router features of a ``moetool_gem`` model (its own encoder pass)."""
     gm = model.model
 
@@ -96,7 +97,7 @@ def train_router(
     bos_id: int | None,
     pool: bool = False,
     log: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> RouterTraining:
     """Train ``router`` (only) on windows of each domain's ids; row i of step s comes from domain (s·B + i) mod n.
 
     The encoder runs under no_grad and nothing else is handed to the optimiser, so every other weight stays
@@ -123,7 +124,7 @@ def train_router(
             if log is not None and (step % 50 == 0 or step == steps - 1):
                 log(f"router step {step}: loss {loss.item():.4f}")
     router.eval()
-    return {"steps": steps, "loss_curve": curve, "seconds": round(time.perf_counter() - t0, 2)}
+    return RouterTraining(steps=steps, loss_curve=curve, seconds=round(time.perf_counter() - t0, 2))
 
 
 @torch.no_grad()
@@ -154,7 +155,7 @@ def held_out_probs(
     return torch.cat(probs), torch.cat(labels)
 
 
-def tau_table(probs: torch.Tensor, labels: torch.Tensor, taus: list[float], names: list[str]) -> dict[str, Any]:
+def tau_table(probs: torch.Tensor, labels: torch.Tensor, taus: list[float], names: list[str]) -> TauTable:
     """Router quality as tau varies.
 
     Per tau: ``fallback`` (share sent to general, max P ≤ tau), ``routed_accuracy`` (right domain among those
@@ -168,25 +169,25 @@ def tau_table(probs: torch.Tensor, labels: torch.Tensor, taus: list[float], name
         right = routed & (route - 1 == labels)
         n_routed = int(routed.sum())
         rows.append(
-            {
-                "tau": tau,
-                "fallback": round(1 - n_routed / len(labels), 4),
-                "routed_accuracy": None if n_routed == 0 else round(int(right.sum()) / n_routed, 4),
-                "correct": round(int(right.sum()) / len(labels), 4),
-                "wrong": round((n_routed - int(right.sum())) / len(labels), 4),
-                "fallback_by_domain": {
+            TauRow(
+                tau=tau,
+                fallback=round(1 - n_routed / len(labels), 4),
+                routed_accuracy=None if n_routed == 0 else round(int(right.sum()) / n_routed, 4),
+                correct=round(int(right.sum()) / len(labels), 4),
+                wrong=round((n_routed - int(right.sum())) / len(labels), 4),
+                fallback_by_domain={
                     n: round(float((~routed[labels == d]).float().mean()), 4) for d, n in enumerate(names)
                 },
-            }
+            )
         )
     acc = float((probs.argmax(-1) == labels).float().mean())
-    return {"items": len(labels), "argmax_accuracy": round(acc, 4), "by_tau": rows}
+    return TauTable(items=len(labels), argmax_accuracy=round(acc, 4), by_tau=rows)
 
 
 @torch.no_grad()
 def log_decisions(
-    model: Any, tokenizer: PreTrainedTokenizerBase, text: str, tau: float | None = None
-) -> list[dict[str, Any]]:
+    model: GemForCausalLM, tokenizer: PreTrainedTokenizerBase, text: str, tau: float | None = None
+) -> list[RouteDecision]:
     """Per-token routing decisions of a ``moetool_gem`` model on ``text``: token, pathway, max P and all P."""
     ids = tokenizer(text, return_tensors="pt").input_ids
     out = model(ids, tau=tau)
@@ -195,12 +196,12 @@ def log_decisions(
     for t in range(ids.shape[1]):
         p = out.router_probs[0, t]
         rows.append(
-            {
-                "pos": t,
-                "token": tokenizer.decode([int(ids[0, t])]),
-                "route": names[int(out.routes[0, t])],
-                "max_p": round(float(p.max()), 6),
-                "probs": {d: round(float(x), 6) for d, x in zip(model.config.domains, p, strict=True)},
-            }
+            RouteDecision(
+                pos=t,
+                token=str(tokenizer.decode([int(ids[0, t])])),
+                route=names[int(out.routes[0, t])],
+                max_p=round(float(p.max()), 6),
+                probs={d: round(float(x), 6) for d, x in zip(model.config.domains, p, strict=True)},
+            )
         )
     return rows

@@ -12,34 +12,39 @@ features, per-token SCAR clusters). Parity: the LiteRT interpreter against PyTor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from moetool.io.jsontypes import JsonObject
 
-def convert(req: dict[str, Any]) -> dict[str, Any]:
+
+def convert(req: JsonObject) -> JsonObject:
     """The request (module docstring) in, gem.tflite written, the result out."""
     import litert_torch
     from ai_edge_litert.interpreter import Interpreter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import moetool.methods.gem.model  # noqa: F401  (registers its model class)
     from moetool.export.graph.model import causal_mask
     from moetool.export.tflite.runner import padded_feeds, signature_outputs
     from moetool.methods.gem.export_graph import GemGraph
     from moetool.methods.gem.export_parity import probe_windows, route_parity
+    from moetool.methods.gem.model import GemForCausalLM  # registers its model class
 
+    model_dir, out_dir, cap = req["model_dir"], req["out_dir"], req["capacity"]
+    if not (isinstance(model_dir, str) and isinstance(out_dir, str) and isinstance(cap, int)):
+        raise TypeError(f"a gem TFLite request needs model_dir, out_dir (strings) and capacity (int): {req}")
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(req["model_dir"], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if not isinstance(model, GemForCausalLM):
+        raise TypeError(f"{model_dir}: not a moetool_gem checkpoint")
     graph = GemGraph(model).eval()
-    cap = int(req["capacity"])
     mask = causal_mask(cap, 0)
-    path = Path(req["out_dir"]) / "gem.tflite"
+    path = Path(out_dir) / "gem.tflite"
     litert_torch.convert(graph, (torch.zeros(1, cap, dtype=torch.long), torch.arange(cap)[None], mask)).export(
         str(path)
     )
-    result: dict[str, Any] = {"capacity": cap}
+    result: JsonObject = {"capacity": cap}
     if req["verify"]:
         runner = Interpreter(model_path=str(path)).get_signature_runner()
 
@@ -48,9 +53,9 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
             logits, probs, routes = signature_outputs(runner, padded_feeds(ids, cap, mask.numpy()))
             return logits[:, :n], probs[:, :n], routes[:, :n]
 
-        tok = AutoTokenizer.from_pretrained(req["model_dir"])
-        probes = probe_windows(tok, Path(req["model_dir"]), (32, cap))
-        result["parity"] = route_parity(model, probes, run, runtime="ai_edge_litert interpreter")
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        probes = probe_windows(tok, Path(model_dir), (32, cap))
+        result["parity"] = route_parity(model, probes, run, runtime="ai_edge_litert interpreter").to_json()
     return result
 
 

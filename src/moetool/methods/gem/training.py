@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
 
 import torch
 from rich.console import Console
 
 from moetool.errors import MoetoolError
+from moetool.methods.gem.model import GemForCausalLM
 from moetool.methods.gem.pathways import Pathways, fit_scar_centroids
 from moetool.methods.gem.qat import apply_fake_quant, gem_plan, quant_bits, run_qat, trainable_names
-from moetool.methods.gem.router import gem_encoder, held_out_probs, tau_table, train_router
+from moetool.methods.gem.records import QatReport, RouterTraining, ScarFit, TauTable
+from moetool.methods.gem.router import Featurize, gem_encoder, held_out_probs, tau_table, train_router
 from moetool.recipe.gem import GemRecipe
 from moetool.train.data import sample_batch
 
@@ -28,7 +29,7 @@ def digest(model: torch.nn.Module, skip: str) -> dict[str, str]:
 
 
 def held_out_ppl(
-    model: Any,
+    model: torch.nn.Module,
     valid: dict[str, torch.Tensor],
     bos: int | None,
     tokens: int,
@@ -52,7 +53,10 @@ def held_out_ppl(
     return out
 
 
-def fit_scar(model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | None) -> dict[str, Any]:
+Streams = dict[str, tuple[torch.Tensor, torch.Tensor]]  # domain → (train ids [N], held-out ids [M])
+
+
+def fit_scar(model: GemForCausalLM, recipe: GemRecipe, streams: Streams, bos: int | None) -> ScarFit:
     """SCAR's k-means centroids on a calibration batch per domain."""
 
     calib = [
@@ -60,22 +64,22 @@ def fit_scar(model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | 
         for i, s in enumerate(streams.values())
     ]
     fit_scar_centroids(model, calib, recipe.scar.iterations, seed=recipe.router.seed)
-    return {"clusters": recipe.scar.clusters, "fitted_on_tokens": sum(c.numel() for c in calib)}
+    return ScarFit(clusters=recipe.scar.clusters, fitted_on_tokens=sum(c.numel() for c in calib))
 
 
 def train_recipe_router(
     router: torch.nn.Linear,
-    featurize: Any,
-    streams: dict[str, Any],
+    featurize: Featurize,
+    streams: Streams,
     recipe: GemRecipe,
     bos: int | None,
     console: Console,
     *,
     pool: bool = False,
-) -> dict[str, Any]:
+) -> RouterTraining:
     """The router trained on each domain's train stream as the recipe's ``router`` section says."""
     spec = recipe.router
-    result: dict[str, Any] = train_router(
+    return train_router(
         router,
         featurize,
         [s[0] for s in streams.values()],
@@ -88,12 +92,11 @@ def train_recipe_router(
         pool=pool,
         log=console.print,
     )
-    return result
 
 
 def train_token_router(
-    model: Any, recipe: GemRecipe, streams: dict[str, Any], bos: int | None, console: Console
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    model: GemForCausalLM, recipe: GemRecipe, streams: Streams, bos: int | None, console: Console
+) -> tuple[RouterTraining, TauTable]:
     """Train the router with everything else frozen (checked by hash); its held-out table over τ."""
 
     before = digest(model, "model.router.")
@@ -118,8 +121,8 @@ def train_token_router(
 
 
 def token_qat(
-    model: Any, recipe: GemRecipe, pw: Pathways, streams: dict[str, Any], bos: int | None, console: Console
-) -> dict[str, Any]:
+    model: GemForCausalLM, recipe: GemRecipe, pw: Pathways, streams: Streams, bos: int | None, console: Console
+) -> QatReport:
     """QAT with the domains' experts as teachers; held-out perplexity (float and fake-quantized) before and after,
     printed as labelled lines; weights outside the trainable groups unchanged (checked by hash)."""
     import copy
@@ -133,7 +136,7 @@ def token_qat(
     valid = {d: s[1] for d, s in streams.items()}
     ev_tokens = min(4096, recipe.router.eval_tokens)
 
-    def ppl_pair() -> dict[str, Any]:
+    def ppl_pair() -> dict[str, dict[str, float]]:
         q = copy.deepcopy(model)
         apply_fake_quant(q, bits)
         return {
@@ -157,15 +160,13 @@ def token_qat(
             f"{kind} " + " / ".join(f"{d} {v:.2f}" for d, v in by.items()) for kind, by in value.items()
         )
         console.print(f"QAT held-out perplexity {label}: {figures}", highlight=False)
-    return qat | {
-        "before": pre,
-        "after": post,
-        "frozen_unchanged": len(after) - len(train_set),
-        "eval_tokens_per_domain": ev_tokens,
-    }
+    qat["before"], qat["after"] = pre, post
+    qat["frozen_unchanged"] = len(after) - len(train_set)
+    qat["eval_tokens_per_domain"] = ev_tokens
+    return qat
 
 
-def print_tau(console: Console, table: dict[str, Any]) -> None:
+def print_tau(console: Console, table: TauTable) -> None:
     console.print(f"router held-out argmax accuracy {table['argmax_accuracy']:.3f} over {table['items']} items")
     for row in table["by_tau"]:
         acc = "-" if row["routed_accuracy"] is None else f"{row['routed_accuracy']:.3f}"
