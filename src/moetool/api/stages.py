@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 from rich.console import Console
 
 from moetool.errors import MoetoolError
-from moetool.eval.perplexity import eval_need
+from moetool.eval.perplexity import eval_residency
 from moetool.eval.report import evaluate as run
 from moetool.export.base import ExportError, ExportJob, ExportRequest, Manifest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
@@ -149,8 +149,8 @@ def evaluate(
     domains = eval_domains(domains, files)
     texts = _held_out_texts(domains, files)
     paths = {m: resolve_source(m).path for m in models}
-    for path in paths.values():  # before any model is loaded: one that cannot fit is named now
-        eval_need(path, dtype=dtype, seq_len=seq_len).check()
+    # before any model is loaded: one that fits neither resident nor streamed from disk is named now
+    residency = {m: eval_residency(p, dtype=dtype, seq_len=seq_len) for m, p in paths.items()}
     owners = {m: _own_domain(m, p, domains) for m, p in paths.items()} | (own or {})
     configs = _task_configs(tasks, texts, files) if tasks else []  # a text too short fails before any model runs
     scores: dict[str, dict[str, dict[str, float]]] = {}
@@ -180,6 +180,7 @@ def evaluate(
         also=tasks_of if configs else None,
         dtype=dtype,
         device=device,
+        residency=residency,
     )
     if failures:
         report["task_failures"] = failures

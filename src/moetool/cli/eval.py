@@ -23,6 +23,9 @@ def run_eval(
     api.check_report_outputs(json_file, plots, [*data.values(), *model_dirs])
     report = api.evaluate(models, **options)
     print_report(report)
+    for name, held in report["models"].items():
+        if "streamed" in held:
+            out.print(f"{name}: streamed from disk, {held['streamed']}", highlight=False)
     bad = api.nonfinite_figures(report)
     if bad:  # api.evaluate refuses a NaN model itself; a report with a meaningless figure is never written either
         raise MoetoolError(

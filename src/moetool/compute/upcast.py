@@ -26,6 +26,7 @@ __all__ = [
     "decoder_layers",
     "float32_layer_by_layer",
     "float32_overhead",
+    "layer_bytes",
     "native_matmul",
     "precision_of",
 ]
@@ -202,6 +203,9 @@ class Float32Arithmetic:
 def precision_of(model: nn.Module) -> tuple[torch.dtype, torch.dtype]:
     """``(storage, arithmetic)`` of ``model``: the dtype its decoder layers are held in and the one they compute in
     (float32 under :class:`Float32Arithmetic`)."""
+    stream = getattr(model, "_moetool_stream", None)  # moetool.compute.stream: layers read in float32 from disk
+    if stream is not None:
+        return stream.storage, torch.float32
     try:
         storage = next(decoder_layers(model).parameters()).dtype
     except ValueError:  # no layer stack (a GEM or hybrid wrapper): nothing was upcast
@@ -221,12 +225,18 @@ def float32_layer_by_layer(model: nn.Module) -> nn.Module:
     return model
 
 
-def float32_overhead(params: int, config: dict[str, Any]) -> int:
-    """Bytes that :func:`float32_layer_by_layer` adds to a 16-bit model of ``params`` parameters: the embeddings and
-    head in float32 instead of 16 bits, and one decoder layer's float32 copy while it runs (from the config: a
-    layer's share of the parameters outside the embeddings)."""
+def layer_bytes(config: dict[str, Any], params: int) -> tuple[int, int]:
+    """``(outside, one layer)`` in float32 bytes for a model of ``params`` parameters, from its ``config.json``: the
+    embeddings (and an untied head) outside the layer stack, and one decoder layer's share of the rest."""
     c = config.get("text_config") or config
     embed = int(c.get("vocab_size") or 0) * int(c.get("hidden_size") or 0)
     outside = min(params, embed * (1 if c.get("tie_word_embeddings", True) else 2))
     layer = (params - outside) // max(1, int(c.get("num_hidden_layers") or 1))
-    return outside * 2 + layer * 4
+    return outside * 4, layer * 4
+
+
+def float32_overhead(params: int, config: dict[str, Any]) -> int:
+    """Bytes that :func:`float32_layer_by_layer` adds to a 16-bit model of ``params`` parameters: the embeddings and
+    head in float32 instead of 16 bits, and one decoder layer's float32 copy while it runs (:func:`layer_bytes`)."""
+    outside, layer = layer_bytes(config, params)
+    return outside // 2 + layer

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 import gc
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,14 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from moetool import registry
-from moetool.errors import MoetoolError
-from moetool.io.budget import Need, human
+from moetool.compute.stream import NonFiniteModel
+from moetool.compute.upcast import layer_bytes
+from moetool.io.budget import BudgetError, Need, available_memory, human
 
 __all__ = [
     "NonFiniteModel",
+    "Residency",
+    "eval_residency",
     "load_causal_lm",
     "nonfinite_weight",
     "perplexity",
@@ -32,10 +36,6 @@ __all__ = [
 ]
 
 
-class NonFiniteModel(MoetoolError):
-    """A model whose weights or logits hold NaN or Inf: any figure computed from it would be meaningless."""
-
-
 def nonfinite_weight(model: Any) -> str | None:
     """The name of the first floating-point parameter of ``model`` holding a NaN or an Inf, or None.
 
@@ -43,7 +43,7 @@ def nonfinite_weight(model: Any) -> str | None:
     both), as :meth:`moetool.io.checkpoint.Checkpoint.check` does when a merge reads its inputs.
     """
     for name, p in model.named_parameters():
-        if not p.is_floating_point() or p.numel() == 0:
+        if not p.is_floating_point() or p.numel() == 0 or p.is_meta:  # meta: a streamed layer, checked as it is read
             continue
         lo, hi = torch.aminmax(p.detach().reshape(-1))
         if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
@@ -162,30 +162,37 @@ def perplexity(
     return math.exp(nll / n)
 
 
-def load_causal_lm(path: str | Path, *, dtype: str | None = "float32", device: str | None = "cpu") -> tuple[Any, Any]:
+def load_causal_lm(
+    path: str | Path, *, dtype: str | None = "float32", device: str | None = "cpu", streamed: bool = False
+) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory in eval mode.
 
     ``dtype``: float32, bfloat16, float16, or ``auto`` (the checkpoint's own); ``device``: cpu, cuda[:N] or
     ``auto`` (a GPU when there is one). A 16-bit model on a device without a native matmul of its dtype (a CPU
     without AVX512-BF16 or AMX, where PyTorch's fallback is 10-20× slower than float32) computes in float32 over its
-    16-bit weights, one layer upcast at a time: faster, exact, and one float32 layer more memory.
+    16-bit weights, one layer upcast at a time: faster, exact, and one float32 layer more memory. ``streamed``: the
+    decoder layers stay on disk and are read, in float32, when each runs (:func:`moetool.compute.stream.
+    streamed_causal_lm`; on the CPU, for a model larger than memory: see :func:`eval_residency`).
 
     Raises:
         MoetoolError: an unknown dtype or device, or CUDA asked for where there is none.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moetool.compute.stream import streamed_causal_lm
     from moetool.compute.upcast import float32_layer_by_layer, native_matmul
     from moetool.train.precision import resolve_device, resolve_dtype
 
     registry.load_all_methods()  # a moetool output (moetool_gem, …) loads through the Auto classes only once registered
     storage, where = resolve_dtype(dtype, Path(path)), resolve_device(device)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if streamed:
+        return streamed_causal_lm(Path(path), storage=storage), tokenizer
     model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=storage)
     model = model.to(where)
     model.eval()
     if not native_matmul(storage, where):
         float32_layer_by_layer(model)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
     return model, tokenizer
 
 
@@ -243,9 +250,21 @@ def render_matrix(
     return table
 
 
-def eval_need(path: Path, *, dtype: str | None, seq_len: int, batch_size: int = 8) -> Need:
+def _activations(cfg: Mapping[str, Any], tokens: int, width: int) -> int:
+    """Bytes of one forward pass's activations over ``tokens`` positions: hidden states per layer, the logits in
+    the model's dtype (``width`` bytes) and their float32 copy for the loss."""
+    return tokens * int(cfg["hidden_size"]) * 24 + tokens * int(cfg["vocab_size"]) * (width + 8)
+
+
+RUNTIME = 512 << 20  # the interpreter, torch and transformers themselves
+
+
+def eval_need(path: Path, *, dtype: str | None, seq_len: int, batch_size: int = 8, streamed: bool = False) -> Need:
     """Peak memory of evaluating the model in ``path``: its weights in ``dtype`` and one batch of ``batch_size``
     windows (hidden states per layer, the logits and their float32 copy), plus a fixed runtime allowance.
+
+    ``streamed``: the weights outside the layer stack and one decoder layer, in float32 and twice over (a layer's
+    tensors as read and as transformers lays them out), instead of the whole model (:func:`load_causal_lm`).
 
     Raises:
         MoetoolError: an unknown dtype.
@@ -259,15 +278,66 @@ def eval_need(path: Path, *, dtype: str | None, seq_len: int, batch_size: int = 
     storage = resolve_dtype(dtype, Path(path))
     width = storage.itemsize
     params = sum(t.numel for t in ck.tensors.values())
-    weights = params * width
-    if not native_matmul(storage, torch.device("cpu")):  # float32 arithmetic over 16-bit weights (load_causal_lm)
-        weights += float32_overhead(params, cfg)
     tokens = batch_size * seq_len
-    acts = tokens * int(cfg["hidden_size"]) * 24 + tokens * int(cfg["vocab_size"]) * (width + 8)
+    if streamed:
+        outside, layer = layer_bytes(cfg, params)
+        weights = outside + 2 * layer
+        acts = _activations(cfg, tokens, 4)
+        held = f"weights {human(weights)} (outside the layers, and one layer read in float32)"
+    else:
+        weights = params * width
+        if not native_matmul(storage, torch.device("cpu")):  # float32 arithmetic over 16-bit weights (load_causal_lm)
+            weights += float32_overhead(params, cfg)
+        acts = _activations(cfg, tokens, width)
+        held = f"weights {human(weights)}"
     return Need(
         stage=f"evaluating {path}",
-        memory=weights + acts + (512 << 20),
-        memory_detail=f"weights {human(weights)}, activations {human(acts)} for {batch_size} windows of {seq_len}",
+        memory=weights + acts + RUNTIME,
+        memory_detail=f"{held}, activations {human(acts)} for {batch_size} windows of {seq_len}",
         way_out="Evaluate in bfloat16 (--dtype bfloat16), use a GPU (--device cuda), a shorter --seq-len, or another "
         "machine",
+    )
+
+
+@dataclass(frozen=True)
+class Residency:
+    """How a model is held while it is evaluated: resident, or streamed from disk one layer at a time (with how many
+    windows each forward pass runs, since each pass reads the whole checkpoint, and why)."""
+
+    streamed: bool
+    batch_size: int
+    reason: str = ""
+
+
+MAX_STREAMED_BATCH = 64  # windows per streamed pass; beyond it the read of the weights is no longer what costs
+
+
+def eval_residency(path: Path, *, dtype: str | None, seq_len: int, batch_size: int = 8) -> Residency:
+    """Resident when the model fits the memory available (:func:`moetool.io.budget.available_memory`), else streamed
+    from disk layer by layer with as many windows per pass as fit (up to :data:`MAX_STREAMED_BATCH`).
+
+    Raises:
+        BudgetError: neither fits, naming both needs.
+    """
+    resident = eval_need(path, dtype=dtype, seq_len=seq_len, batch_size=batch_size)
+    try:
+        resident.check()
+        return Residency(streamed=False, batch_size=batch_size)
+    except BudgetError as exc:
+        refused = exc
+    one = eval_need(path, dtype=dtype, seq_len=seq_len, batch_size=1, streamed=True)
+    mem = available_memory()
+    if mem is None or one.memory > mem:
+        raise BudgetError(
+            f"{refused} Streamed from disk one layer at a time it would still need about {human(one.memory)} "
+            f"({one.memory_detail})."
+        ) from None
+    per_window = eval_need(path, dtype=dtype, seq_len=seq_len, batch_size=2, streamed=True).memory - one.memory
+    fits = 1 + (mem - one.memory) // max(1, per_window)
+    batch = int(max(1, min(MAX_STREAMED_BATCH, fits)))
+    return Residency(
+        streamed=True,
+        batch_size=batch,
+        reason=f"the resident model needs about {human(resident.memory)} of the {human(mem)} available: its layers "
+        f"are read from disk as each runs ({human(one.memory)} at one window, {batch} windows per pass)",
     )

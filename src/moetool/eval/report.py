@@ -13,7 +13,7 @@ import torch
 from moetool.compute.upcast import precision_of
 from moetool.errors import MoetoolError
 from moetool.eval.gem import gem_metrics
-from moetool.eval.perplexity import NonFiniteModel, load_causal_lm, nonfinite_weight, token_nll
+from moetool.eval.perplexity import NonFiniteModel, Residency, load_causal_lm, nonfinite_weight, token_nll
 from moetool.io.safe import read_json
 from moetool.routing.tap import RouterTap, has_moe_layers
 from moetool.train.precision import dtype_name
@@ -40,11 +40,12 @@ def _routing_stats(logits_per_layer: list[list[torch.Tensor]], top_k: int) -> di
     return {"expert_share": share, "entropy": entropy}
 
 
-def _model_record(path: Path, model: Any, own_domain: str | None) -> dict[str, Any]:
+def _model_record(path: Path, model: Any, own_domain: str | None, held: Residency) -> dict[str, Any]:
     """What the report says of a model: its path, whether it is an MoE, its own domain, the dtype it is held in and
-    the one it computes in (float32 over 16-bit weights where the device has no native 16-bit matmul), its device."""
+    the one it computes in (float32 over 16-bit weights where the device has no native 16-bit matmul), its device,
+    and, where it did not fit in memory, that its layers were streamed from disk and why."""
     storage, arithmetic = precision_of(model)
-    return {
+    record = {
         "path": str(path),
         "moe": has_moe_layers(model),
         "own_domain": own_domain,
@@ -52,6 +53,7 @@ def _model_record(path: Path, model: Any, own_domain: str | None) -> dict[str, A
         "arithmetic": dtype_name(arithmetic),
         "device": str(model.device),
     }
+    return record | ({"streamed": held.reason} if held.streamed else {})
 
 
 def evaluate(
@@ -65,10 +67,12 @@ def evaluate(
     also: Callable[[str, Any, Any], None] | None = None,
     dtype: str = "auto",
     device: str = "auto",
+    residency: Mapping[str, Residency] | None = None,
 ) -> dict[str, Any]:
     """Evaluate each model on each domain's held-out text; ``also(name, model, tokenizer)`` runs after a model's
     perplexity pass while it is still loaded (lm-eval tasks: each model is read from disk once). Each model runs in
-    ``dtype`` (``auto``: its checkpoint's own, nothing upcast) on ``device`` (``auto``: a GPU when there is one).
+    ``dtype`` (``auto``: its checkpoint's own, nothing upcast) on ``device`` (``auto``: a GPU when there is one),
+    resident unless ``residency`` says it is streamed from disk (:func:`moetool.eval.perplexity.eval_residency`).
 
     Returns:
         A JSON-ready dict: ``perplexity[model][domain]``, ``nll``/``tokens`` likewise, ``routing[model][domain]``
@@ -86,14 +90,15 @@ def evaluate(
         "gem": {},
     }
     for name, path in models.items():
-        model, tok = load_causal_lm(path, dtype=dtype, device=device)
+        held = (residency or {}).get(name) or Residency(streamed=False, batch_size=batch_size)
+        model, tok = load_causal_lm(path, dtype=dtype, device=device, streamed=held.streamed)
         bad = nonfinite_weight(model)
         if bad is not None:  # before any figure: a NaN that no text reaches would still leave a finite report
             raise NonFiniteModel(
                 f"{name}: weight {bad} holds NaN or Inf values; the checkpoint at {path} is corrupt or its training "
                 "diverged, so nothing is evaluated"
             )
-        out["models"][name] = _model_record(path, model, own_domains.get(name))
+        out["models"][name] = _model_record(path, model, own_domains.get(name), held)
         tap = RouterTap(model) if out["models"][name]["moe"] else None
         ppl, routing = {}, {}
         try:
@@ -102,7 +107,9 @@ def evaluate(
                 if tap is not None:
                     tap.logits.clear()
                 try:
-                    nll, n = token_nll(model, tok, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
+                    nll, n = token_nll(
+                        model, tok, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=held.batch_size
+                    )
                 except ValueError as exc:  # a text too short for one window: name the domain, not the call
                     raise MoetoolError(f"held-out text of {domain!r}: {exc}") from None
                 except NonFiniteModel as exc:

@@ -1,0 +1,194 @@
+"""A causal LM whose decoder layers stay on disk: each is read from the safetensors when it runs and dropped after.
+
+Evaluation and verification of a model larger than memory (four 7B experts are 48 GB in bf16) need every layer once
+per forward pass, never all at once. :func:`streamed_causal_lm` builds the model's structure on PyTorch's ``meta``
+device (no memory), loads what lies outside the layer stack (embeddings, final norm, head, rotary tables) in float32,
+and puts a pre-hook on each decoder layer that reads its tensors from the checkpoint and a hook that drops them when
+the layer returns. Memory: the outside weights and one layer, in float32, plus the activations.
+
+The tensors are read through transformers' own loading (its checkpoint-to-module renames and conversions, such as
+transformers 5's fused MoE experts) so a layer holds exactly what ``from_pretrained`` would give it, cast to float32:
+bf16 and f16 values are exact in float32, so the logits equal a resident float32 model's. Files are read with
+``pread``, not mapped, so pages of layers already run do not stay in the process's resident set.
+
+A forward pass reads the whole checkpoint: run as many sequences per pass as memory allows (:class:`Stream` records
+the passes and bytes read, for the reports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from moetool.compute.upcast import decoder_layers, layer_bytes
+from moetool.errors import MoetoolError
+from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
+    from transformers import PreTrainedModel
+
+__all__ = ["NonFiniteModel", "Stream", "layer_bytes", "stream_of", "streamed_causal_lm"]
+
+
+class NonFiniteModel(MoetoolError):
+    """A model whose weights or logits hold NaN or Inf: any figure computed from it would be meaningless."""
+
+
+@dataclass
+class Stream:
+    """What a streamed model read: the checkpoint it reads from, the dtype its weights are stored in, and the count
+    of layers loaded and bytes read (as stored) since it was built."""
+
+    path: Path
+    storage: torch.dtype
+    layers: int
+    loads: int = 0
+    bytes_read: int = 0
+    _keys: dict[int, list[str]] = field(default_factory=dict, repr=False)
+
+    @property
+    def passes(self) -> float:
+        """Whole-model reads so far: layer loads over the number of layers."""
+        return self.loads / max(1, self.layers)
+
+
+def stream_of(model: nn.Module) -> Stream | None:
+    """The :class:`Stream` of a model built by :func:`streamed_causal_lm`, or None for a resident model."""
+    found = getattr(model, "_moetool_stream", None)
+    return found if isinstance(found, Stream) else None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' loading bar and load report off: a streamed model loads one layer per forward pass."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    level = logging.get_verbosity()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if was:
+            logging.enable_progress_bar()
+
+
+def _prefix(model: nn.Module, layers: nn.ModuleList) -> str:
+    return str(next(name for name, m in model.named_modules() if m is layers))
+
+
+class _Loader:
+    """Reads named checkpoint tensors into ``model`` through transformers' conversions, in float32."""
+
+    def __init__(self, model: PreTrainedModel, path: Path) -> None:
+        from safetensors import safe_open
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        self.model = model
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise MoetoolError(f"{path}: no safetensors files to stream the layers from")
+        self._handles: list[safe_open] = [
+            safe_open(str(f), framework="pt", device="cpu", backend="pread") for f in files
+        ]
+        self.where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118  (safe_open is not a Mapping)
+        conversions = get_model_conversion_mapping(model, None, None)
+        # transformers annotates the mapping it builds more widely than the field it feeds
+        self._config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=conversions)  # type: ignore[arg-type]
+
+    def load(self, keys: list[str]) -> int:
+        """Load ``keys`` (checkpoint names) into the model; returns the bytes read as stored.
+
+        Raises:
+            NonFiniteModel: a tensor holds NaN or Inf (named).
+        """
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+        slices = {k: self.where[k].get_slice(k) for k in keys}
+        read = sum(int(math.prod(s.get_shape())) * SAFETENSORS_TAG_BYTES.get(s.get_dtype(), 4) for s in slices.values())
+        with _quiet():
+            convert_and_load_state_dict_in_model(model=self.model, state_dict=dict(slices), load_config=self._config)
+        return read
+
+
+def _check_finite(module: nn.Module, where: str) -> None:
+    """Raise :class:`NonFiniteModel` naming the first loaded floating-point weight of ``module`` holding NaN or Inf
+    (weights still on ``meta``, not yet read, are skipped)."""
+    for name, p in module.named_parameters():
+        if p.is_meta or not p.is_floating_point() or not p.numel():
+            continue
+        if not bool(torch.isfinite(p.detach()).all()):
+            raise NonFiniteModel(f"weight {where}{name} holds NaN or Inf values")
+
+
+def streamed_causal_lm(path: Path, *, storage: torch.dtype = torch.bfloat16, check_finite: bool = True) -> nn.Module:
+    """The causal LM in ``path`` (a ``save_pretrained`` folder of safetensors) with its decoder layers streamed from
+    disk in float32, on the CPU, in eval mode. ``storage`` is the dtype the checkpoint holds (for the reports).
+
+    ``model(input_ids=[B, T]).logits`` is ``[B, T, V]`` as a resident float32 model's. With ``check_finite`` each
+    tensor is checked for NaN and Inf as it is read (:class:`NonFiniteModel`). :func:`stream_of` gives the model's
+    :class:`Stream`.
+
+    Raises:
+        MoetoolError: no safetensors in ``path``, or checkpoint tensors the model does not place.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    layers = decoder_layers(model)
+    prefix = _prefix(model, layers)
+    loader = _Loader(model, path)
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.")
+    stream = Stream(path=path, storage=storage, layers=len(layers))
+    outside: list[str] = []
+    for key in loader.where:
+        m = pattern.match(key)
+        if m:
+            stream._keys.setdefault(int(m.group(1)), []).append(key)
+        else:
+            outside.append(key)
+    stream.bytes_read += loader.load(outside)
+    for name, module in model.named_modules():  # rotary tables: buffers computed at construction, here on meta
+        if module is layers or name.startswith(prefix + "."):
+            continue
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            module.to_empty(device="cpu", recurse=False)
+            model._init_weights(module)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta and not n.startswith(prefix + ".")]
+    if missing:
+        raise MoetoolError(f"{path}: the checkpoint does not hold {missing[0]} (and {len(missing) - 1} more)")
+    if check_finite:
+        _check_finite(model, "")
+
+    def up(index: int) -> None:
+        keys = stream._keys.get(index, [])
+        stream.bytes_read += loader.load(keys)
+        stream.loads += 1
+        if check_finite:
+            _check_finite(layers[index], f"{prefix}.{index}.")
+
+    def down(layer: nn.Module, _args: object, _out: object) -> None:
+        layer.to("meta")  # drop the layer's weights once it has run (a hook's return would replace the output)
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda _m, _a, i=i: up(i))
+        layer.register_forward_hook(down)
+    model.__dict__["_moetool_stream"] = stream  # read by stream_of (a plain attribute, not a submodule)
+    return model

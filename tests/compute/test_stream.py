@@ -1,0 +1,62 @@
+"""A model streamed from disk one decoder layer at a time computes what the resident float32 model computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from consumer_fixtures import merge
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from moetool.compute.stream import NonFiniteModel, stream_of, streamed_causal_lm
+from moetool.compute.upcast import decoder_layers, precision_of
+
+SHARED = "shared_expert: {{source: {base}, positive_prompts: ['def']}}\n"
+# name: (dense family, recipe lines): every output architecture, each with its own checkpoint-to-module conversions
+CASES: dict[str, tuple[str, str]] = {
+    "mixtral": ("llama", ""),
+    "qwen2_moe-shared": ("qwen2", SHARED),
+    "qwen3_moe": ("qwen3", ""),
+    "granitemoe": ("granite", ""),
+}
+
+
+def _bf16(folder):
+    """The folder's weights rewritten in bf16 (the layout a real checkpoint ships)."""
+    for f in folder.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_streamed_logits_equal_the_resident_float32_model(case, tiny_models, tmp_path):
+    family, extra = CASES[case]
+    moe = _bf16(merge(tmp_path, tiny_models(family), case, extra))
+    ids = torch.randint(0, 200, (2, 48), generator=torch.Generator().manual_seed(0))
+    resident = AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32).eval()
+    streamed = streamed_causal_lm(moe, storage=torch.bfloat16)
+    with torch.inference_mode():
+        want, want_short = resident(input_ids=ids).logits, resident(input_ids=ids[:1, :16]).logits
+        got = streamed(input_ids=ids).logits
+        again = streamed(input_ids=ids[:1, :16]).logits  # every layer read again, at another length
+    # the same float32 values in the same kernels: exact, not merely close
+    assert torch.equal(got, want)
+    assert torch.equal(again, want_short)
+    layers = decoder_layers(streamed)
+    assert all(p.is_meta for p in layers.parameters()), "a layer's weights outlived its forward"
+    stream = stream_of(streamed)
+    assert stream is not None and stream.passes == 2 and stream.loads == 2 * len(layers)
+    assert precision_of(streamed) == (torch.bfloat16, torch.float32)
+    assert stream_of(resident) is None
+
+
+def test_a_non_finite_layer_is_named_when_it_is_read(tiny_models, tmp_path):
+    moe = merge(tmp_path, tiny_models("llama"), "mixtral")
+    f = next(moe.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(k for k in tensors if k.startswith("model.layers.1.") and k.endswith("self_attn.o_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+    model = streamed_causal_lm(moe)  # nothing of layer 1 is read yet
+    with torch.inference_mode(), pytest.raises(NonFiniteModel, match=r"model\.layers\.1\.self_attn\.o_proj\.weight"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))

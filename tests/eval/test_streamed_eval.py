@@ -1,0 +1,65 @@
+"""`moetool eval` of a model that does not fit in memory streams its layers from disk, with the resident figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from consumer_fixtures import merge
+from typer.testing import CliRunner
+
+from moetool.cli import app
+from moetool.eval.perplexity import eval_need, eval_residency
+from moetool.io.budget import BudgetError
+
+TEXT = (
+    "def main():\n    return sum(range(10))\n"
+    "Permission is hereby granted, free of charge, to any person obtaining a copy of this software.\n"
+    "The patient presented with acute bronchitis and was given rest and fluids.\n"
+) * 12
+
+
+@pytest.fixture()
+def moe(tiny_models, tmp_path):
+    return merge(tmp_path, tiny_models("llama"), "mixtral")
+
+
+def _eval(moe, tmp_path, name, budget, monkeypatch):
+    if budget is None:
+        monkeypatch.delenv("MOETOOL_MEMORY_BUDGET", raising=False)
+    else:
+        monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(budget))
+    (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    report = tmp_path / f"{name}.json"
+    args = ["eval", str(moe), "--data", f"t={tmp_path / 't.txt'}", "--seq-len", "32", "--json", str(report)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    return json.loads(report.read_text()), " ".join(res.output.split())
+
+
+def test_eval_streams_when_the_resident_model_does_not_fit(moe, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    resident = eval_need(moe, dtype="auto", seq_len=32).memory
+    streamed = eval_need(moe, dtype="auto", seq_len=32, batch_size=1, streamed=True).memory
+    assert streamed < resident
+    budget = (resident + streamed) // 2  # fits one layer at a time, not the model
+
+    want, said = _eval(moe, tmp_path, "resident", None, monkeypatch)
+    assert "streamed" not in said and "streamed" not in want["models"][str(moe)]
+    got, said = _eval(moe, tmp_path, "streamed", budget, monkeypatch)
+    record = got["models"][str(moe)]
+    assert "the resident model needs about" in record["streamed"] and "read from disk" in record["streamed"]
+    assert f"{moe}: streamed from disk" in said
+    assert record["arithmetic"] == "float32"
+    # the same figures: float32 both ways, only the windows per forward pass differ
+    assert got["perplexity"][str(moe)]["t"] == pytest.approx(want["perplexity"][str(moe)]["t"], rel=1e-5)
+    share = got["routing"][str(moe)]["per_domain"]["t"]["expert_share"]
+    for layer, ref in zip(share, want["routing"][str(moe)]["per_domain"]["t"]["expert_share"], strict=True):
+        assert layer == pytest.approx(ref, abs=1e-6)
+
+
+def test_a_model_that_fits_neither_way_is_refused_naming_both(moe, monkeypatch):
+    streamed = eval_need(moe, dtype="auto", seq_len=32, batch_size=1, streamed=True).memory
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(streamed - 1))
+    with pytest.raises(BudgetError, match=r"needs about .* Streamed from disk one layer at a time it would still need"):
+        eval_residency(moe, dtype="auto", seq_len=32)
