@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from rich.console import Console
@@ -33,17 +33,18 @@ import moetool
 from moetool.errors import MoetoolError
 from moetool.eval.perplexity import perplexity_matrix, render_matrix
 from moetool.io.atomic import atomic_dir, pid_alive
+from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.paths import zoo_dir
 from moetool.progress import task
-from moetool.train.loop import derive_seed, train_lm
+from moetool.train.loop import LoopConfig, derive_seed, train_lm
 from moetool.zoo.config import BASE_NAME, ZOO_FORMAT, ZOO_JSON, ZooConfig, ZooResult
 from moetool.zoo.corpora import DOMAINS, DomainSplit, corpus_stats, make_splits
 from moetool.zoo.pins import pin_id
-from moetool.zoo.store import read_zoo_json
+from moetool.zoo.store import read_zoo_json, zoo_check_passed, zoo_listed_models, zoo_perplexity
 from moetool.zoo.tokenizer import train_tokenizer
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["build_zoo", "quiet_transformers", "remove_stale_builds", "tool_versions", "train_zoo_model", "vocab_fields"]
 
@@ -65,11 +66,63 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def train_zoo_model(model: torch.nn.Module, *, console: Console, name: str, steps: int, **kw: Any) -> dict[str, float]:
-    """:func:`moetool.train.loop.train_lm` (``kw``: streams, mix, lr, cfg, bos_id) with a progress line on
+class VocabFields(TypedDict):
+    """What a zoo model's config takes from the zoo tokenizer (:func:`vocab_fields`)."""
+
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+
+class ExpertCheck(TypedDict):
+    """zoo.json's ``check``: whether every expert beats the base on its own domain's held-out text."""
+
+    passed: bool
+    failures: list[str]
+    relative_improvement: dict[str, float]
+
+
+class ZooMeta(TypedDict):
+    """What zoo.json records (written by :func:`build_zoo`, in this key order)."""
+
+    format: int
+    profile: str
+    config: JsonValue
+    seed: int
+    built_at: str
+    build_seconds: float
+    models: list[str]
+    domains: list[str]
+    perplexity: dict[str, dict[str, float]]
+    check: ExpertCheck
+    training: dict[str, dict[str, float]]
+    corpus: dict[str, dict[str, int]]
+    corpus_pins: str
+    corpus_documents: dict[str, dict[str, str | int]]
+    model: dict[str, str | int]
+    versions: dict[str, str]
+    platform: dict[str, str | int]
+
+
+def train_zoo_model(
+    model: torch.nn.Module,
+    *,
+    console: Console,
+    name: str,
+    steps: int,
+    streams: list[torch.Tensor],
+    mix: list[int],
+    lr: float,
+    cfg: LoopConfig,
+    bos_id: int,
+) -> dict[str, float]:
+    """:func:`moetool.train.loop.train_lm` (the same streams, mix, lr, cfg, bos_id) with a progress line on
     ``console`` and a summary line after; returns its statistics."""
     with task(console, f"{name:>8}", steps) as advance:
-        stats = train_lm(model, name=name, steps=steps, advance=advance, **kw)
+        stats = train_lm(
+            model, name=name, steps=steps, advance=advance, streams=streams, mix=mix, lr=lr, cfg=cfg, bos_id=bos_id
+        )
     console.print(
         f"{name}: {steps} steps, loss {stats['final_loss_ema']:.3f}, {stats['tokens_per_second']:.0f} tok/s, "
         f"{stats['seconds']:.0f} s",
@@ -78,7 +131,7 @@ def train_zoo_model(model: torch.nn.Module, *, console: Console, name: str, step
     return stats
 
 
-def vocab_fields(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+def vocab_fields(tokenizer: PreTrainedTokenizerBase) -> VocabFields:
     """What a zoo model's config takes from the zoo tokenizer: the vocabulary size and the special token ids."""
     return {
         "vocab_size": len(tokenizer),
@@ -88,7 +141,7 @@ def vocab_fields(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     }
 
 
-def _model_config(cfg: ZooConfig, tokenizer: Any) -> Any:
+def _model_config(cfg: ZooConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -105,7 +158,7 @@ def _model_config(cfg: ZooConfig, tokenizer: Any) -> Any:
     )
 
 
-def _save(model: Any, tokenizer: Any, path: Path) -> None:
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
 
@@ -124,7 +177,7 @@ def tool_versions() -> dict[str, str]:
     }
 
 
-def _check_experts(matrix: dict[str, dict[str, float]], domains: tuple[str, ...]) -> dict[str, Any]:
+def _check_experts(matrix: dict[str, dict[str, float]], domains: tuple[str, ...]) -> ExpertCheck:
     failures = []
     gains = {}
     for d in domains:
@@ -154,7 +207,7 @@ def remove_stale_builds(root: Path) -> None:
 # ---------------------------------------------------------------------------------------------- build
 
 
-def _reuse(root: Path, cfg_json: dict[str, Any], *, force: bool, console: Console) -> ZooResult | None:
+def _reuse(root: Path, cfg_json: JsonObject, *, force: bool, console: Console) -> ZooResult | None:
     """The zoo already at ``root`` if it was built with the same config and passed its check (unless ``force``).
 
     Raises:
@@ -163,14 +216,15 @@ def _reuse(root: Path, cfg_json: dict[str, Any], *, force: bool, console: Consol
     existing = read_zoo_json(root)
     if existing is not None and not force:
         same = existing.get("config") == cfg_json and existing.get("corpus_pins") == pin_id()
-        if same and existing.get("check", {}).get("passed"):
+        if same and zoo_check_passed(existing):
             console.print(f"[green]zoo[/] {root} is up to date (--force rebuilds it)")
+            seconds = existing.get("build_seconds", 0.0)
             return ZooResult(
                 root=root,
-                perplexity=existing["perplexity"],
-                seconds=float(existing.get("build_seconds", 0.0)),
+                perplexity=zoo_perplexity(existing),
+                seconds=float(seconds) if isinstance(seconds, int | float) else 0.0,
                 cached=True,
-                models=list(existing.get("models", [])),
+                models=zoo_listed_models(existing),
             )
         reason = "its config or corpus pins differ" if not same else "its expert check failed"
         console.print(f"[yellow]rebuilding zoo[/] {root}: {reason}")
@@ -194,7 +248,7 @@ def _write_corpora(tmp: Path, cfg: ZooConfig, console: Console) -> dict[str, Dom
 
 def _tokenize(
     splits: dict[str, DomainSplit], cfg: ZooConfig, console: Console
-) -> tuple[Any, list[torch.Tensor], dict[str, Any]]:
+) -> tuple[PreTrainedTokenizerBase, list[torch.Tensor], dict[str, dict[str, int]]]:
     """A tokenizer trained on every domain's train text only, each domain's train stream ``[N_d]``, corpus stats."""
 
     tokenizer = train_tokenizer(
@@ -205,7 +259,7 @@ def _tokenize(
     streams = [
         torch.tensor(tokenizer(splits[d].train, add_special_tokens=False, verbose=False)["input_ids"]) for d in DOMAINS
     ]
-    stats: dict[str, Any] = corpus_stats(splits)
+    stats = corpus_stats(splits)
     for d, st in zip(DOMAINS, streams, strict=True):
         if st.numel() < cfg.seq_len + 1:
             raise MoetoolError(f"domain {d!r} has too little training text ({st.numel()} tokens)")
@@ -217,7 +271,7 @@ def _tokenize(
 
 
 def _train_models(
-    tmp: Path, cfg: ZooConfig, tokenizer: Any, streams: list[torch.Tensor], console: Console
+    tmp: Path, cfg: ZooConfig, tokenizer: PreTrainedTokenizerBase, streams: list[torch.Tensor], console: Console
 ) -> tuple[dict[str, dict[str, float]], int]:
     """Train and save the base (on every domain), then each expert from it (on its own); returns the training
     statistics per model and the parameter count."""
@@ -230,7 +284,7 @@ def _train_models(
         f"model: Llama, {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}, "
         f"{n_params / 1e6:.2f}M params; experts train: {cfg.expert_trainable}"
     )
-    common: dict[str, Any] = {"streams": streams, "cfg": cfg, "bos_id": int(tokenizer.bos_token_id)}
+    bos_id = int(tokenizer.bos_token_id)
     training = {
         BASE_NAME: train_zoo_model(
             base,
@@ -239,7 +293,9 @@ def _train_models(
             mix=list(range(len(DOMAINS))),
             steps=cfg.base_steps,
             lr=cfg.lr,
-            **common,
+            streams=streams,
+            cfg=cfg,
+            bos_id=bos_id,
         )
     }
     _save(base, tokenizer, tmp / BASE_NAME)
@@ -249,7 +305,17 @@ def _train_models(
         for name, p in expert.named_parameters():
             p.requires_grad_(cfg.expert_trainable == "all" or ".mlp." in name)
         lr = cfg.expert_lr if cfg.expert_lr is not None else cfg.lr
-        training[d] = train_zoo_model(expert, console=console, name=d, mix=[i], steps=cfg.expert_steps, lr=lr, **common)
+        training[d] = train_zoo_model(
+            expert,
+            console=console,
+            name=d,
+            mix=[i],
+            steps=cfg.expert_steps,
+            lr=lr,
+            streams=streams,
+            cfg=cfg,
+            bos_id=bos_id,
+        )
         expert.requires_grad_(True)
         _save(expert, tokenizer, tmp / d)
         del expert
@@ -258,7 +324,7 @@ def _train_models(
 
 def _evaluate(
     tmp: Path, profile: str, cfg: ZooConfig, splits: dict[str, DomainSplit], console: Console
-) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+) -> tuple[dict[str, dict[str, float]], ExpertCheck]:
     """The held-out perplexity matrix of the saved models and the expert check."""
 
     with console.status("evaluating held-out perplexity"):
@@ -275,14 +341,14 @@ def _evaluate(
     return matrix, check
 
 
-def _build_into(tmp: Path, profile: str, cfg: ZooConfig, console: Console, t_start: float) -> dict[str, Any]:
+def _build_into(tmp: Path, profile: str, cfg: ZooConfig, console: Console, t_start: float) -> ZooMeta:
     """Everything of the zoo into ``tmp``; returns what zoo.json records."""
     torch.manual_seed(cfg.seed)
     splits = _write_corpora(tmp, cfg, console)
     tokenizer, streams, stats = _tokenize(splits, cfg, console)
     training, n_params = _train_models(tmp, cfg, tokenizer, streams, console)
     matrix, check = _evaluate(tmp, profile, cfg, splits, console)
-    meta = {
+    meta: ZooMeta = {
         "format": ZOO_FORMAT,
         "profile": profile,
         "config": json.loads(json.dumps(cfg.to_dict())),

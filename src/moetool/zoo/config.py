@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from moetool.errors import MoetoolError
+from moetool.io.jsontypes import JsonObject
 from moetool.train.loop import LoopConfig
 
 ZOO_FORMAT = 1
@@ -72,7 +73,7 @@ class ZooConfig(LoopConfig):
                 f"unknown zoo profile {profile!r}; known profiles: {', '.join(all_profiles())}"
             ) from None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """JSON-ready dict of the fields."""
         return dataclasses.asdict(self)
 

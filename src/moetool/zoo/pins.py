@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from moetool.errors import MoetoolError
 
@@ -33,10 +33,14 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+class _PinFile(TypedDict):
+    domains: dict[str, dict[str, int]]  # domain -> document sha256 -> characters
+
+
 @cache
 def _load(path: Path) -> dict[str, dict[str, int]]:
     try:
-        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        data: _PinFile = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise MoetoolError(f"{path}: the pinned corpus list cannot be read ({exc}); reinstall moetool") from exc
     return {d: {h: int(n) for h, n in docs.items()} for d, docs in data["domains"].items()}
@@ -82,7 +86,7 @@ class PinStatus:
     pinned_chars: int = 0
     ignored: int = 0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, str | int]:
         return dict(self.__dict__)
 
     @property

@@ -4,24 +4,49 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from moetool.errors import MoetoolError
+from moetool.io.jsontypes import JsonObject
 from moetool.paths import zoo_dir
 from moetool.zoo.config import NAMED_PROFILES, ZOO_JSON
 from moetool.zoo.corpora import DOMAINS
 
 
-def read_zoo_json(root: Path) -> dict[str, Any] | None:
+def read_zoo_json(root: Path) -> JsonObject | None:
     """``root``'s zoo.json, or None where there is none (or it does not parse: not a finished zoo)."""
     path = root / ZOO_JSON
     if not path.is_file():
         return None
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
+        data: JsonObject = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return data
+
+
+def zoo_check_passed(meta: JsonObject) -> bool:
+    """Whether zoo.json ``meta`` records a passed expert check."""
+    check = meta.get("check")
+    return isinstance(check, dict) and bool(check.get("passed"))
+
+
+def zoo_listed_models(meta: JsonObject) -> list[str]:
+    """The models zoo.json ``meta`` lists (empty when it lists none)."""
+    models = meta.get("models")
+    return [m for m in models if isinstance(m, str)] if isinstance(models, list) else []
+
+
+def zoo_perplexity(meta: JsonObject) -> dict[str, dict[str, float]]:
+    """zoo.json ``meta``'s held-out perplexity matrix, ``matrix[model][domain]`` (empty when it has none)."""
+    matrix = meta.get("perplexity")
+    if not isinstance(matrix, dict):
+        return {}
+    return {
+        m: {d: v for d, v in row.items() if isinstance(v, int | float)}
+        for m, row in matrix.items()
+        if isinstance(row, dict)
+    }
 
 
 def zoo_models(profile: str = "default") -> list[str]:
@@ -32,9 +57,9 @@ def zoo_models(profile: str = "default") -> list[str]:
     meta = read_zoo_json(root)
     # hidden names: a build's temporary directories (io.atomic), never a finished model
     on_disk = sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and (p / "config.json").is_file())
-    if meta is not None and meta.get("models"):
+    if meta is not None and zoo_listed_models(meta):
         # zoo.json's models first, then models trained into the zoo later (e.g. `moetool hybrid zoo-mamba`)
-        listed = [m for m in meta["models"] if m in on_disk]
+        listed = [m for m in zoo_listed_models(meta) if m in on_disk]
         return listed + [m for m in on_disk if m not in listed]
     return on_disk
 

