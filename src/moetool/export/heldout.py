@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torch import nn
     from transformers import PreTrainedTokenizerBase
 
 import math
@@ -118,7 +119,7 @@ class Agreement:
         }
 
 
-def reference_logits(model: Any, seqs: list[list[int]]) -> list[np.ndarray]:
+def reference_logits(model: nn.Module, seqs: list[list[int]]) -> list[np.ndarray]:
     """``model``'s (transformers) float32 logits ``[T, V]`` for each of ``seqs``, one forward pass each."""
     import torch
 
@@ -129,7 +130,9 @@ def reference_logits(model: Any, seqs: list[list[int]]) -> list[np.ndarray]:
     return out
 
 
-def agreement(got: list[np.ndarray], model: Any, probes: list[list[int]], ppl_windows: list[list[int]]) -> Agreement:
+def agreement(
+    got: list[np.ndarray], model: nn.Module, probes: list[list[int]], ppl_windows: list[list[int]]
+) -> Agreement:
     """A runtime's logits (``got``, one array per probe then per window) against ``model`` (transformers) on the same
     ids: max |Δ| per probe length; top-1 agreement and both perplexities over the windows."""
     return agreement_of(got, reference_logits(model, probes + ppl_windows), probes, ppl_windows)

@@ -62,7 +62,7 @@ class GraphExporter:
         """Refuse target options (``req.options``) the target cannot take; nothing is loaded yet."""
 
     def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: ExportLM, *, started: float, step: Step
+        self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
     ) -> dict[str, Any]:
         """Convert ``em`` (the ExportLM around transformers model ``hf``) into ``req.output`` atomically, check it
         against ``hf`` unless ``req.verify`` is off, and return the manifest (timed from ``started``); ``step``

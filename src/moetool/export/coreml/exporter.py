@@ -123,7 +123,7 @@ def structure(ml: Any, path: Path) -> dict[str, Any]:
     }
 
 
-def _wrapper_runners(wrapper: Any) -> tuple[Prefill, Decode]:
+def _wrapper_runners(wrapper: StatefulLM) -> tuple[Prefill, Decode]:
     """Prefill and decode through the converted torch wrapper itself: its KV cache lives in its own buffers (the
     Core ML states), so no past is passed around and prefill starts from an empty cache."""
 
@@ -177,7 +177,7 @@ class CoreMLExporter(GraphExporter):
         _compute_units(req)
 
     def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: ExportLM, *, started: float, step: Step
+        self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
     ) -> dict[str, Any]:
         units = _compute_units(req)
         max_pos = int(plan.config.get("max_position_embeddings", 2048))

@@ -5,6 +5,11 @@ dynamic int8 activations: the forms XNNPACK runs), by module name, so the router
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +124,7 @@ class ExecuTorchExporter(GraphExporter):
     runtime_modules = ("executorch",)
 
     def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: ExportLM, *, started: float, step: Step
+        self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
     ) -> dict[str, Any]:
 
         if not is_float_plan(plan):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
     from transformers import PreTrainedTokenizerBase
 
 import contextlib
@@ -197,7 +198,7 @@ class LlamaRun:
         """These logits against a transformers run's on the same ids (``ref``: :func:`reference_logits`)."""
         return agreement_of(self.logits, ref, self.probes, self.ppl_windows)
 
-    def transformers_logits(self, model: Any) -> list[np.ndarray]:
+    def transformers_logits(self, model: nn.Module) -> list[np.ndarray]:
         """``model``'s logits on the same ids, in the same order."""
         return reference_logits(model, self.probes + self.ppl_windows)
 

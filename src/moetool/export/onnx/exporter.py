@@ -24,6 +24,8 @@ from moetool.io.atomic import atomic_dir
 from moetool.progress import Step
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from moetool.export.graph.model import ExportLM
 
 
@@ -67,7 +69,7 @@ class ONNXExporter(GraphExporter):
         moe_kernel(req)
 
     def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: Any, em: ExportLM, *, started: float, step: Step
+        self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
     ) -> dict[str, Any]:
         import onnxruntime as ort
 
