@@ -20,19 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from moetool.routing.tap import RouterTap, moe_block
+from moetool.routing.tap import RouterTap, decoder_layers, moe_block
 
 # max |Δlogit| an edit may show against its reference: both run in float32 arithmetic (16-bit weights upcast one
 # layer at a time), so what is left is float32 sums in another order
 TOLERANCE = 1e-3
 
 
-def _restrict(model: Any, allowed: Mapping[int, Sequence[int]]) -> list[Any]:
+def _restrict(model: torch.nn.Module, allowed: Mapping[int, Sequence[int]]) -> list[RemovableHandle]:
     """Forward hooks that replace each MoE layer's routing with one over ``allowed[layer]`` only."""
     handles = []
     routers = RouterTap.find_routers(model)
-    layers = [i for i, layer in enumerate(model.model.layers) if hasattr(moe_block(layer), "experts")]
+    layers = [i for i, layer in enumerate(decoder_layers(model)) if hasattr(moe_block(layer), "experts")]
     for layer, router in zip(layers, routers, strict=True):
         keep = allowed.get(layer)
         if keep is None:
@@ -55,10 +56,10 @@ def _restrict(model: Any, allowed: Mapping[int, Sequence[int]]) -> list[Any]:
     return handles
 
 
-def _silence_shared(model: Any) -> list[Any]:
+def _silence_shared(model: torch.nn.Module) -> list[RemovableHandle]:
     """Hooks that zero every shared expert's output (the extracted model holds the routed expert alone)."""
     handles = []
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         shared = getattr(moe_block(layer), "shared_expert", None)
         if shared is not None:
             handles.append(shared.register_forward_hook(lambda _m, _a, out: torch.zeros_like(out)))

@@ -9,7 +9,7 @@ included.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from moetool.edit.layout import EditError, require_tokenizer
 from moetool.eval.perplexity import load_causal_lm, text_windows
 from moetool.progress import silent, task
-from moetool.routing.tap import expert_activation, moe_block
+from moetool.routing.tap import FusedExperts, expert_activation, experts_modules
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -80,20 +80,22 @@ class ExpertStats:
 class _Hooks:
     """Forward hooks on each MoE layer's experts module, accumulating :class:`ExpertStats` sums."""
 
-    def __init__(self, model: Any, n_experts: int, reap: bool) -> None:
-        blocks = [moe_block(layer) for layer in model.model.layers]
-        self.layers = [i for i, b in enumerate(blocks) if hasattr(b, "experts")]
+    def __init__(self, model: torch.nn.Module, n_experts: int, reap: bool) -> None:
+        modules = experts_modules(model)
+        self.layers = list(modules)
         n = len(self.layers)
         self.counts = torch.zeros(n, n_experts, dtype=torch.float64)
         self.gate = torch.zeros(n, n_experts, dtype=torch.float64)
         self.reap = torch.zeros(n, n_experts, dtype=torch.float64)
         self.with_reap = reap
         self.handles = [
-            blocks[layer].experts.register_forward_hook(self._hook(i)) for i, layer in enumerate(self.layers)
+            modules[layer].register_forward_hook(self._hook(i, modules[layer])) for i, layer in enumerate(self.layers)
         ]
 
-    def _hook(self, row: int) -> Any:
-        def hook(module: Any, args: tuple[Any, ...], _output: Any) -> None:
+    def _hook(
+        self, row: int, module: FusedExperts
+    ) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], object], None]:
+        def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], _output: object) -> None:
             hidden, index, weights = args[0], args[1], args[2]
             for e in range(self.counts.shape[1]):
                 token, slot = torch.where(index == e)

@@ -99,7 +99,8 @@ def mlp_input_means(
 
     device = next(model.parameters()).device
 
-    handles = [moe_block(layer).register_forward_pre_hook(hook) for layer in layers]
+    blocks = [moe_block(layer) for layer in layers]
+    handles = [b.register_forward_pre_hook(hook) for b in blocks if b is not None]
     sums = torch.zeros(len(layers), model.config.hidden_size)
     try:
         for start in range(0, len(prompts), batch_size):

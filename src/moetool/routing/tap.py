@@ -2,40 +2,58 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from moetool.errors import MoetoolError
 
 
-def moe_block(layer: Any) -> Any:
+class FusedExperts(Protocol):
+    """An MoE layer's experts module in transformers 5's fused form."""
+
+    gate_up_proj: torch.Tensor  # [E, 2·ff, H], gate rows first
+    down_proj: torch.Tensor  # [E, H, ff]
+
+    def act_fn(self, x: torch.Tensor, /) -> torch.Tensor: ...
+
+    def register_forward_hook(self, hook: Callable[..., object], /) -> RemovableHandle: ...
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a causal LM (``model.model.layers``)."""
+    layers: torch.nn.ModuleList = getattr(model, "model").layers  # noqa: B009 - attributes nn.Module does not declare
+    return list(layers)
+
+
+def moe_block(layer: torch.nn.Module) -> torch.nn.Module | None:
     """A decoder layer's feed-forward block: ``mlp`` (Mixtral and Qwen MoEs in transformers 5, the dense families)
     or ``block_sparse_moe`` (GraniteMoE)."""
     block = getattr(layer, "mlp", None)
     return block if block is not None else getattr(layer, "block_sparse_moe", None)
 
 
-def experts_modules(model: Any) -> dict[int, Any]:
+def experts_modules(model: torch.nn.Module) -> dict[int, FusedExperts]:
     """Layer index → that layer's experts module, for every MoE layer in transformers 5's fused form
     (``gate_up_proj`` ``[E, 2·ff, H]``, gate rows first; ``down_proj`` ``[E, H, ff]``; ``act_fn``)."""
-    out = {}
-    for i, layer in enumerate(model.model.layers):
+    out: dict[int, FusedExperts] = {}
+    for i, layer in enumerate(decoder_layers(model)):
         experts = getattr(moe_block(layer), "experts", None)
         if experts is not None and hasattr(experts, "gate_up_proj"):
             out[i] = experts
     return out
 
 
-def expert_activation(experts: Any, e: int, x: torch.Tensor) -> torch.Tensor:
+def expert_activation(experts: FusedExperts, e: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``e``'s intermediate activation ``act(gate(x)) · up(x)`` for tokens ``x`` ``[T, H]`` → ``[T, ff]``: the
     input of its down projection."""
     gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-    out: torch.Tensor = experts.act_fn(gate) * up
-    return out
+    return experts.act_fn(gate) * up
 
 
-def _router(block: Any) -> Any:
+def _router(block: torch.nn.Module | None) -> torch.nn.Module | None:
     """The router module of an MoE block: ``gate`` or (GraniteMoE) ``router``; None in a dense block."""
     if not hasattr(block, "experts"):
         return None
@@ -61,22 +79,22 @@ class RouterTap:
             self._handles += [r.register_forward_pre_hook(self._jitter) for r in self.routers]
 
     @staticmethod
-    def find_routers(model: torch.nn.Module) -> list[Any]:
+    def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
         """Every MoE layer's router module, in layer order.
 
         Raises:
             MoetoolError: the model has no MoE layers.
         """
-        found = [_router(moe_block(layer)) for layer in model.model.layers]  # type: ignore[union-attr]
+        found = [_router(moe_block(layer)) for layer in decoder_layers(model)]
         routers = [r for r in found if r is not None]
         if not routers:
             raise MoetoolError("the model has no MoE layers with routers (is it a merged MoE checkpoint?)")
         return routers
 
-    def _capture(self, _mod: Any, _args: Any, output: Any) -> None:
+    def _capture(self, _mod: torch.nn.Module, _args: tuple[object, ...], output: tuple[torch.Tensor, ...]) -> None:
         self.logits.append(output[0])
 
-    def _jitter(self, mod: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+    def _jitter(self, mod: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
         if not mod.training:
             return None
         x = args[0]

@@ -163,7 +163,7 @@ def _step(run: _Run, model: Any, opt: Any, spec: TrainSpec, step: int, observe: 
     """
     acc = run.accelerator
     top_k = run.model.config.num_experts_per_tok
-    n_experts = run.tap.routers[0].weight.shape[0]
+    n_experts = run.tap.routers[0].get_parameter("weight").shape[0]
     figures = torch.zeros(5 + n_experts, dtype=torch.float64)
     for micro in run.micro:
         # the micro-batch's index in the whole run picks its rows and its jitter: the same under any process count
