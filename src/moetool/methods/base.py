@@ -17,6 +17,7 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError, RecipeError
 from moetool.export.base import Exporter, ExportError, ExportRequest
+from moetool.io.jsontypes import JsonObject
 from moetool.io.safe import read_json
 from moetool.recipe.base import RecipeBase
 
@@ -93,7 +94,7 @@ class MethodExportPlan:
     description: str
 
 
-ExportFn = Callable[[ExportRequest, Console], dict[str, Any]]
+ExportFn = Callable[[ExportRequest, Console], JsonObject]  # a method's export: (request, console) → manifest
 
 
 @dataclass
@@ -109,7 +110,7 @@ class FunctionExporter:
     def plan(self, req: ExportRequest) -> MethodExportPlan:
         return MethodExportPlan(name=req.model_dir.name, target=self.name, description=self.description)
 
-    def export(self, req: ExportRequest, plan: MethodExportPlan, console: Console | None = None) -> dict[str, Any]:
+    def export(self, req: ExportRequest, plan: MethodExportPlan, console: Console | None = None) -> JsonObject:
         from moetool.progress import silent
 
         return self.fn(req, console if console is not None else silent())

@@ -120,6 +120,7 @@ def test_export_of_a_user_writes_the_bake_into_the_manifest_once(trained, tmp_pa
     on_disk = json.loads((tmp_path / "gg" / "manifest.json").read_text())
     assert on_disk == json.loads(json.dumps(man))
     assert on_disk["baked_from"]["comigs_user"] == str(user)
-    assert on_disk["baked_from"]["parity_max_abs_logit_diff"] <= 1e-5
+    parity = on_disk["baked_from"]["parity"]  # an export.parity.ParityRecord: the bake held to its tolerance
+    assert parity["max_abs_logit_diff"] <= 1e-5 and parity["tolerance"] == 1e-5 and parity["verdict"] == "pass"
     assert on_disk["model"]["path"] == str(user) and on_disk["model"]["name"] == "user"
     assert not list(tmp_path.glob(".gg.*"))  # the temporary bake is gone, and nothing names it

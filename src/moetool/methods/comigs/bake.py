@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -25,6 +25,20 @@ from moetool.methods.comigs.model import ComigsForCausalLM, LoRAExpert, LoRALine
 
 PARITY_TOL = 1e-5
 FLOAT32_TOL = 1e-3  # float32 evaluation of merged vs unmerged weights: summation order only
+
+
+class BakeReport(TypedDict):
+    """``comigs-bake.json``: the Mixtral written and its logits against the CoMiGS model's on the probe (float64, the
+    gate, and float32)."""
+
+    architecture: str
+    experts: list[str]
+    n_generalists: int
+    top_k: int
+    parity_max_abs_logit_diff: float
+    parity_max_abs_logit_diff_float32: float
+    parity_tokens: int
+    parity_tol: float
 
 
 def merged_expert(model: ComigsForCausalLM, layer: int, j: int) -> dict[str, torch.Tensor]:
@@ -81,7 +95,7 @@ def to_mixtral(model: ComigsForCausalLM) -> Any:
 
 
 @torch.inference_mode()
-def max_logit_diff(a: Any, b: Any, ids: torch.Tensor) -> float:
+def max_logit_diff(a: torch.nn.Module, b: torch.nn.Module, ids: torch.Tensor) -> float:
     """max |logits_a - logits_b| over ``ids [B, T]``."""
     a.eval()
     b.eval()
@@ -96,7 +110,7 @@ def bake(
     tokenizer_dir: Path | None = None,
     force: bool = False,
     tol: float = PARITY_TOL,
-) -> dict[str, Any]:
+) -> BakeReport:
     """Write ``model`` as a Mixtral checkpoint to ``output`` (atomically) after checking parity on ``ids [B, T]``
     against the checkpoint reloaded from disk. Returns the parity report (also written as comigs-bake.json).
 
@@ -122,16 +136,16 @@ def bake(
             diff = max_logit_diff(model.double(), reloaded64, ids)
         finally:
             torch.nn.Module.to(model, dtype=dtype)
-        report = {
-            "architecture": "MixtralForCausalLM",
-            "experts": list(model.config.expert_names),
-            "n_generalists": model.config.n_generalists,
-            "top_k": model.config.experts_per_token,
-            "parity_max_abs_logit_diff": diff,
-            "parity_max_abs_logit_diff_float32": diff32,
-            "parity_tokens": int(ids.numel()),
-            "parity_tol": tol,
-        }
+        report = BakeReport(
+            architecture="MixtralForCausalLM",
+            experts=list(model.config.expert_names),
+            n_generalists=model.config.n_generalists,
+            top_k=model.config.experts_per_token,
+            parity_max_abs_logit_diff=diff,
+            parity_max_abs_logit_diff_float32=diff32,
+            parity_tokens=int(ids.numel()),
+            parity_tol=tol,
+        )
         if not diff <= tol or not diff32 <= FLOAT32_TOL:
             raise MoetoolError(
                 f"bake: Mixtral logits differ from the CoMiGS model by {diff:.3g} in float64 (limit {tol:g}) and "
@@ -214,7 +228,7 @@ def load_user(model: Path) -> ComigsForCausalLM:
 BAKE_PROBE = "The quick brown fox jumps over the lazy dog. def main(): return 0. Permission is hereby granted."
 
 
-def bake_user(model_dir: Path, output: Path, *, force: bool = False) -> dict[str, Any]:
+def bake_user(model_dir: Path, output: Path, *, force: bool = False) -> BakeReport:
     """Bake a user's model directory into a Mixtral checkpoint, parity-checked on :data:`BAKE_PROBE`."""
     from transformers import AutoTokenizer
 

@@ -5,19 +5,38 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportJob, ExportRequest, Origin, get_exporter
+from moetool.export.parity import ParityRecord
 from moetool.io.atomic import scratch_dir
+from moetool.io.jsontypes import JsonObject
 from moetool.methods.base import MethodExportPlan, MethodPlan, MethodPlugin, TrainOptions, TrainOutcome
 from moetool.recipe.comigs import ComigsRecipe
 
+if TYPE_CHECKING:
+    from moetool.methods.comigs.bake import BakeReport
 
-def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str, Any]:
+
+def bake_parity(bake: BakeReport) -> ParityRecord:
+    """The baked Mixtral against the CoMiGS model it was baked from, as a manifest's ``baked_from.parity``: float64
+    logits on the bake probe, held to the bake's tolerance (the float32 figure kept beside it)."""
+    return ParityRecord(
+        runtime="transformers MixtralForCausalLM float64 (the baked checkpoint, reloaded)",
+        reference="ComigsForCausalLM float64",
+        tokens=bake["parity_tokens"],
+        max_abs_logit_diff=bake["parity_max_abs_logit_diff"],
+        tolerance=bake["parity_tol"],
+        verdict="pass" if bake["parity_max_abs_logit_diff"] <= bake["parity_tol"] else "fail",
+        extra={"max_abs_logit_diff_float32": bake["parity_max_abs_logit_diff_float32"]},
+    )
+
+
+def export_baked(req: ExportRequest, target: str, console: Console) -> JsonObject:
     """Bake the user model into a Mixtral in a temporary folder beside the output, export that, note the bake."""
     from moetool.export.resolve import resolve_quant
     from moetool.methods.comigs.bake import bake_user
@@ -34,12 +53,7 @@ def export_baked(req: ExportRequest, target: str, console: Console) -> dict[str,
         exporter = get_exporter(target)
         # the manifest names the user's folder and records the bake in its one write (not the temporary copy)
         origin = Origin(
-            path=req.model_dir,
-            key="baked_from",
-            record={
-                "comigs_user": str(req.model_dir),
-                "parity_max_abs_logit_diff": bake["parity_max_abs_logit_diff"],
-            },
+            path=req.model_dir, key="baked_from", record={"comigs_user": str(req.model_dir)}, parity=bake_parity(bake)
         )
         sub = replace(
             req,

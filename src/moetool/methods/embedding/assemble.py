@@ -34,7 +34,7 @@ from moetool.io.sources import resolve_source
 from moetool.methods.base import MethodPlan
 from moetool.methods.embedding.retrofit import TrainSettings, retrofit, svd_seed, train_embedding
 from moetool.methods.embedding.router import causal_mask
-from moetool.methods.embedding.variants import EmbeddingConfig, measured_counts, param_counts
+from moetool.methods.embedding.variants import EmbeddingConfig, embedding_args, measured_counts, param_counts
 from moetool.recipe.embedding import EmbeddingRecipe
 from moetool.recipe.kept import write_kept_recipe
 from moetool.train.data import load_source, sample_batch, tokenize_stream
@@ -170,7 +170,7 @@ class EmbeddingAssembler:
         src, source, tok = load_source_model(recipe.model, recipe_dir)
         old = source.get_input_embeddings().weight.detach().float().clone()
         try:
-            model = retrofit(source, recipe.embedding.module_kwargs(), head=recipe.head)
+            model = retrofit(source, embedding_args(recipe.embedding.module_kwargs()), head=recipe.head)
         except ValueError as exc:
             raise PreflightError(f"embedding: {exc}") from None
         model.eval()

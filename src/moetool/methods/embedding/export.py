@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 
 import copy
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import torch
@@ -38,12 +38,14 @@ from torch import nn
 from moetool.export.base import ExportError, manifest_fields, write_manifest
 from moetool.export.graph.common import onnx_export
 from moetool.export.graph.model import ExportLM
-from moetool.export.graph.parity import gate, graph_parity
+from moetool.export.graph.parity import judge, measure_graph
 from moetool.export.heldout import held_out_text, windows
+from moetool.export.parity import ParityRecord, parity_of
 from moetool.export.tflite.runner import run_worker
 from moetool.extras import require
 from moetool.io.atomic import atomic_dir, check_output
-from moetool.methods.embedding.model import MODEL_TYPE
+from moetool.io.jsontypes import JsonObject
+from moetool.methods.embedding.model import MODEL_TYPE, RoutedEmbeddingForCausalLM
 from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import measured_counts
 
@@ -58,7 +60,7 @@ GGUF_MESSAGE = (
 class ExportRoutedLM(nn.Module):
     """Routed embedding + the graph exporters' body, caches as inputs and outputs (see the module docstring)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: RoutedEmbeddingForCausalLM) -> None:
         super().__init__()
 
         body = model.body
@@ -114,7 +116,7 @@ class ExportRoutedLM(nn.Module):
                 out += [torch.zeros(1, p, w), torch.zeros(1, p, w)]
         return out + [torch.zeros(1, self.n_kv, p, self.head_dim) for _ in range(2 * self.n_layers)]
 
-    def past_shapes(self, dim: Any) -> tuple[dict[int, Any], ...]:
+    def past_shapes(self, dim: torch.export.Dim) -> tuple[dict[int, torch.export.Dim], ...]:
         """Dynamic-shape spec of the past inputs: the position axis of each cache tensor."""
         n_cross = self.n_router - 2 * (self.embed.router.cfg.layers if self.embed.router is not None else 0)
         router = [{2: dim} for _ in range(self.n_router - n_cross)] + [{1: dim} for _ in range(n_cross)]
@@ -122,8 +124,8 @@ class ExportRoutedLM(nn.Module):
 
 
 def export_onnx(
-    model: Any, tok: PreTrainedTokenizerBase, text: str, out_dir: Path, *, text_source: str
-) -> dict[str, Any]:
+    model: RoutedEmbeddingForCausalLM, tok: PreTrainedTokenizerBase, text: str, out_dir: Path, *, text_source: str
+) -> JsonObject:
     """Write ``model.onnx`` + ``model-with-past.onnx`` into ``out_dir`` and return the parity figures."""
 
     for module in ("onnx", "onnxscript"):  # onnxscript: torch.onnx's dynamo exporter
@@ -136,8 +138,8 @@ def export_onnx(
     ids = torch.randint(0, 10, (1, 8))
     names_in, names_out = ["input_ids", "position_ids", "mask"], ["logits", *em.past_names("present")]
     with torch.no_grad():
-        args: tuple[Any, ...] = (ids, torch.arange(8)[None], causal_mask(8, 0))
-        shapes: tuple[Any, ...] = ({1: seq}, {1: seq}, {2: seq, 3: seq})
+        args: tuple[torch.Tensor, ...] = (ids, torch.arange(8)[None], causal_mask(8, 0))
+        shapes: tuple[object, ...] = ({1: seq}, {1: seq}, {2: seq, 3: seq})
         onnx_export(em, args, pre, inputs=names_in, outputs=names_out, dynamic_shapes=shapes)
         p = 5
         past = em.empty_past(p)
@@ -165,19 +167,19 @@ def export_onnx(
         return out[0], out[1:]
 
     lens = (32, min(128, max_pos))
-    parity = graph_parity(
+    record = measure_graph(
         model, em, tok, text, prefill, decode, runtime=f"onnxruntime {ort.__version__}", seq_lens=lens
     )
-    parity["text"] = text_source
-    gate(parity, "ONNX (fp32)")
+    parity = judge(replace(record, text=text_source), "ONNX (fp32)")
     ops: dict[str, int] = {}
     import onnx
 
     for n in onnx.load(str(pre)).graph.node:
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
+    ranked = sorted(ops.items(), key=lambda kv: -kv[1])
     return {
-        "parity": parity,
-        "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+        "parity": parity.to_json(),
+        "ops": {op: n for op, n in ranked},
         "runtime": f"onnxruntime {ort.__version__}",
     }
 
@@ -195,8 +197,8 @@ class PrefillLogits(nn.Module):
 
 
 def export_coreml(
-    model: Any, tok: PreTrainedTokenizerBase, text: str, out_dir: Path, *, text_source: str
-) -> dict[str, Any]:
+    model: RoutedEmbeddingForCausalLM, tok: PreTrainedTokenizerBase, text: str, out_dir: Path, *, text_source: str
+) -> JsonObject:
     """Write ``model.mlpackage`` (prefill) into ``out_dir``; return the structural check and the wrapper's parity."""
     from collections import Counter
 
@@ -244,13 +246,16 @@ def export_coreml(
             )
     if max(diffs.values()) > 1e-4:
         raise ExportError(f"coreml: the converted wrapper differs from transformers by {max(diffs.values()):.3g}")
-    parity = {
-        "runtime": "none on Linux (Core ML runs on Apple platforms only)",
-        "converted_wrapper_vs_transformers": diffs,
-        "text": text_source,
-    }
+    # the converted wrapper is what is held to 1e-4 here (the program itself cannot run off Apple platforms)
+    parity = ParityRecord(
+        runtime="none on Linux (Core ML runs on Apple platforms only)",
+        text=text_source,
+        tolerance=1e-4,
+        verdict="pass",
+        extra={"converted_wrapper_vs_transformers": dict(diffs)},
+    )
     return {
-        "parity": parity,
+        "parity": parity.to_json(),
         "ops": dict(ops.most_common()),
         "runtime": f"coremltools {ct.__version__}",
         "spec_version": spec.specificationVersion,
@@ -259,22 +264,26 @@ def export_coreml(
     }
 
 
-def export_tflite(model_dir: Path, text: str, out_dir: Path, *, text_source: str) -> dict[str, Any]:
-    """Run :mod:`.tflite_worker` in the litert-torch interpreter; returns its figures (parity gated at 1e-4)."""
+def export_tflite(model_dir: Path, text: str, out_dir: Path, *, text_source: str) -> JsonObject:
+    """Run :mod:`.tflite_worker` in the litert-torch interpreter; returns its figures (parity gated at 1e-4).
+
+    Raises:
+        ExportError: the worker reported no parity, or it is over 1e-4.
+    """
 
     request = {"model_dir": str(model_dir), "out_dir": str(out_dir), "prefill_len": 128, "eval_text": text}
-    result = run_worker("moetool.methods.embedding.tflite_worker", request)
-    result["parity"]["text"] = text_source
-    worst = max(result["parity"]["max_abs_logit_diff"].values())
-    if worst > 1e-4:
-        raise ExportError(f"TFLite (fp32) parity failed: max |Δlogit| {worst:.3g} > 0.0001")
+    result: JsonObject = run_worker("moetool.methods.embedding.tflite_worker", request)
+    record = parity_of(result.get("parity"))
+    if not isinstance(record, ParityRecord):
+        raise ExportError(f"TFLite: the conversion worker reported no parity figures: {result.get('parity')!r}")
+    result["parity"] = judge(replace(record, text=text_source), "TFLite (fp32)").to_json()
     result["runtime"] = "LiteRT (ai_edge_litert interpreter)"
     return result
 
 
 def export_routed(
     model_dir: Path, target: str, output: Path, *, force: bool = False, eval_text: str | None = None
-) -> dict[str, Any]:
+) -> JsonObject:
     """Export the routed-embedding model in ``model_dir`` to ``target``; writes ``output`` atomically with a
     manifest (the fields every export's has, so ``moetool package`` takes it) and returns it.
 
@@ -298,6 +307,8 @@ def export_routed(
         raise ExportError(f"{model_dir}: model_type {cfg.model_type!r} is not {MODEL_TYPE!r}; use `moetool export`")
     check_output(output, force=force)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if not isinstance(model, RoutedEmbeddingForCausalLM):
+        raise ExportError(f"{model_dir}: loads as {type(model).__name__}, not a routed-embedding model")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     text, source = held_out_text(model_dir, eval_text)
     t0 = time.perf_counter()
@@ -311,18 +322,19 @@ def export_routed(
         else:
             result = export_tflite(model_dir, text, tmp, text_source=source)
             main, graphs = "model.tflite", {"prefill": "model.tflite (signature prefill, 128 tokens right-padded)"}
-        manifest = {
+        manifest: JsonObject = {
             "format": "moetool-embedding-artifact/1",
             "model_type": MODEL_TYPE,
             "variant": model.embed.cfg.variant,
             "head": model.config.head,
             "precision": "fp32",
-            "graphs": graphs,
-            "routed_embedding_params": measured_counts(model.embed),
-            "cache_inputs": ExportRoutedLM(model).past_names("past"),
+            "graphs": dict(graphs),
+            "routed_embedding_params": dict(measured_counts(model.embed)),
+            "cache_inputs": list(ExportRoutedLM(model).past_names("past")),
             **result,
             "timing_s": {"total": round(time.perf_counter() - t0, 3)},
             "notes": ["weights fp32 (no MatMulNBits quantization of the router yet)"],
-        } | manifest_fields(tmp, model_dir, main, target=target, model_type=MODEL_TYPE)
+        }
+        manifest |= manifest_fields(tmp, model_dir, main, target=target, model_type=MODEL_TYPE)
         write_manifest(tmp, manifest)
     return manifest

@@ -5,17 +5,17 @@ architecture, so no GGUF)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
 from moetool.export.base import Exporter, ExportError, ExportRequest
+from moetool.io.jsontypes import JsonObject
 from moetool.methods.base import AssemblerPlugin, ExportFn, MethodExportPlan
 from moetool.recipe.embedding import EmbeddingRecipe
 
 
 def _export(target: str) -> ExportFn:
-    def run(req: ExportRequest, console: Console) -> dict[str, Any]:
+    def run(req: ExportRequest, console: Console) -> JsonObject:
         if req.options.get("quant") is not None:  # refused rather than ignored: the graphs are float32
             raise ExportError(f"--quant: routed-embedding models export in float32 only ({target})")
         from moetool.methods.embedding.export import export_routed

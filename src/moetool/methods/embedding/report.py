@@ -23,24 +23,93 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 from moetool.methods.embedding.assemble import load_source_model
 from moetool.methods.embedding.retrofit import TrainSettings, retrofit, train_embedding
-from moetool.methods.embedding.variants import EmbeddingConfig, dense_dim_for_budget, measured_counts, param_counts
+from moetool.methods.embedding.variants import (
+    EmbeddingArgs,
+    EmbeddingConfig,
+    dense_dim_for_budget,
+    measured_counts,
+    param_counts,
+)
 from moetool.train.data import sample_batch, tokenize_stream
 from moetool.zoo import DOMAINS, zoo_domain_text
 
 ROUTER = {"width": 64, "layers": 2, "heads": 8, "ff_mult": 2, "n_queries": 8}
 
 
-def default_arms(vocab: int, d_model: int, seed_dim: int = 32, max_positions: int = 512) -> dict[str, dict[str, Any]]:
+class Run(TypedDict):
+    """One arm trained at one learning rate: its select-half perplexity (the mean), test-half perplexities per
+    domain (and ``mean``), the time and the loss history."""
+
+    select: float
+    test: dict[str, float]
+    train_seconds: float
+    history: list[dict[str, float]]
+
+
+class _ArmBase(TypedDict):
+    embedding: EmbeddingArgs
+    params: dict[str, int]
+    step0: dict[str, float]
+    runs: dict[str, Run]  # keyed by the learning rate as str(lr)
+
+
+class Arm(_ArmBase, total=False):
+    """One arm: what it is, its parameters, step-0 and per-rate figures; the best rate and its test figures."""
+
+    best_lr: float
+    test: dict[str, float]
+
+
+class Settings(TypedDict):
+    steps: int
+    batch_size: int
+    seq_len: int
+    learning_rates: list[float]
+    lm_weight: float
+    distill_weight: float
+    seed: int
+    eval_tokens_per_domain: int
+    threads: int
+
+
+class HeadFacts(TypedDict):
+    choice: str
+    params: int
+    tied_in_original: bool
+
+
+class _ReportBase(TypedDict):
+    model: str
+    vocab: int
+    hidden: int
+    body_params: int
+    original_table: int
+    head: HeadFacts
+
+
+class Report(_ReportBase, total=False):
+    """``report.json`` of ``moetool embedding report``: the model's facts, the settings, the original model's
+    perplexities, every arm, the time and the verdict."""
+
+    settings: Settings
+    original: dict[str, dict[str, float]]
+    arms: dict[str, Arm]
+    seconds: float
+    verdict: str
+
+
+def default_arms(vocab: int, d_model: int, seed_dim: int = 32, max_positions: int = 512) -> dict[str, EmbeddingArgs]:
     """Arm name → embedding kwargs. The params-matched dense width is computed from the generative arm's count."""
-    gen: dict[str, Any] = {"variant": "generative", "seed_dim": seed_dim, "router": ROUTER}
+    gen = EmbeddingArgs(variant="generative", seed_dim=seed_dim, router=ROUTER)
     try:
-        budget = param_counts(EmbeddingConfig(vocab_size=vocab, d_model=d_model, max_positions=max_positions, **gen))
+        sized = EmbeddingArgs(max_positions=max_positions) | gen
+        budget = param_counts(EmbeddingConfig(vocab_size=vocab, d_model=d_model, **sized))
     except ValueError as exc:  # a table too small for the report's fixed router and seed width
         raise MoetoolError(
             f"embedding report: a {vocab}×{d_model} embedding table is too small for its arms: {exc}"
@@ -54,11 +123,11 @@ def default_arms(vocab: int, d_model: int, seed_dim: int = 32, max_positions: in
         )
     return {
         "generative": gen,
-        "remix": {"variant": "remix", "seed_dim": seed_dim, "n_experts": 4, "top_k": 4, "router": ROUTER},
-        "dense-same-params": {"variant": "dense", "seed_dim": dense_dim},
-        "dense-same-depth": {"variant": "dense", "seed_dim": seed_dim, "depth": ROUTER["layers"], "router": ROUTER},
-        "dense-same-width": {"variant": "dense", "seed_dim": seed_dim},
-        "dense-full-width": {"variant": "dense", "seed_dim": d_model},
+        "remix": EmbeddingArgs(variant="remix", seed_dim=seed_dim, n_experts=4, top_k=4, router=ROUTER),
+        "dense-same-params": EmbeddingArgs(variant="dense", seed_dim=dense_dim),
+        "dense-same-depth": EmbeddingArgs(variant="dense", seed_dim=seed_dim, depth=ROUTER["layers"], router=ROUTER),
+        "dense-same-width": EmbeddingArgs(variant="dense", seed_dim=seed_dim),
+        "dense-full-width": EmbeddingArgs(variant="dense", seed_dim=d_model),
     }
 
 
@@ -123,56 +192,56 @@ def _zoo_corpus(tok: PreTrainedTokenizerBase, *, batch_size: int, seq_len: int, 
     return _Corpus(batches, select, test)
 
 
-def _model_facts(model_ref: str, source: Any) -> dict[str, Any]:
+def _model_facts(model_ref: str, source: Any) -> Report:
     """The report's header: what the arms replace (the input table) and keep (the body and the frozen head)."""
     cfg = source.config
     v, d = int(cfg.vocab_size), int(cfg.hidden_size)
     body = sum(p.numel() for n, p in source.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
-    return {
-        "model": model_ref,
-        "vocab": v,
-        "hidden": d,
-        "body_params": body,
-        "original_table": v * d,
-        "head": {
-            "choice": "keep (the original head, frozen)",
-            "params": v * d,
-            "tied_in_original": bool(getattr(cfg, "tie_word_embeddings", False)),
-        },
-    }
+    return Report(
+        model=model_ref,
+        vocab=v,
+        hidden=d,
+        body_params=body,
+        original_table=v * d,
+        head=HeadFacts(
+            choice="keep (the original head, frozen)",
+            params=v * d,
+            tied_in_original=bool(getattr(cfg, "tie_word_embeddings", False)),
+        ),
+    )
 
 
 def _run_arm(
     name: str,
-    embedding: dict[str, Any],
+    embedding: EmbeddingArgs,
     source: Any,
     teacher: torch.Tensor,
     corpus: _Corpus,
     learning_rates: tuple[float, ...],
     template: TrainSettings,
     log: Callable[[str], None] | None,
-) -> dict[str, Any]:
+) -> Arm:
     """Train one arm from the same retrofit at every learning rate; the rate with the best ``select`` perplexity
     gives the arm's reported ``test`` figure. ``teacher`` [vocab, hidden]: the original table, distilled from."""
     torch.manual_seed(template.seed)
     model = retrofit(source, embedding, head="keep").eval()
     init_state = {k: t.clone() for k, t in model.embed.state_dict().items()}
-    arm: dict[str, Any] = {
-        "embedding": embedding,
-        "params": measured_counts(model.embed),
-        "step0": domain_perplexity(model, corpus.test),
-        "runs": {},
-    }
+    arm = Arm(
+        embedding=embedding,
+        params=measured_counts(model.embed),
+        step0=domain_perplexity(model, corpus.test),
+        runs={},
+    )
     for lr in learning_rates:
         model.embed.load_state_dict(init_state)
         s = replace(template, learning_rate=lr, history=[])
         secs = train_embedding(model, teacher, corpus.batches, s)
-        run: dict[str, Any] = {
-            "select": domain_perplexity(model, corpus.select)["mean"],
-            "test": domain_perplexity(model, corpus.test),
-            "train_seconds": round(secs, 1),
-            "history": s.history,
-        }
+        run = Run(
+            select=domain_perplexity(model, corpus.select)["mean"],
+            test=domain_perplexity(model, corpus.test),
+            train_seconds=round(secs, 1),
+            history=s.history,
+        )
         arm["runs"][str(lr)] = run
         if log:
             log(f"{name} lr {lr:g}: select {run['select']:.2f}, test {run['test']['mean']:.2f} ({secs:.0f}s)")
@@ -185,7 +254,7 @@ def _run_arm(
 def run_report(
     model_ref: str = "zoo:base",
     *,
-    arms: dict[str, dict[str, Any]] | None = None,
+    arms: dict[str, EmbeddingArgs] | None = None,
     learning_rates: tuple[float, ...] = (1e-3, 3e-3, 1e-2),
     steps: int = 120,
     batch_size: int = 8,
@@ -195,7 +264,7 @@ def run_report(
     distill_weight: float = 1.0,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> Report:
     """Train every arm at every learning rate on the zoo's three domains and measure held-out perplexity.
 
     ``eval_tokens`` per domain for LR selection, the next ``eval_tokens`` per domain for the reported figure.
@@ -209,17 +278,17 @@ def run_report(
     teacher = source.get_input_embeddings().weight.detach().float().clone()  # taken before any arm touches the body
     corpus = _zoo_corpus(tok, batch_size=batch_size, seq_len=seq_len, eval_tokens=eval_tokens, seed=seed)
     out = _model_facts(model_ref, source)
-    out["settings"] = {
-        "steps": steps,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "learning_rates": list(learning_rates),
-        "lm_weight": lm_weight,
-        "distill_weight": distill_weight,
-        "seed": seed,
-        "eval_tokens_per_domain": eval_tokens,
-        "threads": torch.get_num_threads(),
-    }
+    out["settings"] = Settings(
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        learning_rates=list(learning_rates),
+        lm_weight=lm_weight,
+        distill_weight=distill_weight,
+        seed=seed,
+        eval_tokens_per_domain=eval_tokens,
+        threads=torch.get_num_threads(),
+    )
     out["original"] = {
         "test": domain_perplexity(source, corpus.test),
         "select": domain_perplexity(source, corpus.select),
@@ -241,7 +310,7 @@ def run_report(
     return out
 
 
-def verdict(rep: dict[str, Any]) -> str:
+def verdict(rep: Report) -> str:
     """One honest sentence: does the generative arm beat both fair baselines on the reported split?"""
     arms = rep["arms"]
     if "generative" not in arms:
@@ -256,7 +325,7 @@ def verdict(rep: dict[str, Any]) -> str:
     return f"generative {' and '.join(parts)}; best arm: {best} ({arms[best]['test']['mean']:.2f})"
 
 
-def render_markdown(rep: dict[str, Any]) -> str:
+def render_markdown(rep: Report) -> str:
     """The report as Markdown tables (parameters, then perplexity)."""
     lines = [
         f"Model {rep['model']}: vocab {rep['vocab']}, hidden {rep['hidden']}, body {rep['body_params']:,} params; "

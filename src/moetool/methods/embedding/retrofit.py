@@ -29,7 +29,7 @@ import torch
 
 from moetool.methods.embedding.model import RoutedEmbeddingConfig, RoutedEmbeddingForCausalLM
 from moetool.methods.embedding.router import causal_mask
-from moetool.methods.embedding.variants import EmbeddingConfig
+from moetool.methods.embedding.variants import EmbeddingArgs, EmbeddingConfig
 from moetool.train.loop import optimise
 
 
@@ -66,21 +66,14 @@ def svd_seed(
     return table.float(), proj.float(), r
 
 
-def retrofit(source: Any, embedding: dict[str, Any], *, head: str = "keep") -> RoutedEmbeddingForCausalLM:
+def retrofit(source: Any, embedding: EmbeddingArgs, *, head: str = "keep") -> RoutedEmbeddingForCausalLM:
     """A routed-embedding model around ``source``'s body (a loaded transformers causal LM), initialised from its
     embedding as the module docstring says. ``embedding``: :class:`EmbeddingConfig` fields except vocab/d_model."""
     cfg = source.config
     body = cfg.to_dict()
-    ecfg = EmbeddingConfig(
-        **(
-            {
-                "vocab_size": cfg.vocab_size,
-                "d_model": cfg.hidden_size,
-                "max_positions": int(getattr(cfg, "max_position_embeddings", 512)),
-            }
-            | embedding
-        )
-    )
+    args = EmbeddingArgs(max_positions=int(getattr(cfg, "max_position_embeddings", 512)))
+    args.update(embedding)
+    ecfg = EmbeddingConfig(vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, **args)
     model = RoutedEmbeddingForCausalLM(RoutedEmbeddingConfig(body=body, embedding=ecfg.to_dict(), head=head))
     state = {k.removeprefix(f"{source.base_model_prefix}."): v for k, v in source.state_dict().items()}
     body_state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head."))}

@@ -17,8 +17,9 @@ Every variant builds a seed-space vector ``z_i`` ∈ R^d and maps it to model wi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,70 @@ from moetool.routing.losses import load_balancing_loss, router_z_loss
 
 Variant = Literal["dense", "selection", "remix", "generative"]
 VARIANTS: tuple[str, ...] = ("dense", "selection", "remix", "generative")
+
+
+class EmbeddingArgs(TypedDict, total=False):
+    """:class:`EmbeddingConfig`'s fields other than the table's shape (``vocab_size``, ``d_model``): a recipe's
+    ``embedding`` section, or an arm of the report."""
+
+    variant: str
+    seed_dim: int
+    pool_dim: int
+    mask_hidden: int
+    n_experts: int
+    top_k: int
+    depth: int
+    router: dict[str, int]
+    max_positions: int
+    dropout: float
+    ln_eps: float
+    remix_diag: float
+    aux: dict[str, float]
+
+
+_INT_FIELDS = ("seed_dim", "pool_dim", "mask_hidden", "n_experts", "top_k", "depth", "max_positions")
+_FLOAT_FIELDS = ("dropout", "ln_eps", "remix_diag")
+
+
+def embedding_args(kw: Mapping[str, object]) -> EmbeddingArgs:
+    """``kw`` (a recipe's ``module_kwargs()``) checked field by field as :class:`EmbeddingArgs`.
+
+    Raises:
+        ValueError: a key that is not a field, or a value of the wrong type (naming them).
+    """
+    args = EmbeddingArgs()
+    if isinstance(v := kw.get("variant"), str):
+        args["variant"] = v
+    ints = {k: n for k in _INT_FIELDS if isinstance(n := kw.get(k), int) and not isinstance(n, bool)}
+    floats = {k: float(x) for k in _FLOAT_FIELDS if isinstance(x := kw.get(k), int | float) and not isinstance(x, bool)}
+    if "seed_dim" in ints:
+        args["seed_dim"] = ints["seed_dim"]
+    if "pool_dim" in ints:
+        args["pool_dim"] = ints["pool_dim"]
+    if "mask_hidden" in ints:
+        args["mask_hidden"] = ints["mask_hidden"]
+    if "n_experts" in ints:
+        args["n_experts"] = ints["n_experts"]
+    if "top_k" in ints:
+        args["top_k"] = ints["top_k"]
+    if "depth" in ints:
+        args["depth"] = ints["depth"]
+    if "max_positions" in ints:
+        args["max_positions"] = ints["max_positions"]
+    if "dropout" in floats:
+        args["dropout"] = floats["dropout"]
+    if "ln_eps" in floats:
+        args["ln_eps"] = floats["ln_eps"]
+    if "remix_diag" in floats:
+        args["remix_diag"] = floats["remix_diag"]
+    if isinstance(r := kw.get("router"), Mapping):
+        args["router"] = {str(k): int(v) for k, v in r.items() if isinstance(v, int)}
+    if isinstance(a := kw.get("aux"), Mapping):
+        args["aux"] = {str(k): float(v) for k, v in a.items() if isinstance(v, int | float)}
+    wrong = sorted(set(kw) - set(args))
+    if wrong:
+        raise ValueError(f"embedding: {', '.join(wrong)}: not an embedding setting of the expected type")
+    return args
 
 
 @dataclass(frozen=True)

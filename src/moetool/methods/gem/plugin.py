@@ -4,20 +4,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
 from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportError, ExportRequest
+from moetool.io.jsontypes import JsonObject
 from moetool.methods.base import AssemblerPlugin, ExportFn, FunctionExporter, MethodExportPlan
 from moetool.recipe.gem import GemRecipe
 
 TOKEN_TARGETS = ("onnx", "tflite")
 
 
-def _token_onnx(req: ExportRequest, console: Console) -> dict[str, Any]:
+def _token_onnx(req: ExportRequest, console: Console) -> JsonObject:
     from moetool.methods.gem.export import export_token_onnx
 
     return export_token_onnx(
@@ -25,7 +25,7 @@ def _token_onnx(req: ExportRequest, console: Console) -> dict[str, Any]:
     )
 
 
-def _token_tflite(req: ExportRequest, console: Console) -> dict[str, Any]:
+def _token_tflite(req: ExportRequest, console: Console) -> JsonObject:
     from moetool.methods.gem.export import export_token_tflite
 
     if req.options.get("quant") is not None:
@@ -34,7 +34,7 @@ def _token_tflite(req: ExportRequest, console: Console) -> dict[str, Any]:
 
 
 def _sequence(target: str) -> ExportFn:
-    def run(req: ExportRequest, console: Console) -> dict[str, Any]:
+    def run(req: ExportRequest, console: Console) -> JsonObject:
         from moetool.methods.gem.export import export_sequence_bundle
 
         return export_sequence_bundle(

@@ -26,6 +26,7 @@ from moetool.export.graph.common import onnx_export
 from moetool.export.parity import ParityRecord, RouteCheck
 from moetool.extras import require
 from moetool.io.files import copy_tokenizer
+from moetool.io.jsontypes import JsonObject
 from moetool.io.safe import read_json
 from moetool.methods.hybrid.assemble import read_model
 from moetool.methods.hybrid.data import pooled_hidden
@@ -205,7 +206,7 @@ def export_hybrid(
     experts: bool = True,
     parity_requests: int = 64,
     console: Console | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Write ``output``: router.onnx, experts/<name>/ (each via moetool's exporters), tokenizer, dispatch.py and
     manifest.json. An expert the chosen exporter cannot handle is recorded with the reason, not silently skipped.
 
@@ -221,7 +222,7 @@ def export_hybrid(
         require(module, "onnx", why="the hybrid router's ONNX export (router.onnx)")
     meta, router = read_model(model_dir)
 
-    def write_router(tmp: Path) -> dict[str, Any]:
+    def write_router(tmp: Path) -> dict[str, Any]:  # export_bundle's router callback
         graph = export_router_onnx(meta, router, tmp / ROUTER_ONNX)
         parity = router_parity(meta, router, tmp / ROUTER_ONNX, _parity_requests(meta, parity_requests))
         if not _router_passes(parity):

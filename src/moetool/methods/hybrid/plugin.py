@@ -4,18 +4,18 @@ its export is the router as its own ONNX graph plus each expert through the stan
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
 from moetool import registry
 from moetool.export.base import Exporter, ExportRequest
+from moetool.io.jsontypes import JsonObject
 from moetool.methods.base import AssemblerPlugin, ExportFn, MethodExportPlan
 from moetool.recipe.hybrid import HybridRecipe
 
 
 def _export(target: str) -> ExportFn:
-    def run(req: ExportRequest, console: Console) -> dict[str, Any]:
+    def run(req: ExportRequest, console: Console) -> JsonObject:
         from moetool.methods.hybrid.export import export_hybrid
 
         return export_hybrid(
