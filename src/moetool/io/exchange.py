@@ -8,8 +8,8 @@ import errno
 import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 __all__ = ["exchange"]
 
@@ -18,7 +18,7 @@ _RENAME_EXCHANGE = 2
 
 
 @functools.cache
-def _renameat2() -> Any:
+def _renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
     """glibc's ``renameat2``, or None (another C library, or glibc < 2.28)."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2

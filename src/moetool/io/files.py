@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from moetool.io.hashes import sha256_file
 from moetool.io.safe import read_json
@@ -45,7 +45,7 @@ def copy_tokenizer(src: Path, dst: Path, *, overwrite: bool = True) -> list[str]
     return copied
 
 
-def tokenizer_signature(tok: PreTrainedTokenizerBase | None) -> tuple[Any, ...] | None:
+def tokenizer_signature(tok: PreTrainedTokenizerBase | None) -> tuple[object, ...] | None:
     """What must match between the tokenizers of models joined into one: the vocabulary and the special tokens.
     None if there is no tokenizer."""
     if tok is None:

@@ -52,7 +52,7 @@ def save_checkpoint(
     step: int,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
-    sched: Any,
+    sched: torch.optim.lr_scheduler.LRScheduler,
     history: list[dict[str, Any]],
     fingerprint: str,
 ) -> None:
@@ -81,7 +81,11 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, fingerprint: str
+    ckpt: Path,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    fingerprint: str,
 ) -> tuple[int, list[dict[str, Any]]]:
     """Restore tensors, moments and schedule in place; returns (step, history).
 
