@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -33,11 +33,20 @@ import moetool
 from moetool.errors import MoetoolError
 from moetool.eval.perplexity import perplexity_matrix, render_matrix
 from moetool.io.atomic import atomic_dir, pid_alive
-from moetool.io.jsontypes import JsonObject, JsonValue
+from moetool.io.jsontypes import JsonObject
 from moetool.paths import zoo_dir
 from moetool.progress import task
 from moetool.train.loop import LoopConfig, derive_seed, train_lm
-from moetool.zoo.config import BASE_NAME, ZOO_FORMAT, ZOO_JSON, ZooConfig, ZooResult
+from moetool.zoo.config import (
+    BASE_NAME,
+    ZOO_FORMAT,
+    ZOO_JSON,
+    ExpertCheck,
+    VocabFields,
+    ZooConfig,
+    ZooMeta,
+    ZooResult,
+)
 from moetool.zoo.corpora import DOMAINS, DomainSplit, corpus_stats, make_splits
 from moetool.zoo.pins import pin_id
 from moetool.zoo.store import read_zoo_json, zoo_check_passed, zoo_listed_models, zoo_perplexity
@@ -64,45 +73,6 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-
-
-class VocabFields(TypedDict):
-    """What a zoo model's config takes from the zoo tokenizer (:func:`vocab_fields`)."""
-
-    vocab_size: int
-    bos_token_id: int | None
-    eos_token_id: int | None
-    pad_token_id: int | None
-
-
-class ExpertCheck(TypedDict):
-    """zoo.json's ``check``: whether every expert beats the base on its own domain's held-out text."""
-
-    passed: bool
-    failures: list[str]
-    relative_improvement: dict[str, float]
-
-
-class ZooMeta(TypedDict):
-    """What zoo.json records (written by :func:`build_zoo`, in this key order)."""
-
-    format: int
-    profile: str
-    config: JsonValue
-    seed: int
-    built_at: str
-    build_seconds: float
-    models: list[str]
-    domains: list[str]
-    perplexity: dict[str, dict[str, float]]
-    check: ExpertCheck
-    training: dict[str, dict[str, float]]
-    corpus: dict[str, dict[str, int]]
-    corpus_pins: str
-    corpus_documents: dict[str, dict[str, str | int]]
-    model: dict[str, str | int]
-    versions: dict[str, str]
-    platform: dict[str, str | int]
 
 
 def train_zoo_model(

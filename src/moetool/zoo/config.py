@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypedDict
 
 from moetool.errors import MoetoolError
-from moetool.io.jsontypes import JsonObject
+from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.train.loop import LoopConfig
 
 ZOO_FORMAT = 1
@@ -121,3 +121,42 @@ class ZooResult:
     def matrix(self) -> dict[str, dict[str, float]]:
         """Alias of :attr:`perplexity`: ``matrix[model][domain]``."""
         return self.perplexity
+
+
+class VocabFields(TypedDict):
+    """What a zoo model's config takes from the zoo tokenizer (:func:`vocab_fields`)."""
+
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+
+class ExpertCheck(TypedDict):
+    """zoo.json's ``check``: whether every expert beats the base on its own domain's held-out text."""
+
+    passed: bool
+    failures: list[str]
+    relative_improvement: dict[str, float]
+
+
+class ZooMeta(TypedDict):
+    """What zoo.json records (written by :func:`build_zoo`, in this key order)."""
+
+    format: int
+    profile: str
+    config: JsonValue
+    seed: int
+    built_at: str
+    build_seconds: float
+    models: list[str]
+    domains: list[str]
+    perplexity: dict[str, dict[str, float]]
+    check: ExpertCheck
+    training: dict[str, dict[str, float]]
+    corpus: dict[str, dict[str, int]]
+    corpus_pins: str
+    corpus_documents: dict[str, dict[str, str | int]]
+    model: dict[str, str | int]
+    versions: dict[str, str]
+    platform: dict[str, str | int]
