@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch import nn
 
 from moetool.export.base import ExportError
 from moetool.export.gguf import ggml
@@ -55,7 +56,7 @@ def undominated(errors: dict[str, float], shape: tuple[int, ...]) -> dict[str, f
     }
 
 
-def _weights(model: Any) -> dict[str, tuple[torch.Tensor, slice | None]]:
+def _weights(model: nn.Module) -> dict[str, tuple[torch.Tensor, slice | None]]:
     """GGUF tensor name → (the in-memory parameter, the row slice of it that tensor is), for the banks."""
     from moetool.routing.tap import experts_modules
 
@@ -94,7 +95,7 @@ def _swapped(view: torch.Tensor, values: np.ndarray) -> Iterator[None]:
         view.copy_(keep)
 
 
-def _logprobs(model: Any, windows: list[list[int]], dev: torch.device) -> list[torch.Tensor]:
+def _logprobs(model: nn.Module, windows: list[list[int]], dev: torch.device) -> list[torch.Tensor]:
     return [
         torch.log_softmax(model(input_ids=torch.tensor([w], device=dev), use_cache=False).logits[0].float(), -1)
         for w in windows

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,13 +18,16 @@ import torch
 from moetool.export.gate import FAMILIES, family_of
 from moetool.export.gguf.layout import GGUFTensor, Layout
 
+if TYPE_CHECKING:
+    from gguf import ReaderTensor
+
 
 def unpermute_qk(a: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of :func:`moetool.export.gguf.names.permute_qk`."""
     return a.reshape(n_head, a.shape[0] // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
 
 
-def _dequantize(rt: Any, shape: tuple[int, ...]) -> np.ndarray:
+def _dequantize(rt: ReaderTensor, shape: tuple[int, ...]) -> np.ndarray:
     """A GGUF tensor as float32 in torch ``shape``: ggml's own row dequantizer for the block types (C, and the IQ
     types' grids that gguf-py's numpy port walks slowly), gguf-py for the float types."""
     import gguf
@@ -37,7 +40,7 @@ def _dequantize(rt: Any, shape: tuple[int, ...]) -> np.ndarray:
     return ggml.dequantize(np.ascontiguousarray(rt.data).tobytes(), kind, shape)
 
 
-def _array(by_name: dict[str, Any], t: GGUFTensor) -> np.ndarray:
+def _array(by_name: dict[str, ReaderTensor], t: GGUFTensor) -> np.ndarray:
     arr = _dequantize(by_name[t.name], t.shape)
     if t.permute_heads:
         arr = unpermute_qk(arr, t.permute_heads)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moetool.export.gguf.verify import load_llama, quiet_stderr
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
 
 __all__ = ["GgufGenerator"]
 
@@ -23,7 +26,7 @@ class GgufGenerator:
 
     def __init__(self, path: str | Path, n_ctx: int = 512) -> None:
         self.n_ctx = n_ctx
-        self.llm: Any = load_llama(
+        self.llm: Llama = load_llama(
             Path(path), n_ctx, f32_kv=False, why="answering with a GGUF in llama.cpp", otherwise=""
         )
 

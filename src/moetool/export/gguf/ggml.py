@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from moetool.extras import require
 
 
 @functools.cache
-def _lib() -> Any:
+def _lib() -> ctypes.CDLL:
     llama_cpp = require(
         "llama_cpp",
         "llama",
@@ -52,7 +52,7 @@ def _type_id(name: str) -> int:
     return int(getattr(gguf.GGMLQuantizationType, name.upper()))
 
 
-def _fptr(a: np.ndarray | None) -> Any:
+def _fptr(a: np.ndarray | None) -> ctypes._Pointer[ctypes.c_float] | None:
     return None if a is None else a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
 
 
@@ -82,10 +82,12 @@ def quantize(rows: np.ndarray, type_name: str, importance: np.ndarray | None = N
 
 
 @functools.cache
-def _dequantizer(type_name: str) -> Any:
+def _dequantizer(
+    type_name: str,
+) -> Callable[[ctypes.Array[ctypes.c_char], ctypes._Pointer[ctypes.c_float] | None, int], None]:
     name = type_name.lower()
     symbol = "dequantize_row_" + (name[:-2] + "_K" if name.endswith("_k") else name)
-    fn = getattr(_lib(), symbol)
+    fn = _lib()[symbol]
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64]
     return fn

@@ -18,16 +18,19 @@ the same token budget, so every domain's expert sees its own domain.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from moetool.export.base import ExportError
 from moetool.export.gguf.names import gguf_name, split_names
 from moetool.progress import silent, task
 from moetool.quant.imatrix import MODES, Calibration, ImportanceMatrix
-from moetool.routing.tap import expert_activation, experts_modules
+from moetool.routing.tap import FusedExperts, expert_activation, experts_modules
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -47,11 +50,11 @@ def expert_names(layer: int) -> dict[str, str]:
 class _Collector:
     """Forward hooks accumulating Σ x² per column and token counts, keyed by GGUF tensor name."""
 
-    def __init__(self, model: Any, wanted: set[str]) -> None:
+    def __init__(self, model: nn.Module, wanted: set[str]) -> None:
         self.wanted = wanted
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, torch.Tensor] = {}
-        self.handles: list[Any] = []
+        self.handles: list[RemovableHandle] = []
         self.forced: dict[int, list[int]] = {}  # layer → experts computed on every token
         self.second = False  # the pass for experts below the floor: nothing else is counted again
         self.layers: list[int] = []
@@ -83,8 +86,8 @@ class _Collector:
         self.sums[name][mat] += sq.double().cpu()
         self.counts[name][mat] += count
 
-    def _linear_hook(self, names: list[str]) -> Any:
-        def hook(_mod: Any, args: tuple[Any, ...]) -> None:
+    def _linear_hook(self, names: list[str]) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+        def hook(_mod: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             if self.second:
                 return
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
@@ -94,8 +97,10 @@ class _Collector:
 
         return hook
 
-    def _expert_hook(self, layer: int, names: dict[str, str]) -> Any:
-        def hook(module: Any, args: tuple[Any, ...], _out: Any) -> None:
+    def _expert_hook(
+        self, layer: int, names: dict[str, str]
+    ) -> Callable[[FusedExperts, tuple[torch.Tensor, ...], torch.Tensor], None]:
+        def hook(module: FusedExperts, args: tuple[torch.Tensor, ...], _out: torch.Tensor) -> None:
             hidden, index = args[0].detach(), args[1]
             n_exp = int(module.gate_up_proj.shape[0])
             forced = self.forced.get(layer)
@@ -215,7 +220,7 @@ def _starved(col: _Collector, floor: int) -> dict[int, list[int]]:
     return out
 
 
-def _run(model: Any, windows: list[list[int]], dev: torch.device, console: Console, label: str) -> None:
+def _run(model: nn.Module, windows: list[list[int]], dev: torch.device, console: Console, label: str) -> None:
     with task(console, label, len(windows), unit="windows") as advance:
         for w in windows:
             model(input_ids=torch.tensor([w], device=dev), use_cache=False)

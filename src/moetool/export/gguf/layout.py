@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from moetool.arch.facts import LlamaCppArch, ModelFacts
 from moetool.arch.outputs import expert_count, shared_expert_width
@@ -13,6 +13,8 @@ from moetool.errors import UnsupportedArchitecture
 from moetool.export.base import ExportError
 from moetool.export.gguf.names import gguf_name, split_names
 from moetool.export.gguf.rope import ROPE_TENSORS, plan_rope
+from moetool.export.jsonnum import integer
+from moetool.io.jsontypes import JsonValue
 from moetool.quant.plan import TensorEntry
 
 # a zero-width Qwen2-MoE shared expert is written this wide (all zeros: it adds exactly nothing)
@@ -52,20 +54,20 @@ class Layout:
     notes: list[str] = field(default_factory=list)
 
 
-def _moe_facts(cfg: dict[str, Any], rec: ModelFacts) -> tuple[int, int, bool]:
+def _moe_facts(cfg: Mapping[str, JsonValue], rec: ModelFacts) -> tuple[int, int, bool]:
     n = expert_count(cfg)
-    k = int(cfg.get("num_experts_per_tok") or 0)
+    k = integer(cfg.get("num_experts_per_tok") or 0, "num_experts_per_tok")
     return n, k, rec.normalises_topk(cfg)
 
 
-def _record(cfg: dict[str, Any]) -> ModelFacts:
+def _record(cfg: Mapping[str, JsonValue]) -> ModelFacts:
     try:
         return require_record(cfg.get("model_type"), "GGUF mapping")
     except UnsupportedArchitecture as exc:  # an export error like the other refusals of the layout
         raise ExportError(str(exc)) from None
 
 
-def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> Layout:
+def plan_layout(cfg: Mapping[str, JsonValue], tensor_shapes: dict[str, tuple[int, ...]]) -> Layout:
     """Map every HF tensor to its GGUF tensor and pick the llama.cpp architecture.
 
     Raises:
@@ -80,7 +82,8 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     rope = plan_rope(cfg, ll.name)  # scaled rope's keys and factor tensors; refuses what llama.cpp cannot compute
     out |= {nm: GGUFTensor(nm, [], arr.shape) for nm, arr in rope.tensors.items()}
     notes += rope.notes
-    shared_ff = cfg.get("shared_expert_intermediate_size") if rec.has_shared_expert else None
+    width = cfg.get("shared_expert_intermediate_size") if rec.has_shared_expert else None
+    shared_ff = None if width is None else integer(width, "shared_expert_intermediate_size")
     if ll.shared_expert and not shared_ff:
         shared_ff = _pad_shared_expert(out, cfg)
         notes.append(f"zero-width shared expert written as {SHEXP_PAD} zero columns (llama.cpp requires one)")
@@ -101,13 +104,15 @@ def plan_layout(cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
         llama_cpp=ll,
         n_experts=n,
         top_k=k,
-        expert_ff=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if n else None,
+        expert_ff=integer(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0, "intermediate_size")
+        if n
+        else None,
         shared_ff=shared_ff,
         notes=notes,
     )
 
 
-def _choose_arch(cfg: dict[str, Any], rec: ModelFacts) -> tuple[LlamaCppArch, list[str]]:
+def _choose_arch(cfg: Mapping[str, JsonValue], rec: ModelFacts) -> tuple[LlamaCppArch, list[str]]:
     """(llama.cpp architecture, notes), refusing what llama.cpp would compute differently from transformers."""
     ll = rec.gguf
     if cfg.get("hidden_act", "silu") != "silu":
@@ -141,11 +146,11 @@ def _choose_arch(cfg: dict[str, Any], rec: ModelFacts) -> tuple[LlamaCppArch, li
 
 
 def _map_tensors(
-    cfg: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], permute: bool, n: int
+    cfg: Mapping[str, JsonValue], tensor_shapes: dict[str, tuple[int, ...]], permute: bool, n: int
 ) -> dict[str, GGUFTensor]:
     """GGUF name → tensor for every HF tensor; per-expert tensors are stacked into one [n, ...] tensor."""
-    n_head = int(cfg["num_attention_heads"])
-    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    n_head = integer(cfg["num_attention_heads"], "num_attention_heads")
+    n_kv = integer(cfg.get("num_key_value_heads") or n_head, "num_key_value_heads")
     out: dict[str, GGUFTensor] = {}
     experts: dict[str, dict[int, str]] = {}
     skipped: list[str] = []
@@ -190,13 +195,13 @@ def _split(hf: str, shape: tuple[int, ...], parts: tuple[str, ...]) -> dict[str,
     return out
 
 
-def _pad_shared_expert(out: dict[str, GGUFTensor], cfg: dict[str, Any]) -> int:
+def _pad_shared_expert(out: dict[str, GGUFTensor], cfg: Mapping[str, JsonValue]) -> int:
     """Add an all-zero shared expert to every layer of ``out``; returns its width.
 
     llama.cpp's qwen2moe requires a shared expert; zeros add nothing (its sigmoid gate then multiplies 0).
     """
-    hidden = int(cfg["hidden_size"])
-    for layer in range(int(cfg["num_hidden_layers"])):
+    hidden = integer(cfg["hidden_size"], "hidden_size")
+    for layer in range(integer(cfg["num_hidden_layers"], "num_hidden_layers")):
         for proj, shape in (
             ("gate", (SHEXP_PAD, hidden)),
             ("up", (SHEXP_PAD, hidden)),

@@ -11,9 +11,10 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from moetool.export.parity import NOT_VERIFIED, ParityRecord
 from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.hashes import sha256_file
+from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.io.safe import read_json
 from moetool.quant.plan import QuantSpec, resolve
 
@@ -40,17 +42,31 @@ _UNSUPPORTED = {
 }
 
 
+class AdapterConfig(TypedDict, total=False):
+    """The keys of a PEFT ``adapter_config.json`` the conversion reads (the file holds more)."""
+
+    peft_type: str
+    lora_alpha: float
+    alpha_pattern: dict[str, float]
+    rank_pattern: dict[str, int]
+    use_rslora: bool
+    use_dora: bool
+    fan_in_fan_out: bool
+    bias: str
+    modules_to_save: list[str] | None
+
+
 def is_adapter(path: Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def read_adapter(adapter_dir: Path) -> tuple[AdapterConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """PEFT config and {HF weight name: (A [r, in], B [out, r])}.
 
     Raises:
         ExportError: unsupported adapter features, naming them.
     """
-    cfg = read_json(adapter_dir / "adapter_config.json", what="PEFT adapter config", error=ExportError)
+    cfg: AdapterConfig = read_json(adapter_dir / "adapter_config.json", what="PEFT adapter config", error=ExportError)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ExportError(f"{adapter_dir}: peft_type {cfg.get('peft_type')!r}; only LORA adapters convert")
     for key, what in _UNSUPPORTED.items():
@@ -82,7 +98,7 @@ def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, tuple[tor
     return cfg, out
 
 
-def module_scaling(cfg: dict[str, Any], name: str, rank: int) -> float:
+def module_scaling(cfg: AdapterConfig, name: str, rank: int) -> float:
     """PEFT's scaling for one module (rank/alpha patterns and rsLoRA included)."""
     module = name.removesuffix(".weight")
     alpha = float(cfg.get("lora_alpha", 8))
@@ -92,17 +108,17 @@ def module_scaling(cfg: dict[str, Any], name: str, rank: int) -> float:
     return alpha / (rank**0.5 if cfg.get("use_rslora") else rank)
 
 
-def _simple(cfg: dict[str, Any]) -> bool:
+def _simple(cfg: AdapterConfig) -> bool:
     return not cfg.get("use_rslora") and not cfg.get("rank_pattern") and not cfg.get("alpha_pattern")
 
 
 def write_adapter(
     adapter_dir: Path,
-    base_cfg: dict[str, Any],
+    base_cfg: Mapping[str, JsonValue],
     base_shapes: dict[str, tuple[int, ...]],
     path: Path,
     out_type: str = "f32",
-) -> dict[str, Any]:
+) -> JsonObject:
     """Write the GGUF adapter; returns facts for the manifest (arch, alpha, tensors)."""
     import gguf
 
@@ -154,7 +170,7 @@ def write_adapter(
         "llama_cpp_arch": layout.arch,
         "alpha": alpha,
         "scaling_folded_into_b": not simple,
-        "modules": sorted(pairs),
+        "modules": [*sorted(pairs)],
         "rank": int(next(iter(pairs.values()))[0].shape[0]),
     }
 
@@ -193,7 +209,7 @@ def export_adapter(
     verify: bool = True,
     eval_text: str | None = None,
     out_type: str = "f32",
-) -> dict[str, Any]:
+) -> JsonObject:
     """Write ``output``/{name}.lora.gguf and manifest.json; verify through llama.cpp's ``lora_path``."""
 
     if out_type not in ("f32", "f16"):
@@ -234,7 +250,7 @@ def export_adapter(
             reference = "transformers float32, LoRA merged into the weights"
             parity = replace(report.record(), reference=reference, text=source, tolerance=gate, verdict="pass")
         base.close()
-        manifest = {
+        manifest: JsonObject = {
             "format": "moetool-artifact/1",
             "target": "gguf-lora",
             "file": fname,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -21,7 +21,11 @@ from moetool.export.gguf.verify import run_llama
 from moetool.export.heldout import held_out_text
 from moetool.export.parity import NOT_VERIFIED, ParityRecord, TokenizerCheck
 from moetool.io.atomic import atomic_dir
+from moetool.io.jsontypes import JsonObject
 from moetool.io.safe import read_json
+
+if TYPE_CHECKING:
+    import torch
 
 ARCH = "mamba"
 # (HF regex, GGUF name, transform)
@@ -44,7 +48,14 @@ TENSOR_MAP: tuple[tuple[str, str, str], ...] = (
 F16_OK = re.compile(r"^(token_embd|output|blk\.\d+\.ssm_in|blk\.\d+\.ssm_out)\.weight$")
 
 
-def gguf_tensors(state: dict[str, Any], tied: bool) -> list[tuple[str, np.ndarray]]:
+class MambaWritten(TypedDict):
+    """What :func:`write_mamba_gguf` wrote: the tensor count and each tensor's type (f32 or f16)."""
+
+    tensors: int
+    types: dict[str, str]
+
+
+def gguf_tensors(state: dict[str, torch.Tensor], tied: bool) -> list[tuple[str, np.ndarray]]:
     """HF state dict → [(GGUF name, float32 array)] in file order.
 
     Raises:
@@ -72,7 +83,7 @@ def _map(hf_name: str) -> tuple[str, str]:
     raise ExportError(f"Mamba GGUF: no GGUF name for tensor {hf_name!r}")
 
 
-def write_mamba_gguf(model_dir: Path, path: Path, *, quant: str = "f32") -> dict[str, Any]:
+def write_mamba_gguf(model_dir: Path, path: Path, *, quant: str = "f32") -> MambaWritten:
     """Write ``path`` from the ``MambaForCausalLM`` in ``model_dir``; returns the tensor count and types."""
     import gguf
     import torch
@@ -149,7 +160,7 @@ def export_mamba_gguf(
     verify: bool = True,
     force: bool = True,
     text: str | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Write ``output/model.gguf`` + manifest.json; with ``verify``, parity in llama.cpp is recorded and gated.
 
     Raises:
@@ -167,7 +178,7 @@ def export_mamba_gguf(
             parity = replace(parity, text=source)
             if parity.tokenizer is None or not parity.tokenizer.match or parity.outcome != "pass":
                 raise ExportError(f"Mamba GGUF parity failed: {parity.to_json()}")
-        manifest = {
+        manifest: JsonObject = {
             "format": "gguf",
             "arch": ARCH,
             "file": "model.gguf",

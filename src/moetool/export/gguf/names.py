@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 from moetool.arch.records import GGUF_SPLIT_MAP, GGUF_TENSOR_MAP
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # the maps live with the records (moetool.arch.records): an output architecture's GGUF names come from its templates
 _SPLIT = [(re.compile(p), t) for p, t in GGUF_SPLIT_MAP]
@@ -32,7 +35,7 @@ def split_names(hf_name: str) -> tuple[str, ...]:
     return ()
 
 
-def permute_qk(w: Any, n_head: int) -> Any:
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """HF's rotate-half Q/K rows → the interleaved order of llama.cpp's NORM rope (as llama.cpp's converter).
 
     ``w``: [n_head·head_dim, ...] (weight or bias), numpy.

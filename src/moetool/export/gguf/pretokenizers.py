@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from moetool.export.base import ExportError
+from moetool.export.gguf.tokjson import PreTokenizerJson, TokenizerJson
 
 if TYPE_CHECKING:
+    from tokenizers import models, pre_tokenizers
     from transformers import PreTrainedTokenizerBase
 
 # the regexes as llama.cpp's llama-vocab.cpp spells them (its adapted forms, e.g. no (?i:...))
@@ -71,15 +73,17 @@ PROBES: tuple[str, ...] = (
 )
 
 
-def _candidate_splitter(pre: PreTokenizer) -> Any:
+def _candidate_splitter(pre: PreTokenizer) -> pre_tokenizers.Sequence:
     from tokenizers import Regex, pre_tokenizers
 
-    steps: list[Any] = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+    steps: list[pre_tokenizers.PreTokenizer] = [
+        pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes
+    ]
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     return pre_tokenizers.Sequence(steps)
 
 
-def _ids(model: Any, pieces: list[str], ignore_merges: bool, vocab: dict[str, int]) -> list[int] | None:
+def _ids(model: models.Model, pieces: list[str], ignore_merges: bool, vocab: dict[str, int]) -> list[int] | None:
     """The ids of ``pieces``, or None where the vocabulary cannot spell a piece (the ids then prove nothing)."""
     out: list[int] = []
     for p in pieces:
@@ -93,7 +97,7 @@ def _ids(model: Any, pieces: list[str], ignore_merges: bool, vocab: dict[str, in
     return out
 
 
-def _merging_model(tj: dict[str, Any]) -> Any:
+def _merging_model(tj: TokenizerJson) -> models.BPE:
     """The tokenizer's BPE without ignore_merges: what llama.cpp runs for a name that does not set it."""
     from tokenizers import models
 
@@ -104,7 +108,7 @@ def _merging_model(tj: dict[str, Any]) -> Any:
     return models.BPE(vocab=m["vocab"], merges=merges, ignore_merges=False)
 
 
-def choose_pre_tokenizer(tok: PreTrainedTokenizerBase, tj: dict[str, Any], where: str) -> str:
+def choose_pre_tokenizer(tok: PreTrainedTokenizerBase, tj: TokenizerJson, where: str) -> str:
     """The llama.cpp pre-tokenizer name whose splits give ``tok``'s ids on :data:`PROBES`.
 
     ``tok`` is the Hugging Face fast tokenizer and ``tj`` its backend's JSON. Candidates that split every probe
@@ -159,5 +163,5 @@ def _cleans_spaces(tok: PreTrainedTokenizerBase) -> bool:
     return bool(tok.decode(ids) == "a.")
 
 
-def _describe(pre: dict[str, Any] | None) -> str:
+def _describe(pre: PreTokenizerJson | None) -> str:
     return json.dumps(pre)[:200]

@@ -20,14 +20,20 @@ YaRN's DeepSeek-style ``mscale``/``mscale_all_dim`` and ``truncate: false``, par
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moetool.arch.facts import LLAMA_CPP_ARCHS
 from moetool.arch.records import MODEL_RECORDS
 from moetool.export.base import ExportError
+from moetool.export.jsonnum import integer, number
+from moetool.io.jsontypes import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
 
 CONFIG = "config.json"
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -38,22 +44,25 @@ class GGUFRope:
     """``keys``: (GGUFWriter method, value) pairs to call; ``tensors``: name → float32 [head_dim/2]."""
 
     rope_type: str
-    keys: list[tuple[str, Any]] = field(default_factory=list)
+    keys: list[tuple[str, str | float]] = field(default_factory=list)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
-def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+def rope_parameters(cfg: Mapping[str, JsonValue]) -> JsonObject:
     """The rope dict as transformers standardises it: ``rope_type``, ``rope_theta`` and, for the scaled types, an
     ``original_max_position_embeddings`` (the top-level key wins, as in transformers, then max_position_embeddings)."""
     raw = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(raw, dict):
+        raise ExportError(f"{CONFIG}: rope_parameters is {raw!r}, not an object")
     p = dict(raw)
     p["rope_type"] = p.get("rope_type", p.get("type")) or "default"
     p.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     if p["rope_type"] in ("llama3", "yarn", "longrope"):
         top = cfg.get("original_max_position_embeddings")
-        p["original_max_position_embeddings"] = int(
-            top or p.get("original_max_position_embeddings") or cfg.get("max_position_embeddings") or 2048
+        p["original_max_position_embeddings"] = integer(
+            top or p.get("original_max_position_embeddings") or cfg.get("max_position_embeddings") or 2048,
+            "original_max_position_embeddings",
         )
     return p
 
@@ -62,7 +71,7 @@ def _refuse(rope_type: str, why: str) -> ExportError:
     return ExportError(f"{CONFIG}: rope_type {rope_type!r} cannot be written to a GGUF: {why}")
 
 
-def plan_rope(cfg: dict[str, Any], arch: str) -> GGUFRope:
+def plan_rope(cfg: Mapping[str, JsonValue], arch: str) -> GGUFRope:
     """What a GGUF of ``cfg`` under llama.cpp architecture ``arch`` needs for its rope.
 
     Raises:
@@ -73,7 +82,7 @@ def plan_rope(cfg: dict[str, Any], arch: str) -> GGUFRope:
     kind = str(p["rope_type"])
     if kind == "default":
         return GGUFRope(kind)
-    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+    if number(p.get("partial_rotary_factor", 1.0), "partial_rotary_factor") != 1.0:
         raise _refuse(kind, "partial_rotary_factor != 1 (moetool writes rope over the whole head)")
     if kind in ("llama3", "longrope") and not LLAMA_CPP_ARCHS[arch].rope_factors:
         readers = [r.model_type for r in MODEL_RECORDS.values() if r.gguf.rope_factors]
@@ -82,9 +91,14 @@ def plan_rope(cfg: dict[str, Any], arch: str) -> GGUFRope:
             f"llama.cpp's {arch!r} architecture loads no rope factor tensors (those written for "
             f"{', '.join(readers)} do)",
         )
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    head_dim = integer(
+        cfg.get("head_dim")
+        or integer(cfg["hidden_size"], "hidden_size") // integer(cfg["num_attention_heads"], "num_attention_heads"),
+        "head_dim",
+    )
     if kind == "linear":
-        return GGUFRope(kind, [("add_rope_scaling_type", "LINEAR"), ("add_rope_scaling_factor", float(p["factor"]))])
+        factor = number(p["factor"], "factor")
+        return GGUFRope(kind, [("add_rope_scaling_type", "LINEAR"), ("add_rope_scaling_factor", factor)])
     if kind == "yarn":
         return _yarn(p, cfg)
     if kind == "llama3":
@@ -101,40 +115,47 @@ def plan_rope(cfg: dict[str, Any], arch: str) -> GGUFRope:
     raise _refuse(kind, "llama.cpp has no equivalent of this rope type (supported: linear, yarn, llama3, longrope)")
 
 
-def _scale_factor(p: dict[str, Any], cfg: dict[str, Any]) -> float:
+def _scale_factor(p: Mapping[str, JsonValue], cfg: Mapping[str, JsonValue]) -> float:
     """transformers' ``factor``, or max_position_embeddings / original when the config leaves it out."""
     if p.get("factor") is not None:
-        return float(p["factor"])
-    return float(cfg["max_position_embeddings"]) / float(p["original_max_position_embeddings"])
+        return number(p["factor"], "factor")
+    orig = number(p["original_max_position_embeddings"], "original_max_position_embeddings")
+    return number(cfg["max_position_embeddings"], "max_position_embeddings") / orig
 
 
-def _yarn(p: dict[str, Any], cfg: dict[str, Any]) -> GGUFRope:
+def _yarn(p: Mapping[str, JsonValue], cfg: Mapping[str, JsonValue]) -> GGUFRope:
     if p.get("mscale") or p.get("mscale_all_dim"):
         raise _refuse("yarn", "mscale/mscale_all_dim (DeepSeek-style attention factors) are not written yet")
     if p.get("truncate", True) is False:
         raise _refuse("yarn", "truncate: false; llama.cpp always rounds YaRN's correction range to whole dimensions")
     factor = _scale_factor(p, cfg)
-    keys: list[tuple[str, Any]] = [
+    keys: list[tuple[str, str | float]] = [
         ("add_rope_scaling_type", "YARN"),
         ("add_rope_scaling_factor", factor),
-        ("add_rope_scaling_orig_ctx_len", int(p["original_max_position_embeddings"])),
-        ("add_rope_scaling_yarn_beta_fast", float(p.get("beta_fast") or 32.0)),
-        ("add_rope_scaling_yarn_beta_slow", float(p.get("beta_slow") or 1.0)),
+        (
+            "add_rope_scaling_orig_ctx_len",
+            integer(p["original_max_position_embeddings"], "original_max_position_embeddings"),
+        ),
+        ("add_rope_scaling_yarn_beta_fast", number(p.get("beta_fast") or 32.0, "beta_fast")),
+        ("add_rope_scaling_yarn_beta_slow", number(p.get("beta_slow") or 1.0, "beta_slow")),
     ]
     if p.get("attention_factor") is not None:
         # llama.cpp always applies 0.1·ln(factor) + 1 inside YaRN and multiplies rope.scaling.attn_factor on top
         default = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-        keys.append(("add_rope_scaling_attn_factors", float(p["attention_factor"]) / default))
+        keys.append(("add_rope_scaling_attn_factors", number(p["attention_factor"], "attention_factor") / default))
     return GGUFRope("yarn", keys)
 
 
-def llama3_factors(p: dict[str, Any], head_dim: int) -> np.ndarray:
+def llama3_factors(p: Mapping[str, JsonValue], head_dim: int) -> np.ndarray:
     """[head_dim/2] divisors of the base frequencies: 1 for short wavelengths, ``factor`` for long ones, smoothed
     between (Llama 3.1's scheme, as llama.cpp's converter writes ``rope_freqs``)."""
-    base = float(p["rope_theta"])
-    factor = float(p.get("factor", 8.0))
-    low, high = float(p.get("low_freq_factor", 1.0)), float(p.get("high_freq_factor", 4.0))
-    old_ctx = float(p["original_max_position_embeddings"])
+    base = number(p["rope_theta"], "rope_theta")
+    factor = number(p.get("factor", 8.0), "factor")
+    low, high = (
+        number(p.get("low_freq_factor", 1.0), "low_freq_factor"),
+        number(p.get("high_freq_factor", 4.0), "high_freq_factor"),
+    )
+    old_ctx = number(p["original_max_position_embeddings"], "original_max_position_embeddings")
     freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     wavelen = 2 * math.pi / freqs.astype(np.float64)
     smooth = (old_ctx / wavelen - low) / (high - low)
@@ -143,12 +164,14 @@ def llama3_factors(p: dict[str, Any], head_dim: int) -> np.ndarray:
     return out.astype(np.float32)
 
 
-def _longrope(p: dict[str, Any], cfg: dict[str, Any], head_dim: int) -> GGUFRope:
-    orig = int(p["original_max_position_embeddings"])
+def _longrope(p: Mapping[str, JsonValue], cfg: Mapping[str, JsonValue], head_dim: int) -> GGUFRope:
+    orig = integer(p["original_max_position_embeddings"], "original_max_position_embeddings")
     factor = _scale_factor(p, cfg)
-    attn = p.get("attention_factor")
-    if attn is None:
+    given = p.get("attention_factor")
+    if given is None:
         attn = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
+    else:
+        attn = number(given, "attention_factor")
     long_f, short_f = (np.asarray(p[k], dtype=np.float32) for k in ("long_factor", "short_factor"))
     if long_f.shape != (head_dim // 2,) or short_f.shape != (head_dim // 2,):
         raise _refuse("longrope", f"long_factor/short_factor must hold head_dim/2 = {head_dim // 2} numbers")
@@ -157,7 +180,7 @@ def _longrope(p: dict[str, Any], cfg: dict[str, Any], head_dim: int) -> GGUFRope
         [
             ("add_rope_scaling_type", "LONGROPE"),
             ("add_rope_scaling_orig_ctx_len", orig),
-            ("add_rope_scaling_attn_factors", float(attn)),
+            ("add_rope_scaling_attn_factors", attn),
         ],
         {"rope_factors_long.weight": long_f, "rope_factors_short.weight": short_f},
         [
@@ -167,10 +190,10 @@ def _longrope(p: dict[str, Any], cfg: dict[str, Any], head_dim: int) -> GGUFRope
     )
 
 
-def write_rope_metadata(w: Any, rope: GGUFRope) -> None:
+def write_rope_metadata(w: GGUFWriter, rope: GGUFRope) -> None:
     """Call the GGUFWriter ``w`` for each key of ``rope`` (scaling types given by their RopeScalingType name)."""
     import gguf
 
     for method, value in rope.keys:
-        arg = gguf.RopeScalingType[value] if method == "add_rope_scaling_type" else value
+        arg = gguf.RopeScalingType[str(value)] if method == "add_rope_scaling_type" else value
         getattr(w, method)(arg)

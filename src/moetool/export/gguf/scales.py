@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from moetool.arch.facts import LlamaCppArch
+from moetool.export.jsonnum import number
+from moetool.io.jsontypes import JsonValue
+
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
 
 
-def write_scales(w: Any, cfg: dict[str, Any], arch: LlamaCppArch) -> None:
+def write_scales(w: GGUFWriter, cfg: Mapping[str, JsonValue], arch: LlamaCppArch) -> None:
     """Write the scales ``arch`` reads (``LlamaCppArch.scales``) from ``cfg``, 1.0 where the config leaves one out
     (transformers' default).
 
@@ -15,4 +21,4 @@ def write_scales(w: Any, cfg: dict[str, Any], arch: LlamaCppArch) -> None:
     multiplier itself, so it is written as it is."""
     for key, method in arch.scales:
         value = cfg.get(key)
-        getattr(w, method)(float(1.0 if value is None else value))
+        getattr(w, method)(number(1.0 if value is None else value, key))

@@ -13,16 +13,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from gguf import GGUFWriter
     from transformers import PreTrainedTokenizerBase
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from moetool.export.base import ExportError
 from moetool.export.gguf import tokenizer_spm as spm
 from moetool.export.gguf.pretokenizers import choose_pre_tokenizer
+from moetool.export.gguf.tokjson import TokenizerJson
 from moetool.io.safe import read_json
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
@@ -53,7 +54,7 @@ class GGUFVocab:
     notes: list[str] = field(default_factory=list)
 
 
-def _table(tj: dict[str, Any], where: str, vocab_size: int | None) -> tuple[list[str], list[int]]:
+def _table(tj: TokenizerJson, where: str, vocab_size: int | None) -> tuple[list[str], list[int]]:
     """Token strings and types by id, padded with unused ``[PAD{i}]`` rows up to ``vocab_size``."""
     vocab: dict[str, int] = dict(tj["model"]["vocab"])
     added = {t["id"]: t for t in tj.get("added_tokens", [])}
@@ -73,7 +74,7 @@ def _table(tj: dict[str, Any], where: str, vocab_size: int | None) -> tuple[list
     return tokens, types
 
 
-def _merges(tj: dict[str, Any], where: str) -> list[str]:
+def _merges(tj: TokenizerJson, where: str) -> list[str]:
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
     if not merges:
         # gguf-py drops empty arrays and llama.cpp then refuses the file
@@ -81,7 +82,7 @@ def _merges(tj: dict[str, Any], where: str) -> list[str]:
     return merges
 
 
-def _load(model_dir: Path) -> tuple[PreTrainedTokenizerBase, dict[str, Any], str]:
+def _load(model_dir: Path) -> tuple[PreTrainedTokenizerBase, TokenizerJson, str]:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ExportError(f"{model_dir}: no tokenizer.json (a fast tokenizer is needed for GGUF metadata)")
@@ -94,7 +95,8 @@ def _load(model_dir: Path) -> tuple[PreTrainedTokenizerBase, dict[str, Any], str
         raise ExportError(f"{model_dir}: transformers loads a slow tokenizer here; GGUF metadata needs a fast one")
     # transformers 5 rebuilds some tokenizers from their class (LlamaTokenizer, GPT2Tokenizer): what it runs is the
     # reference, not the file
-    return tok, json.loads(backend.to_str()), str(path)
+    tj: TokenizerJson = json.loads(backend.to_str())
+    return tok, tj, str(path)
 
 
 def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
@@ -136,7 +138,7 @@ def read_vocab(model_dir: Path, vocab_size: int | None = None) -> GGUFVocab:
 _PHI3_NOT_RSTRIP = ("<unk>", "<s>", "<|endoftext|>")
 
 
-def _strip_marker(tj: dict[str, Any], tokens: list[str], notes: list[str], where: str) -> str | None:
+def _strip_marker(tj: TokenizerJson, tokens: list[str], notes: list[str], where: str) -> str | None:
     """``"phi-3"`` when the added tokens strip whitespace exactly as llama.cpp does for a model of that name.
 
     Raises:
@@ -198,7 +200,7 @@ def _specials(
     )
 
 
-def write_vocab(writer: Any, v: GGUFVocab) -> None:
+def write_vocab(writer: GGUFWriter, v: GGUFVocab) -> None:
     """The tokenizer keys; ``writer`` already holds ``general.name``, to which :attr:`GGUFVocab.name_marker` is
     added when it lacks it."""
     if v.name_marker:

@@ -11,9 +11,9 @@ tokenizer.json, which leaves the order to position alone.)
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from moetool.export.base import ExportError
+from moetool.export.gguf.tokjson import TokenizerJson
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 _BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -24,7 +24,7 @@ SPACE_LED = "text that starts with a space: transformers' Metaspace adds no '▁
 AFTER_SPECIAL = "text right after a parsed special token: Metaspace(prepend_scheme='first') adds no '▁', llama.cpp does"
 
 
-def space_prefix(tj: dict[str, Any], where: str, notes: list[str]) -> bool:
+def space_prefix(tj: TokenizerJson, where: str, notes: list[str]) -> bool:
     """Whether text gets a leading ``▁`` (llama.cpp's ``add_space_prefix``), from the normalizer and pre-tokenizer.
 
     llama.cpp always writes spaces as ``▁`` and, with the prefix, puts one before every piece of text, as

@@ -9,9 +9,10 @@ tensors comes from llama.cpp.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,11 +23,18 @@ from moetool.export.gguf.rope import plan_rope, write_rope_metadata
 from moetool.export.gguf.scales import write_scales
 from moetool.export.gguf.tokenizer import GGUFVocab, write_vocab
 from moetool.export.gguf.verify import quiet_stderr
+from moetool.export.jsonnum import integer, number
 from moetool.extras import require
 from moetool.io.checkpoint import Checkpoint
+from moetool.io.jsontypes import JsonValue
 from moetool.quant.imatrix import ImatrixError, ImportanceMatrix
 from moetool.quant.plan import QuantPlan
 from moetool.quant.types import IMATRIX_AWARE, TYPES
+
+if TYPE_CHECKING:
+    import ctypes
+
+    from gguf import GGMLQuantizationType, GGUFWriter
 
 SHEXP_GATE_EPS = 1e-20
 # label for general.file_type: the type holding most of the weights
@@ -66,10 +74,10 @@ def by_llama_cpp(plan: QuantPlan, with_imatrix: bool) -> dict[str, str]:
     return out
 
 
-def _ggml(name: str) -> Any:
+def _ggml(name: str) -> GGMLQuantizationType:
     import gguf
 
-    return getattr(gguf.GGMLQuantizationType, name.upper())
+    return gguf.GGMLQuantizationType[name.upper()]
 
 
 def load_tensor(ckpt: Checkpoint, t: GGUFTensor) -> np.ndarray:
@@ -91,7 +99,7 @@ def load_tensor(ckpt: Checkpoint, t: GGUFTensor) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
-def encode(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, Any]:
+def encode(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQuantizationType | None]:
     """Bytes of ``arr`` in ``type_name`` (gguf-py's quantizers), and the GGML type to declare."""
     import gguf
 
@@ -103,29 +111,30 @@ def encode(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, Any]:
     return np.ascontiguousarray(q).view(np.uint8), _ggml(type_name)
 
 
-def _metadata(w: Any, cfg: dict[str, Any], layout: Layout, name: str, file_type: int) -> None:
+def _metadata(w: GGUFWriter, cfg: Mapping[str, JsonValue], layout: Layout, name: str, file_type: int) -> None:
     import gguf
 
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    heads = integer(cfg["num_attention_heads"], "num_attention_heads")
+    hidden = integer(cfg["hidden_size"], "hidden_size")
+    head_dim = integer(cfg.get("head_dim") or hidden // heads, "head_dim")
     rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if isinstance(rope, dict) else None
     w.add_name(name)
-    w.add_context_length(int(cfg.get("max_position_embeddings", 2048)))
+    w.add_context_length(integer(cfg.get("max_position_embeddings", 2048), "max_position_embeddings"))
     w.add_embedding_length(hidden)
-    w.add_block_count(int(cfg["num_hidden_layers"]))
-    w.add_feed_forward_length(int(cfg["intermediate_size"]))
+    w.add_block_count(integer(cfg["num_hidden_layers"], "num_hidden_layers"))
+    w.add_feed_forward_length(integer(cfg["intermediate_size"], "intermediate_size"))
     w.add_head_count(heads)
-    w.add_head_count_kv(int(cfg.get("num_key_value_heads") or heads))
-    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_head_count_kv(integer(cfg.get("num_key_value_heads") or heads, "num_key_value_heads"))
+    w.add_layer_norm_rms_eps(number(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"))
+    w.add_rope_freq_base(number(theta, "rope_parameters.rope_theta"))
     write_rope_metadata(w, plan_rope(cfg, layout.arch))
     write_scales(w, cfg, layout.llama_cpp)
     w.add_rope_dimension_count(head_dim)
     if head_dim * heads != hidden:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_vocab_size(int(cfg["vocab_size"]))
+    w.add_vocab_size(integer(cfg["vocab_size"], "vocab_size"))
     w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if layout.n_experts:
@@ -149,12 +158,12 @@ def write_gguf(
     path: Path,
     *,
     ckpt: Checkpoint,
-    cfg: dict[str, Any],
+    cfg: Mapping[str, JsonValue],
     layout: Layout,
     plan: QuantPlan,
     vocab: GGUFVocab,
     name: str,
-    progress: Any = None,
+    progress: Callable[[], object] | None = None,
     llama: Collection[str] = (),
 ) -> None:
     """Write ``path``; the tensors named in ``llama`` are written f32, for :func:`requantize` to quantize."""
@@ -189,8 +198,8 @@ def write_gguf(
 
 
 def imatrix_array(
-    llama_cpp: Any, imatrix: ImportanceMatrix, shapes: dict[str, tuple[int, ...]]
-) -> tuple[Any, list[Any]]:
+    llama_cpp: ModuleType, imatrix: ImportanceMatrix, shapes: dict[str, tuple[int, ...]]
+) -> tuple[ctypes.Array[ctypes.Structure], list[object]]:
     """llama.cpp's ``llama_model_imatrix_data`` array (NULL-terminated) for the tensors in ``shapes`` (GGUF name →
     torch shape), and the buffers that must outlive the call.
 
@@ -212,8 +221,8 @@ def imatrix_array(
                 f"{n_mat} × {shape[-1]} (was it collected on another model?)"
             )
         items.append((name, e.values()))
-    arr = (Entry * (len(items) + 1))()
-    keep: list[Any] = []
+    arr: ctypes.Array[ctypes.Structure] = (Entry * (len(items) + 1))()
+    keep: list[object] = []
     for i, (name, values) in enumerate(items):
         key = name.encode()
         keep += [key, values]
@@ -246,7 +255,7 @@ def requantize(
     Override = llama_cpp.llama_model_tensor_override
     names = [(a.entry.out_name or a.entry.hf_name, a.type) for a in plan.assignments if len(a.entry.shape) >= 2]
     arr = (Override * (len(names) + 1))()
-    keep: list[Any] = []  # buffers the C call reads: alive until it returns
+    keep: list[object] = []  # buffers the C call reads: alive until it returns
     for i, (n, ty) in enumerate(names):
         pat = ("^" + n.replace(".", r"\.") + "$").encode()
         keep.append(pat)
