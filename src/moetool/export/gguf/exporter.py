@@ -131,7 +131,7 @@ class GGUFExporter:
                 first.unlink()
             check_types(target, plan.quant)
             write_s = time.perf_counter() - t0
-            parity = self._verify(req, plan, target, tmp, vocab) if req.verify else None
+            parity = self._verify(req, plan, target, tmp, vocab, console) if req.verify else None
             files = {fname: target} | ({imatrix_file.name: imatrix_file} if imatrix_file else {})
             manifest = manifest_base("gguf", plan, files, fname)
             if imatrix is not None:
@@ -153,18 +153,26 @@ class GGUFExporter:
             write_manifest(tmp, manifest)
         return manifest
 
-    def _verify(self, req: ExportRequest, plan: GGUFPlan, target: Path, tmp: Path, vocab: Any) -> ParityRecord:
+    def _verify(
+        self, req: ExportRequest, plan: GGUFPlan, target: Path, tmp: Path, vocab: Any, console: Console | None
+    ) -> ParityRecord:
         """The parity record of the written GGUF (llama.cpp against transformers), gated by the plan's kind: a float
         plan's conversion is held to its max |Δlogit| tolerance, every plan to the margin gate.
 
         Raises:
             ExportError: a gate is missed or the tokenizers disagree.
         """
-        from moetool.export.gguf.verify import compare, reference_dtype
+        from moetool.export.gguf.verify import compare, reference_dtype, stream_reference
 
         text, text_src = held_out_text(req.model_dir, req.eval_text)
         lossless = all(a.type == "f32" for a in plan.quant.assignments)
         ref = reference_dtype(plan.quant.total_params, plan.config)
+        streamed = stream_reference(plan.quant.total_params, plan.config)
+        if streamed and console is not None:
+            console.print(
+                "verifying with the transformers models streamed from disk one layer at a time: the model in "
+                f"{ref} does not fit in the memory available"
+            )
         # inside the output's own temporary folder, not $TMPDIR: a killed run's full-size copy of the weights is
         # swept with the rest of that folder by the next run (io.atomic), and it lands on the output's filesystem,
         # whose free space the output needs anyway
@@ -181,6 +189,7 @@ class GGUFExporter:
                 artifact_dtype=held,
                 types=matrix_types(plan.quant),
                 rounding=own.rounding if own else None,
+                streamed=streamed,
             )
         tolerance = gate_problems(report, plan.quant)
         return replace(report.record(), text=text_src, tolerance=tolerance, verdict="pass")
@@ -286,24 +295,30 @@ def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path, coll
     source model beside llama.cpp's copy of the artifact, then the artifact's dequantized weights).
     """
     from moetool.compute.upcast import float32_overhead
-    from moetool.export.gguf.verify import VERIFY_OVERHEAD, reference_dtype
+    from moetool.export.gguf.verify import VERIFY_OVERHEAD, reference_dtype, stream_reference, streamed_need
 
     params = plan.quant.total_params
     artifact = plan.quant.total_bytes
     lossy = any(a.type != "f32" for a in plan.quant.assignments)
     ref = reference_dtype(params, plan.config)
+    streamed = verify and stream_reference(params, plan.config)
     # the source's weights as the reference holds them, then the artifact's dequantized ones (on disk too)
     held = params * (4 if ref == "float32" else 2)
     ref_bytes = held if ref == "float32" else held + float32_overhead(params, plan.config)
     own = plan.config.get("dtype") or plan.config.get("torch_dtype")
     own_bytes = params * (2 if own in ("bfloat16", "float16") else 4)  # the calibration loads the model as it is
     disk = artifact + (params * 4 if needs_k else 0) + (held if verify and lossy else 0)
-    # llama.cpp runs first and lets its copy go; then one transformers model at a time, in the reference's dtype
-    memory = max(max(ref_bytes, artifact) if verify else 0, own_bytes if collect else 0) + VERIFY_OVERHEAD
+    # llama.cpp runs first and lets its copy go; then one transformers model at a time, in the reference's dtype;
+    # streamed, one layer of it (llama.cpp maps the file: its pages are the page cache's, not the process's own)
+    verifying = streamed_need(params, plan.config) if streamed else max(ref_bytes, artifact) + VERIFY_OVERHEAD
+    memory = max(verifying if verify else VERIFY_OVERHEAD, own_bytes + VERIFY_OVERHEAD if collect else 0)
+    detail = f"the model held in {ref}, one copy at a time"
+    if streamed:
+        detail = f"the model in {ref} does not fit: streamed from disk, one float32 layer at a time"
     return Need(
         stage=f"GGUF export ({plan.quant.label})",
         memory=memory,
-        memory_detail=f"verification: the model held in {ref}, one copy at a time" if verify else "writing",
+        memory_detail=f"verification: {detail}" if verify else "writing",
         disk=disk,
         output=output,
         way_out="Export with --no-verify (the artifact is not checked), or on a machine with more memory",

@@ -57,6 +57,7 @@ class ParityReport:
     reference_dtype: str = "float32"  # what the source model's weights are held in; arithmetic is float32
     artifact_dtype: str = "float32"  # what the artifact's dequantized weights are held in
     gate: GateReport | None = None  # the margin gate (None where no plan types were given)
+    streamed: bool = False  # both transformers models read from disk one layer at a time (moetool.compute.stream)
 
     @property
     def tokenizer_match(self) -> bool:
@@ -70,11 +71,11 @@ class ParityReport:
         """The manifest's parity record: the headline figures against the source model (what a user compares
         with), the conversion check, the tokenizer and the margin gate (verdict and tolerance are the exporter's)."""
         conversion = ConversionCheck.of(
-            self.conversion, f"{_reference(self.artifact_dtype)}, on the artifact's dequantized weights"
+            self.conversion, f"{_reference(self.artifact_dtype, self.streamed)}, on the artifact's dequantized weights"
         )
         record = ParityRecord(
             runtime="llama-cpp-python",
-            reference=_reference(self.reference_dtype),
+            reference=_reference(self.reference_dtype, self.streamed),
             tokenizer=TokenizerCheck(self.tokenizer_match, len(TOKENIZER_PROBES), tuple(self.tokenizer_mismatches)),
             seq_lens=tuple(self.seq_lens),
             tokens_scored=self.tokens_scored,
@@ -84,7 +85,9 @@ class ParityReport:
         return record.with_figures(self.original)
 
 
-def _reference(storage: str) -> str:
+def _reference(storage: str, streamed: bool = False) -> str:
+    if streamed:
+        return f"transformers float32, layer by layer streamed from disk over {storage} weights"
     if storage == "float32":
         return "transformers float32"
     return f"transformers float32, layer by layer over {storage} weights"
@@ -109,6 +112,31 @@ def reference_dtype(params: int, config: dict[str, Any]) -> str:
 
 
 VERIFY_OVERHEAD = 1 << 30  # activations of the probe windows, the tokenizer, the runtime
+
+
+def stream_reference(params: int, config: dict[str, Any]) -> bool:
+    """Whether the transformers reference must stream its layers from disk: when even its copy in the checkpoint's
+    own dtype (with one float32 layer, :func:`reference_dtype`) would not fit in the available memory.
+
+    Raises:
+        BudgetError: ``MOETOOL_MEMORY_BUDGET`` is not a size.
+    """
+    from moetool.compute.upcast import float32_overhead
+    from moetool.io.budget import available_memory
+
+    mem = available_memory()
+    own = reference_dtype(params, config)
+    held = params * 4 if own == "float32" else params * 2 + float32_overhead(params, config)
+    return mem is not None and held + VERIFY_OVERHEAD > mem
+
+
+def streamed_need(params: int, config: dict[str, Any]) -> int:
+    """Bytes a streamed reference holds: the weights outside the layer stack and one layer, in float32, twice over
+    (as read and as laid out), and the verification's activations (:data:`VERIFY_OVERHEAD`)."""
+    from moetool.compute.upcast import layer_bytes
+
+    outside, layer = layer_bytes(config, params)
+    return outside + 2 * layer + VERIFY_OVERHEAD
 
 
 @contextlib.contextmanager
@@ -199,18 +227,37 @@ class LlamaRun:
         return agreement_of(self.logits, ref, self.probes, self.ppl_windows)
 
     def transformers_logits(self, model: nn.Module) -> list[np.ndarray]:
-        """``model``'s logits on the same ids, in the same order."""
-        return reference_logits(model, self.probes + self.ppl_windows)
+        """``model``'s logits on the same ids, in the same order: one forward pass per window, or, for a model
+        streamed from disk (each pass reads every layer), one per window length."""
+        import torch
+
+        from moetool.compute.stream import stream_of
+
+        seqs = self.probes + self.ppl_windows
+        if stream_of(model) is None:
+            return reference_logits(model, seqs)
+        out: list[np.ndarray | None] = [None] * len(seqs)
+        for length in sorted({len(s) for s in seqs}):
+            at = [i for i, s in enumerate(seqs) if len(s) == length]
+            with torch.inference_mode():
+                logits = model(torch.tensor([seqs[i] for i in at])).logits.float().numpy()  # [B, T, V]
+            for row, i in enumerate(at):
+                out[i] = logits[row]
+        return [x for x in out if x is not None]
 
 
-def reference_model(path: Path, storage: torch.dtype) -> Any:
+def reference_model(path: Path, storage: torch.dtype, *, streamed: bool = False) -> nn.Module:
     """The transformers reference at ``path``, held in ``storage`` and computing in float32: a 16-bit model runs one
     float32 layer at a time (:func:`moetool.compute.upcast.float32_layer_by_layer`), which gives a float32 model's
-    logits in about half its memory."""
+    logits in about half its memory; ``streamed``, its layers are read from disk as each runs
+    (:func:`moetool.compute.stream.streamed_causal_lm`: the same logits for one layer's memory)."""
     from transformers import AutoModelForCausalLM
 
+    from moetool.compute.stream import streamed_causal_lm
     from moetool.compute.upcast import float32_layer_by_layer
 
+    if streamed:
+        return streamed_causal_lm(Path(path), storage=storage)
     return float32_layer_by_layer(AutoModelForCausalLM.from_pretrained(str(path), dtype=storage).eval())
 
 
@@ -251,6 +298,7 @@ def compare(
     artifact_dtype: str | None = None,
     types: set[str] | None = None,
     rounding: dict[str, tuple[str, float, float | None]] | None = None,
+    streamed: bool = False,
 ) -> ParityReport:
     """Run llama.cpp and transformers on the same ids.
 
@@ -260,7 +308,8 @@ def compare(
     not fit in memory; it computes in float32 either way), ``artifact_dtype`` the dtype ``artifact_weights`` are
     held in (default ``dtype``); ``types`` the plan's matrix types, which the margin gate's bounds follow (None: no
     gate), and ``rounding`` each source tensor's (type, relative error) in the artifact
-    (:class:`moetool.export.gguf.dequant.ArtifactWeights`). llama.cpp runs first and lets its copy go, so one model is held at a time; the reference's logits are
+    (:class:`moetool.export.gguf.dequant.ArtifactWeights`); ``streamed``: both transformers models are read from
+    disk one layer at a time (:func:`stream_reference`). llama.cpp runs first and lets its copy go, so one model is held at a time; the reference's logits are
     kept (``[T, V]`` per window) for the gate while the dequantized weights run.
     """
     import torch
@@ -271,12 +320,13 @@ def compare(
     max_pos = int(getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
     run = run_llama(gguf_path, tok, text, lens, n_windows=n_windows, lora_path=lora_path, equivalent=equivalent)
-    original = reference_model(model_dir, torch_dtype)
+    original = reference_model(model_dir, torch_dtype, streamed=streamed)
     ref = run.transformers_logits(original)
     del original
     own = None
     if artifact_weights is not None:
-        own = run.transformers_logits(reference_model(artifact_weights, getattr(torch, artifact_dtype or dtype)))
+        held = getattr(torch, artifact_dtype or dtype)
+        own = run.transformers_logits(reference_model(artifact_weights, held, streamed=streamed))
     vs_original = run.against(ref)
     n = len(run.probes)
     gate = None if types is None else margin_gate(ref[n:], own[n:] if own else None, run.logits[n:], types, rounding)
@@ -289,4 +339,5 @@ def compare(
         reference_dtype=dtype,
         artifact_dtype=dtype if artifact_weights is None else artifact_dtype or dtype,
         gate=gate,
+        streamed=streamed,
     )

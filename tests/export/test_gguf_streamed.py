@@ -1,0 +1,50 @@
+"""GGUF verification of a model whose 16-bit copy does not fit: both transformers models stream from disk."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+from tuning_fixtures import write_tuning_recipe
+
+from conftest import save_dense
+from moetool.api import assemble, export
+from moetool.compute.upcast import float32_overhead, layer_bytes
+from moetool.export.gguf.verify import VERIFY_OVERHEAD, streamed_need
+from moetool.io.checkpoint import Checkpoint
+
+
+def test_verification_streams_when_the_16bit_model_does_not_fit_with_the_resident_figures(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    # deep and narrow, as real models are: one layer is a small part of the whole
+    root = tmp_path / "deep"
+    base = save_dense(root / "base", num_hidden_layers=6, tie_word_embeddings=True)
+    family = {"base": base} | {f"e{i}": save_dense(root / f"e{i}", seed=i, base=base, mlp_noise=0.3) for i in (1, 2, 3)}
+    recipe = write_tuning_recipe(root, family, steps=1)
+    recipe.write_text(recipe.read_text().replace("gate_mode: random\n", "gate_mode: random\ndtype: bfloat16\n"))
+    moe = assemble(recipe, root / "moe")
+    params = sum(t.numel() for t in load_file(str(next(moe.glob("*.safetensors")))).values())
+    config = Checkpoint(moe).config
+    held_bf16 = params * 2 + float32_overhead(params, config) + VERIFY_OVERHEAD
+    streamed = streamed_need(params, config)
+    _, layer = layer_bytes(config, params)
+    assert streamed + layer < held_bf16
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(streamed + layer // 2))  # one layer fits, the model does not
+    low = export(moe, tmp_path / "low", quant="q8_0")["parity"]
+    assert low["reference"] == "transformers float32, layer by layer streamed from disk over bfloat16 weights"
+    assert low["conversion"]["reference"] == (
+        "transformers float32, layer by layer streamed from disk over float16 weights, on the artifact's "
+        "dequantized weights"
+    )
+    assert low["gate"]["verdict"] == "pass"
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(held_bf16 + layer))  # the bf16 model fits, float32 does not
+    full = export(moe, tmp_path / "full", quant="q8_0")["parity"]
+    assert full["reference"] == "transformers float32, layer by layer over bfloat16 weights"
+    # the same weights held alike (the artifact's dequantized ones in float16 both times), the same float32
+    # arithmetic; only the windows per forward pass differ
+    for n, diff in full["max_abs_logit_diff"].items():
+        assert low["max_abs_logit_diff"][n] == pytest.approx(diff, abs=1e-4)
+        assert low["conversion"]["max_abs_logit_diff"][n] == pytest.approx(
+            full["conversion"]["max_abs_logit_diff"][n], abs=1e-4
+        )
+    assert low["ppl_reference"] == pytest.approx(full["ppl_reference"], rel=1e-5)
+    assert low["top1_agreement"] == full["top1_agreement"]
