@@ -133,9 +133,12 @@ def _check_finite(module: nn.Module, where: str) -> None:
             raise NonFiniteModel(f"weight {where}{name} holds NaN or Inf values")
 
 
-def streamed_causal_lm(path: Path, *, storage: torch.dtype = torch.bfloat16, check_finite: bool = True) -> nn.Module:
+def streamed_causal_lm(
+    path: Path, *, storage: torch.dtype = torch.bfloat16, check_finite: bool = True, **model_kwargs: str
+) -> nn.Module:
     """The causal LM in ``path`` (a ``save_pretrained`` folder of safetensors) with its decoder layers streamed from
-    disk in float32, on the CPU, in eval mode. ``storage`` is the dtype the checkpoint holds (for the reports).
+    disk in float32, on the CPU, in eval mode. ``storage`` is the dtype the checkpoint holds (for the reports);
+    ``model_kwargs`` go to ``from_config`` as to ``from_pretrained`` (``experts_implementation="eager"``).
 
     ``model(input_ids=[B, T]).logits`` is ``[B, T, V]`` as a resident float32 model's. With ``check_finite`` each
     tensor is checked for NaN and Inf as it is read (:class:`NonFiniteModel`). :func:`stream_of` gives the model's
@@ -149,7 +152,7 @@ def streamed_causal_lm(path: Path, *, storage: torch.dtype = torch.bfloat16, che
     path = Path(path)
     config = AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **model_kwargs)
     model.eval()
     layers = decoder_layers(model)
     prefix = _prefix(model, layers)

@@ -74,22 +74,28 @@ def logits(
     allowed: Mapping[int, Sequence[int]] | None = None,
     silence_shared: bool = False,
     device: str | None = None,
+    streamed: bool = False,
 ) -> torch.Tensor:
     """Float32 logits ``[T, V]`` of the model at ``path`` on ``ids``, its routing restricted to ``allowed``.
 
     The model is held in its own dtype and computes in float32 (a 16-bit model one float32 layer at a time): 16-bit
     arithmetic alone moves a deep model's logits by more than any edit may (1.6 at 24 layers of random weights).
+    ``streamed``: its layers are read from disk as each runs (:mod:`moetool.compute.stream`; the same logits).
     """
     from transformers import AutoModelForCausalLM
 
+    from moetool.compute.stream import streamed_causal_lm
     from moetool.compute.upcast import float32_layer_by_layer
     from moetool.train.precision import resolve_device, resolve_dtype
 
+    storage = resolve_dtype("auto", Path(path))
     # the eager expert loop on both sides: a grouped kernel's blocking depends on the expert count
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=resolve_dtype("auto", Path(path)), experts_implementation="eager"
-    )
-    model = float32_layer_by_layer(model.to(resolve_device(device or "auto")).eval())
+    model: Any
+    if streamed:
+        model = streamed_causal_lm(Path(path), storage=storage, experts_implementation="eager")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=storage, experts_implementation="eager")
+        model = float32_layer_by_layer(model.to(resolve_device(device or "auto")).eval())
     handles = []
     try:
         if allowed is not None:

@@ -3,6 +3,7 @@ then optionally recalibrate the routers. Nothing is left at the output unless ev
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,16 +33,20 @@ class EditResult:
     tuned: bool = False
 
 
-def edit_need(plan: EditPlan, out: Path, *, verify: bool, tuned: bool) -> Need:
+def edit_need(plan: EditPlan, out: Path, *, verify: bool, tuned: bool, streamed: bool = False) -> Need:
     """What writing ``plan`` needs: one tensor at a time (twice the largest) without the check; with it, the larger
-    of input and output loaded once (they run one after the other); the output's bytes on disk (twice when the
-    edited model is tuned into its final place)."""
+    of input and output loaded once (they run one after the other), or, ``streamed``, one layer of them at a time;
+    the output's bytes on disk (twice when the edited model is tuned into its final place)."""
     from moetool.compute.upcast import float32_overhead
     from moetool.eval.perplexity import eval_need
 
     sizes = [op.numel * SAFETENSORS_TAG_BYTES[op.dtype] for op in plan.ops]
     written = sum(sizes)
-    if verify or tuned:
+    if streamed and verify and not tuned:
+        need = eval_need(plan.layout.path, dtype="auto", seq_len=128, batch_size=1, streamed=True)
+        memory = max(need.memory, 2 * max(sizes, default=0) + (256 << 20))
+        detail = f"{need.memory_detail}, to check the edit against its input (streamed from disk, layer by layer)"
+    elif verify or tuned:
         need = eval_need(plan.layout.path, dtype="auto", seq_len=128, batch_size=1)
         grown = max(0, written - sum(i.nbytes for i in plan.layout.tensors.values()))  # an added expert
         # the check computes in float32: a 16-bit model holds one float32 layer and float32 embeddings beside it
@@ -62,8 +67,23 @@ def edit_need(plan: EditPlan, out: Path, *, verify: bool, tuned: bool) -> Need:
     )
 
 
-def check(plan: EditPlan, out: Path, *, device: str | None = None) -> dict[str, Any]:
-    """The edit's parity figures (:mod:`moetool.edit.parity`), the output read from ``out``.
+def check_streams(plan: EditPlan, out: Path, *, verify: bool, tuned: bool) -> bool:
+    """Whether the parity check must read the models one layer at a time from disk: the check runs (and no router
+    recalibration, which trains the whole model), its resident need exceeds the memory available, and the streamed
+    one does not."""
+    from moetool.io.budget import available_memory
+
+    if not verify or tuned:
+        return False
+    mem = available_memory()
+    resident = edit_need(plan, out, verify=True, tuned=False)
+    streamed = edit_need(plan, out, verify=True, tuned=False, streamed=True)
+    return mem is not None and resident.memory > mem >= streamed.memory
+
+
+def check(plan: EditPlan, out: Path, *, device: str | None = None, streamed: bool = False) -> dict[str, Any]:
+    """The edit's parity figures (:mod:`moetool.edit.parity`), the output read from ``out``; ``streamed``, each
+    model read from disk one layer at a time.
 
     Raises:
         EditError: a figure past the dtype's tolerance (the output is then not moved into place).
@@ -71,23 +91,26 @@ def check(plan: EditPlan, out: Path, *, device: str | None = None) -> dict[str, 
     layout = plan.layout
     ids = parity.probe_ids(layout.path)
     tol = parity.TOLERANCE
+    logits = functools.partial(parity.logits, device=device, streamed=streamed)
     figures: dict[str, Any] = {"tokens": len(ids), "tolerance": tol}
+    if streamed:
+        figures["held"] = "streamed from disk, one layer at a time"
     if plan.kind in ("remove", "prune"):
         allowed = {layer: [int(s) for s in slots] for layer, slots in plan.keep.items()}
-        ref = parity.logits(layout.path, ids, allowed=allowed, device=device)
-        figures["vs_input_restricted"] = parity.max_diff(parity.logits(out, ids, device=device), ref)
+        ref = logits(layout.path, ids, allowed=allowed)
+        figures["vs_input_restricted"] = parity.max_diff(logits(out, ids), ref)
     elif plan.kind == "add":
         old = {layer: list(range(layout.n_experts)) for layer in layout.moe_layers}
-        ref = parity.logits(layout.path, ids, device=device)
-        figures["old_experts_vs_input"] = parity.max_diff(parity.logits(out, ids, allowed=old, device=device), ref)
+        ref = logits(layout.path, ids)
+        figures["old_experts_vs_input"] = parity.max_diff(logits(out, ids, allowed=old), ref)
         if not any("attention differs" in w for w in plan.warnings):
             new = {layer: [layout.n_experts] for layer in layout.moe_layers}
-            ref = parity.logits(plan.sources["new"], ids, device=device)
-            got = parity.logits(out, ids, allowed=new, silence_shared=True, device=device)
+            ref = logits(plan.sources["new"], ids)
+            got = logits(out, ids, allowed=new, silence_shared=True)
             figures["new_expert_vs_source"] = parity.max_diff(got, ref)
     elif plan.keep:  # extract of a routed expert
-        ref = parity.logits(layout.path, ids, allowed=plan.keep, silence_shared=True, device=device)  # type: ignore[arg-type]
-        figures["vs_input_one_expert"] = parity.max_diff(parity.logits(out, ids, device=device), ref)
+        ref = logits(layout.path, ids, allowed=plan.keep, silence_shared=True)  # type: ignore[arg-type]
+        figures["vs_input_one_expert"] = parity.max_diff(logits(out, ids), ref)
     else:
         figures["note"] = "not checked: in the MoE the shared expert runs behind a sigmoid gate, alone it does not"
     worst = max((v for k, v in figures.items() if isinstance(v, float) and k not in ("tolerance",)), default=0.0)
@@ -132,7 +155,13 @@ def run(
     result = EditResult(out, plan)
     if dry_run:
         return result
-    edit_need(plan, out, verify=verify and (device in (None, "auto", "cpu")), tuned=bool(steps)).check()
+    on_cpu = device in (None, "auto", "cpu")
+    streamed = on_cpu and check_streams(plan, out, verify=verify, tuned=bool(steps))
+    edit_need(plan, out, verify=verify and on_cpu, tuned=bool(steps), streamed=streamed).check()
+    if streamed:
+        console.print(
+            f"{plan.kind}: the check reads the models from disk one layer at a time (they do not fit in memory)"
+        )
 
     def write(target: Path, overwrite: bool) -> None:
         with atomic_dir(target, force=overwrite) as tmp:
@@ -140,7 +169,7 @@ def run(
             write_metadata(plan, tmp)
             if verify:
                 console.print(f"{plan.kind}: checking the output against the input …")
-                result.parity = check(plan, tmp, device=device)
+                result.parity = check(plan, tmp, device=device, streamed=streamed)
                 plan.record["parity"] = result.parity
                 write_metadata(plan, tmp)
 
