@@ -217,7 +217,7 @@ def print_manifest(output: Path | str, manifest: Manifest) -> None:
     from pathlib import Path
 
     where = Path(output) / manifest.file if manifest.file else Path(output)
-    size = manifest.get("artifact", {}).get("bytes")
+    size = manifest.artifact_bytes
     out.print(f"[green]wrote[/] {where}" + (f" ({human(size)})" if size else ""))
     origin = manifest.origin
     if origin is not None:
@@ -227,8 +227,8 @@ def print_manifest(output: Path | str, manifest: Manifest) -> None:
         out.print(f"{key}: {escape(source)}: {escape(describe(parity))}", highlight=False)
     if manifest.parity is not None:
         print_parity(manifest.parity)
-    gen = manifest.get("generation")
-    if isinstance(gen, dict):
+    gen = manifest.part("generation")
+    if gen:
         verdict = (
             "equal to transformers' (float32)"
             if gen["tokens_equal"]
@@ -238,17 +238,26 @@ def print_manifest(output: Path | str, manifest: Manifest) -> None:
     for part in ("router", "pathways", "experts"):
         if part in manifest:
             out.print(f"{part}: {_summary(manifest[part])}", highlight=False)
-    im = manifest.get("imatrix")
-    if isinstance(im, dict):
-        used = [min(v["used"]) for v in im.get("expert_tokens", {}).values() if v.get("used")]
-        routed = [min(v["routed"]) for v in im.get("expert_tokens", {}).values() if v.get("routed")]
+    im = manifest.part("imatrix")
+    if im:
+        experts = im.get("expert_tokens")
+        counts = [v for v in experts.values() if isinstance(v, dict)] if isinstance(experts, dict) else []
+        used = [min(_ints(v.get("used"))) for v in counts if _ints(v.get("used"))]
+        routed = [min(_ints(v.get("routed"))) for v in counts if _ints(v.get("routed"))]
         forced = im.get("forced")
-        n_forced = sum(len(v) for v in forced.values()) if isinstance(forced, dict) else 0
-        line = f"imatrix: {im.get('file')} ({im.get('mode')}, {sum((im.get('tokens') or {}).values())} tokens"
+        n_forced = sum(len(_ints(v)) for v in forced.values()) if isinstance(forced, dict) else 0
+        tokens = im.get("tokens")
+        line = f"imatrix: {im.get('file')} ({im.get('mode')}, {sum(_ints(tokens) if isinstance(tokens, dict) else [])} tokens"
         line += f"; fewest tokens of an expert: routed {min(routed)}" if routed else ""
         line += f", used {min(used)}" if used else ""
         line += f"; {n_forced} expert(s) below the floor computed on every token" if n_forced else ""
         out.print(line + ")", highlight=False)
+
+
+def _ints(value: JsonValue) -> list[int]:
+    """The integers of a JSON array (or an object's values)."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    return [v for v in items if isinstance(v, int)]
 
 
 def _summary(value: JsonValue) -> str:

@@ -21,7 +21,7 @@ from moetool.export.parity import (
 from moetool.io.atomic import check_output
 from moetool.io.files import weights_sha256
 from moetool.io.hashes import sha256_file
-from moetool.io.jsontypes import JsonObject
+from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.io.safe import read_json
 from moetool.quant.devices import MemoryEstimate
 from moetool.quant.imatrix import Calibration
@@ -113,7 +113,7 @@ class ExportRequest:
         return self.origin.path if self.origin else self.model_dir
 
 
-class Manifest(dict[str, Any]):
+class Manifest(dict[str, JsonValue]):
     """An artifact's manifest, with typed fields for its readers: the CLI, the build, bundles, packaging.
 
     It is the document itself (a ``dict``), so it serialises and compares as the JSON on disk does; :meth:`of` checks
@@ -121,7 +121,7 @@ class Manifest(dict[str, Any]):
     """
 
     @classmethod
-    def of(cls, doc: Mapping[str, Any], *, source: str) -> Manifest:
+    def of(cls, doc: Mapping[str, JsonValue], *, source: str) -> Manifest:
         """``doc`` checked: a non-empty string ``format``, and ``target``/``file`` strings where present.
 
         Raises:
@@ -129,7 +129,7 @@ class Manifest(dict[str, Any]):
         """
         if isinstance(doc, Manifest):
             return doc
-        if not isinstance(doc.get("format"), str) or not doc["format"]:
+        if not isinstance(doc.get("format"), str) or not doc.get("format"):
             raise ExportError(f"{source}: a manifest without a format (keys: {', '.join(sorted(doc)) or 'none'})")
         for key in ("target", "file"):
             if key in doc and not isinstance(doc[key], str):
@@ -152,6 +152,45 @@ class Manifest(dict[str, Any]):
         """The artifact's main file, relative to its folder (a bundle's router graph)."""
         value = self.get("file")
         return value if isinstance(value, str) else None
+
+    def part(self, key: str) -> JsonObject:
+        """The object under ``key`` (``model``, ``artifact``, ``plan``, …); empty where it is absent or not one."""
+        value = self.get(key)
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def artifact_bytes(self) -> int | None:
+        """The artifact's size (``artifact.bytes``)."""
+        value = self.part("artifact").get("bytes")
+        return value if isinstance(value, int) else None
+
+    @property
+    def file_hashes(self) -> dict[str, str | None]:
+        """Every listed file (``files``: relative path → sha256); ``file`` with ``artifact.sha256`` where none is."""
+        listed = self.part("files")
+        if not listed:
+            sha = self.part("artifact").get("sha256")
+            return {str(self.file): sha if isinstance(sha, str) else None}
+        hashes = {rel: info.get("sha256") if isinstance(info, dict) else None for rel, info in listed.items()}
+        return {rel: sha if isinstance(sha, str) else None for rel, sha in hashes.items()}
+
+    @property
+    def model_path(self) -> str | None:
+        """The model the artifact was exported from (``model.path``)."""
+        value = self.part("model").get("path")
+        return value if isinstance(value, str) else None
+
+    @property
+    def weights_sha256(self) -> dict[str, str]:
+        """That model's weight files and their sha256 (``model.weights_sha256``)."""
+        hashes = self.part("model").get("weights_sha256")
+        return {n: h for n, h in hashes.items() if isinstance(h, str)} if isinstance(hashes, dict) else {}
+
+    @property
+    def notes(self) -> list[str]:
+        """What the plan and the conversion noted (``notes``)."""
+        value = self.get("notes")
+        return [n for n in value if isinstance(n, str)] if isinstance(value, list) else []
 
     @property
     def parity(self) -> ParityRecord | str | None:
@@ -211,7 +250,7 @@ class Exporter(Protocol[PlanT]):
         """Resolve the quantization plan (no writes)."""
         ...
 
-    def export(self, req: ExportRequest, plan: PlanT, console: Console | None = None) -> Mapping[str, Any]:
+    def export(self, req: ExportRequest, plan: PlanT, console: Console | None = None) -> Mapping[str, JsonValue]:
         """Write the artifact and its manifest into ``req.output`` atomically; return the manifest."""
         ...
 
@@ -281,14 +320,14 @@ def check_artifact_dir(output: Path | str) -> None:
     )
 
 
-def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
+def write_manifest(out_dir: Path, manifest: Mapping[str, JsonValue]) -> Path:
     """Write ``manifest`` as ``out_dir/manifest.json`` (inside the exporter's temporary folder); returns the path."""
     path = out_dir / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     return path
 
 
-def manifest_fields(folder: Path, model_dir: Path, main: str, *, target: str, model_type: str | None) -> dict[str, Any]:
+def manifest_fields(folder: Path, model_dir: Path, main: str, *, target: str, model_type: str | None) -> JsonObject:
     """The fields packaging reads from every manifest, for an artifact written by a method's own exporter.
 
     The standard exporters write the same fields (``export.planning.manifest_base``); a method's artifact (a GEM
@@ -312,22 +351,22 @@ def manifest_fields(folder: Path, model_dir: Path, main: str, *, target: str, mo
     folder, model_dir = Path(folder), Path(model_dir).resolve()
     paths = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
     paths.pop(MANIFEST, None)
-    files = {rel: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for rel, p in paths.items()}
+    sizes = {rel: (p.stat().st_size, sha256_file(p)) for rel, p in paths.items()}
     # a Core ML package is a folder: its Manifest.json stands for it in the hashes, as in the standard exporter
-    stand_in = main if main in files else f"{main}/Manifest.json"
-    if stand_in not in files:
+    stand_in = main if main in sizes else f"{main}/Manifest.json"
+    if stand_in not in sizes:
         raise ExportError(f"{folder}: the artifact's main file {main} was not written")
     return {
         "target": target,
         "file": main,
-        "files": files,
+        "files": {rel: {"bytes": n, "sha256": sha} for rel, (n, sha) in sizes.items()},
         "model": {
             "name": model_dir.name,
             "path": str(model_dir),
             "model_type": model_type,
-            "weights_sha256": weights_sha256(model_dir),
+            "weights_sha256": {**weights_sha256(model_dir)},
         },
-        "artifact": {"bytes": sum(f["bytes"] for f in files.values()), "sha256": files[stand_in]["sha256"]},
+        "artifact": {"bytes": sum(n for n, _ in sizes.values()), "sha256": sizes[stand_in][1]},
     }
 
 

@@ -8,9 +8,10 @@ holds the skeleton so the three cannot drift apart in what a manifest or a parit
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from torch import nn
@@ -22,6 +23,7 @@ from moetool.export.graph.parity import Decode, Prefill, judge, measure_graph
 from moetool.export.heldout import held_out_text
 from moetool.export.parity import ParityRecord
 from moetool.extras import require
+from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.progress import Step, step_printer
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ class GraphExporter:
     def plan(self, req: ExportRequest) -> GraphPlan:
         return plan_graph(req, self.name)
 
-    def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> dict[str, Any]:
+    def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
 
         for module in self.runtime_modules:
             require(module, self.requires, why=f"--target {self.name}")
@@ -63,7 +65,7 @@ class GraphExporter:
 
     def write(
         self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         """Convert ``em`` (the ExportLM around transformers model ``hf``) into ``req.output`` atomically, check it
         against ``hf`` unless ``req.verify`` is off, and return the manifest (timed from ``started``); ``step``
         announces each stage as it starts."""
@@ -110,18 +112,16 @@ def finish_graph_manifest(
     plan: GraphPlan,
     files: dict[str, Path],
     main: str,
-    fields: dict[str, Any],
+    fields: Mapping[str, JsonValue],
     *,
     parity: ParityRecord | str,
     started: float,
     notes: list[str] | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Write the manifest into ``out_dir`` and return it: the common fields, the target's ``fields``, its conversion
     ``notes`` after the plan's, then parity and the time since ``started`` (``time.perf_counter``) last."""
-    manifest = graph_manifest(target, plan, files, main)
+    manifest = graph_manifest(target, plan, files, main, notes or ())
     manifest |= fields
-    if notes:
-        manifest["notes"] = manifest["notes"] + notes
     manifest |= {
         "parity": parity.to_json() if isinstance(parity, ParityRecord) else parity,
         "timing_s": {"total": round(time.perf_counter() - started, 3)},

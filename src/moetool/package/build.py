@@ -45,7 +45,7 @@ def _check_artifact(art: Artifact, weights: dict[str, str], model: Path, shas: d
     for rel, want in art.files().items():
         if shas.get(rel) != want:
             raise PackageError(f"{art.dir / rel}: sha256 differs from its manifest; it changed since export")
-    recorded = art.manifest["model"].get("weights_sha256") or {}
+    recorded = art.manifest.weights_sha256
     if recorded != weights:
         differ = sorted(n for n in set(recorded) | set(weights) if recorded.get(n) != weights.get(n))
         raise PackageError(

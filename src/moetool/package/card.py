@@ -196,14 +196,15 @@ def _artifacts_section(artifacts: list[Artifact]) -> str:
     rows, notes = [], []
     for a in artifacts:
         m = a.manifest
-        plan = m.get("plan", {})
+        plan = m.part("plan")
         bpw = plan.get("bits_per_weight")
         label = plan.get("label") or m.get("quant") or ""  # a method's own export names its precision itself
         rows.append(
-            f"| {a.target} | `{a.repo_dir}/{a.file}` | {label} | {_size(m['artifact']['bytes'])} | "
-            f"{f'{bpw:.2f}' if bpw else ''} | {m.get('device') or 'any'} | {_parity(m.get('parity'))} |"
+            f"| {a.target} | `{a.repo_dir}/{a.file}` | {label} | {_size(m.artifact_bytes or 0)} | "
+            f"{f'{bpw:.2f}' if isinstance(bpw, int | float) and bpw else ''} | {m.get('device') or 'any'} | "
+            f"{_parity(m.get('parity'))} |"
         )
-        notes += [f"- `{a.repo_dir}`: {n}" for n in m.get("notes", [])]
+        notes += [f"- `{a.repo_dir}`: {n}" for n in m.notes]
     return (
         "## On-device artifacts\n\nParity compares each artifact in its runtime with this checkpoint in transformers "
         "(float32) on held-out text. Float plans must meet a gate; quantized plans are reported (a GGUF must also "

@@ -49,10 +49,7 @@ class Artifact:
     def files(self) -> dict[str, str | None]:
         """Every file of the artifact (relative path → sha256 from the manifest): graph targets list several
         (ONNX's two graphs, a Core ML package's contents), GGUF has one."""
-        listed = self.manifest.get("files")
-        if listed:
-            return {str(rel): info.get("sha256") for rel, info in listed.items()}
-        return {self.file: self.manifest["artifact"].get("sha256")}
+        return self.manifest.file_hashes
 
 
 @dataclass
@@ -87,7 +84,7 @@ def load_artifact(path: Path) -> Artifact:
 
 def _pointed_model(art: Artifact, run: Path) -> Path:
     """The model directory an artifact was exported from; a run directory that moved is searched by name."""
-    recorded = Path(art.manifest["model"].get("path") or "")
+    recorded = Path(art.manifest.model_path or "")
     for candidate in (recorded, run / recorded.name):
         if str(candidate) not in ("", ".") and is_model_dir(candidate):
             return candidate.resolve()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,16 +26,20 @@ from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
 from moetool.io.atomic import atomic_dir
+from moetool.io.jsontypes import JsonObject
 from moetool.progress import Step
 
 if TYPE_CHECKING:
+    from coremltools.models import MLModel
+    from coremltools.optimize.coreml import OpLinearQuantizerConfig
+
     from moetool.export.graph.model import ExportLM
 
 BLOCK = 32
 COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
 
 
-def convert(model: Any, capacity: int, fp16: bool, compute_units: str) -> Any:
+def convert(model: ExportLM, capacity: int, fp16: bool, compute_units: str) -> MLModel:
     import coremltools as ct
 
     wrapper = StatefulLM(model, capacity).eval()
@@ -70,12 +74,12 @@ def weight_op_name(export_name: str, fp16: bool) -> str:
     return base + ("_to_fp16" if fp16 else "")
 
 
-def compress(ml: Any, precisions: dict[str, str], fp16: bool) -> tuple[Any, dict[str, str]]:
+def compress(ml: MLModel, precisions: dict[str, str], fp16: bool) -> tuple[MLModel, dict[str, str]]:
     """int4 per-block (32) or int8 per-channel linear quantization by weight name; others untouched."""
     import coremltools.optimize.coreml as cto
 
     meta = cto.get_weights_metadata(ml, weight_threshold=64)  # lower thresholds trip on list consts
-    configs: dict[str, Any] = {}
+    configs: dict[str, OpLinearQuantizerConfig] = {}
     applied: dict[str, str] = {}
     for name, p in precisions.items():
         op = weight_op_name(name, fp16)
@@ -105,7 +109,7 @@ def compress(ml: Any, precisions: dict[str, str], fp16: bool) -> tuple[Any, dict
     return cto.linear_quantize_weights(ml, cto.OptimizationConfig(op_name_configs=configs)), applied
 
 
-def structure(ml: Any, path: Path) -> dict[str, Any]:
+def structure(ml: MLModel, path: Path) -> JsonObject:
     import coremltools as ct
 
     spec = ml.get_spec()
@@ -118,7 +122,7 @@ def structure(ml: Any, path: Path) -> dict[str, Any]:
         "inputs": [i.name for i in spec.description.input],
         "outputs": [o.name for o in spec.description.output],
         "reloads": reloaded.get_spec().specificationVersion == spec.specificationVersion,
-        "ops": dict(ops.most_common()),
+        "ops": {**dict(ops.most_common())},
         "compressed_weight_ops": {k: v for k, v in ops.items() if k.startswith("constexpr_")},
     }
 
@@ -178,7 +182,7 @@ class CoreMLExporter(GraphExporter):
 
     def write(
         self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         units = _compute_units(req)
         max_pos = int(plan.config.get("max_position_embeddings", 2048))
         capacity = min(max_pos, plan.context)
@@ -197,7 +201,7 @@ class CoreMLExporter(GraphExporter):
                 step("checking the traced wrapper against transformers (Core ML predicts only on macOS)")
             parity: ParityRecord | str = _wrapper_parity(req, hf, em, capacity) if req.verify else NOT_VERIFIED
             files = {p.relative_to(tmp).as_posix(): p for p in path.rglob("*") if p.is_file()}
-            fields = {
+            fields: JsonObject = {
                 "file": "model.mlpackage",  # a package is a folder: its Manifest.json stands for it in the hashes
                 "runtime": "Core ML (iOS 18 / macOS 15), stateful KV cache",
                 "compute_units": units,

@@ -8,8 +8,6 @@ Buffers: ``k_cache``/``v_cache`` [layers, 1, kv_heads, capacity, head_dim].
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -35,7 +33,7 @@ class StatefulLM(nn.Module):
         begin = end - t
         x = m.embed(input_ids)
         cos, sin = m.rope(position_ids)
-        blocks: list[Any] = list(m.layers)
+        blocks = m.blocks()
         for i, block in enumerate(blocks):
             a = block.attn
             q, k, v = qkv_rope(a, block.attn_norm(x), cos, sin, bt=(1, t))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import nn
+    from torch.export import ExportedProgram
 
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,11 @@ from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
+from moetool.io.jsontypes import JsonObject
 from moetool.progress import Step
 
 
-def export_programs(model: Any) -> Any:
+def export_programs(model: ExportLM) -> tuple[ExportedProgram, ExportedProgram]:
     """torch.export both methods (strict tracing: the non-strict path adds stride guards it then rejects)."""
 
     seq = torch.export.Dim("seq", min=2, max=4096)
@@ -49,7 +51,7 @@ def export_programs(model: Any) -> Any:
     return pre, dec
 
 
-def quantize_modules(model: Any, precisions: dict[str, str]) -> tuple[dict[str, int], list[str]]:
+def quantize_modules(model: nn.Module, precisions: dict[str, str]) -> tuple[dict[str, int], list[str]]:
     """torchao weight quantization of the Linear modules the plan puts at int8/int4; returns counts and notes.
 
     int4 groups are 32 wide; a layer whose input width is not a multiple of 32 gets int8 instead (with a note).
@@ -84,7 +86,7 @@ def quantize_modules(model: Any, precisions: dict[str, str]) -> tuple[dict[str, 
     return counts, notes
 
 
-def lower(model: Any, step: Step | None = None) -> bytes:
+def lower(model: ExportLM, step: Step | None = None) -> bytes:
     """Both methods of ``model`` lowered to XNNPACK: the ``.pte`` program's bytes."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
@@ -125,7 +127,7 @@ class ExecuTorchExporter(GraphExporter):
 
     def write(
         self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
 
         if not is_float_plan(plan):
             step("quantizing the linear layers with torchao")
@@ -142,10 +144,10 @@ class ExecuTorchExporter(GraphExporter):
                 gate_as = "ExecuTorch (fp32)" if is_float_plan(plan) else None
                 runtime = "executorch (XNNPACK)"
                 parity = runtime_parity(req, hf, ref_model, prefill, decode, runtime=runtime, gate_as=gate_as)
-            fields = {
+            fields: JsonObject = {
                 "runtime": "executorch.runtime, XNNPACK delegate",
                 "methods": {"forward": "prefill", "decode": "one token with KV cache"},
-                "quantized_linears": counts,
+                "quantized_linears": {**counts},
                 "moe_kernel": dense_moe_kernel("executorch", em.moe_layers()),
             }
             files = {"model.pte": path}

@@ -4,6 +4,7 @@ optional-dependency check and the manifest."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from moetool.export.graph.precision import graph_precision
 from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
 from moetool.io.budget import Need, human
 from moetool.io.checkpoint import Checkpoint
+from moetool.io.jsontypes import JsonObject
 
 
 class GraphPlan(ArtifactPlan):
@@ -26,13 +28,13 @@ class GraphPlan(ArtifactPlan):
 
 def onnx_export(
     module: torch.nn.Module,
-    args: tuple[Any, ...],
+    args: tuple[torch.Tensor, ...],
     path: Path,
     *,
     inputs: list[str],
     outputs: list[str],
     dynamic_shapes: Any,
-    custom_translation_table: dict[Any, Any] | None = None,
+    custom_translation_table: dict[Callable[..., object], Callable[..., object]] | None = None,
 ) -> None:
     """Trace ``module`` on ``args`` to ONNX at ``path`` the way every moetool graph is traced: the dynamo exporter
     (symbolic shapes from ``dynamic_shapes``), graph optimisation on, trace metadata (module scopes) kept for
@@ -51,7 +53,7 @@ def onnx_export(
     )
 
 
-def meta_export_model(config: dict[str, Any]) -> Any:
+def meta_export_model(config: Mapping[str, Any]) -> ExportLM:
     """An ExportLM on the meta device: its parameter names and shapes, no weights read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,8 +91,14 @@ def graph_need(target: str, plan: GraphPlan, multiple: float, measured: bool, ou
     )
 
 
-def graph_manifest(target: str, plan: GraphPlan, files: dict[str, Path], main: str) -> dict[str, Any]:
-    """:func:`moetool.export.planning.manifest_base` plus the fp32/int8/int4 counts the graph runtime stores."""
+def graph_manifest(
+    target: str, plan: GraphPlan, files: dict[str, Path], main: str, notes: Sequence[str] = ()
+) -> JsonObject:
+    """:func:`moetool.export.planning.manifest_base` plus the fp32/int8/int4 counts the graph runtime stores, and the
+    target's conversion ``notes`` after the plan's."""
     manifest = manifest_base(target, plan, files, main)
     manifest["plan"]["graph_precisions"] = dict(Counter(plan.precisions().values()))
-    return manifest
+    if notes:
+        manifest["notes"] = manifest["notes"] + list(notes)
+    doc: JsonObject = manifest
+    return doc

@@ -17,7 +17,8 @@ Shapes: ``input_ids`` [B, T] int64; ``position_ids`` [B, T] int64; ``mask`` [B, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -32,6 +33,49 @@ from moetool.export.graph.rope import GraphRope
 from moetool.export.graph.sparse import fuse_experts, sparse_moe
 
 NEG = -1e9  # additive mask value: finite, so a fully masked row stays finite in every runtime
+
+
+class HFNorm(Protocol):
+    """A transformers norm (or router) as read here: its weight."""
+
+    weight: torch.Tensor
+
+
+class HFLinear(HFNorm, Protocol):
+    """A transformers projection: its weight and its bias (None without one)."""
+
+    bias: torch.Tensor | None
+
+
+class HFAttention(Protocol):
+    """A transformers attention module's projections (``q_norm``/``k_norm`` are read where present)."""
+
+    q_proj: HFLinear
+    k_proj: HFLinear
+    v_proj: HFLinear
+    o_proj: HFLinear
+
+
+class HFDecoderLayer(Protocol):
+    """A transformers decoder layer: its two norms and its attention (the MLP is read by the caller)."""
+
+    input_layernorm: HFNorm
+    post_attention_layernorm: HFNorm
+    self_attn: HFAttention
+
+
+class HFExperts(Protocol):
+    """transformers 5's fused experts: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]."""
+
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+
+class HFMoE(Protocol):
+    """A transformers MoE block: its router and fused experts (a shared expert and its gate are read where present)."""
+
+    gate: HFNorm
+    experts: HFExperts
 
 
 class RMSNorm(nn.Module):
@@ -97,7 +141,7 @@ class DenseMaskedMoE(nn.Module):
     def make_sparse(self) -> None:
         """Route through ``moetool::sparse_moe`` (lowered to a runtime's sparse MoE kernel) from now on; the fused
         expert weights it reads are buffers, so the per-expert Linears drop out of a traced graph."""
-        experts: list[Any] = list(self.experts)
+        experts = [e for e in self.experts if isinstance(e, GatedMLP)]
         fc1, fc2 = fuse_experts(
             [e.gate_proj.weight for e in experts],
             [e.up_proj.weight for e in experts],
@@ -142,7 +186,7 @@ def rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:
 
 
 def qkv_rope(
-    a: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bt: tuple[Any, Any] | None = None
+    a: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bt: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Projections of ``h`` [B, T, D] by Attention ``a``, with q/k norms and rope: q [B, H, T, hd], k/v [B, kv, T, hd].
 
@@ -161,7 +205,12 @@ def qkv_rope(
 
 
 def attend(
-    a: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, bt: tuple[Any, Any] | None = None
+    a: Attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    bt: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Masked attention of q [B, H, T, hd] over k/v [B, kv, S, hd] → the output projection's result [B, T, D].
 
@@ -180,7 +229,7 @@ def attend(
 
 
 class Attention(nn.Module):
-    def __init__(self, attn: Any, cfg: PretrainedConfig, eps: float) -> None:
+    def __init__(self, attn: HFAttention, cfg: PretrainedConfig, eps: float) -> None:
         super().__init__()
         self.n_head = int(cfg.num_attention_heads)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_head)
@@ -212,7 +261,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, layer: Any, cfg: PretrainedConfig, eps: float, mlp: nn.Module) -> None:
+    def __init__(self, layer: HFDecoderLayer, cfg: PretrainedConfig, eps: float, mlp: nn.Module) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(layer.input_layernorm.weight, eps)
         self.attn = Attention(layer.self_attn, cfg, eps)
@@ -233,7 +282,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ffn_norm(x)), k, v
 
 
-def _moe(mlp: Any, cfg: PretrainedConfig, rec: ModelFacts) -> nn.Module:
+def _moe(mlp: HFMoE, cfg: PretrainedConfig, rec: ModelFacts) -> nn.Module:
     """Per-expert MLPs from transformers 5's fused expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
     ex = mlp.experts
     inter = ex.down_proj.shape[-1]
@@ -291,6 +340,10 @@ class ExportLM(nn.Module):
         self.n_kv = blocks[0].attn.n_kv
         self.head_dim = blocks[0].attn.head_dim
 
+    def blocks(self) -> list[Block]:
+        """The decoder blocks (``layers`` is their ``nn.ModuleList``)."""
+        return [b for b in self.layers if isinstance(b, Block)]
+
     def make_sparse(self) -> int:
         """Every MoE block through ``moetool::sparse_moe`` (see :meth:`DenseMaskedMoE.make_sparse`); returns how many."""
         for block in self.layers:
@@ -333,7 +386,7 @@ def prefill_inputs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids, pos, causal_mask(t, 0, b)
 
 
-def load_export_model(model_dir: Any) -> tuple[Any, ExportLM]:
+def load_export_model(model_dir: Path | str) -> tuple[nn.Module, ExportLM]:
     """(transformers model in fp32, its ExportLM)."""
     from transformers import AutoModelForCausalLM
 

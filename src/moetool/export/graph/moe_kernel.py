@@ -18,7 +18,7 @@ Selecting each token's top-k experts in a static graph takes one of two forms, a
 
 from __future__ import annotations
 
-from typing import Any
+from moetool.io.jsontypes import JsonObject
 
 REASONS: dict[str, str] = {
     "executorch": (
@@ -40,7 +40,7 @@ OPS: dict[str, str] = {
 }
 
 
-def dense_moe_kernel(target: str, moe_layers: int) -> dict[str, Any]:
+def dense_moe_kernel(target: str, moe_layers: int) -> JsonObject:
     """The ``moe_kernel`` manifest field of ``target`` (executorch or tflite), whose ``moe_layers`` MoE blocks are
     all dense-masked; ``reason`` is None for a model without MoE blocks (nothing to select)."""
     if target not in REASONS:

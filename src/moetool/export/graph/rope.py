@@ -18,7 +18,7 @@ Shapes: ``position_ids`` [B, T] int64 → cos, sin [B, 1, T, head_dim].
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -34,13 +34,20 @@ def rope_type(cfg: PretrainedConfig) -> str:
     return str(params.get("rope_type", "default"))
 
 
+class HFRotary(Protocol):
+    """A transformers rotary embedding: its (current) inverse frequencies; ``original_inv_freq`` and
+    ``attention_scaling`` are read where present."""
+
+    inv_freq: torch.Tensor
+
+
 class GraphRope(nn.Module):
     """cos/sin for explicit positions; built from a loaded transformers model's config and rotary embedding."""
 
     inv_freq: torch.Tensor
     long_inv_freq: torch.Tensor
 
-    def __init__(self, cfg: PretrainedConfig, rotary: Any) -> None:
+    def __init__(self, cfg: PretrainedConfig, rotary: HFRotary) -> None:
         super().__init__()
         kind = rope_type(cfg)
         if kind not in SUPPORTED_ROPE:

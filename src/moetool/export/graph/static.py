@@ -9,8 +9,6 @@ padded slots are overwritten by later decode steps); decode is T = 1.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -33,7 +31,7 @@ class StaticCacheLM(nn.Module):
         x = m.embed(input_ids)
         cos, sin = m.rope(position_ids)
         out: list[torch.Tensor] = []
-        blocks: list[Any] = list(m.layers)
+        blocks = m.blocks()
         for i, block in enumerate(blocks):
             a = block.attn
             q, k, v = qkv_rope(a, block.attn_norm(x), cos, sin)

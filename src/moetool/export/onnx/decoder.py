@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,11 @@ from torch import nn
 from moetool.arch.records import require_record
 from moetool.export.graph.common import onnx_export
 from moetool.export.graph.model import NEG, ExportLM
+from moetool.export.jsonnum import integer
+from moetool.io.jsontypes import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
 
 # files a runner reads beside the graph: the tokenizer (onnxruntime-extensions reads tokenizer.json and its config),
 # the chat template, and the configs optimum and people look for
@@ -61,7 +67,9 @@ class OnnxDecoder(nn.Module):
         return out
 
 
-def export_decoder(em: ExportLM, path: Path, custom_translation_table: dict[Any, Any] | None = None) -> None:
+def export_decoder(
+    em: ExportLM, path: Path, custom_translation_table: dict[Callable[..., object], Callable[..., object]] | None = None
+) -> None:
     """Trace :class:`OnnxDecoder` with every batch and length dimension dynamic (an example past of 3 positions, so
     none is specialised to 0 or 1 and an empty past runs too). The exporter names the dimensions (:func:`name_dims`)
     in the one pass that loads, quantizes and saves the graph."""
@@ -88,7 +96,7 @@ def export_decoder(em: ExportLM, path: Path, custom_translation_table: dict[Any,
     )
 
 
-def name_dims(model: Any) -> None:
+def name_dims(model: ModelProto) -> None:
     """Rename the exporter's symbols (``s10``, …) after the roles the inputs give them, everywhere they occur."""
     roles = {"input_ids": ("batch_size", "sequence_length"), "attention_mask": ("batch_size", "total_sequence_length")}
     graph = model.graph
@@ -110,13 +118,15 @@ def name_dims(model: Any) -> None:
                 d.dim_param = rename[d.dim_param]
 
 
-def _token_ids(value: Any) -> list[int]:
+def _token_ids(value: JsonValue) -> list[int]:
     if value is None:
         return []
-    return [int(v) for v in (value if isinstance(value, list) else [value])]
+    return [
+        integer(v, "eos_token_id", "generation_config.json") for v in (value if isinstance(value, list) else [value])
+    ]
 
 
-def genai_config(model_dir: Path, em: ExportLM, filename: str, context: int) -> dict[str, Any]:
+def genai_config(model_dir: Path, em: ExportLM, filename: str, context: int) -> JsonObject:
     """``genai_config.json`` for the decoder: its I/O names, shapes of the cache, the special ids from the model's
     generation config (else its config), greedy search by default."""
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -126,11 +136,11 @@ def genai_config(model_dir: Path, em: ExportLM, filename: str, context: int) -> 
     pad = gen.get("pad_token_id", cfg.get("pad_token_id"))
     # onnxruntime-genai checks `type` (the record's); the graph I/O is what it runs
     rec = require_record(cfg["model_type"], "onnxruntime-genai model type")
-    attn: Any = em.layers[0].attn
+    attn = em.blocks()[0].attn
     return {
         "model": {
             "bos_token_id": gen.get("bos_token_id", cfg.get("bos_token_id")),
-            "eos_token_id": eos,
+            "eos_token_id": [*eos],
             "pad_token_id": eos[0] if pad is None and eos else pad,
             "context_length": context,
             "type": rec.genai_type,

@@ -9,7 +9,7 @@ tokenizer and config files.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.graph.common import GraphPlan
@@ -21,9 +21,11 @@ from moetool.export.onnx.runner import genai_check, ort_runners, ort_session
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
+from moetool.io.jsontypes import JsonObject
 from moetool.progress import Step
 
 if TYPE_CHECKING:
+    from onnx import ModelProto
     from torch import nn
 
     from moetool.export.graph.model import ExportLM
@@ -70,14 +72,14 @@ class ONNXExporter(GraphExporter):
 
     def write(
         self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         import onnxruntime as ort
 
         precisions = plan.precisions()
         sparse = moe_kernel(req) == "sparse" and em.make_sparse() > 0
         qmoe: dict[str, int] = {}
 
-        def before_quantizing(model: Any) -> list[str]:
+        def before_quantizing(model: ModelProto) -> list[str]:
             name_dims(model)
             if not sparse:
                 return []
@@ -95,7 +97,7 @@ class ONNXExporter(GraphExporter):
             context = min(plan.context, int(plan.config.get("max_position_embeddings", plan.context)))
             side = write_runner_files(req.model_dir, tmp, em, path.name, context)
             parity: ParityRecord | str = NOT_VERIFIED
-            generation: dict[str, Any] | str | None = NOT_VERIFIED
+            generation: JsonObject | str = NOT_VERIFIED
             if req.verify:
                 step("checking the graph in onnxruntime against transformers")
                 prefill, decode = ort_runners(ort_session(path), em.n_layers, em.n_kv, em.head_dim)
@@ -104,25 +106,25 @@ class ONNXExporter(GraphExporter):
                 parity = runtime_parity(req, hf, em, prefill, decode, runtime=runtime, gate_as=gate_as)
                 generation = genai_check(tmp, hf, _genai_prompt(req)) or "onnxruntime-genai not installed"
             files = {p.name: p for p in sorted(tmp.iterdir()) if p.is_file()}
-            fields = {
+            fields: JsonObject = {
                 "runtime": f"onnxruntime {ort.__version__}",
                 "interface": {
                     "graph": path.name,
                     "inputs": "input_ids, attention_mask (int64 [batch, past + new]), position_ids, "
                     "past_key_values.{i}.key|value (empty for the prefill)",
                     "outputs": "logits, present.{i}.key|value",
-                    "runner_files": side,
+                    "runner_files": [*side],
                 },
-                "quantized_nodes": counts,
+                "quantized_nodes": {**counts},
                 "moe_kernel": {
                     "kind": "sparse" if sparse else "dense-masked",
                     "op": ("QMoE" if any(qmoe.values()) else "MoE") + " (com.microsoft, onnxruntime only)"
                     if sparse
                     else "every expert as standard MatMuls, unchosen ones weighted 0 (any ONNX runtime)",
                     "layers": em.sparse_moe_layers(),
-                    "experts_quantized": qmoe,
+                    "experts_quantized": {**qmoe},
                 },
-                "ops": _count_ops(path),
+                "ops": {**_count_ops(path)},
                 "generation": generation,
             }
             manifest = finish_graph_manifest(

@@ -13,14 +13,17 @@ moetool's default), so 8-bit experts are stored in blocks of 32 then, and per ro
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from moetool.export.onnx import quantize
 from moetool.export.onnx.quantize import BLOCK, module_of
 
-_SWIGLU = {"activation_type": "swiglu", "swiglu_fusion": 1}
+if TYPE_CHECKING:
+    from onnx import ModelProto
+
+_SWIGLU: dict[str, int | str] = {"activation_type": "swiglu", "swiglu_fusion": 1}
 
 
 def register_moe_schema() -> None:
@@ -56,7 +59,7 @@ def register_moe_schema() -> None:
     )
 
 
-def translation_table() -> dict[Any, Callable[..., Any]]:
+def translation_table() -> dict[Callable[..., object], Callable[..., object]]:
     """``custom_translation_table`` for ``torch.onnx.export``: the sparse op as one MoE node."""
     import onnxscript
     import torch
@@ -95,7 +98,7 @@ def _quantize(w: np.ndarray, bits: int, block: int | None) -> tuple[np.ndarray, 
     return q, (scale[..., 0] if block is None else scale)
 
 
-def to_qmoe(model: Any, precisions: dict[str, str], scope: str) -> tuple[dict[str, int], list[str]]:
+def to_qmoe(model: ModelProto, precisions: dict[str, str], scope: str) -> tuple[dict[str, int], list[str]]:
     """Turn each MoE node whose layer's experts the plan quantizes into a QMoE with those weights; returns experts
     quantized per precision and notes (a layer whose experts the plan mixes takes the widest of them)."""
     from onnx import helper, numpy_helper
@@ -134,7 +137,7 @@ def to_qmoe(model: Any, precisions: dict[str, str], scope: str) -> tuple[dict[st
         graph.initializer.extend(new_inits)
         k = next(a.i for a in node.attribute if a.name == "k")
         norm = next(a.i for a in node.attribute if a.name == "normalize_routing_weights")
-        attrs: dict[str, Any] = {"k": k, "normalize_routing_weights": norm, "expert_weight_bits": bits, **_SWIGLU}
+        attrs: dict[str, int | str] = {"k": k, "normalize_routing_weights": norm, "expert_weight_bits": bits, **_SWIGLU}
         attrs["accuracy_level"] = quantize.ACCURACY_LEVEL
         if block is not None:
             attrs["block_size"] = block
@@ -144,7 +147,8 @@ def to_qmoe(model: Any, precisions: dict[str, str], scope: str) -> tuple[dict[st
         at = list(graph.node).index(node)
         graph.node.remove(node)
         graph.node.insert(at, helper.make_node("Softmax", [logits], [probs], name=f"{node.name}.softmax", axis=-1))
-        qmoe = helper.make_node("QMoE", inputs, list(node.output), name=node.name, domain="com.microsoft", **attrs)
+        qmoe = helper.make_node("QMoE", inputs, list(node.output), name=node.name, domain="com.microsoft")
+        qmoe.attribute.extend(helper.make_attribute(key, value) for key, value in sorted(attrs.items()))  # as make_node
         graph.node.insert(at + 1, qmoe)
         for name in (node.input[2], node.input[4]):
             if not any(name in n.input for n in graph.node):

@@ -8,9 +8,12 @@ import ast
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from onnx import ModelProto, NodeProto
 
 BLOCK = 32
 # MatMulNBits/QMoE compute with int8 activations (as llama.cpp's q8_0 and k-quant dot products do): on this 2-core
@@ -20,7 +23,7 @@ ACCURACY_LEVEL = 4
 _QUANTIZABLE = ("MatMul", "Gather")
 
 
-def module_of(node: Any) -> str | None:
+def module_of(node: NodeProto) -> str | None:
     """The ExportLM module a node was traced from (the dynamo exporter records its name scopes)."""
     for prop in node.metadata_props:
         if prop.key == "pkg.torch.onnx.name_scopes":
@@ -29,8 +32,8 @@ def module_of(node: Any) -> str | None:
     return None
 
 
-def _planned(model: Any, precisions: dict[str, str], scope: str) -> dict[str, list[Any]]:
-    groups: dict[str, list[Any]] = {"int8": [], "int4": []}
+def _planned(model: ModelProto, precisions: dict[str, str], scope: str) -> dict[str, list[NodeProto]]:
+    groups: dict[str, list[NodeProto]] = {"int8": [], "int4": []}
     for node in model.graph.node:
         if node.op_type in _QUANTIZABLE:
             module = module_of(node)
@@ -44,7 +47,7 @@ def quantize_graph(
     path: Path,
     precisions: dict[str, str],
     scope: str = "",
-    before: Callable[[Any], list[str]] | None = None,
+    before: Callable[[ModelProto], list[str]] | None = None,
 ) -> tuple[dict[str, int], list[str]]:
     """Quantize MatMul/Gather weights in place per ``precisions`` (export parameter name → fp32 | int8 | int4);
     ``scope`` is the traced module's prefix before those names (``em.`` for a wrapper whose ``em`` is ExportLM);
@@ -92,7 +95,7 @@ def quantize_graph(
     return done, first + notes
 
 
-def gather_int8(model: Any, node_names: set[str]) -> set[str]:
+def gather_int8(model: ModelProto, node_names: set[str]) -> set[str]:
     """Replace each named ``Gather`` over a constant [V, D] table with int8 rows and one fp32 scale per block of
     32 (symmetric, as q8_0): Gather both, multiply, reshape back. Returns the names replaced; a Gather over anything
     but an initializer is left as it is."""
@@ -146,7 +149,7 @@ def gather_int8(model: Any, node_names: set[str]) -> set[str]:
     return replaced
 
 
-def save_model(model: Any, path: Path) -> None:
+def save_model(model: ModelProto, path: Path) -> None:
     """One file when it fits protobuf's 2 GB limit, else one external-data file beside it (stale ones removed)."""
     import onnx
 

@@ -4,16 +4,20 @@ generation in onnxruntime-genai from the written folder, compared with transform
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.onnx.decoder import past_names
+from moetool.io.jsontypes import JsonObject
+
+if TYPE_CHECKING:
+    from onnxruntime import InferenceSession
 
 
-def ort_session(path: Path) -> Any:
+def ort_session(path: Path) -> InferenceSession:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -21,7 +25,7 @@ def ort_session(path: Path) -> Any:
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def ort_runners(session: Any, n_layers: int, kv_heads: int, head_dim: int) -> tuple[Prefill, Decode]:
+def ort_runners(session: InferenceSession, n_layers: int, kv_heads: int, head_dim: int) -> tuple[Prefill, Decode]:
     """Prefill (an empty past) and one-token decode calls into ``session``, batch 1, no padding."""
     names = past_names(n_layers)
 
@@ -46,7 +50,7 @@ def ort_runners(session: Any, n_layers: int, kv_heads: int, head_dim: int) -> tu
     return prefill, decode
 
 
-def genai_check(out_dir: Path, hf: Any, prompt: list[int], new_tokens: int = 16) -> dict[str, Any] | None:
+def genai_check(out_dir: Path, hf: Any, prompt: list[int], new_tokens: int = 16) -> JsonObject | None:
     """Greedy tokens from onnxruntime-genai driving ``out_dir`` against transformers' on the same prompt ids; None
     when onnxruntime-genai is not installed (the ``onnx`` extra installs it)."""
     try:
