@@ -17,7 +17,7 @@ def test_verification_streams_when_the_16bit_model_does_not_fit_with_the_residen
     monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
     # deep and narrow, as real models are: one layer is a small part of the whole
     root = tmp_path / "deep"
-    base = save_dense(root / "base", num_hidden_layers=6, tie_word_embeddings=True)
+    base = save_dense(root / "base", num_hidden_layers=8, tie_word_embeddings=True)
     family = {"base": base} | {f"e{i}": save_dense(root / f"e{i}", seed=i, base=base, mlp_noise=0.3) for i in (1, 2, 3)}
     recipe = write_tuning_recipe(root, family, steps=1)
     recipe.write_text(recipe.read_text().replace("gate_mode: random\n", "gate_mode: random\ndtype: bfloat16\n"))

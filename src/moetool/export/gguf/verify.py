@@ -131,12 +131,13 @@ def stream_reference(params: int, config: dict[str, Any]) -> bool:
 
 
 def streamed_need(params: int, config: dict[str, Any]) -> int:
-    """Bytes a streamed reference holds: the weights outside the layer stack and one layer, in float32, twice over
-    (as read and as laid out), and the verification's activations (:data:`VERIFY_OVERHEAD`)."""
+    """Bytes a streamed reference holds: the weights outside the layer stack and one layer in float32, three times
+    over (as read, cast, and stacked as transformers lays out the experts: :func:`moetool.eval.perplexity.eval_need`),
+    and the verification's activations (:data:`VERIFY_OVERHEAD`)."""
     from moetool.compute.upcast import layer_bytes
 
     outside, layer = layer_bytes(config, params)
-    return outside + 2 * layer + VERIFY_OVERHEAD
+    return outside + 3 * layer + VERIFY_OVERHEAD
 
 
 @contextlib.contextmanager
