@@ -103,8 +103,10 @@ def describe(r: ParityRecord | str | None) -> str:
             parts.append(f"{name}: not exported ({m.reason})" if isinstance(m, Refused) else f"{name}: {describe(m)}")
         return "; ".join(parts)
     text = f"{verdict_text(r)}: {'; '.join(figures(r)) or 'no figures'}"
-    if r.runtime_not_run is not None:  # the figures are the converted torch wrapper's, not the runtime's
-        text = f"torch wrapper that was converted ({r.runtime_not_run}): {text}"
+    if r.runtime_not_run is not None:  # the figures are the converted torch wrapper's, not Core ML's (macOS only)
+        text = (
+            f"torch wrapper that was converted (Core ML runs on macOS only; see scripts/coreml_parity_mac.py): {text}"
+        )
     return text
 
 
