@@ -115,10 +115,21 @@ def _fake_hybrid(path: Path) -> Path:
 
     path.mkdir(parents=True)
     save_file(HybridRouter(3, 4, 2).state_dict(), str(path / "router.safetensors"))
+    # every field hybrid.json is checked for when it is read back (methods.hybrid.records.model_meta_from_json)
+    experts = [
+        {"name": n, "source": str(path / n), "path": str(path / n), "model_type": "llama", "kind": "transformer"}
+        for n in ("small", "large")
+    ]
+    layout = {"length": False, "n_domains": 0, "hidden_dim": 0, "max_length": 64}
+    router = {"in_features": 3, "hidden_size": 4, "utility_head": False, "layout": layout, "decision": "argmax",
+              "granularity": "sequence", "encoder_layers": 0, "parameters": 26}  # fmt: skip
     meta = {
-        "experts": [{"name": "small"}, {"name": "large"}],
+        "format": 1,
+        "method": "hybrid",
+        "name": "fake",
+        "experts": experts,
         "tokenizer": {"vocab_size": 320},
-        "router": {"in_features": 3, "hidden_size": 4, "utility_head": False, "layout": {"max_length": 64}},
+        "router": router,
         "costly": "large",
     }
     (path / "hybrid.json").write_text(json.dumps(meta))
