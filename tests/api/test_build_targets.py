@@ -232,9 +232,9 @@ def test_embedding_builds_and_packages_every_graph_target(inputs, tmp_path):
     assert (repo / "coreml" / "coreml" / "model.mlpackage" / "Manifest.json").is_file()
 
 
-# GEM's pathways to TFLite and ExecuTorch take 4-5 minutes each here (they passed, 2026-11-28); the members go
-# through the same exporters as hybrid's, which runs every target
-BUNDLE_CASES = [("gem", "coreml"), ("hybrid", "tflite"), ("hybrid", "coreml"), ("hybrid", "executorch")]
+# Every pair passed here on 2026-11-28; the ExecuTorch ones and GEM's TFLite one take 2-5 minutes each, so CI keeps
+# the others (the members go through the same standard exporters whatever the method)
+BUNDLE_CASES = [("gem", "coreml"), ("hybrid", "tflite"), ("hybrid", "coreml")]
 
 
 @pytest.mark.slow
