@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ from moetool.export.base import ExportError
 from moetool.export.graph.model import prefill_inputs
 from moetool.export.heldout import agreement, windows
 from moetool.export.parity import DecodeCheck, ParityRecord
-from moetool.io.jsontypes import JsonObject, JsonValue
+from moetool.io.jsontypes import JsonObject
 
 Prefill = Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]]  # ids [1, T] → (logits, present)
 Decode = Callable[[np.ndarray, int, list[np.ndarray]], tuple[np.ndarray, list[np.ndarray]]]  # (ids [1,1], pos, past)
@@ -88,7 +88,7 @@ def graph_parity(
     runtime: str,
     seq_lens: tuple[int, ...] = (32, 128),
 ) -> JsonObject:
-    """:func:`measure_graph` as the manifest's JSON (for the methods' exporters that still build a dict)."""
+    """:func:`measure_graph` as the manifest's JSON (for the TFLite worker, which reports JSON to its parent)."""
     return measure_graph(hf, export_model, tok, text, prefill, decode, runtime=runtime, seq_lens=seq_lens).to_json()
 
 
@@ -107,12 +107,3 @@ def judge(record: ParityRecord, what: str, *, limit: float = FP32_GATE) -> Parit
         shown = "unmeasured" if worst is None else f"{worst:.3g}"
         raise ExportError(f"{what} parity failed: max |Δlogit| {shown} > {limit:g}")
     return judged
-
-
-def gate(parity: Mapping[str, JsonValue], what: str, *, limit: float = FP32_GATE) -> None:
-    """:func:`judge` of a parity dict (for the methods' exporters that still build one).
-
-    Raises:
-        ExportError: the worst difference exceeds ``limit``.
-    """
-    judge(ParityRecord.from_json(parity), what, limit=limit)
