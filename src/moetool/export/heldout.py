@@ -120,14 +120,26 @@ class Agreement:
 
 
 def reference_logits(model: nn.Module, seqs: list[list[int]]) -> list[np.ndarray]:
-    """``model``'s (transformers) float32 logits ``[T, V]`` for each of ``seqs``, one forward pass each."""
+    """``model``'s (transformers) float32 logits ``[T, V]`` for each of ``seqs``, in order: one forward pass each,
+    or, for a model streamed from disk (:mod:`moetool.compute.stream`: each pass reads every layer), one pass per
+    sequence length."""
     import torch
 
-    out = []
-    for ids in seqs:
-        with torch.no_grad():
-            out.append(model(torch.tensor([ids])).logits[0].float().numpy())
-    return out
+    from moetool.compute.stream import stream_of
+
+    if stream_of(model) is None:
+        out = []
+        for ids in seqs:
+            with torch.no_grad():
+                out.append(model(torch.tensor([ids])).logits[0].float().numpy())
+        return out
+    by_index: dict[int, np.ndarray] = {}
+    for length in sorted({len(s) for s in seqs}):
+        at = [i for i, s in enumerate(seqs) if len(s) == length]
+        with torch.inference_mode():
+            logits = model(torch.tensor([seqs[i] for i in at])).logits.float().numpy()  # [B, T, V]
+        by_index |= {i: logits[row] for row, i in enumerate(at)}
+    return [by_index[i] for i in range(len(seqs))]
 
 
 def agreement(

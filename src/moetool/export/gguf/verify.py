@@ -228,23 +228,8 @@ class LlamaRun:
         return agreement_of(self.logits, ref, self.probes, self.ppl_windows)
 
     def transformers_logits(self, model: nn.Module) -> list[np.ndarray]:
-        """``model``'s logits on the same ids, in the same order: one forward pass per window, or, for a model
-        streamed from disk (each pass reads every layer), one per window length."""
-        import torch
-
-        from moetool.compute.stream import stream_of
-
-        seqs = self.probes + self.ppl_windows
-        if stream_of(model) is None:
-            return reference_logits(model, seqs)
-        out: list[np.ndarray | None] = [None] * len(seqs)
-        for length in sorted({len(s) for s in seqs}):
-            at = [i for i, s in enumerate(seqs) if len(s) == length]
-            with torch.inference_mode():
-                logits = model(torch.tensor([seqs[i] for i in at])).logits.float().numpy()  # [B, T, V]
-            for row, i in enumerate(at):
-                out[i] = logits[row]
-        return [x for x in out if x is not None]
+        """``model``'s logits on the same ids, in the same order (:func:`reference_logits`)."""
+        return reference_logits(model, self.probes + self.ppl_windows)
 
 
 def reference_model(path: Path, storage: torch.dtype, *, streamed: bool = False) -> nn.Module:
