@@ -4,77 +4,24 @@ same global batch, and a run resumes under another process count (2 → 1, 1 →
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
-from tuning_fixtures import write_tuning_recipe
+from launch_fixtures import CONFIGS, launch, max_router_diff
 
-from moetool.api import assemble
 from moetool.errors import MoetoolError
 from moetool.recipe import load_recipe
 from moetool.train.distributed import local_micro_batches, make_accelerator
 from moetool.train.router_tuning import checkpoint_dir, train_router
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "examples" / "accelerate" / "cpu_multi_process.yaml"
-BIN = Path(sys.executable).parent
+CONFIG = CONFIGS / "cpu_multi_process.yaml"
 # float summation order differs (DDP's all-reduce of two means vs one accumulated sum) and Adam divides by √v, so
 # single-ulp gradient differences grow a little over the steps; measured max |Δ| is below 1e-6
 ATOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _launch(*args: str) -> str:
-    """``launch_worker.py`` as two gloo processes under ``accelerate launch`` on loopback; returns their output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIG), "--main_process_port", str(_free_port())]
-    worker = str(Path(__file__).with_name("launch_worker.py"))
-    proc = subprocess.run([*launch, worker, *args], env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
-
-
 def _stop_after_3(step, _metrics):
     if step == 3:
         raise KeyboardInterrupt
-
-
-def _routers(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys() if k.endswith(".gate.weight")}  # noqa: SIM118
-    assert out, f"no router weights in {path}"
-    return out
-
-
-def _max_diff(a: Path, b: Path) -> float:
-    ra, rb = _routers(a), _routers(b)
-    assert set(ra) == set(rb)
-    return max(float((ra[k] - rb[k]).abs().max()) for k in ra)
-
-
-@pytest.fixture(scope="module")
-def moe(tiny_models, tmp_path_factory):
-    """(recipe path, merged MoE, the output of one uninterrupted single-process run)."""
-    m = tiny_models("llama")
-    d = tmp_path_factory.mktemp("multiprocess")
-    recipe = write_tuning_recipe(d, m, steps=4)
-    model = assemble(recipe, d / "moe")
-    train_router(load_recipe(recipe), model, d / "one")
-    return recipe, model, d / "one"
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +32,7 @@ def launched(moe, tmp_path_factory):
     d = tmp_path_factory.mktemp("launched")
     with pytest.raises(KeyboardInterrupt):
         train_router(load_recipe(recipe), model, d / "resumed", callback=_stop_after_3)
-    log = _launch(str(recipe), str(model), str(d / "resumed"), str(d / "two"), str(d / "stopped"))
+    log = launch(CONFIG.name, str(recipe), str(model), str(d / "resumed"), str(d / "two"), str(d / "stopped"))
     assert "stopped after step 3" in log
     return log, d / "resumed", d / "two", d / "stopped"
 
@@ -120,9 +67,9 @@ def test_grad_accum_must_split_over_processes(monkeypatch):
     assert make_accelerator(4).distributed_type == "MULTI_CPU"
 
 
-def test_sharded_backends_are_refused(monkeypatch):
-    _fake_launch(monkeypatch, "FSDP")
-    with pytest.raises(MoetoolError, match="not FSDP"):
+def test_deepspeed_is_refused_with_the_reason(monkeypatch):
+    _fake_launch(monkeypatch, "DEEPSPEED")
+    with pytest.raises(MoetoolError, match="DeepSpeed ZeRO-3 is not supported: accelerate runs DeepSpeed only on"):
         make_accelerator(2)
 
 
@@ -137,13 +84,14 @@ def test_example_configs_parse():
         "one_gpu": "NO",
         "multi_gpu": "MULTI_GPU",
         "fsdp": "FSDP",
+        "fsdp_cpu": "FSDP",  # moetool shards the model itself, on CPUs as on GPUs
     }
 
 
 def test_two_processes_equal_one(moe, launched):
     recipe, _, one = moe
     _, _, two, _ = launched
-    diff = _max_diff(one, two)
+    diff = max_router_diff(one, two)
     print(f"max |Δ router| 1 vs 2 processes: {diff:.3g}")
     assert diff <= ATOL
     meta_one = json.loads((one / "moetool.json").read_text())["training"]
@@ -166,7 +114,7 @@ def test_resume_two_to_one(moe, launched):
     assert not out.exists() and checkpoint_dir(out).exists()
     res = train_router(load_recipe(recipe), model, out)
     assert res.resumed_from == 2
-    diff = _max_diff(one, out)
+    diff = max_router_diff(one, out)
     print(f"max |Δ router| resumed 2 → 1 vs 1 process: {diff:.3g}")
     assert diff <= ATOL
 
@@ -177,6 +125,6 @@ def test_resume_one_to_two_from_the_cli(moe, launched):
     assert "resuming from step 2" in log and "processes: 2 (MULTI_CPU)" in log
     assert log.count("wrote") == 1, "only the main process reports"
     assert not checkpoint_dir(out).exists()
-    diff = _max_diff(one, out)
+    diff = max_router_diff(one, out)
     print(f"max |Δ router| resumed 1 → 2 vs 1 process: {diff:.3g}")
     assert diff <= ATOL

@@ -36,7 +36,16 @@ if TYPE_CHECKING:
     from safetensors import safe_open
     from transformers import PreTrainedModel
 
-__all__ = ["NonFiniteModel", "Stream", "layer_bytes", "stream_of", "streamed_causal_lm"]
+__all__ = [
+    "CheckpointLoader",
+    "MetaModel",
+    "NonFiniteModel",
+    "Stream",
+    "layer_bytes",
+    "meta_causal_lm",
+    "stream_of",
+    "streamed_causal_lm",
+]
 
 
 class NonFiniteModel(MoetoolError):
@@ -84,14 +93,10 @@ def _quiet() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def _prefix(model: nn.Module, layers: nn.ModuleList) -> str:
-    return str(next(name for name, m in model.named_modules() if m is layers))
+class CheckpointLoader:
+    """Reads named checkpoint tensors into ``model`` through transformers' conversions, cast to ``dtype``."""
 
-
-class _Loader:
-    """Reads named checkpoint tensors into ``model`` through transformers' conversions, in float32."""
-
-    def __init__(self, model: PreTrainedModel, path: Path) -> None:
+    def __init__(self, model: PreTrainedModel, path: Path, dtype: torch.dtype = torch.float32) -> None:
         from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.modeling_utils import LoadStateDictConfig
@@ -106,7 +111,7 @@ class _Loader:
         self.where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118  (safe_open is not a Mapping)
         conversions = get_model_conversion_mapping(model, None, None)
         # transformers annotates the mapping it builds more widely than the field it feeds
-        self._config = LoadStateDictConfig(dtype=torch.float32, weight_mapping=conversions)  # type: ignore[arg-type]
+        self._config = LoadStateDictConfig(dtype=dtype, weight_mapping=conversions)  # type: ignore[arg-type]
 
     def load(self, keys: list[str]) -> int:
         """Load ``keys`` (checkpoint names) into the model; returns the bytes read as stored.
@@ -121,6 +126,63 @@ class _Loader:
         with _quiet():
             convert_and_load_state_dict_in_model(model=self.model, state_dict=dict(slices), load_config=self._config)
         return read
+
+
+@dataclass
+class MetaModel:
+    """A causal LM built on ``meta`` (no memory) with a loader for its checkpoint: the checkpoint names of each
+    decoder layer's tensors (``layer_keys[i]``) and of those outside the layer stack (``outside``)."""
+
+    path: Path
+    model: PreTrainedModel
+    layers: nn.ModuleList
+    prefix: str  # the layer stack's module name, ``model.layers``
+    loader: CheckpointLoader
+    layer_keys: dict[int, list[str]]
+    outside: list[str]
+
+    def load_outside(self) -> int:
+        """Read everything outside the layer stack onto the CPU (rotary tables computed, tied weights tied);
+        returns the bytes read.
+
+        Raises:
+            MoetoolError: the checkpoint does not hold a parameter outside the layers.
+        """
+        read = self.loader.load(self.outside)
+        for name, module in self.model.named_modules():  # rotary tables: buffers computed at construction, on meta
+            if module is self.layers or name.startswith(self.prefix + "."):
+                continue
+            if any(b.is_meta for b in module.buffers(recurse=False)):
+                module.to_empty(device="cpu", recurse=False)
+                self.model._init_weights(module)
+        self.model.tie_weights()
+        inside = self.prefix + "."
+        missing = [n for n, p in self.model.named_parameters() if p.is_meta and not n.startswith(inside)]
+        if missing:
+            raise MoetoolError(f"{self.path}: the checkpoint does not hold {missing[0]} (and {len(missing) - 1} more)")
+        return read
+
+
+def meta_causal_lm(path: Path, dtype: torch.dtype = torch.float32, **model_kwargs: str) -> MetaModel:
+    """The causal LM in ``path`` built on ``meta``, its tensors to be read (cast to ``dtype``) part by part."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
+    layers = decoder_layers(model)
+    prefix = str(next(name for name, m in model.named_modules() if m is layers))
+    loader = CheckpointLoader(model, Path(path), dtype)
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.")
+    layer_keys: dict[int, list[str]] = {}
+    outside: list[str] = []
+    for key in loader.where:
+        m = pattern.match(key)
+        if m:
+            layer_keys.setdefault(int(m.group(1)), []).append(key)
+        else:
+            outside.append(key)
+    return MetaModel(Path(path), model, layers, prefix, loader, layer_keys, outside)
 
 
 def _check_finite(module: nn.Module, where: str) -> None:
@@ -147,36 +209,13 @@ def streamed_causal_lm(
     Raises:
         MoetoolError: no safetensors in ``path``, or checkpoint tensors the model does not place.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     path = Path(path)
-    config = AutoConfig.from_pretrained(str(path))
-    with torch.device("meta"):
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **model_kwargs)
+    meta = meta_causal_lm(path, torch.float32, **model_kwargs)
+    model, layers, prefix, loader = meta.model, meta.layers, meta.prefix, meta.loader
     model.eval()
-    layers = decoder_layers(model)
-    prefix = _prefix(model, layers)
-    loader = _Loader(model, path)
-    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.")
     stream = Stream(path=path, storage=storage, layers=len(layers))
-    outside: list[str] = []
-    for key in loader.where:
-        m = pattern.match(key)
-        if m:
-            stream._keys.setdefault(int(m.group(1)), []).append(key)
-        else:
-            outside.append(key)
-    stream.bytes_read += loader.load(outside)
-    for name, module in model.named_modules():  # rotary tables: buffers computed at construction, here on meta
-        if module is layers or name.startswith(prefix + "."):
-            continue
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            module.to_empty(device="cpu", recurse=False)
-            model._init_weights(module)
-    model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta and not n.startswith(prefix + ".")]
-    if missing:
-        raise MoetoolError(f"{path}: the checkpoint does not hold {missing[0]} (and {len(missing) - 1} more)")
+    stream._keys = meta.layer_keys
+    stream.bytes_read += meta.load_outside()
     if check_finite:
         _check_finite(model, "")
 

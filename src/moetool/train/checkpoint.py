@@ -1,7 +1,8 @@
 """Resumable state of a router-tuning run: trainable tensors, AdamW moments and counters, no pickle.
 
 A checkpoint holds whole tensors and the step, nothing about processes: the batches of a step are a pure function
-of (seed, step), so a run resumes with any process count (:mod:`moetool.train.distributed`).
+of (seed, step), so a run resumes with any process count (:mod:`moetool.train.distributed`), sharded or not
+(:mod:`moetool.train.sharded`: shards are gathered to write and cut again on resume).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from moetool.errors import MoetoolError
 from moetool.io.safe import read_json
+from moetool.train.sharded import full, place
 
 CHECKPOINT_FORMAT = 1
 
@@ -55,18 +57,24 @@ def save_checkpoint(
     sched: torch.optim.lr_scheduler.LRScheduler,
     history: list[dict[str, Any]],
     fingerprint: str,
+    *,
+    write: bool = True,
 ) -> None:
     """Trainable tensors and AdamW moments as safetensors, counters as JSON. Written atomically (a finished
-    temporary folder renamed into place), by one process only."""
-    tmp = ckpt.with_name(ckpt.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    temporary folder renamed into place) by the process with ``write``; every process calls this (a sharded
+    model's tensors are gathered from all of them)."""
     names = {p: n for n, p in model.named_parameters() if p.requires_grad}
-    save_file({n: p.detach().cpu().contiguous() for p, n in names.items()}, str(tmp / "trainable.safetensors"))
+    tensors = {n: full(p).contiguous() for p, n in names.items()}
     moments: dict[str, torch.Tensor] = {}
     for p, n in names.items():
         for k, v in opt.state.get(p, {}).items():
-            moments[f"{n}::{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu().contiguous()
+            moments[f"{n}::{k}"] = full(v if torch.is_tensor(v) else torch.tensor(v)).contiguous()
+    if not write:
+        return
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "trainable.safetensors"))
     save_file(moments, str(tmp / "optimizer.safetensors"))
     state = {
         "format": CHECKPOINT_FORMAT,
@@ -104,14 +112,19 @@ def load_checkpoint(
     try:  # a file cut short by a kill or a full disk, or tensors of another shape: the checkpoint is unusable
         with torch.no_grad():
             for n, t in load_file(str(ckpt / "trainable.safetensors")).items():
-                params[n].copy_(t)
+                params[n].copy_(place(t, params[n]))
         moments = load_file(str(ckpt / "optimizer.safetensors"))
         sched.load_state_dict(state["scheduler"])
         step, history = int(state["step"]), list(state["history"])
     except (SafetensorError, OSError, KeyError, RuntimeError, ValueError, TypeError) as exc:
         raise MoetoolError(f"{ckpt}: the checkpoint is incomplete or corrupt ({exc}); pass --no-resume") from None
     for n, p in params.items():
-        st = {k.split("::", 1)[1]: v.to(p.device) for k, v in moments.items() if k.split("::", 1)[0] == n}
+        # a moment shaped like its parameter is sharded like it; the step count is a plain scalar
+        st = {
+            k.split("::", 1)[1]: place(v, p) if v.shape == p.shape else v.to(p.device)
+            for k, v in moments.items()
+            if k.split("::", 1)[0] == n
+        }
         if st:
             opt.state[p] = st
     # the scheduler writes the lr into the optimizer only when it steps; restore the lr it last set

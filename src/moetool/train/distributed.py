@@ -1,5 +1,6 @@
 """How router tuning spreads over processes (``accelerate launch``, ``torchrun``): data-parallel (DDP), one model
-replica per process, the global batch split into whole micro-batches.
+replica per process, or sharded (FSDP2, :mod:`moetool.train.sharded`), each process holding a slice of every
+weight; either way the global batch is split into whole micro-batches.
 
 The invariant is the global batch of one optimizer step: ``grad_accum`` micro-batches of ``batch_size`` rows, the
 same rows whatever the process count. Process ``p`` of ``n`` runs micro-batches ``p·g/n … (p+1)·g/n - 1``
@@ -10,15 +11,23 @@ change the loss, not just its summation order.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from moetool.errors import MoetoolError
 
-# backends this module's replica-per-process scheme is right for; the sharded ones need gathered checkpoints
+# the process layouts accelerate sets up for moetool: one process, or a group whose model moetool replicates (DDP)
+# or shards itself (FSDP2); DeepSpeed and Megatron would own the model and its checkpoints
 _SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU")
+_WHY_NOT = {
+    "DEEPSPEED": "DeepSpeed ZeRO-3 is not supported: accelerate runs DeepSpeed only on accelerators (never on CPUs, "
+    "so it cannot be tested where moetool is built), and ZeRO-3 would own the model and its checkpoints. FSDP "
+    "shards the same way: launch with examples/accelerate/fsdp.yaml",
+}
 
 
 def _launched_world_size() -> int:
@@ -49,15 +58,16 @@ def single_cpu_launch() -> bool:
     return parse_flag_from_env("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and _launched_world_size() == 1
 
 
-def make_accelerator(grad_accum: int, *, device: torch.device | None = None) -> Any:
+def make_accelerator(grad_accum: int, *, device: torch.device | None = None, sharded: bool = False) -> Any:
     """The run's Accelerator, accumulating this process's share (``grad_accum / num_processes``) of micro-batches.
 
     ``device`` (a single-process run's ``--device``): the CPU even where a GPU is, or that CUDA device; None: what
-    the launch gives (a GPU when there is one).
+    the launch gives (a GPU when there is one). ``sharded``: the launch asked for FSDP, which moetool applies
+    itself (:mod:`moetool.train.sharded`); accelerate then only forms the group and accumulates.
 
     Raises:
         MoetoolError: ``train.grad_accum`` is not a multiple of the process count; the launcher asked for several
-            processes but they did not join one group; the backend shards the model (FSDP, DeepSpeed, Megatron).
+            processes but they did not join one group; the backend owns the model (DeepSpeed, Megatron).
     """
     from accelerate import Accelerator, PartialState
 
@@ -78,16 +88,27 @@ def make_accelerator(grad_accum: int, *, device: torch.device | None = None) -> 
             f"{n * -(-grad_accum // n)} (and lower batch_size to keep the global batch), or launch a number of processes "
             f"that divides {grad_accum}"
         )
-    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum // n)
-    # the Accelerator, not the PartialState, knows a sharding plugin (FSDP, DeepSpeed) from the launch config
+    with _fsdp_hidden(sharded):
+        accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum // n)
+    # the Accelerator, not the PartialState, knows a backend plugin (FSDP, DeepSpeed) from the launch config
     kind = str(accelerator.distributed_type).split(".")[-1]
     if kind not in _SUPPORTED:
         raise MoetoolError(
-            f"router tuning runs on one process or data-parallel (DDP) ones, not {kind}: its checkpoints and output "
-            "are whole tensors written by one process, which a sharded backend would have to gather first "
-            "(examples/accelerate/README.md)"
+            _WHY_NOT.get(kind, f"router tuning runs on one process, data-parallel (DDP) or FSDP2 ones, not {kind}")
+            + " (examples/accelerate/README.md)"
         )
     return accelerator
+
+
+@contextlib.contextmanager
+def _fsdp_hidden(hide: bool) -> Iterator[None]:
+    """accelerate's FSDP switch off while the Accelerator is made: moetool shards the model itself."""
+    saved = os.environ.pop("ACCELERATE_USE_FSDP", None) if hide else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_FSDP"] = saved
 
 
 def local_micro_batches(grad_accum: int, process_index: int, num_processes: int) -> range:
@@ -99,3 +120,17 @@ def local_micro_batches(grad_accum: int, process_index: int, num_processes: int)
 def reduce_sum(accelerator: Any, values: torch.Tensor) -> torch.Tensor:
     """``values`` summed over processes (itself on one process), on the CPU. ``values``: ``[K]``."""
     return accelerator.reduce(values.to(accelerator.device), reduction="sum").cpu()  # type: ignore[no-any-return]
+
+
+def process_record(accelerator: Any, sharded: bool) -> dict[str, Any]:
+    """The launch for the tuned model's ``moetool.json``: process count, layout, and each process's peak resident
+    memory so far in GB (gathered from all: the figure that shows what sharding saves)."""
+    import resource
+    import sys
+
+    # ru_maxrss is in kilobytes on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    peaks = accelerator.gather(torch.tensor([peak / 1e9], dtype=torch.float64, device=accelerator.device))
+    n = accelerator.num_processes
+    layout = "fsdp2" if sharded else ("ddp" if n > 1 else "single")
+    return {"processes": n, "layout": layout, "peak_rss_gb": [round(float(x), 3) for x in peaks.cpu()]}

@@ -1,4 +1,9 @@
-"""The tuned model's folder: weights, tokenizer, recipes, ``moetool.json`` with the training record, and the card."""
+"""The tuned model's folder: weights, tokenizer, recipes, ``moetool.json`` with the training record, and the card.
+
+The weights are the input checkpoint's, tensor by tensor, with the tuned ones put in their place: the frozen
+experts are copied (cast to the run's dtype when it differs), never gathered into one process, so a model sharded
+over processes is written by the main one holding one tensor at a time plus the tuned tensors.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,56 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from moetool.card import put_section
+from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir
+from moetool.io.checkpoint import SAFETENSORS_DTYPES, Checkpoint
 from moetool.io.files import copy_tokenizer
 from moetool.io.safe import read_json
+from moetool.io.writer import ShardedWriter
 from moetool.recipe.kept import KEPT_RECIPE
 from moetool.recipe.mofe import MoFERecipe
 from moetool.recipe.train import TrainSpec, TuningRecipe
 from moetool.train.freeze import FreezeReport
 from moetool.train.precision import dtype_name
+from moetool.train.sharded import full
+
+SHARD_BYTES = 2 << 30
+
+
+def tuned_tensors(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The trainable tensors of ``model`` (unwrapped; sharded or not) in ``dtype``, under the checkpoint's names
+    (transformers' conversions reverted: ``mlp.gate`` → ``block_sparse_moe.gate``). Every process calls this."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    tuned = {n: full(p).to(dtype) for n, p in model.named_parameters() if p.requires_grad}
+    return dict(revert_weight_conversion(model, tuned))
+
+
+def write_weights(model_dir: Path, out: Path, tuned: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """The input checkpoint's tensors with ``tuned`` in their place, floating point ones in ``dtype``, to ``out``.
+
+    Raises:
+        MoetoolError: a tuned tensor has no place in the checkpoint (named).
+    """
+    ck = Checkpoint(Path(model_dir))
+    infos = ck.tensors
+    stray = sorted(set(tuned) - set(infos))
+    if stray:
+        raise MoetoolError(f"{model_dir}: the tuned tensor {stray[0]} is not in the checkpoint it was loaded from")
+    entries = []
+    for name, info in infos.items():  # the layout from the headers alone, before any tensor is read
+        stored = SAFETENSORS_DTYPES[info.dtype][0]
+        entries.append((name, dtype if stored.is_floating_point else stored, tuple(info.shape)))
+    try:
+        with ShardedWriter(out, entries, SHARD_BYTES) as writer:
+            for name, want, _ in entries:
+                t = tuned[name] if name in tuned else ck.get(name)
+                writer.add(name, t.to(want))
+    finally:
+        ck.close()
 
 
 def card_section(
@@ -36,7 +82,8 @@ def card_section(
 
 
 def write_output(
-    model: Any,
+    tuned: dict[str, torch.Tensor],
+    config: Any,
     model_dir: Path,
     output: Path,
     recipe: MoFERecipe | TuningRecipe,
@@ -44,13 +91,19 @@ def write_output(
     history: list[dict[str, Any]],
     seconds: float,
     force: bool,
-    processes: int = 1,
+    *,
+    dtype: torch.dtype,
+    processes: dict[str, Any],
 ) -> None:
-    """Write the tuned ``model`` (unwrapped) to ``output`` atomically, in the same format as ``moetool merge``."""
-    model.eval()
+    """Write the tuned model to ``output`` atomically, in the same format as ``moetool merge``: the input's tensors
+    with ``tuned`` (:func:`tuned_tensors`) in place, all in ``dtype``; ``config`` the model's (a transformers
+    ``PretrainedConfig``); ``processes`` the launch's record for ``moetool.json`` (count, sharding, peaks)."""
     with atomic_dir(output, force=force) as tmp:
-        # transformers re-saves a model loaded from per-expert tensors in that same per-expert layout
-        model.save_pretrained(str(tmp), max_shard_size="2GB")
+        write_weights(model_dir, tmp, tuned, dtype)
+        config.dtype = dtype
+        config.save_pretrained(str(tmp))
+        if (model_dir / "generation_config.json").is_file():
+            shutil.copy2(model_dir / "generation_config.json", tmp / "generation_config.json")
         copy_tokenizer(model_dir, tmp, overwrite=False)
         (tmp / "moetool-train-recipe.yaml").write_text(recipe.text, encoding="utf-8")
         if (model_dir / KEPT_RECIPE).is_file():  # the merged model's recipe, kept as it was written
@@ -61,8 +114,8 @@ def write_output(
             "source_model": str(model_dir.resolve()),
             "steps": recipe.train.steps,
             "seconds": round(seconds, 1),
-            "processes": processes,
-            "dtype": dtype_name(next(iter(model.parameters())).dtype),
+            **processes,
+            "dtype": dtype_name(dtype),
             "freeze": {
                 "preset": recipe.freeze.preset,
                 "trainable_params": report.trainable_params,

@@ -107,6 +107,7 @@ class Arithmetic:
     compute: torch.dtype
     device: torch.device
     upcast: Float32Arithmetic | None = None
+    sharded: bool = False  # FSDP gathers each layer in ``compute`` (its mixed-precision policy), not these hooks
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -124,6 +125,11 @@ class Arithmetic:
         """``bfloat16 autocast`` or ``float32 arithmetic over bfloat16 weights (…)``, for the run's first lines."""
         if self.storage == torch.float32:
             return "float32"
+        if self.sharded:
+            return (
+                f"{dtype_name(self.storage)} shards (trainable weights float32; each layer gathered in "
+                f"{dtype_name(self.compute)} by FSDP)"
+            )
         if self.upcast is None:
             return f"{dtype_name(self.storage)} (trainable weights float32, {dtype_name(self.compute)} autocast)"
         return (
@@ -136,12 +142,17 @@ class Arithmetic:
             self.upcast.remove()
 
 
-def arithmetic_for(model: torch.nn.Module, storage: torch.dtype, device: torch.device) -> Arithmetic:
+def arithmetic_for(
+    model: torch.nn.Module | None, storage: torch.dtype, device: torch.device, *, sharded: bool = False
+) -> Arithmetic:
     """The fast arithmetic for ``model`` (frozen weights in ``storage``, trainable ones float32) on ``device``:
     autocast in ``storage`` where the device multiplies it natively (:func:`moetool.compute.upcast.native_matmul`),
-    else float32 arithmetic with one layer upcast at a time (hooks installed on ``model`` here)."""
+    else float32 arithmetic with one layer upcast at a time (hooks installed on ``model`` here). ``sharded``: the
+    model is not built yet and FSDP will gather each layer in the returned ``compute`` dtype."""
     if storage == torch.float32 or native_matmul(storage, device):
-        return Arithmetic(storage, storage, device)
+        return Arithmetic(storage, storage, device, sharded=sharded)
+    if sharded or model is None:
+        return Arithmetic(storage, torch.float32, device, sharded=True)
     return Arithmetic(storage, torch.float32, device, Float32Arithmetic(model))
 
 

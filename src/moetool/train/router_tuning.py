@@ -30,9 +30,15 @@ from moetool.routing.losses import expert_load, routing_entropy, routing_losses
 from moetool.routing.tap import RouterTap
 from moetool.train.checkpoint import checkpoint_dir, load_checkpoint, model_content_key, save_checkpoint
 from moetool.train.data import load_source, sample_batch, tokenize_stream
-from moetool.train.distributed import local_micro_batches, make_accelerator, reduce_sum, single_cpu_launch
+from moetool.train.distributed import (
+    local_micro_batches,
+    make_accelerator,
+    process_record,
+    reduce_sum,
+    single_cpu_launch,
+)
 from moetool.train.freeze import FreezeReport, apply_freeze
-from moetool.train.output import write_output
+from moetool.train.output import tuned_tensors, write_output
 from moetool.train.precision import (
     Arithmetic,
     arithmetic_for,
@@ -42,6 +48,7 @@ from moetool.train.precision import (
     resolve_dtype,
     tuning_need,
 )
+from moetool.train.sharded import any_process, fsdp_requested, is_sharded, load_sharded
 
 __all__ = ["TrainResult", "checkpoint_dir", "make_optimizer", "train_router"]
 
@@ -98,25 +105,47 @@ class _Run:
     fingerprint: str
     micro: range
     arithmetic: Arithmetic  # the frozen weights' dtype and how the forward computes over them
+    sharded: bool = False  # FSDP2: every process holds a slice of each weight (moetool.train.sharded)
     start: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _load(
+    recipe: MoFERecipe | TuningRecipe, model_dir: Path, accelerator: Any, dtype: torch.dtype, sharded: bool
+) -> tuple[Any, FreezeReport, Arithmetic]:
+    """The MoE in ``dtype`` with the freeze spec applied (trainable weights float32), whole or sharded."""
+    from transformers import AutoModelForCausalLM
+
+    freeze = (recipe.freeze.preset, recipe.freeze.trainable, recipe.freeze.frozen)
+    if sharded:
+        arithmetic = arithmetic_for(None, dtype, accelerator.device, sharded=True)
+        model, report = load_sharded(
+            model_dir, dtype, arithmetic.compute, freeze, accelerator.device, accelerator.num_processes
+        )
+        return model, report, arithmetic
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    report = apply_freeze(model, *freeze)
+    keep_trainable_float32(model)
+    return model, report, arithmetic_for(model, dtype, accelerator.device)
+
+
 def _setup(
-    recipe: MoFERecipe | TuningRecipe, model_dir: Path, accelerator: Any, console: Console, dtype: torch.dtype
+    recipe: MoFERecipe | TuningRecipe,
+    model_dir: Path,
+    accelerator: Any,
+    console: Console,
+    dtype: torch.dtype,
+    sharded: bool = False,
 ) -> _Run:
     """Load the MoE in ``dtype``, apply the freeze spec (trainable weights float32), tokenize the training data,
     make the optimizer and schedule."""
     from accelerate.utils import set_seed
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     spec: TrainSpec = recipe.train
     set_seed(spec.seed)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    model, report, arithmetic = _load(recipe, model_dir, accelerator, dtype, sharded)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    report = apply_freeze(model, recipe.freeze.preset, recipe.freeze.trainable, recipe.freeze.frozen)
-    keep_trainable_float32(model)
-    arithmetic = arithmetic_for(model, dtype, accelerator.device)
     label = dtype_name(dtype)
     console.print(f"training in {arithmetic.describe()} on {accelerator.device}; the tuned model is written in {label}")
     console.print(
@@ -124,8 +153,9 @@ def _setup(
         f"({len(report.trainable)} trainable tensors; preset {recipe.freeze.preset})"
     )
     if accelerator.num_processes > 1:
+        layout = "FSDP2, each holding 1/" + str(accelerator.num_processes) + " of every weight" if sharded else None
         console.print(
-            f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value}), "
+            f"processes: {accelerator.num_processes} ({layout or accelerator.distributed_type.value}), "
             f"{spec.grad_accum // accelerator.num_processes} of the {spec.grad_accum} micro-batches of a step each"
         )
     streams = []
@@ -151,6 +181,7 @@ def _setup(
         fingerprint=fingerprint,
         micro=local_micro_batches(spec.grad_accum, accelerator.process_index, accelerator.num_processes),
         arithmetic=arithmetic,
+        sharded=sharded,
     )
 
 
@@ -218,11 +249,13 @@ def _check_finite(run: _Run, spec: TrainSpec, metrics: dict[str, Any], done: int
     Raises:
         MoetoolError: naming the step, the loss, the learning rates and the way out.
     """
-    trainable = ((n, p) for n, p in run.model.named_parameters() if p.requires_grad)
+    trainable = ((n, p.to_local() if is_sharded(p) else p) for n, p in run.model.named_parameters() if p.requires_grad)
     bad = next((n for n, p in trainable if not bool(torch.isfinite(p).all())), None)
-    if math.isfinite(metrics["loss"]) and bad is None:
+    # a sharded weight is checked slice by slice: every process learns whether any slice went bad, and all stop
+    weights_bad = any_process(bad is not None, run.accelerator.device)
+    if not weights_bad and math.isfinite(metrics["loss"]):
         return
-    what = f"loss {metrics['loss']}" + (f", {bad} not finite" if bad else "")
+    what = f"loss {metrics['loss']}" + (f", {bad or 'a trainable weight'} not finite" if weights_bad else "")
     if done == 1:
         why = "at the first step: check the model's weights (moetool inspect) and the learning rates"
     else:
@@ -243,7 +276,8 @@ def _loop(
 ) -> tuple[Any, float]:
     """Steps from ``run.start`` to ``spec.steps``: metrics every ``log_every``, checkpoints every ``checkpoint_every``."""
     acc = run.accelerator
-    model, opt = acc.prepare(run.model, run.opt)
+    # a sharded model is FSDP's already; a whole one is wrapped for DDP (a no-op on one process)
+    model, opt = (run.model, acc.prepare(run.opt)) if run.sharded else acc.prepare(run.model, run.opt)
     model.train()
     t0, tokens = time.perf_counter(), 0.0
     with task(console, "router tuning", spec.steps, unit="steps") as advance:
@@ -262,8 +296,9 @@ def _loop(
                 load = " ".join(f"{x:.2f}" for x in metrics["load"])
                 info += f" | {metrics['tokens_per_s']:.0f} tok/s | H {metrics['entropy']:.2f} | load {load}"
             advance(1, info)
-            if acc.is_main_process and (done % spec.checkpoint_every == 0 and done < spec.steps):
-                save_checkpoint(ckpt, done, acc.unwrap_model(model), run.opt, run.sched, run.history, run.fingerprint)
+            if done % spec.checkpoint_every == 0 and done < spec.steps:  # every process: shards are gathered
+                args = (ckpt, done, acc.unwrap_model(model), run.opt, run.sched, run.history, run.fingerprint)
+                save_checkpoint(*args, write=acc.is_main_process)
             if callback is not None:
                 callback(done, metrics)
     return model, time.perf_counter() - t0
@@ -314,14 +349,16 @@ def train_router(
     compute = resolve_dtype(dtype, model_dir)
     # before anything is loaded or written: a run that cannot fit says so now, not when it is killed
     tuning_need(model_dir, spec, recipe.freeze.preset, compute, output).check()
-    acc = make_accelerator(spec.grad_accum, device=resolve_device(device) if device not in (None, "auto") else None)
+    sharded = fsdp_requested()
+    asked = resolve_device(device) if device not in (None, "auto") else None
+    acc = make_accelerator(spec.grad_accum, device=asked, sharded=sharded)
     console = console if acc.is_main_process else silent()
     if single_cpu_launch():
         console.print(
             "note: `accelerate launch --cpu` started this one process (without MPI it starts no more); for several "
             "CPU processes see examples/accelerate/README.md. One process gives the same result, only slower."
         )
-    run = _setup(recipe, model_dir, acc, console, compute)
+    run = _setup(recipe, model_dir, acc, console, compute, sharded)
     ckpt = checkpoint_dir(output)
     if ckpt.exists() and resume:
         run.start, run.history = load_checkpoint(ckpt, run.model, run.opt, run.sched, run.fingerprint)
@@ -334,10 +371,12 @@ def train_router(
     run.arithmetic.remove()
     acc.wait_for_everyone()
     result = TrainResult(output, spec.steps, run.report, run.history, seconds, run.start, acc.is_main_process)
+    model = acc.unwrap_model(prepared_model)
+    tuned = tuned_tensors(model, compute)  # every process: shards are gathered; float32 masters to the input's dtype
+    processes = process_record(acc, sharded)
     if acc.is_main_process:
-        model = acc.unwrap_model(prepared_model).to(compute)  # the trainable float32 weights back to the input's dtype
-        args = (model, model_dir, output, recipe, run.report, run.history, seconds, force)
-        write_output(*args, processes=acc.num_processes)
+        args = (tuned, model.config, model_dir, output, recipe, run.report, run.history, seconds, force)
+        write_output(*args, dtype=compute, processes=processes)
         shutil.rmtree(ckpt, ignore_errors=True)
     acc.wait_for_everyone()  # the others return once the output exists
     return result
