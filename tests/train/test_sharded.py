@@ -96,3 +96,26 @@ def test_fsdp_version_1_is_refused(monkeypatch):
         fsdp_requested()
     monkeypatch.setenv("FSDP_VERSION", "2")
     assert fsdp_requested()
+
+
+def test_the_memory_check_counts_a_slice_per_process_and_every_process_here(moe, monkeypatch):
+    """The up-front check sizes one process's slice under FSDP (the weights and optimizer state over the process
+    count, plus one gathered layer), and counts every process on this machine: DDP's replicas all hold the model."""
+    import torch
+
+    from moetool.io.budget import BudgetError
+    from moetool.train.precision import Launch, tuning_need
+
+    recipe, model, _ = moe
+    spec = load_recipe(recipe).train
+    need = {
+        launch: tuning_need(model, spec, "mofe", torch.float32, model.parent / "out", launch).memory
+        for launch in (Launch(), Launch(2, 1, True), Launch(4, 1, True), Launch(2, 2, False), Launch(2, 2, True))
+    }
+    one, half, quarter, ddp2, fsdp2 = need.values()
+    assert quarter < half < one and fsdp2 == 2 * half < ddp2 == 2 * one
+    # at a budget two slices fit in but two replicas do not, the DDP launch is refused up front and FSDP is not
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str((fsdp2 + ddp2) // 2))
+    with pytest.raises(BudgetError, match=r"router tuning needs about .*× 2 processes on this machine"):
+        tuning_need(model, spec, "mofe", torch.float32, model.parent / "out", Launch(2, 2, False)).check()
+    tuning_need(model, spec, "mofe", torch.float32, model.parent / "out", Launch(2, 2, True)).check()

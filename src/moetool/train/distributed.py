@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from moetool.errors import MoetoolError
+from moetool.train.precision import Launch
 
 # the process layouts accelerate sets up for moetool: one process, or a group whose model moetool replicates (DDP)
 # or shards itself (FSDP2); DeepSpeed and Megatron would own the model and its checkpoints
@@ -48,6 +49,13 @@ def _cpu_only() -> bool:
 
     asked = parse_flag_from_env("ACCELERATE_USE_CPU")
     return asked or (_launched_world_size() > 1 and not torch.accelerator.is_available())
+
+
+def launch_of(sharded: bool) -> Launch:
+    """The launch as its launcher describes it (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), before the group forms."""
+    n = _launched_world_size()
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return Launch(processes=n, local=int(local) if local.isdigit() else n, sharded=sharded)
 
 
 def single_cpu_launch() -> bool:

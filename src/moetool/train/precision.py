@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moetool.compute.upcast import Float32Arithmetic, native_matmul
+from moetool.compute.upcast import Float32Arithmetic, layer_bytes, native_matmul
 from moetool.errors import MoetoolError
 from moetool.io.budget import Need, human
 from moetool.io.checkpoint import SAFETENSORS_DTYPES, Checkpoint
@@ -164,14 +164,29 @@ def _is_expert(name: str) -> bool:
         return False
 
 
-def tuning_need(model_dir: Path, spec: TrainSpec, preset: str | None, dtype: torch.dtype, output: Path) -> Need:
-    """Peak memory and bytes written of router tuning ``model_dir`` in ``dtype``, from its config and headers.
+@dataclass(frozen=True)
+class Launch:
+    """The processes a run is launched as: ``processes`` in all, ``local`` of them on this machine, ``sharded``
+    when each holds a slice of every weight (FSDP2) rather than the whole model (one process, DDP)."""
+
+    processes: int = 1
+    local: int = 1
+    sharded: bool = False
+
+
+def tuning_need(
+    model_dir: Path, spec: TrainSpec, preset: str | None, dtype: torch.dtype, output: Path, launch: Launch = Launch()
+) -> Need:
+    """Peak memory (of this machine's processes together) and bytes written of router tuning ``model_dir`` in
+    ``dtype``, from its config and headers.
 
     Weights in ``dtype``; the trainable ones (every tensor but the experts; all under the ``full`` preset or the
     user's own patterns, an upper bound) also as
     float32 masters with a gradient and two AdamW moments; activations of one micro-batch (``batch_size`` ×
     ``seq_len`` tokens: hidden states and expert intermediates per layer, and three float32 copies of the logits);
-    a fixed allowance for the runtime. On disk: the tuned model in ``dtype`` and the resumable checkpoint.
+    a fixed allowance for the runtime. Sharded over ``launch.processes``, each process holds its slice of the
+    weights and optimizer state, plus one decoder layer gathered in float32. On disk: the tuned model in ``dtype``
+    and the resumable checkpoint.
     """
     ck = Checkpoint(Path(model_dir))
     cfg = ck.config
@@ -187,18 +202,26 @@ def tuning_need(model_dir: Path, spec: TrainSpec, preset: str | None, dtype: tor
     top_k = int(cfg.get("num_experts_per_tok") or 1)
     acts = tokens * layers * (hidden * 40 + inter * top_k * 12) + tokens * int(cfg["vocab_size"]) * 4 * 3
     runtime = 512 << 20
+    gathered = 0
+    if launch.sharded:
+        weights, optimizer = weights // launch.processes, optimizer // launch.processes
+        gathered = layer_bytes(cfg, total)[1]
     detail = (
         f"weights {human(weights)} in {dtype_name(dtype)}"
         f"{' + float32 trainable copies' if width != 4 else ''}, optimizer {human(optimizer)}, activations "
         f"{human(acts)} at {spec.batch_size}×{spec.seq_len} tokens"
     )
+    if launch.sharded:
+        detail += f", one layer gathered {human(gathered)}: per process, 1/{launch.processes} of the model"
+    if launch.local > 1:
+        detail += f"; × {launch.local} processes on this machine"
     way_out = (
         "Tune in bfloat16 (--dtype bfloat16), lower train.batch_size or train.seq_len (raise grad_accum to keep the "
         "batch), use a GPU (--device cuda), or another machine"
     )
     return Need(
         stage="router tuning",
-        memory=weights + optimizer + acts + runtime,
+        memory=(weights + optimizer + gathered + acts + runtime) * launch.local,
         memory_detail=detail,
         disk=total * width + trainable * 12,
         output=Path(output),

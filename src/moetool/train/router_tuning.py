@@ -31,6 +31,7 @@ from moetool.routing.tap import RouterTap
 from moetool.train.checkpoint import checkpoint_dir, load_checkpoint, model_content_key, save_checkpoint
 from moetool.train.data import load_source, sample_batch, tokenize_stream
 from moetool.train.distributed import (
+    launch_of,
     local_micro_batches,
     make_accelerator,
     process_record,
@@ -347,9 +348,9 @@ def train_router(
     if not (model_dir / "config.json").is_file():
         raise MoetoolError(f"--model: {model_dir} is not a checkpoint directory (no config.json)")
     compute = resolve_dtype(dtype, model_dir)
-    # before anything is loaded or written: a run that cannot fit says so now, not when it is killed
-    tuning_need(model_dir, spec, recipe.freeze.preset, compute, output).check()
     sharded = fsdp_requested()
+    # before anything is loaded or written: a run that cannot fit says so now, not when it is killed
+    tuning_need(model_dir, spec, recipe.freeze.preset, compute, output, launch_of(sharded)).check()
     asked = resolve_device(device) if device not in (None, "auto") else None
     acc = make_accelerator(spec.grad_accum, device=asked, sharded=sharded)
     console = console if acc.is_main_process else silent()
