@@ -31,13 +31,19 @@ from moetool.train.sharded import full
 SHARD_BYTES = 2 << 30
 
 
-def tuned_tensors(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def tuned_tensors(model: Any, dtype: torch.dtype, *, keep: bool = True) -> dict[str, torch.Tensor]:
     """The trainable tensors of ``model`` (unwrapped; sharded or not) in ``dtype``, under the checkpoint's names
-    (transformers' conversions reverted: ``mlp.gate`` → ``block_sparse_moe.gate``). Every process calls this."""
+    (transformers' conversions reverted: ``mlp.gate`` → ``block_sparse_moe.gate``). Every process calls this (a
+    sharded tensor is gathered from all); only one with ``keep`` holds the result (the others get ``{}``)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    tuned = {n: full(p).to(dtype) for n, p in model.named_parameters() if p.requires_grad}
-    return dict(revert_weight_conversion(model, tuned))
+    tuned = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            whole = full(p).to(dtype)  # one float32 tensor at a time, narrowed at once
+            if keep:
+                tuned[n] = whole
+    return dict(revert_weight_conversion(model, tuned)) if keep else {}
 
 
 def write_weights(model_dir: Path, out: Path, tuned: dict[str, torch.Tensor], dtype: torch.dtype) -> None:

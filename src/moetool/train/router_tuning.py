@@ -373,7 +373,8 @@ def train_router(
     acc.wait_for_everyone()
     result = TrainResult(output, spec.steps, run.report, run.history, seconds, run.start, acc.is_main_process)
     model = acc.unwrap_model(prepared_model)
-    tuned = tuned_tensors(model, compute)  # every process: shards are gathered; float32 masters to the input's dtype
+    # every process gathers (shards come from all); the main one keeps the float32 masters in the input's dtype
+    tuned = tuned_tensors(model, compute, keep=acc.is_main_process)
     processes = process_record(acc, sharded)
     if acc.is_main_process:
         args = (tuned, model.config, model_dir, output, recipe, run.report, run.history, seconds, force)
