@@ -208,3 +208,32 @@ def test_the_cli_collects_writes_and_reports_the_imatrix(wide, tmp_path):
     assert r.exit_code == 2 and "--imatrix auto" in r.output and not (tmp_path / "x").exists()
     r = CliRunner().invoke(app, [*args[:2], "-o", str(tmp_path / "y"), "--calibration", str(calib)])
     assert r.exit_code == 2 and "--calibration is for --imatrix auto" in " ".join(r.output.split())
+
+
+def test_a_model_that_does_not_fit_is_streamed_with_the_resident_statistics(tmp_path, monkeypatch):
+    """Collection on the CPU streams the decoder layers from disk (several windows per pass) when the resident
+    model does not fit the memory available, as ``moetool eval`` does, and gives the resident importance."""
+    from tuning_fixtures import write_tuning_recipe
+
+    from moetool.eval.perplexity import eval_need
+    from moetool.export.gguf.imatrix import collect
+
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    # deep and narrow, as real models are: one layer is a small part of the whole
+    root = tmp_path / "deep"
+    base = save_dense(root / "base", num_hidden_layers=8, tie_word_embeddings=True)
+    family = {"base": base} | {f"e{i}": save_dense(root / f"e{i}", seed=i, base=base, mlp_noise=0.3) for i in (1, 2, 3)}
+    moe = assemble(write_tuning_recipe(root, family, steps=1), root / "moe")
+    m = export(moe, tmp_path / "im", quant="experts=q4_k,router=f32,*=q8_0", imatrix=_calib(), verify=False)
+    want = load(tmp_path / "im" / m["imatrix"]["file"])
+    seq = _calib().seq_len
+    resident = eval_need(moe, dtype="auto", seq_len=seq, batch_size=1).memory
+    streamed = eval_need(moe, dtype="auto", seq_len=seq, batch_size=1, streamed=True).memory
+    assert streamed < resident
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str((resident + streamed) // 2))
+    got = collect(moe, _calib(), set(want.entries))
+    assert str(got.info["held"]).startswith("the resident model needs about")
+    assert set(got.entries) == set(want.entries)
+    for name, entry in want.entries.items():
+        np.testing.assert_array_equal(got.entries[name].counts, entry.counts)
+        np.testing.assert_allclose(got.entries[name].sums, entry.sums, rtol=1e-4, err_msg=name)

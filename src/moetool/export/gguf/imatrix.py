@@ -34,6 +34,7 @@ from moetool.routing.tap import FusedExperts, expert_activation, experts_modules
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from moetool.eval.perplexity import Residency
     from transformers import PreTrainedTokenizerBase
 
 EXPERT_PROJ = ("gate", "up", "down")
@@ -156,7 +157,10 @@ def collect(
     if calib.mode not in MODES:
         raise ExportError(f"imatrix mode {calib.mode!r}: choose {' or '.join(MODES)}")
     console = console if console is not None else silent()
-    model, tok = load_causal_lm(model_dir, dtype="auto", device=device or "auto")
+    held = _residency(model_dir, calib, device)
+    if held.streamed:
+        console.print(f"importance matrix: {held.reason}", highlight=False)
+    model, tok = load_causal_lm(model_dir, dtype="auto", device=device or "auto", streamed=held.streamed)
     windows = _windows(tok, calib)
     flat = [w for ws in windows.values() for w in ws]
     if not flat:
@@ -175,7 +179,7 @@ def collect(
         if calib.mode == "all":
             modules = experts_modules(model)
             col.forced = {layer: list(range(int(modules[layer].gate_up_proj.shape[0]))) for layer in col.layers}
-        _run(model, flat, dev, console, "imatrix")
+        _run(model, flat, dev, console, "imatrix", held.batch_size)
         if calib.mode == "routed":
             routed = {n: [int(c) for c in col.counts[n]] for n in col.counts if col.counts[n].numel() > 1}
             starved = _starved(col, calib.min_tokens)
@@ -186,7 +190,7 @@ def collect(
                             col.sums[name][e] = 0
                             col.counts[name][e] = 0
                 col.forced, col.second = starved, True
-                _run(model, flat, dev, console, "imatrix (experts below the floor, every token)")
+                _run(model, flat, dev, console, "imatrix (experts below the floor, every token)", held.batch_size)
     finally:
         col.remove()
     out = ImportanceMatrix(
@@ -203,6 +207,7 @@ def collect(
         "tokens": tokens,
         "routed_tokens": routed or None,
         "forced": {str(k): v for k, v in col.forced.items()} if calib.mode == "routed" else "every expert",
+        "held": held.reason or "resident",
     }
     del model
     return out
@@ -220,11 +225,37 @@ def _starved(col: _Collector, floor: int) -> dict[int, list[int]]:
     return out
 
 
-def _run(model: nn.Module, windows: list[list[int]], dev: torch.device, console: Console, label: str) -> None:
+def _residency(model_dir: Path, calib: Calibration, device: str | None) -> Residency:
+    """Resident, or (on the CPU, when the model does not fit the memory available) streamed from disk one layer at
+    a time with several windows per pass, as ``moetool eval`` decides (:func:`moetool.eval.perplexity.
+    eval_residency`). A resident model runs one window per pass, as it always has.
+
+    Raises:
+        BudgetError: neither fits.
+    """
+    from moetool.eval.perplexity import Residency, eval_residency
+    from moetool.train.precision import resolve_device
+
+    if resolve_device(device or "auto").type != "cpu":
+        return Residency(streamed=False, batch_size=1)
+    held = eval_residency(model_dir, dtype="auto", seq_len=calib.seq_len, batch_size=1)
+    return held if held.streamed else Residency(streamed=False, batch_size=1)
+
+
+def _run(
+    model: nn.Module, windows: list[list[int]], dev: torch.device, console: Console, label: str, batch: int = 1
+) -> None:
+    """Every window through ``model``, ``batch`` windows of one length per forward pass (a streamed model reads the
+    whole checkpoint once per pass); the hooks count every position of a batch, so no window is padded."""
+    by_length: dict[int, list[list[int]]] = {}
+    for w in windows:
+        by_length.setdefault(len(w), []).append(w)
     with task(console, label, len(windows), unit="windows") as advance:
-        for w in windows:
-            model(input_ids=torch.tensor([w], device=dev), use_cache=False)
-            advance()
+        for same in by_length.values():
+            for i in range(0, len(same), batch):
+                rows = same[i : i + batch]
+                model(input_ids=torch.tensor(rows, device=dev), use_cache=False)
+                advance(len(rows))
 
 
 def expert_token_table(m: ImportanceMatrix) -> dict[str, dict[str, list[int]]]:
