@@ -34,8 +34,9 @@ from moetool.routing.tap import FusedExperts, expert_activation, experts_modules
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from moetool.eval.perplexity import Residency
     from transformers import PreTrainedTokenizerBase
+
+    from moetool.eval.perplexity import Residency
 
 EXPERT_PROJ = ("gate", "up", "down")
 # Fewer calibration tokens than this draw a warning: the routed mode's default floor per expert (128), so below it
