@@ -18,9 +18,11 @@ the passes and bytes read, for the reports).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +43,7 @@ __all__ = [
     "MetaModel",
     "NonFiniteModel",
     "Stream",
+    "give_back_freed_memory",
     "layer_bytes",
     "meta_causal_lm",
     "stream_of",
@@ -185,6 +188,24 @@ def meta_causal_lm(path: Path, dtype: torch.dtype = torch.float32, **model_kwarg
     return MetaModel(Path(path), model, layers, prefix, loader, layer_keys, outside)
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to ask
+        return None
+
+
+def give_back_freed_memory() -> None:
+    """Ask glibc to return the memory of freed tensors to the system. A layer's tensors are built from many pieces
+    below glibc's mmap threshold (per-expert slices, their casts, the stacks), which stay in the heap once freed and
+    fragment it: measured on the size ladder's 360M rung, a streamed forward peaked at 1.47-1.73 GB without this and
+    1.02-1.04 GB with it. A no-op where the C library is not glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def _check_finite(module: nn.Module, where: str) -> None:
     """Raise :class:`NonFiniteModel` naming the first loaded floating-point weight of ``module`` holding NaN or Inf
     (weights still on ``meta``, not yet read, are skipped)."""
@@ -228,6 +249,7 @@ def streamed_causal_lm(
 
     def down(layer: nn.Module, _args: object, _out: object) -> None:
         layer.to("meta")  # drop the layer's weights once it has run (a hook's return would replace the output)
+        give_back_freed_memory()
 
     for i, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda _m, _a, i=i: up(i))

@@ -132,7 +132,7 @@ def load_sharded(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from moetool.compute.stream import meta_causal_lm
+    from moetool.compute.stream import give_back_freed_memory, meta_causal_lm
 
     meta = meta_causal_lm(model_dir, storage)
     model = meta.model
@@ -150,6 +150,7 @@ def load_sharded(
         layer.to(device)
         # the whole layer is dropped here: each process keeps its slice only
         fully_shard(layer, mesh=mesh, mp_policy=policy, shard_placement_fn=_even_split(processes))
+        give_back_freed_memory()  # the dropped copy's many small pieces would otherwise stay in the heap
     meta.load_outside()
     outside = {id(p) for p in meta.layers.parameters()}
     for name, p in model.named_parameters():
