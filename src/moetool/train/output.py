@@ -33,16 +33,21 @@ SHARD_BYTES = 2 << 30
 
 def tuned_tensors(model: Any, dtype: torch.dtype, *, keep: bool = True) -> dict[str, torch.Tensor]:
     """The trainable tensors of ``model`` (unwrapped; sharded or not) in ``dtype``, under the checkpoint's names
-    (transformers' conversions reverted: ``mlp.gate`` → ``block_sparse_moe.gate``). Every process calls this (a
-    sharded tensor is gathered from all); only one with ``keep`` holds the result (the others get ``{}``)."""
+    (transformers' conversions reverted: ``mlp.gate`` → ``block_sparse_moe.gate``), a tied weight under each of its
+    names. Every process calls this (a sharded tensor is gathered from all); only one with ``keep`` holds the result
+    (the others get ``{}``)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    tuned = {}
-    for n, p in model.named_parameters():
-        if p.requires_grad:
+    tuned: dict[str, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            continue
+        if id(p) not in gathered:
             whole = full(p).to(dtype)  # one float32 tensor at a time, narrowed at once
-            if keep:
-                tuned[n] = whole
+            gathered[id(p)] = whole if keep else whole[:0]
+        if keep:
+            tuned[n] = gathered[id(p)]
     return dict(revert_weight_conversion(model, tuned)) if keep else {}
 
 
@@ -54,7 +59,9 @@ def write_weights(model_dir: Path, out: Path, tuned: dict[str, torch.Tensor], dt
     """
     ck = Checkpoint(Path(model_dir))
     infos = ck.tensors
-    stray = sorted(set(tuned) - set(infos))
+    # a tied weight is tuned under each of its names and stored under one (or, written by another tool, both)
+    written = {id(t) for n, t in tuned.items() if n in infos}
+    stray = sorted(n for n, t in tuned.items() if n not in infos and id(t) not in written)
     if stray:
         raise MoetoolError(f"{model_dir}: the tuned tensor {stray[0]} is not in the checkpoint it was loaded from")
     entries = []
