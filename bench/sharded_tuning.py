@@ -81,12 +81,7 @@ def main() -> None:
     ladder = _ladder()
     work = args.work or Path(tempfile.mkdtemp(prefix="moetool-sharded-"))
     root = work / args.rung
-    root.mkdir(parents=True, exist_ok=True)
-    if not (root / "models" / "base" / "config.json").is_file():
-        subprocess.run([sys.executable, str(HERE / "size_ladder.py"), "--family", args.rung, str(root / "models")],
-                       check=True)  # fmt: skip
-    paths = {n: root / "models" / n for n in ("base", *ladder.EXPERTS)}
-    text = ladder._recipe(root, paths, ladder._texts(root)).read_text()
+    text = ladder.drawn_rung(root, args.rung).read_text()
     # the same global batch for every process count: 4 micro-batches of one row
     text = text.replace("steps: 3\n", f"steps: {args.steps}\n").replace("seq_len: 128", f"seq_len: {args.seq}")
     text = text.replace("batch_size: 2\n", "batch_size: 1\n  grad_accum: 4\n")

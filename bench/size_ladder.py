@@ -132,6 +132,16 @@ def _recipe(root: Path, paths: dict[str, Path], texts: dict[str, Path]) -> Path:
     return path
 
 
+def drawn_rung(root: Path, rung: str) -> Path:
+    """The ladder recipe of ``rung`` under ``root`` (``recipe.yaml``), its family drawn into ``root/models`` first
+    unless it is there already, in a child process (the drawing's memory is not the caller's)."""
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "models" / "base" / "config.json").is_file():
+        subprocess.run([sys.executable, str(Path(__file__)), "--family", rung, str(root / "models")], check=True)
+    paths = {n: root / "models" / n for n in ("base", *EXPERTS)}
+    return _recipe(root, paths, _texts(root))
+
+
 def _run(args: list[str], log: Path) -> tuple[float, int, int, str]:
     """(wall seconds, peak RSS bytes, exit code, last line of output) of one process."""
     t0 = time.perf_counter()

@@ -124,13 +124,7 @@ def main() -> None:
     ladder = _ladder()
     work = args.work or Path(tempfile.mkdtemp(prefix="moetool-dtypes-"))
     root = work / args.rung
-    root.mkdir(parents=True, exist_ok=True)
-    if not (root / "models" / "base" / "config.json").is_file():
-        subprocess.run([sys.executable, str(HERE / "size_ladder.py"), "--family", args.rung, str(root / "models")],
-                       check=True)  # fmt: skip
-    paths = {n: root / "models" / n for n in ("base", *ladder.EXPERTS)}
-    texts = ladder._texts(root)
-    base_recipe = ladder._recipe(root, paths, texts).read_text()
+    base_recipe = ladder.drawn_rung(root, args.rung).read_text()
     cpu = torch.backends.cpu.get_cpu_capability()
     native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     print(f"CPU: {os.cpu_count()} cores, {cpu}, native bf16 matmul (oneDNN): {native}; load {os.getloadavg()}")

@@ -40,12 +40,15 @@ def tuned_tensors(model: Any, dtype: torch.dtype, *, keep: bool = True) -> dict[
 
     tuned: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}
+    done: set[int] = set()  # a tied weight is gathered once, by every process alike
     for n, p in model.named_parameters(remove_duplicate=False):
         if not p.requires_grad:
             continue
-        if id(p) not in gathered:
+        if id(p) not in done:
+            done.add(id(p))
             whole = full(p).to(dtype)  # one float32 tensor at a time, narrowed at once
-            gathered[id(p)] = whole if keep else whole[:0]
+            if keep:
+                gathered[id(p)] = whole
         if keep:
             tuned[n] = gathered[id(p)]
     return dict(revert_weight_conversion(model, tuned)) if keep else {}

@@ -21,6 +21,7 @@ the whole tensor read back (:func:`place`), so a run resumes under any process c
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 
 from moetool.errors import MoetoolError
 from moetool.train.freeze import FreezeReport, apply_freeze
+from moetool.train.precision import keep_trainable_float32
 
 __all__ = ["fsdp_requested", "full", "load_sharded", "place"]
 
@@ -89,13 +91,10 @@ def any_process(flag: bool, device: torch.device) -> bool:
     return bool(t.item() > 0)
 
 
-def _keep_flags(module: torch.nn.Module, prefix: str, trainable: set[str]) -> None:
-    """After a load replaced ``module``'s parameters: trainable ones float32 with gradients, the rest frozen."""
-    for name, p in module.named_parameters():
-        train = f"{prefix}{name}" in trainable
-        if train and p.dtype != torch.float32 and p.is_floating_point():
-            p.data = p.data.float()
-        p.requires_grad_(train)
+def _keep_flags(named: Iterable[tuple[str, torch.nn.Parameter]], trainable: set[str]) -> None:
+    """After a load replaced these parameters: the freeze report's trainable ones train, the rest are frozen."""
+    for name, p in named:
+        p.requires_grad_(name in trainable)
 
 
 def _even_split(processes: int) -> Any:
@@ -103,11 +102,11 @@ def _even_split(processes: int) -> Any:
     ``[E, 2I, H]``: 3 experts over 2 processes would split 2:1 along the first), else the first (padded)."""
     from torch.distributed.tensor import Shard
 
-    def place(p: torch.nn.Parameter) -> Any:
+    def placement(p: torch.nn.Parameter) -> Any:
         dim = next((d for d, size in enumerate(p.shape) if size % processes == 0), 0)
         return Shard(dim)
 
-    return place
+    return placement
 
 
 def load_sharded(
@@ -146,18 +145,16 @@ def load_sharded(
         unread = [n for n, p in layer.named_parameters() if p.is_meta]
         if unread:
             raise MoetoolError(f"{model_dir}: the checkpoint does not hold {prefix}{unread[0]}")
-        _keep_flags(layer, prefix, trainable)
+        _keep_flags(((prefix + n, p) for n, p in layer.named_parameters()), trainable)
+        keep_trainable_float32(layer)
         layer.to(device)
         # the whole layer is dropped here: each process keeps its slice only
         fully_shard(layer, mesh=mesh, mp_policy=policy, shard_placement_fn=_even_split(processes))
         give_back_freed_memory()  # the dropped copy's many small pieces would otherwise stay in the heap
     meta.load_outside()
-    outside = {id(p) for p in meta.layers.parameters()}
-    for name, p in model.named_parameters():
-        if id(p) not in outside:
-            if name in trainable and p.dtype != torch.float32:
-                p.data = p.data.float()
-            p.requires_grad_(name in trainable)
+    inside = {id(p) for p in meta.layers.parameters()}
+    _keep_flags(((n, p) for n, p in model.named_parameters() if id(p) not in inside), trainable)
+    keep_trainable_float32(model)  # the layers' trainable slices are float32 already
     torch.nn.Module.to(model, device)  # (transformers' own ``to`` is typed for dtypes)
     fully_shard(model, mesh=mesh, mp_policy=policy, shard_placement_fn=_even_split(processes))
     model.train()
