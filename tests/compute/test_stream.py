@@ -4,28 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from consumer_fixtures import MOE_CASES as CASES
+from consumer_fixtures import bf16_copy as _bf16
 from consumer_fixtures import merge
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from moetool.compute.stream import NonFiniteModel, stream_of, streamed_causal_lm
 from moetool.compute.upcast import decoder_layers, precision_of
-
-SHARED = "shared_expert: {{source: {base}, positive_prompts: ['def']}}\n"
-# name: (dense family, recipe lines): every output architecture, each with its own checkpoint-to-module conversions
-CASES: dict[str, tuple[str, str]] = {
-    "mixtral": ("llama", ""),
-    "qwen2_moe-shared": ("qwen2", SHARED),
-    "qwen3_moe": ("qwen3", ""),
-    "granitemoe": ("granite", ""),
-}
-
-
-def _bf16(folder):
-    """The folder's weights rewritten in bf16 (the layout a real checkpoint ships)."""
-    for f in folder.glob("*.safetensors"):
-        save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
-    return folder
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -237,3 +237,27 @@ def test_a_model_that_does_not_fit_is_streamed_with_the_resident_statistics(tmp_
     for name, entry in want.entries.items():
         np.testing.assert_array_equal(got.entries[name].counts, entry.counts)
         np.testing.assert_allclose(got.entries[name].sums, entry.sums, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("quant", "weighted"),
+    [("experts=q4_k,attention=q6_k,router=f32,*=q8_0", False), ("experts=iq4_xs,router=f32,*=q5_k", True)],
+)
+def test_every_tensor_is_llama_quantizes_bytes_with_no_float32_copy_written(wide, tmp_path, quant, weighted):
+    """Tensor by tensor through ggml's quantizer (two threads) gives the bytes of llama.cpp's whole-file quantizer
+    run on a float32 GGUF of the same model, with and without importance; no staging file is left beside it."""
+    from support.llama_quantize import llama_quantize, tensors
+
+    im = dict(imatrix=_calib()) if weighted else {}
+    ours = export(wide, tmp_path / "ours", quant=quant, verify=False, **im)
+    written = {f.name for f in (tmp_path / "ours").glob("*.gguf")}
+    assert written == {ours["file"], *([ours["imatrix"]["file"]] if weighted else [])}
+    f32 = export(wide, tmp_path / "f32", quant="f32", verify=False)
+    got = tensors(tmp_path / "ours" / ours["file"])
+    imatrix = load(tmp_path / "ours" / ours["imatrix"]["file"]) if weighted else None
+    llama_quantize(tmp_path / "f32" / f32["file"], tmp_path / "ref.gguf", {n: t for n, (t, _) in got.items()}, imatrix)
+    want = tensors(tmp_path / "ref.gguf")
+    assert set(got) == set(want)
+    assert {t for t, _ in got.values()} >= ({"iq4_xs", "q5_k"} if weighted else {"q4_k", "q6_k", "q8_0"})
+    for name, (ty, data) in want.items():
+        assert got[name] == (ty, data), name

@@ -9,6 +9,7 @@ from tuning_fixtures import write_tuning_recipe
 from conftest import save_dense
 from moetool.api import assemble, export
 from moetool.compute.upcast import float32_overhead, layer_bytes
+from moetool.export.gguf import exporter as gguf_exporter
 from moetool.export.gguf.verify import VERIFY_OVERHEAD, streamed_need
 from moetool.io.checkpoint import Checkpoint
 
@@ -29,22 +30,28 @@ def test_verification_streams_when_the_16bit_model_does_not_fit_with_the_residen
     _, layer = layer_bytes(config, params)
     assert streamed + layer < held_bf16
     monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(streamed + layer // 2))  # one layer fits, the model does not
-    low = export(moe, tmp_path / "low", quant="q8_0")["parity"]
+
+    def no_copy(*_a: object, **_k: object) -> None:
+        raise AssertionError("a streamed verification wrote the artifact's dequantized weights to disk")
+
+    with monkeypatch.context() as m:  # streamed, the artifact's tensors are dequantized as each layer reads them
+        m.setattr(gguf_exporter, "artifact_checkpoint", no_copy)
+        low = export(moe, tmp_path / "low", quant="q8_0")["parity"]
     assert low["reference"] == "transformers float32, layer by layer streamed from disk over bfloat16 weights"
     assert low["conversion"]["reference"] == (
-        "transformers float32, layer by layer streamed from disk over float16 weights, on the artifact's "
+        "transformers float32, layer by layer streamed from disk over float32 weights, on the artifact's "
         "dequantized weights"
     )
     assert low["gate"]["verdict"] == "pass"
     monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(held_bf16 + layer))  # the bf16 model fits, float32 does not
     full = export(moe, tmp_path / "full", quant="q8_0")["parity"]
     assert full["reference"] == "transformers float32, layer by layer over bfloat16 weights"
-    # the same weights held alike (the artifact's dequantized ones in float16 both times), the same float32
-    # arithmetic; only the windows per forward pass differ
+    # the same float32 arithmetic on the same weights (the artifact's dequantized ones in float32 streamed, in float16
+    # held); only the windows per forward pass and that float16 rounding differ
     for n, diff in full["max_abs_logit_diff"].items():
         assert low["max_abs_logit_diff"][n] == pytest.approx(diff, abs=1e-4)
         assert low["conversion"]["max_abs_logit_diff"][n] == pytest.approx(
-            full["conversion"]["max_abs_logit_diff"][n], abs=1e-4
+            full["conversion"]["max_abs_logit_diff"][n], rel=2e-3
         )
     assert low["ppl_reference"] == pytest.approx(full["ppl_reference"], rel=1e-5)
     assert low["top1_agreement"] == full["top1_agreement"]

@@ -10,6 +10,24 @@ import torch
 from conftest import write_recipe
 from moetool.api import assemble
 
+SHARED = "shared_expert: {{source: {base}, positive_prompts: ['def']}}\n"
+# name: (dense family, recipe lines): every output architecture, each with its own checkpoint-to-module conversions
+MOE_CASES: dict[str, tuple[str, str]] = {
+    "mixtral": ("llama", ""),
+    "qwen2_moe-shared": ("qwen2", SHARED),
+    "qwen3_moe": ("qwen3", ""),
+    "granitemoe": ("granite", ""),
+}
+
+
+def bf16_copy(folder: Path) -> Path:
+    """The folder's weights rewritten in bf16 (the layout a real checkpoint ships)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in folder.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    return folder
+
 
 def merge(tmp: Path, m: dict[str, Path], case: str, extra: str = "") -> Path:
     """A 3-expert top-2 MoE of ``case``'s architecture from tiny models ``m``."""

@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -35,7 +35,6 @@ from moetool.errors import MoetoolError
 from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES
 
 if TYPE_CHECKING:
-    from safetensors import safe_open
     from transformers import PreTrainedModel
 
 __all__ = [
@@ -43,11 +42,13 @@ __all__ = [
     "MetaModel",
     "NonFiniteModel",
     "Stream",
+    "TensorSource",
     "give_back_freed_memory",
     "layer_bytes",
     "meta_causal_lm",
     "stream_of",
     "streamed_causal_lm",
+    "streamed_weight_bytes",
 ]
 
 
@@ -96,23 +97,46 @@ def _quiet() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-class CheckpointLoader:
-    """Reads named checkpoint tensors into ``model`` through transformers' conversions, cast to ``dtype``."""
+class TensorSource(Protocol):
+    """Named tensors read on demand, as a safetensors handle gives them: ``get_slice(name)[...]`` is the tensor."""
 
-    def __init__(self, model: PreTrainedModel, path: Path, dtype: torch.dtype = torch.float32) -> None:
+    def keys(self) -> list[str]: ...
+
+    def get_slice(self, name: str) -> Any: ...
+
+
+class CheckpointLoader:
+    """Reads named checkpoint tensors into ``model`` through transformers' conversions, cast to ``dtype``: from the
+    safetensors in ``path``, or from ``tensors`` (under the same names) where given.
+
+    Where the conversion only renames, stacks experts or concatenates them (:mod:`moetool.compute.placement`), each
+    parameter is allocated once and every tensor copied into its place as it is read; transformers' loader does the
+    rest. Either way the parameters are those ``from_pretrained`` gives."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        path: Path,
+        dtype: torch.dtype = torch.float32,
+        tensors: TensorSource | None = None,
+    ) -> None:
         from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.modeling_utils import LoadStateDictConfig
 
         self.model = model
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise MoetoolError(f"{path}: no safetensors files to stream the layers from")
-        self._handles: list[safe_open] = [
-            safe_open(str(f), framework="pt", device="cpu", backend="pread") for f in files
-        ]
-        self.where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118  (safe_open is not a Mapping)
+        handles: list[TensorSource] = [tensors] if tensors is not None else []
+        if tensors is None:
+            files = sorted(Path(path).glob("*.safetensors"))
+            if not files:
+                raise MoetoolError(f"{path}: no safetensors files to stream the layers from")
+            handles = [safe_open(str(f), framework="pt", device="cpu", backend="pread") for f in files]
+        self._handles = handles
+        self.where = {k: h for h in handles for k in h.keys()}  # noqa: SIM118  (safe_open is not a Mapping)
         conversions = get_model_conversion_mapping(model, None, None)
+        self._conversions: list[object] = list(conversions)
+        self._meta = model.state_dict()  # names and shapes, before any tensor is read (on meta: no memory)
+        self._dtype = dtype
         # transformers annotates the mapping it builds more widely than the field it feeds
         self._config = LoadStateDictConfig(dtype=dtype, weight_mapping=conversions)  # type: ignore[arg-type]
 
@@ -124,10 +148,21 @@ class CheckpointLoader:
         """
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
+        from moetool.compute.placement import place, set_parameter
+
         slices = {k: self.where[k].get_slice(k) for k in keys}
         read = sum(int(math.prod(s.get_shape())) * SAFETENSORS_TAG_BYTES.get(s.get_dtype(), 4) for s in slices.values())
-        with _quiet():
-            convert_and_load_state_dict_in_model(model=self.model, state_dict=dict(slices), load_config=self._config)
+        shapes = {k: tuple(int(d) for d in s.get_shape()) for k, s in slices.items()}
+        placement = place(self.model, shapes, self._conversions, self._meta)
+        for target, regions in placement.targets.items():
+            value = torch.empty(self._meta[target].shape, dtype=self._dtype)
+            for key, region in regions:
+                value[region].copy_(slices[key][...])  # read as stored, cast as it is copied
+            set_parameter(self.model, target, value)
+        if placement.rest:
+            rest = {k: slices[k] for k in placement.rest}
+            with _quiet():
+                convert_and_load_state_dict_in_model(model=self.model, state_dict=rest, load_config=self._config)
         return read
 
 
@@ -166,8 +201,11 @@ class MetaModel:
         return read
 
 
-def meta_causal_lm(path: Path, dtype: torch.dtype = torch.float32, **model_kwargs: str) -> MetaModel:
-    """The causal LM in ``path`` built on ``meta``, its tensors to be read (cast to ``dtype``) part by part."""
+def meta_causal_lm(
+    path: Path, dtype: torch.dtype = torch.float32, tensors: TensorSource | None = None, **model_kwargs: str
+) -> MetaModel:
+    """The causal LM in ``path`` built on ``meta``, its tensors to be read (cast to ``dtype``) part by part from its
+    safetensors, or from ``tensors`` where given."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(path))
@@ -175,7 +213,7 @@ def meta_causal_lm(path: Path, dtype: torch.dtype = torch.float32, **model_kwarg
         model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
     layers = decoder_layers(model)
     prefix = str(next(name for name, m in model.named_modules() if m is layers))
-    loader = CheckpointLoader(model, Path(path), dtype)
+    loader = CheckpointLoader(model, Path(path), dtype, tensors)
     pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.")
     layer_keys: dict[int, list[str]] = {}
     outside: list[str] = []
@@ -186,6 +224,16 @@ def meta_causal_lm(path: Path, dtype: torch.dtype = torch.float32, **model_kwarg
         else:
             outside.append(key)
     return MetaModel(Path(path), model, layers, prefix, loader, layer_keys, outside)
+
+
+def streamed_weight_bytes(config: dict[str, Any], params: int) -> int:
+    """Bytes of weights a streamed model holds at its peak: those outside the layer stack and one decoder layer, in
+    float32, and half a layer more for the tensors whose conversion transformers' loader does itself (up to three
+    copies of them) and the tensor being read. Measured on a four-expert layer of Mistral-7B's shape (2.98 GB in
+    float32): 1.00× the layer while it is read in place (:mod:`moetool.compute.placement`), 1.6× through
+    transformers' loading alone."""
+    outside, layer = layer_bytes(config, params)
+    return outside + layer * 3 // 2
 
 
 @functools.cache
@@ -212,15 +260,23 @@ def _check_finite(module: nn.Module, where: str) -> None:
     for name, p in module.named_parameters():
         if p.is_meta or not p.is_floating_point() or not p.numel():
             continue
-        if not bool(torch.isfinite(p.detach()).all()):
+        # in pieces: isfinite of a whole tensor makes a float copy and two masks of it, which measured 3.3 GB of
+        # transient memory over a four-expert layer of Mistral-7B's shape (3.0 GB of weights)
+        if not all(bool(torch.isfinite(part).all()) for part in p.detach().reshape(-1).split(1 << 22)):
             raise NonFiniteModel(f"weight {where}{name} holds NaN or Inf values")
 
 
 def streamed_causal_lm(
-    path: Path, *, storage: torch.dtype = torch.bfloat16, check_finite: bool = True, **model_kwargs: str
+    path: Path,
+    *,
+    storage: torch.dtype = torch.bfloat16,
+    check_finite: bool = True,
+    tensors: TensorSource | None = None,
+    **model_kwargs: str,
 ) -> nn.Module:
     """The causal LM in ``path`` (a ``save_pretrained`` folder of safetensors) with its decoder layers streamed from
-    disk in float32, on the CPU, in eval mode. ``storage`` is the dtype the checkpoint holds (for the reports);
+    disk in float32, on the CPU, in eval mode; its weights read from ``tensors`` instead of the folder's safetensors
+    where given (the folder still gives the config). ``storage`` is the dtype the checkpoint holds (for the reports);
     ``model_kwargs`` go to ``from_config`` as to ``from_pretrained`` (``experts_implementation="eager"``).
 
     ``model(input_ids=[B, T]).logits`` is ``[B, T, V]`` as a resident float32 model's. With ``check_finite`` each
@@ -231,7 +287,7 @@ def streamed_causal_lm(
         MoetoolError: no safetensors in ``path``, or checkpoint tensors the model does not place.
     """
     path = Path(path)
-    meta = meta_causal_lm(path, torch.float32, **model_kwargs)
+    meta = meta_causal_lm(path, torch.float32, tensors, **model_kwargs)
     model, layers, prefix, loader = meta.model, meta.layers, meta.prefix, meta.loader
     model.eval()
     stream = Stream(path=path, storage=storage, layers=len(layers))

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from moetool import registry
-from moetool.compute.stream import NonFiniteModel
-from moetool.compute.upcast import layer_bytes
+from moetool.compute.stream import NonFiniteModel, streamed_weight_bytes
 from moetool.io.budget import BudgetError, Need, available_memory, human
 
 __all__ = [
@@ -264,9 +263,8 @@ def eval_need(path: Path, *, dtype: str | None, seq_len: int, batch_size: int = 
     """Peak memory of evaluating the model in ``path``: its weights in ``dtype`` and one batch of ``batch_size``
     windows (hidden states per layer, the logits and their float32 copy), plus a fixed runtime allowance.
 
-    ``streamed``: the weights outside the layer stack and one decoder layer, in float32 and three times over (a
-    layer's tensors as read, cast, and stacked as transformers lays out the experts: measured 2.9× a float32 layer at
-    the 1.7B size-ladder rung), instead of the whole model (:func:`load_causal_lm`).
+    ``streamed``: the weights outside the layer stack and one decoder layer, in float32
+    (:func:`moetool.compute.stream.streamed_weight_bytes`), instead of the whole model (:func:`load_causal_lm`).
 
     Raises:
         MoetoolError: an unknown dtype.
@@ -282,8 +280,7 @@ def eval_need(path: Path, *, dtype: str | None, seq_len: int, batch_size: int = 
     params = sum(t.numel for t in ck.tensors.values())
     tokens = batch_size * seq_len
     if streamed:
-        outside, layer = layer_bytes(cfg, params)
-        weights = outside + 3 * layer
+        weights = streamed_weight_bytes(cfg, params)
         acts = _activations(cfg, tokens, 4)
         held = f"weights {human(weights)} (outside the layers, and one layer read in float32)"
     else:

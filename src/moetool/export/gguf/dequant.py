@@ -8,6 +8,7 @@ parity figure that must be small.
 from __future__ import annotations
 
 import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -88,61 +89,119 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return diff / norm if norm > 0 else float("inf")
 
 
+class ArtifactTensors:
+    """The artifact's weights as llama.cpp will see them, under the source checkpoint's names, dequantized one source
+    tensor at a time when asked (:meth:`get`); each is compared with the source tensor the first time it is made,
+    into ``rounding`` (as :class:`ArtifactWeights`). A stacked expert tensor is dequantized once for its experts.
+
+    It serves as a streamed model's tensor source (``keys`` and ``get_slice``, as a safetensors handle:
+    :class:`moetool.compute.stream.CheckpointLoader`), so a model larger than memory is verified without a copy of
+    its dequantized weights on disk.
+    """
+
+    def __init__(self, gguf_path: Path, model_dir: Path, layout: Layout) -> None:
+        import gguf
+
+        from moetool.io.checkpoint import Checkpoint
+
+        self._by_name = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+        tied = [s for x in layout.tensors if x.name == "token_embd.weight" for s in x.sources]
+        wanted = [
+            t
+            for t in layout.tensors
+            if not t.zeros and t.sources and not (t.name == "output.weight" and t.sources == tied)
+        ]  # the tied head is duplicated for llama.cpp only: transformers reads the embedding
+        self._parts: dict[str, list[GGUFTensor]] = {}  # a source split along its rows into several GGUF tensors
+        self._of: dict[str, GGUFTensor | None] = {}  # source → its GGUF tensor, or None for a split source
+        for t in wanted:
+            if t.rows is not None:
+                self._of.setdefault(t.sources[0], None)
+                self._parts.setdefault(t.sources[0], []).append(t)
+            else:
+                self._of.update((src, t) for src in t.sources)
+        self._ckpt = Checkpoint(model_dir)
+        self.rounding: dict[str, tuple[str, float, float | None]] = {}
+        self._lock = threading.Lock()
+        self._stack: tuple[str, np.ndarray, int] | None = None  # a stacked tensor, and its experts not yet taken
+
+    def keys(self) -> list[str]:
+        """The source names, in the order the GGUF holds them."""
+        return list(self._of)
+
+    def shape(self, src: str) -> tuple[int, ...]:
+        return tuple(self._ckpt.tensors[src].shape)
+
+    def get(self, src: str) -> np.ndarray:
+        """Source tensor ``src`` as the artifact holds it, float32 in the source's shape. One call at a time (the
+        source checkpoint's reads share a file position), though a loader may ask from several threads."""
+        with self._lock:
+            return self._get(src)
+
+    def _get(self, src: str) -> np.ndarray:
+        g = self._of[src]
+        if g is None:
+            pieces = sorted(self._parts[src], key=lambda p: p.rows[0] if p.rows else 0)
+            arr = np.concatenate([_array(self._by_name, p) for p in pieces], axis=-2)
+            kind = max((self._by_name[p.name].tensor_type.name.lower() for p in pieces), key=_coarseness)
+        elif len(g.sources) > 1:
+            if self._stack is None or self._stack[0] != g.name:
+                self._stack = (g.name, _array(self._by_name, g), len(g.sources))
+            name, stacked, left = self._stack
+            arr = stacked[g.sources.index(src)]
+            self._stack = (name, stacked, left - 1) if left > 1 else None  # every expert taken: let it go
+            kind = self._by_name[g.name].tensor_type.name.lower()
+        else:
+            arr = _array(self._by_name, g)
+            kind = self._by_name[g.name].tensor_type.name.lower()
+        got = np.array(arr, dtype=np.float32).reshape(self.shape(src))
+        if src not in self.rounding:  # the source is read once, the first time (a streamed model asks every pass)
+            want = self._ckpt.get(src).float().numpy()
+            self.rounding[src] = (kind, relative_error(got, want), off_rounding(got, want, kind))
+        return got
+
+    def get_slice(self, src: str) -> _Lazy:
+        return _Lazy(self, src)
+
+    def close(self) -> None:
+        self._ckpt.close()
+
+
+class _Lazy:
+    """One tensor of :class:`ArtifactTensors` in a safetensors slice's shape: made when indexed (``[...]``)."""
+
+    def __init__(self, owner: ArtifactTensors, src: str) -> None:
+        self._owner, self._src = owner, src
+
+    def get_shape(self) -> list[int]:
+        return list(self._owner.shape(self._src))
+
+    def get_dtype(self) -> str:
+        return "F32"
+
+    def __getitem__(self, _key: object) -> torch.Tensor:
+        return torch.from_numpy(self._owner.get(self._src))
+
+
 def artifact_checkpoint(
     gguf_path: Path, model_dir: Path, layout: Layout, out: Path, dtype: str = "float32"
 ) -> ArtifactWeights:
     """Write ``out`` (config, tokenizer, model.safetensors) with the weights as llama.cpp will see them, in ``dtype``
     (the verification reference's), one tensor at a time: memory holds one tensor, not the model; each is compared
     with the source tensor as it goes (:class:`ArtifactWeights`)."""
-    import gguf
-
-    from moetool.io.checkpoint import Checkpoint
     from moetool.io.writer import ShardedWriter
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    by_name = {t.name: t for t in reader.tensors}
-    tied = [s for x in layout.tensors if x.name == "token_embd.weight" for s in x.sources]
-    wanted = [
-        t for t in layout.tensors if not t.zeros and t.sources and not (t.name == "output.weight" and t.sources == tied)
-    ]  # the tied head is duplicated for llama.cpp only: transformers reads the embedding
-    parts: dict[str, list[GGUFTensor]] = {}  # a source split along its rows into several GGUF tensors
-    steps: list[tuple[str, GGUFTensor | None]] = []  # (source, its GGUF tensor) or (split source, None)
-    for t in wanted:
-        if t.rows is not None:
-            if t.sources[0] not in parts:
-                steps.append((t.sources[0], None))
-            parts.setdefault(t.sources[0], []).append(t)
-        else:
-            steps += [(src, t) for src in t.sources]
-    ckpt = Checkpoint(model_dir)
+    tensors = ArtifactTensors(gguf_path, model_dir, layout)
     torch_dtype = getattr(torch, dtype)
-    entries = [(src, torch_dtype, tuple(ckpt.tensors[src].shape)) for src, _ in steps]
     out.mkdir(parents=True, exist_ok=True)
-    result = ArtifactWeights(out)
-    stacked: tuple[str, np.ndarray] | None = None  # a stacked expert tensor, read once for its experts
-    with ShardedWriter(out, entries, 2**62) as writer:
-        for src, g in steps:
-            if g is None:
-                pieces = sorted(parts[src], key=lambda p: p.rows[0] if p.rows else 0)
-                arr = np.concatenate([_array(by_name, p) for p in pieces], axis=-2)
-                kind = max((by_name[p.name].tensor_type.name.lower() for p in pieces), key=_coarseness)
-            elif len(g.sources) > 1:
-                if stacked is None or stacked[0] != g.name:
-                    stacked = (g.name, _array(by_name, g))
-                arr = stacked[1][g.sources.index(src)]
-                kind = by_name[g.name].tensor_type.name.lower()
-            else:
-                arr = _array(by_name, g)
-                kind = by_name[g.name].tensor_type.name.lower()
-            want = ckpt.get(src).float().numpy()
-            got = np.asarray(arr, dtype=np.float32).reshape(want.shape)
-            result.rounding[src] = (kind, relative_error(got, want), off_rounding(got, want, kind))
-            writer.add(src, torch.from_numpy(np.array(arr, dtype=np.float32)).to(torch_dtype))
-    ckpt.close()
+    names = tensors.keys()
+    with ShardedWriter(out, [(k, torch_dtype, tensors.shape(k)) for k in names], 2**62) as writer:
+        for src in names:
+            writer.add(src, torch.from_numpy(tensors.get(src)).to(torch_dtype))
+    tensors.close()
     for f in model_dir.iterdir():
         if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja") and not f.name.endswith(".index.json"):
             shutil.copy2(f, out / f.name)
-    return result
+    return ArtifactWeights(out, tensors.rounding)
 
 
 def _coarseness(kind: str) -> int:

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest, write_manifest
-from moetool.export.gguf.dequant import artifact_checkpoint
+from moetool.export.gguf.dequant import ArtifactTensors, ArtifactWeights, artifact_checkpoint
 from moetool.export.gguf.layout import Layout, plan_layout
 from moetool.export.gguf.tokenizer import llama_cpp_equivalent, read_vocab
-from moetool.export.gguf.write import by_llama_cpp, requantize, write_gguf
+from moetool.export.gguf.write import by_ggml, write_gguf
 from moetool.export.heldout import held_out_text
 from moetool.export.parity import ParityRecord
 from moetool.export.planning import ArtifactPlan, choose_plan, manifest_base
@@ -93,11 +93,9 @@ class GGUFExporter:
         self.check(req, plan)
         vocab = read_vocab(req.model_dir, int(plan.config["vocab_size"]))
         imatrix = load_imatrix(req.imatrix) if isinstance(req.imatrix, Path) else None
-        llama = by_llama_cpp(plan.quant, req.imatrix is not None)
         fname = f"{plan.name}.{plan.quant.label}.gguf"
         gguf_need(
             plan,
-            needs_k=bool(llama),
             verify=req.verify,
             output=req.output,
             collect=imatrix is None and req.imatrix is not None,
@@ -112,30 +110,25 @@ class GGUFExporter:
             if req.quant.budget is not None:
                 assert imatrix is not None and isinstance(req.imatrix, Calibration)
                 allocation = allocate_plan(req, plan, imatrix, req.imatrix, console)
-                llama = by_llama_cpp(plan.quant, True)
             ckpt = Checkpoint(req.model_dir)
-            first = tmp / (fname + ".f32-stage") if llama else target
             write_gguf(
-                first,
+                target,
                 ckpt=ckpt,
                 cfg=plan.config,
                 layout=plan.layout,
                 plan=plan.quant,
                 vocab=vocab,
                 name=plan.name,
-                llama=llama,
+                imatrix=imatrix,
             )
             ckpt.close()
-            if llama:
-                requantize(first, target, plan.quant, imatrix=imatrix)
-                first.unlink()
             check_types(target, plan.quant)
             write_s = time.perf_counter() - t0
             parity = self._verify(req, plan, target, tmp, vocab, console) if req.verify else None
             files = {fname: target} | ({imatrix_file.name: imatrix_file} if imatrix_file else {})
             manifest = manifest_base("gguf", plan, files, fname)
             if imatrix is not None:
-                manifest["imatrix"] = imatrix_record(imatrix, imatrix_file, llama)
+                manifest["imatrix"] = imatrix_record(imatrix, imatrix_file, by_ggml(plan.quant, True))
             if allocation is not None:
                 manifest["allocation"] = {
                     "budget": allocation.budget,
@@ -178,19 +171,25 @@ class GGUFExporter:
         # whose free space the output needs anyway
         held = artifact_dtype(ref, plan.quant)
         with tempfile.TemporaryDirectory(prefix=".parity-", dir=tmp) as work:
-            own = None if lossless else artifact_checkpoint(target, req.model_dir, plan.layout, Path(work), dtype=held)
+            own: ArtifactWeights | ArtifactTensors | None = None
+            if streamed and not lossless:  # dequantized as each layer is read: a model too big for memory is too
+                own = ArtifactTensors(target, req.model_dir, plan.layout)  # big for a second copy on the disk
+            elif not lossless:
+                own = artifact_checkpoint(target, req.model_dir, plan.layout, Path(work), dtype=held)
             report = compare(
                 target,
                 req.model_dir,
                 text,
-                artifact_weights=own.path if own else None,
+                artifact_weights=own.path if isinstance(own, ArtifactWeights) else own,
                 equivalent=functools.partial(llama_cpp_equivalent, vocab),
                 dtype=ref,
-                artifact_dtype=held,
+                artifact_dtype="float32" if isinstance(own, ArtifactTensors) else held,
                 types=matrix_types(plan.quant),
                 rounding=own.rounding if own else None,
                 streamed=streamed,
             )
+            if isinstance(own, ArtifactTensors):
+                own.close()
         tolerance = gate_problems(report, plan.quant)
         return replace(report.record(), text=text_src, tolerance=tolerance, verdict="pass")
 
@@ -204,7 +203,7 @@ class GGUFExporter:
             assert req.imatrix is not None and not isinstance(req.imatrix, Path)
             names = {t.name for t in plan.layout.tensors if len(t.shape) >= 2}
             given = collect(req.model_dir, req.imatrix, names, console=console)
-        weighted = by_llama_cpp(plan.quant, True)
+        weighted = by_ggml(plan.quant, True)
         starved = given.starved(weighted)
         if starved:
             name, experts = next(iter(starved.items()))
@@ -286,11 +285,10 @@ def imatrix_record(m: ImportanceMatrix, path: Path | None, llama: dict[str, str]
     }
 
 
-def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path, collect: bool = False) -> Need:
+def gguf_need(plan: GGUFPlan, *, verify: bool, output: Path, collect: bool = False) -> Need:
     """Memory and disk of writing (and verifying) ``plan``'s GGUF, from the plan alone.
 
-    Disk: the artifact, a float32 staging file for K-quants (llama.cpp's quantizer reads one), and for a lossy plan
-    the float32 checkpoint of the artifact's dequantized weights that verification compares layer outputs with.
+    Disk: the artifact and, for a lossy plan verified with the model held, the float32 checkpoint of the artifact's dequantized weights that verification compares layer outputs with.
     Memory: writing streams one tensor at a time; verification holds one float32 copy of the weights at a time (the
     source model beside llama.cpp's copy of the artifact, then the artifact's dequantized weights).
     """
@@ -307,7 +305,7 @@ def gguf_need(plan: GGUFPlan, *, needs_k: bool, verify: bool, output: Path, coll
     ref_bytes = held if ref == "float32" else held + float32_overhead(params, plan.config)
     own = plan.config.get("dtype") or plan.config.get("torch_dtype")
     own_bytes = params * (2 if own in ("bfloat16", "float16") else 4)  # the calibration loads the model as it is
-    disk = artifact + (params * 4 if needs_k else 0) + (held if verify and lossy else 0)
+    disk = artifact + (held if verify and lossy and not streamed else 0)  # streamed: dequantized as read
     # llama.cpp runs first and lets its copy go; then one transformers model at a time, in the reference's dtype;
     # streamed, one layer of it (llama.cpp maps the file: its pages are the page cache's, not the process's own)
     verifying = streamed_need(params, plan.config) if streamed else max(ref_bytes, artifact) + VERIFY_OVERHEAD

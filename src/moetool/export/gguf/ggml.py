@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,8 @@ def _lib() -> ctypes.CDLL:
     llama_cpp = require(
         "llama_cpp",
         "llama",
-        why="ggml's quantizer (importance-weighted types, bit allocation)",
-        otherwise="export without --imatrix",
+        why="ggml's quantizer (K and IQ types, importance-weighted rounding, bit allocation)",
+        otherwise="choose a plan of f16/bf16/q8_0/q5_x/q4_x types, without --imatrix",
     )
     lib = ctypes.CDLL(str(Path(str(llama_cpp.__file__)).parent / "lib" / "libggml-base.so"))
     f = ctypes.POINTER(ctypes.c_float)
@@ -64,6 +65,14 @@ def requires_imatrix(type_name: str) -> bool:
 def quantize(rows: np.ndarray, type_name: str, importance: np.ndarray | None = None) -> bytes:
     """``rows`` (``[n, n_per_row]``, one matrix) in ``type_name``, rounded with ``importance`` (``[n_per_row]``, the
     mean x² per column) as llama.cpp's quantizer rounds it."""
+    return quantize_rows(rows, type_name, importance).tobytes()
+
+
+def quantize_rows(
+    rows: np.ndarray, type_name: str, importance: np.ndarray | None = None, *, threads: int = 1
+) -> np.ndarray:
+    """As :func:`quantize`, as a ``uint8`` array; ``threads`` quantize disjoint row ranges at once (each row is
+    rounded on its own, so the bytes do not depend on the split)."""
     lib = _lib()
     t = _type_id(type_name)
     if importance is None and lib.ggml_quantize_requires_imatrix(t):
@@ -73,12 +82,23 @@ def quantize(rows: np.ndarray, type_name: str, importance: np.ndarray | None = N
     imp = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
     if imp is not None and imp.shape != (per_row,):
         raise ValueError(f"importance has shape {imp.shape}; rows of {per_row} need ({per_row},)")
-    lib.ggml_quantize_init(t)
-    out = np.zeros(int(lib.ggml_row_size(t, per_row)) * n, dtype=np.uint8)
-    wrote = lib.ggml_quantize_chunk(t, _fptr(x), out.ctypes.data, 0, n, per_row, _fptr(imp))
+    lib.ggml_quantize_init(t)  # once, before any thread: it fills the IQ types' shared tables
+    out = np.empty(int(lib.ggml_row_size(t, per_row)) * n, dtype=np.uint8)
+    src, dst, w = _fptr(x), out.ctypes.data, _fptr(imp)
+    bounds = np.linspace(0, n, max(1, min(threads, n)) + 1).astype(int)
+
+    def chunk(a: int, b: int) -> int:
+        # ctypes lets go of the GIL for the call: the ranges run in parallel
+        return int(lib.ggml_quantize_chunk(t, src, dst, a * per_row, b - a, per_row, w))
+
+    if len(bounds) == 2:
+        wrote = chunk(0, n)
+    else:
+        with ThreadPoolExecutor(len(bounds) - 1) as pool:
+            wrote = sum(pool.map(chunk, bounds[:-1], bounds[1:]))
     if wrote != out.size:
         raise RuntimeError(f"ggml_quantize_chunk wrote {wrote} bytes, expected {out.size}")
-    return out.tobytes()
+    return out
 
 
 @functools.cache

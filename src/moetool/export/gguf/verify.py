@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
+    from moetool.compute.stream import TensorSource
+    from moetool.export.gguf.dequant import ArtifactTensors
+
 import contextlib
 import os
 from collections.abc import Callable, Iterator
@@ -131,13 +134,12 @@ def stream_reference(params: int, config: dict[str, Any]) -> bool:
 
 
 def streamed_need(params: int, config: dict[str, Any]) -> int:
-    """Bytes a streamed reference holds: the weights outside the layer stack and one layer in float32, three times
-    over (as read, cast, and stacked as transformers lays out the experts: :func:`moetool.eval.perplexity.eval_need`),
-    and the verification's activations (:data:`VERIFY_OVERHEAD`)."""
-    from moetool.compute.upcast import layer_bytes
+    """Bytes a streamed reference holds: the weights outside the layer stack and one layer in float32
+    (:func:`moetool.compute.stream.streamed_weight_bytes`) and the verification's activations
+    (:data:`VERIFY_OVERHEAD`)."""
+    from moetool.compute.stream import streamed_weight_bytes
 
-    outside, layer = layer_bytes(config, params)
-    return outside + 3 * layer + VERIFY_OVERHEAD
+    return streamed_weight_bytes(config, params) + VERIFY_OVERHEAD
 
 
 @contextlib.contextmanager
@@ -232,18 +234,21 @@ class LlamaRun:
         return reference_logits(model, self.probes + self.ppl_windows)
 
 
-def reference_model(path: Path, storage: torch.dtype, *, streamed: bool = False) -> nn.Module:
+def reference_model(
+    path: Path, storage: torch.dtype, *, streamed: bool = False, tensors: TensorSource | None = None
+) -> nn.Module:
     """The transformers reference at ``path``, held in ``storage`` and computing in float32: a 16-bit model runs one
     float32 layer at a time (:func:`moetool.compute.upcast.float32_layer_by_layer`), which gives a float32 model's
     logits in about half its memory; ``streamed``, its layers are read from disk as each runs
-    (:func:`moetool.compute.stream.streamed_causal_lm`: the same logits for one layer's memory)."""
+    (:func:`moetool.compute.stream.streamed_causal_lm`: the same logits for one layer's memory), from ``tensors``
+    instead of the folder's safetensors where given."""
     from transformers import AutoModelForCausalLM
 
     from moetool.compute.stream import streamed_causal_lm
     from moetool.compute.upcast import float32_layer_by_layer
 
-    if streamed:
-        return streamed_causal_lm(Path(path), storage=storage)
+    if streamed or tensors is not None:
+        return streamed_causal_lm(Path(path), storage=storage, tensors=tensors)
     return float32_layer_by_layer(AutoModelForCausalLM.from_pretrained(str(path), dtype=storage).eval())
 
 
@@ -275,7 +280,7 @@ def compare(
     model_dir: Path,
     text: str,
     *,
-    artifact_weights: Path | None = None,
+    artifact_weights: Path | ArtifactTensors | None = None,
     seq_lens: tuple[int, ...] = (32, 128),
     n_windows: int = 4,
     lora_path: Path | None = None,
@@ -288,8 +293,9 @@ def compare(
 ) -> ParityReport:
     """Run llama.cpp and transformers on the same ids.
 
-    ``model_dir`` is the source model; ``artifact_weights`` a checkpoint holding the artifact's dequantized weights
-    (None when they equal the source's, as for f32); ``equivalent`` as in :func:`check_tokenizer`; ``dtype`` the
+    ``model_dir`` is the source model; ``artifact_weights`` a checkpoint holding the artifact's dequantized weights,
+    or the artifact's tensors dequantized as each streamed layer reads them (:class:`ArtifactTensors`: no copy on
+    disk), or None when they equal the source's, as for f32; ``equivalent`` as in :func:`check_tokenizer`; ``dtype`` the
     dtype the reference holds the source's weights in (float32, or the checkpoint's own 16-bit dtype when float32 does
     not fit in memory; it computes in float32 either way), ``artifact_dtype`` the dtype ``artifact_weights`` are
     held in (default ``dtype``); ``types`` the plan's matrix types, which the margin gate's bounds follow (None: no
@@ -310,9 +316,11 @@ def compare(
     ref = run.transformers_logits(original)
     del original
     own = None
-    if artifact_weights is not None:
+    if isinstance(artifact_weights, Path):
         held = getattr(torch, artifact_dtype or dtype)
         own = run.transformers_logits(reference_model(artifact_weights, held, streamed=streamed))
+    elif artifact_weights is not None:  # the source's config over the artifact's tensors, one layer at a time
+        own = run.transformers_logits(reference_model(model_dir, torch.float32, tensors=artifact_weights))
     vs_original = run.against(ref)
     n = len(run.probes)
     gate = None if types is None else margin_gate(ref[n:], own[n:] if own else None, run.logits[n:], types, rounding)

@@ -1,30 +1,28 @@
 """Write a GGUF file tensor by tensor (streamed), each in the type its plan assigns.
 
-Types gguf-py can quantize are written directly; K and IQ types, and with an importance matrix every type llama.cpp
-rounds with one, are written f32 first and then requantized by llama.cpp's own quantizer (``llama_model_quantize``
-with one exact-name override per tensor and the importance matrix passed as its C array), so every byte of those
-tensors comes from llama.cpp.
+Types gguf-py can quantize are written by gguf-py; K and IQ types, and with an importance matrix every type
+llama.cpp rounds with one, by ggml's own row quantizer (``ggml_quantize_chunk`` in the ``libggml-base`` that
+llama-cpp-python ships: :mod:`moetool.export.gguf.ggml`), one matrix at a time with that matrix's importance, as
+``llama-quantize`` calls it. So every byte of those tensors is llama.cpp's, and no float32 copy of the model is ever
+written first (a 24B-parameter MoE would need 97 GB of disk for one).
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moetool.export.base import ExportError
 from moetool.export.gguf.layout import GGUFTensor, Layout
 from moetool.export.gguf.names import permute_qk
 from moetool.export.gguf.rope import plan_rope, write_rope_metadata
 from moetool.export.gguf.scales import write_scales
 from moetool.export.gguf.tokenizer import GGUFVocab, write_vocab
-from moetool.export.gguf.verify import quiet_stderr
 from moetool.export.jsonnum import integer, number
-from moetool.extras import require
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.jsontypes import JsonValue
 from moetool.quant.imatrix import ImatrixError, ImportanceMatrix
@@ -32,8 +30,6 @@ from moetool.quant.plan import QuantPlan
 from moetool.quant.types import IMATRIX_AWARE, TYPES
 
 if TYPE_CHECKING:
-    import ctypes
-
     from gguf import GGMLQuantizationType, GGUFWriter
 
 SHEXP_GATE_EPS = 1e-20
@@ -62,9 +58,9 @@ _FILE_TYPE = {
 }
 
 
-def by_llama_cpp(plan: QuantPlan, with_imatrix: bool) -> dict[str, str]:
-    """GGUF name → type of the tensors llama.cpp's quantizer writes: every type gguf-py cannot write, and with an
-    importance matrix every type llama.cpp rounds with it (gguf-py's quantizers take none)."""
+def by_ggml(plan: QuantPlan, with_imatrix: bool) -> dict[str, str]:
+    """GGUF name → type of the tensors ggml's quantizer writes: every type gguf-py cannot write, and with an importance
+    matrix every type llama.cpp rounds with it (gguf-py's quantizers take none)."""
     out = {}
     for a in plan.assignments:
         if len(a.entry.shape) < 2:
@@ -109,6 +105,19 @@ def encode(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, GGMLQuantizatio
         return arr.astype(np.float16), None
     q = gguf.quants.quantize(arr, _ggml(type_name))
     return np.ascontiguousarray(q).view(np.uint8), _ggml(type_name)
+
+
+def encode_ggml(arr: np.ndarray, type_name: str, importance: np.ndarray | None, threads: int) -> np.ndarray:
+    """Bytes of ``arr`` (``[rows, n_per_row]`` or ``[n_mat, rows, n_per_row]``) in ``type_name`` by ggml's quantizer,
+    each matrix rounded with its row of ``importance`` (``[n_mat, n_per_row]``) where given."""
+    from moetool.export.gguf.ggml import quantize_rows
+
+    mats = arr.reshape(-1, *arr.shape[-2:])
+    parts = [
+        quantize_rows(m, type_name, None if importance is None else importance[i], threads=threads)
+        for i, m in enumerate(mats)
+    ]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _metadata(w: GGUFWriter, cfg: Mapping[str, JsonValue], layout: Layout, name: str, file_type: int) -> None:
@@ -164,117 +173,70 @@ def write_gguf(
     vocab: GGUFVocab,
     name: str,
     progress: Callable[[], object] | None = None,
-    llama: Collection[str] = (),
+    imatrix: ImportanceMatrix | None = None,
+    threads: int | None = None,
 ) -> None:
-    """Write ``path``; the tensors named in ``llama`` are written f32, for :func:`requantize` to quantize."""
+    """Write ``path`` one tensor at a time: memory holds one tensor in float32 and its bytes. The tensors
+    :func:`by_ggml` names go through ggml's quantizer on ``threads`` threads (default: the CPU count, at most 4),
+    rounded with ``imatrix``'s importance where it has the tensor.
+
+    Raises:
+        MissingExtraError: the plan needs ggml's quantizer and llama-cpp-python is missing.
+        ImatrixError: ``imatrix`` does not fit the model.
+    """
     import gguf
 
     types = {a.entry.out_name: a.type for a in plan.assignments}
-    staged = set(llama)
+    by_ggml_ = by_ggml(plan, imatrix is not None)
+    threads = threads or max(1, min(4, os.cpu_count() or 1))
     w = gguf.GGUFWriter(str(path), layout.arch)
     _metadata(w, cfg, layout, name, file_type_of(plan))
     write_vocab(w, vocab)
     for t in layout.tensors:
-        ty = "f32" if t.name in staged else types[t.name]
-        spec = TYPES[ty]
-        if ty in ("f32", "f16"):
-            dt = np.float32 if ty == "f32" else np.float16
+        spec = TYPES[types[t.name]]
+        if types[t.name] in ("f32", "f16"):
+            dt = np.float32 if types[t.name] == "f32" else np.float16
             w.add_tensor_info(t.name, t.shape, np.dtype(dt), spec.nbytes(t.shape))
         else:
             byte_shape = (*t.shape[:-1], t.shape[-1] // spec.block * spec.block_bytes)
-            w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), spec.nbytes(t.shape), raw_dtype=_ggml(ty))
+            w.add_tensor_info(
+                t.name, byte_shape, np.dtype(np.uint8), spec.nbytes(t.shape), raw_dtype=_ggml(types[t.name])
+            )
     rope_tensors = plan_rope(cfg, layout.arch).tensors
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for t in layout.tensors:
-        ty = "f32" if t.name in staged else types[t.name]
+        ty = types[t.name]
         arr = rope_tensors[t.name] if t.name in rope_tensors else load_tensor(ckpt, t)
-        data, _ = encode(arr, ty)
+        if t.name in by_ggml_:
+            importance = None
+            if imatrix is not None and ty in IMATRIX_AWARE:
+                importance = importance_of(imatrix, t.name, tuple(t.shape))
+            data = encode_ggml(arr, ty, importance, threads)
+        else:
+            data, _ = encode(arr, ty)
+        del arr
         w.write_tensor_data(data)
         if progress is not None:
             progress()
     w.close()
 
 
-def imatrix_array(
-    llama_cpp: ModuleType, imatrix: ImportanceMatrix, shapes: dict[str, tuple[int, ...]]
-) -> tuple[ctypes.Array[ctypes.Structure], list[object]]:
-    """llama.cpp's ``llama_model_imatrix_data`` array (NULL-terminated) for the tensors in ``shapes`` (GGUF name →
-    torch shape), and the buffers that must outlive the call.
+def importance_of(imatrix: ImportanceMatrix, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``[n_mat, n_per_row]`` float32 importance of tensor ``name`` (torch ``shape``: ``[n_mat, rows, n_per_row]`` or
+    ``[rows, n_per_row]``) as llama.cpp's quantizer reads it, or None when the matrix has no statistics.
 
     Raises:
-        ImatrixError: a tensor's statistics do not match its shape (an importance matrix of another model).
+        ImatrixError: the statistics do not match the shape (an importance matrix of another model).
     """
-    import ctypes
-
-    Entry = llama_cpp.llama_model_imatrix_data
-    items = []
-    for name, shape in shapes.items():
-        e = imatrix.entries.get(name)
-        if e is None:
-            continue
-        n_mat = shape[0] if len(shape) == 3 else 1
-        if e.sums.shape != (n_mat, shape[-1]):
-            raise ImatrixError(
-                f"the importance matrix's {name} has {e.sums.shape[0]} × {e.sums.shape[1]} values; the tensor needs "
-                f"{n_mat} × {shape[-1]} (was it collected on another model?)"
-            )
-        items.append((name, e.values()))
-    arr: ctypes.Array[ctypes.Structure] = (Entry * (len(items) + 1))()
-    keep: list[object] = []
-    for i, (name, values) in enumerate(items):
-        key = name.encode()
-        keep += [key, values]
-        arr[i].name = key
-        arr[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        arr[i].size = values.size
-    arr[len(items)].name = None
-    return arr, keep
-
-
-def requantize(
-    src: Path, dst: Path, plan: QuantPlan, *, imatrix: ImportanceMatrix | None = None, threads: int = 0
-) -> None:
-    """Let llama.cpp quantize the tensors of ``src`` that :func:`by_llama_cpp` names (written f32) into ``dst``, with
-    ``imatrix``'s importance where given; all others are copied.
-
-    Raises:
-        MissingExtraError: llama-cpp-python is missing.
-        ImatrixError: ``imatrix`` does not fit the model.
-        ExportError: llama.cpp's quantizer failed.
-    """
-    import ctypes
-
-    llama_cpp = require(
-        "llama_cpp",
-        "llama",
-        why="writing K and IQ types, or any type with an importance matrix, with llama.cpp's quantizer",
-        otherwise="choose a plan of f16/bf16/q8_0/q5_x/q4_x types",
-    )
-    Override = llama_cpp.llama_model_tensor_override
-    names = [(a.entry.out_name or a.entry.hf_name, a.type) for a in plan.assignments if len(a.entry.shape) >= 2]
-    arr = (Override * (len(names) + 1))()
-    keep: list[object] = []  # buffers the C call reads: alive until it returns
-    for i, (n, ty) in enumerate(names):
-        pat = ("^" + n.replace(".", r"\.") + "$").encode()
-        keep.append(pat)
-        arr[i].pattern = pat
-        arr[i].type = int(_ggml(ty))
-    arr[len(names)].pattern = None
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.nthread = threads
-    params.ftype = 7  # MOSTLY_Q8_0: only a label here, every 2-D tensor has an override
-    params.pure = True
-    params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(Override))
-    if imatrix is not None:
-        wanted = by_llama_cpp(plan, True)
-        shapes = {(a.entry.out_name or a.entry.hf_name): a.entry.shape for a in plan.assignments}
-        im_arr, im_keep = imatrix_array(llama_cpp, imatrix, {n: shapes[n] for n in wanted})
-        keep += [im_arr, *im_keep]
-        params.imatrix = ctypes.cast(im_arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
-
-    with quiet_stderr():
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0:
-        raise ExportError(f"llama.cpp's quantizer failed on {src} (return code {rc})")
+    e = imatrix.entries.get(name)
+    if e is None:
+        return None
+    n_mat = shape[0] if len(shape) == 3 else 1
+    if e.sums.shape != (n_mat, shape[-1]):
+        raise ImatrixError(
+            f"the importance matrix's {name} has {e.sums.shape[0]} × {e.sums.shape[1]} values; the tensor needs "
+            f"{n_mat} × {shape[-1]} (was it collected on another model?)"
+        )
+    return e.values().reshape(n_mat, shape[-1])

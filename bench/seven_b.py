@@ -1,0 +1,185 @@
+"""The 7B rung: four experts in Mistral-7B's shape merged, evaluated and exported to a verified GGUF on this machine.
+
+The base is random bf16 weights in Mistral-7B's shape (hidden 4096, MLP 14336, 32 layers, 32 query and 8 key/value
+heads, untied head) with SmolLM2's vocabulary (49,152): 7.25B parameters, 14.5 GB, drawn tensor by tensor into
+5 GB shards. The four experts are hard links to the base's files: a disk of about 70 GB holds the base, the
+24B-parameter MoE (48.7 GB) and its 4-bit GGUF, not four distinct 14.5 GB experts beside them. Identical experts
+make the MoE's output equal the dense base's whatever the routers choose, so the MoE's perplexity must equal the
+base's: the rung checks the merge and the streamed evaluation at 24B parameters. Each stage is its own process;
+the table gives its wall time, peak RSS (``wait4``) and the peak of its anonymous memory (sampled from
+``/proc/PID/status`` every 0.2 s): a mapped file's pages (llama.cpp maps the GGUF) count in RSS but are the page
+cache's, given back under pressure.
+
+    base eval (perplexity on 4,096 tokens) → merge (top-2 of 4) → [inputs deleted] → MoE eval → GGUF q4_k with
+    verification → [GGUF deleted] → llama.cpp's convert_hf_to_gguf.py --outtype q8_0
+
+llama.cpp's own route is convert_hf_to_gguf.py to a 16- or 8-bit GGUF, then llama-quantize: its intermediate
+(25.9 GB at q8_0) does not fit beside the MoE on this disk, so the converter writes into a pipe whose reader counts
+the bytes and checks the header, and llama-quantize is not run (the table says so).
+
+    .venv/bin/python bench/seven_b.py [--work DIR] [--only STAGES] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import size_ladder as sl
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+         "num_key_value_heads": 8}  # fmt: skip
+SHARD = 5 * 10**9
+# reads a GGUF from a pipe: its header (tensor count) and the bytes that follow, for the converter's stage
+_PIPE_READER = """
+import struct, sys
+n = 0
+with open(sys.argv[1], "rb", buffering=0) as f:
+    head = f.read(24)
+    magic, version, tensors, kv = struct.unpack("<4sIQQ", head)
+    assert magic == b"GGUF", magic
+    n = len(head)
+    while True:
+        b = f.read(1 << 24)
+        if not b:
+            break
+        n += len(b)
+print(f"GGUF v{version}: {tensors} tensors, {kv} keys, {n} bytes")
+"""
+
+
+def draw(root: Path) -> dict[str, Path]:
+    """Base as bf16 shards written one tensor at a time; experts as hard links to its files."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from moetool.io.writer import ShardedWriter
+
+    cfg = LlamaConfig(vocab_size=sl.VOCAB, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, rope_theta=1000000.0, **SHAPE)  # fmt: skip
+    with torch.device("meta"):
+        names = sorted((n, tuple(p.shape)) for n, p in LlamaForCausalLM(cfg).state_dict().items())
+    base = root / "base"
+    base.mkdir(parents=True, exist_ok=True)
+    with ShardedWriter(base, [(n, torch.bfloat16, s) for n, s in names], SHARD) as w:
+        for i, (n, shp) in enumerate(names):
+            if len(shp) == 1:
+                w.add(n, torch.ones(shp, dtype=torch.bfloat16))
+                continue
+            g = torch.Generator().manual_seed(i * 97)
+            w.add(n, (torch.randn(shp, generator=g) * 0.02).to(torch.bfloat16))
+    d = cfg.to_dict() | {"dtype": "bfloat16", "architectures": ["LlamaForCausalLM"]}
+    (base / "config.json").write_text(json.dumps(d, indent=2))
+    sl._tokenizer(base)
+    paths = {"base": base}
+    for name in sl.EXPERTS:
+        out = root / name
+        out.mkdir(exist_ok=True)
+        for f in base.iterdir():
+            if not (out / f.name).exists():
+                os.link(f, out / f.name)
+        paths[name] = out
+    return paths
+
+
+def run(args: list[str], log: Path) -> tuple[float, int, int, int, str]:
+    """(wall seconds, peak RSS, sampled peak anonymous memory, exit code, last line) of one process."""
+    t0 = time.perf_counter()
+    peak_anon = 0
+    with open(log, "w") as f:
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak_anon
+            while not done.wait(0.2):
+                try:
+                    for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                        if line.startswith("RssAnon:"):
+                            peak_anon = max(peak_anon, int(line.split()[1]) * 1024)
+                except OSError:
+                    return
+
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        done.set()
+        t.join()
+    wall = time.perf_counter() - t0
+    lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    return wall, usage.ru_maxrss * 1024, peak_anon, os.waitstatus_to_exitcode(status), lines[-1] if lines else ""
+
+
+def _converter(moe: Path, root: Path) -> list[str]:
+    fifo = root / "convert.fifo"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    reader = f"{sys.executable} -c '{_PIPE_READER}' {fifo} > {root / 'convert-reader.log'} &"
+    conv = f"{sys.executable} {ROOT / 'scripts' / 'llama_converter.py'} {moe} --outfile {fifo} --outtype q8_0"
+    return ["bash", "-c", f"{reader} {conv} && wait"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--only", default=None, help="comma-separated stages (default: all)")
+    ap.add_argument("--keep", action="store_true", help="keep the rung's files")
+    ap.add_argument("--quant", default="q4_k")
+    ap.add_argument("--draw", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.draw:  # internal: the family, drawn in a process of its own
+        draw(a.draw)
+        return
+    work = a.work or Path(tempfile.mkdtemp(prefix="moetool-7b-"))
+    models = work / "models"
+    only = a.only.split(",") if a.only else None
+    if not (models / "math" / "config.json").is_file() and (not only or {"base eval", "merge"} & set(only)):
+        subprocess.run([sys.executable, __file__, "--draw", str(models)], check=True)
+    paths = {n: models / n for n in ("base", *sl.EXPERTS)}
+    texts = sl._texts(work)
+    recipe = sl._recipe(work, paths, texts)
+    moe, gguf = work / "moe", work / "gguf"
+    moetool = str(BIN / "moetool")
+    evaluate = ["eval", "--data", f"code={texts['code']}", "--max-tokens", "4096"]
+    stages = [
+        ("base eval", [moetool, evaluate[0], str(paths["base"]), *evaluate[1:]], None),
+        ("merge", [moetool, "merge", str(recipe), "-o", str(moe), "--force"], models),
+        ("eval", [moetool, evaluate[0], str(moe), *evaluate[1:]], None),
+        (f"gguf {a.quant}", [moetool, "export", str(moe), "-o", str(gguf), "--quant", a.quant, "--force"], None),
+        ("llama.cpp convert q8_0", _converter(moe, work), None),
+    ]
+    rows = []
+    for stage, args, drop_after in stages:
+        if only and stage not in only:
+            continue
+        wall, rss, anon, code, last = run(args, work / f"{stage.replace(' ', '-')}.log")
+        rows.append((stage, wall, rss, anon, code, last))
+        print(f"  {stage}: {wall:.0f} s, peak {rss / 1e9:.2f} GB (anonymous {anon / 1e9:.2f} GB), exit {code}: "
+              f"{last[:160]}", flush=True)  # fmt: skip
+        if drop_after is not None and code == 0:  # the inputs once merged: the disk holds the MoE and its GGUF
+            shutil.rmtree(drop_after, ignore_errors=True)
+    moe_bytes = sum(f.stat().st_size for f in moe.glob("*.safetensors"))
+    print(f"\n| stage | wall | peak RSS | peak anonymous | × MoE ({moe_bytes / 1e9:.1f} GB) | result |")
+    print("|---|---|---|---|---|---|")
+    for stage, wall, rss, anon, code, last in rows:
+        result = "ok" if code == 0 else f"exit {code}: {last[:90]}"
+        print(f"| {stage} | {wall:.0f} s | {rss / 1e9:.2f} GB | {anon / 1e9:.2f} GB | {rss / max(moe_bytes, 1):.2f}× | "
+              f"{result} |")  # fmt: skip
+    if not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
