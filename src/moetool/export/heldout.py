@@ -121,8 +121,8 @@ class Agreement:
 
 def reference_logits(model: nn.Module, seqs: list[list[int]]) -> list[np.ndarray]:
     """``model``'s (transformers) float32 logits ``[T, V]`` for each of ``seqs``, in order: one forward pass each,
-    or, for a model streamed from disk (:mod:`moetool.compute.stream`: each pass reads every layer), one pass per
-    sequence length."""
+    or, for a model streamed from disk (:mod:`moetool.compute.stream`: each pass reads every layer), one pass for
+    all of them."""
     import torch
 
     from moetool.compute.stream import stream_of
@@ -133,13 +133,12 @@ def reference_logits(model: nn.Module, seqs: list[list[int]]) -> list[np.ndarray
             with torch.no_grad():
                 out.append(model(torch.tensor([ids])).logits[0].float().numpy())
         return out
-    by_index: dict[int, np.ndarray] = {}
-    for length in sorted({len(s) for s in seqs}):
-        at = [i for i, s in enumerate(seqs) if len(s) == length]
-        with torch.inference_mode():
-            logits = model(torch.tensor([seqs[i] for i in at])).logits.float().numpy()  # [B, T, V]
-        by_index |= {i: logits[row] for row, i in enumerate(at)}
-    return [by_index[i] for i in range(len(seqs))]
+    # a causal LM's logits at a position do not depend on the tokens after it: each sequence is padded at its end to
+    # the longest (with its own last token) and the padding's logits dropped, so one pass reads the checkpoint once
+    longest = max(len(s) for s in seqs)
+    with torch.inference_mode():
+        logits = model(torch.tensor([s + s[-1:] * (longest - len(s)) for s in seqs])).logits.float().numpy()
+    return [logits[row, : len(s)] for row, s in enumerate(seqs)]
 
 
 def agreement(
