@@ -14,8 +14,8 @@ cache's, given back under pressure.
     verification → [GGUF deleted] → llama.cpp's convert_hf_to_gguf.py --outtype q8_0
 
 llama.cpp's own route is convert_hf_to_gguf.py to a 16- or 8-bit GGUF, then llama-quantize: its intermediate
-(25.9 GB at q8_0) does not fit beside the MoE on this disk, so the converter writes into a pipe whose reader counts
-the bytes and checks the header, and llama-quantize is not run (the table says so).
+(25.9 GB at q8_0) does not fit beside the MoE on this disk, so the converter's file has its written part punched
+out as it grows (its header is read back at the end), and llama-quantize, which needs that file, is not run.
 
     .venv/bin/python bench/seven_b.py [--work DIR] [--only STAGES] [--keep]
 """
@@ -42,21 +42,32 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPE = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
          "num_key_value_heads": 8}  # fmt: skip
 SHARD = 5 * 10**9
-# reads a GGUF from a pipe: its header (tensor count) and the bytes that follow, for the converter's stage
-_PIPE_READER = """
-import struct, sys
-n = 0
-with open(sys.argv[1], "rb", buffering=0) as f:
-    head = f.read(24)
-    magic, version, tensors, kv = struct.unpack("<4sIQQ", head)
-    assert magic == b"GGUF", magic
-    n = len(head)
-    while True:
-        b = f.read(1 << 24)
-        if not b:
-            break
-        n += len(b)
-print(f"GGUF v{version}: {tensors} tensors, {kv} keys, {n} bytes")
+# beside the converter: its output's written part is punched out of the file as it grows (the file keeps its size
+# and offsets, which the writer's tell() needs, and a pipe has not; the disk keeps only the last few hundred MB);
+# at the end the GGUF's header is read back and the bytes written counted
+_PUNCHER = """
+import ctypes, os, struct, sys, time
+path, done = sys.argv[1], sys.argv[2]
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+while not os.path.exists(path):
+    time.sleep(0.2)
+fd = os.open(path, os.O_RDWR)
+KEEP, LAG, punched = 64 << 20, 512 << 20, 64 << 20
+while True:
+    finished = os.path.exists(done)
+    size = os.fstat(fd).st_size
+    end = (size - (0 if finished else LAG)) // 4096 * 4096
+    if end > punched:
+        if libc.fallocate(fd, 3, punched, end - punched):  # PUNCH_HOLE | KEEP_SIZE
+            raise OSError(ctypes.get_errno(), "fallocate")
+        punched = end
+    if finished:
+        break
+    time.sleep(1)
+magic, version, tensors, kv = struct.unpack("<4sIQQ", os.pread(fd, 24, 0))
+assert magic == b"GGUF", magic
+print(f"GGUF v{version}: {tensors} tensors, {kv} keys, {size} bytes written and punched out")
 """
 
 
@@ -94,6 +105,20 @@ def draw(root: Path) -> dict[str, Path]:
     return paths
 
 
+def _tree_anon(pid: int) -> int:
+    """Anonymous resident bytes of ``pid`` and every process below it (a stage may run its tools as children)."""
+    total = 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                total += int(line.split()[1]) * 1024
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += sum(_tree_anon(int(c)) for c in (task / "children").read_text().split())
+    except OSError:  # the process ended between two reads
+        pass
+    return total
+
+
 def run(args: list[str], log: Path) -> tuple[float, int, int, int, str]:
     """(wall seconds, peak RSS, sampled peak anonymous memory, exit code, last line) of one process."""
     t0 = time.perf_counter()
@@ -105,12 +130,7 @@ def run(args: list[str], log: Path) -> tuple[float, int, int, int, str]:
         def sample() -> None:
             nonlocal peak_anon
             while not done.wait(0.2):
-                try:
-                    for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                        if line.startswith("RssAnon:"):
-                            peak_anon = max(peak_anon, int(line.split()[1]) * 1024)
-                except OSError:
-                    return
+                peak_anon = max(peak_anon, _tree_anon(proc.pid))
 
         t = threading.Thread(target=sample, daemon=True)
         t.start()
@@ -123,12 +143,12 @@ def run(args: list[str], log: Path) -> tuple[float, int, int, int, str]:
 
 
 def _converter(moe: Path, root: Path) -> list[str]:
-    fifo = root / "convert.fifo"
-    if not fifo.exists():
-        os.mkfifo(fifo)
-    reader = f"{sys.executable} -c '{_PIPE_READER}' {fifo} > {root / 'convert-reader.log'} &"
-    conv = f"{sys.executable} {ROOT / 'scripts' / 'llama_converter.py'} {moe} --outfile {fifo} --outtype q8_0"
-    return ["bash", "-c", f"{reader} {conv} && wait"]
+    out, done = root / "llama-cpp.q8_0.gguf", root / "convert.done"
+    out.unlink(missing_ok=True)
+    done.unlink(missing_ok=True)
+    punch = f"{sys.executable} -c '{_PUNCHER}' {out} {done} > {root / 'convert-punch.log'} &"
+    conv = f"{sys.executable} {ROOT / 'scripts' / 'llama_converter.py'} {moe} --outfile {out} --outtype q8_0"
+    return ["bash", "-c", f"{punch} {conv}; rc=$?; touch {done}; wait; rm -f {out} {done}; exit $rc"]
 
 
 def main() -> None:
