@@ -63,3 +63,36 @@ def test_a_model_that_fits_neither_way_is_refused_naming_both(moe, monkeypatch):
     monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(streamed - 1))
     with pytest.raises(BudgetError, match=r"needs about .* Streamed from disk one layer at a time it would still need"):
         eval_residency(moe, dtype="auto", seq_len=32)
+
+
+def test_a_short_last_window_rides_in_the_same_pass_with_the_resident_figures(moe):
+    """Streamed, every batch reads the whole checkpoint: the shorter last window is padded into the last batch (its
+    padding neither scored nor counted in the routing), so the text takes one pass, with the resident figures."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moetool.compute.stream import stream_of, streamed_causal_lm
+    from moetool.eval.perplexity import text_windows, token_nll
+    from moetool.routing.tap import RouterTap
+
+    tok = AutoTokenizer.from_pretrained(str(moe))
+    ids = tok(TEXT, add_special_tokens=False)["input_ids"]
+    windows = text_windows(ids, 32, tok.bos_token_id)
+    assert len(windows) > 2 and len(windows[-1]) < len(windows[0])
+    figures = {}
+    for name, model in (
+        ("resident", AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32)),
+        ("streamed", streamed_causal_lm(moe, storage=torch.float32)),
+    ):
+        tap = RouterTap(model)
+        with torch.inference_mode():
+            nll, n = token_nll(model, tok, TEXT, seq_len=32, batch_size=len(windows), tap=tap)
+        tap.remove()
+        figures[name] = (nll, n, torch.cat(tap.logits[:: len(tap.routers)]))
+    stream = stream_of(model)
+    assert stream is not None and stream.passes == 1
+    (nll_r, n_r, route_r), (nll_s, n_s, route_s) = figures["resident"], figures["streamed"]
+    assert n_s == n_r == sum(len(w) - 1 for w in windows)
+    assert nll_s == pytest.approx(nll_r, rel=1e-5)
+    assert route_s.shape == route_r.shape == (sum(len(w) for w in windows), route_r.shape[-1])
+    assert torch.allclose(route_s, route_r, atol=1e-4)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from moetool.routing.tap import RouterTap
+
 import gc
 import math
 from collections.abc import Mapping
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from moetool import registry
-from moetool.compute.stream import NonFiniteModel, streamed_weight_bytes
+from moetool.compute.stream import NonFiniteModel, stream_of, streamed_weight_bytes
 from moetool.io.budget import BudgetError, Need, available_memory, human
 
 __all__ = [
@@ -78,6 +80,21 @@ def text_windows(ids: list[int], seq_len: int, bos_id: int | None) -> list[list[
 
 
 @torch.inference_mode()
+def _batches(windows: list[list[int]], batch_size: int, *, pad: bool) -> list[list[tuple[list[int], int]]]:
+    """``windows`` in batches of ``batch_size``, each window with the length it runs at. The shorter last window
+    runs alone, or with ``pad`` (a model streamed from disk, for which every batch reads the whole checkpoint) padded
+    at its end to the others' length in the last batch: a causal LM's logits at a position do not depend on the
+    tokens after it."""
+    n = len(windows[0])
+    full = [w for w in windows if len(w) == n]
+    rest = windows[len(full) :]  # at most one, shorter window at the end
+    if pad:
+        return [[(w, n) for w in windows[i : i + batch_size]] for i in range(0, len(windows), batch_size)]
+    return [[(w, n) for w in full[i : i + batch_size]] for i in range(0, len(full), batch_size)] + [
+        [(w, len(w))] for w in rest
+    ]
+
+
 def token_nll(
     model: Any,
     tokenizer: PreTrainedTokenizerBase,
@@ -86,12 +103,14 @@ def token_nll(
     seq_len: int = 256,
     max_tokens: int | None = 32768,
     batch_size: int = 8,
+    tap: RouterTap | None = None,
 ) -> tuple[float, int]:
     """Summed negative log-likelihood (nats) of the tokens of ``text`` and how many tokens were scored.
 
     ``text`` is tokenized once without special tokens, truncated to ``max_tokens`` tokens, and cut into
     non-overlapping windows (see :func:`perplexity`). Windows are run ``batch_size`` at a time: input ids
-    ``[B, T]`` with ``T <= seq_len``, logits ``[B, T, V]``; position ``t`` predicts token ``t + 1``.
+    ``[B, T]`` with ``T <= seq_len``, logits ``[B, T, V]``; position ``t`` predicts token ``t + 1``. ``tap``, when
+    given, is told which tokens are the text's (a padded window's padding is not).
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
@@ -110,23 +129,26 @@ def token_nll(
     total_nll = 0.0
     total_tokens = 0
     try:
-        full = [w for w in windows if len(w) == len(windows[0])]
-        rest = windows[len(full) :]  # at most one, shorter window at the end
-        batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)] + [[w] for w in rest]
-        for batch in batches:
-            input_ids = torch.tensor(batch, dtype=torch.long, device=device)  # [B, T]
-            out = model(input_ids=input_ids)
+        for batch in _batches(windows, batch_size, pad=stream_of(model) is not None):
+            input_ids = torch.tensor([w + w[-1:] * (n - len(w)) for w, n in batch], dtype=torch.long, device=device)
+            if tap is not None:
+                tap.keep = torch.tensor([i < len(w) for w, n in batch for i in range(n)], device=device)
+            out = model(input_ids=input_ids)  # [B, T]
             logits = out.logits if hasattr(out, "logits") else out  # [B, T, V]
             shift_logits = logits[:, :-1, :].float()  # [B, T-1, V]
-            targets = input_ids[:, 1:]  # [B, T-1]
-            nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), targets.reshape(-1), reduction="sum")
+            targets = input_ids[:, 1:].clone()  # [B, T-1]
+            for row, (w, _) in enumerate(batch):
+                targets[row, len(w) - 1 :] = -100  # a padded window's padding is not scored
+            nll = F.cross_entropy(
+                shift_logits.reshape(-1, shift_logits.size(-1)), targets.reshape(-1), reduction="sum", ignore_index=-100
+            )
             if not bool(torch.isfinite(nll)):  # a NaN or Inf logit: every figure from here on would be one too
                 raise NonFiniteModel(
                     "the model computes non-finite logits (NaN or Inf) on this text: its weights hold NaN or Inf, "
                     "or its activations overflow"
                 )
             total_nll += float(nll)
-            total_tokens += targets.numel()
+            total_tokens += sum(len(w) - 1 for w, _ in batch)
     finally:
         if was_training and hasattr(model, "train"):
             model.train()

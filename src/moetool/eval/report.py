@@ -108,7 +108,7 @@ def evaluate(
                     tap.logits.clear()
                 try:
                     nll, n = token_nll(
-                        model, tok, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=held.batch_size
+                        model, tok, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=held.batch_size, tap=tap
                     )
                 except ValueError as exc:  # a text too short for one window: name the domain, not the call
                     raise MoetoolError(f"held-out text of {domain!r}: {exc}") from None

@@ -72,6 +72,7 @@ class RouterTap:
     def __init__(self, model: torch.nn.Module, jitter: float = 0.0) -> None:
         self.routers = self.find_routers(model)
         self.logits: list[torch.Tensor] = []
+        self.keep: torch.Tensor | None = None  # [B*T] bool: the tokens to collect (None: all), e.g. not padding
         self.jitter = jitter
         self.generator = torch.Generator()
         self._handles = [r.register_forward_hook(self._capture) for r in self.routers]
@@ -92,7 +93,8 @@ class RouterTap:
         return routers
 
     def _capture(self, _mod: torch.nn.Module, _args: tuple[object, ...], output: tuple[torch.Tensor, ...]) -> None:
-        self.logits.append(output[0])
+        logits = output[0]
+        self.logits.append(logits if self.keep is None else logits.reshape(-1, logits.shape[-1])[self.keep])
 
     def _jitter(self, mod: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
         if not mod.training:
