@@ -79,7 +79,22 @@ def text_windows(ids: list[int], seq_len: int, bos_id: int | None) -> list[list[
     return out
 
 
-@torch.inference_mode()
+NLL_ROWS = 512  # positions whose loss is computed at once
+
+
+def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ −log p(target) over ``logits`` ``[B, T, V]`` for ``targets`` ``[B, T]`` (−100: not scored), in float64, a
+    slice of :data:`NLL_ROWS` positions at a time: the loss's float32 copies (about 20 bytes per logit) then cover
+    one slice, not the batch (at 4,096 positions of a 49,152-token vocabulary that was 4 GB)."""
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for b in range(logits.shape[0]):
+        for s in range(0, logits.shape[1], NLL_ROWS):
+            part = logits[b, s : s + NLL_ROWS].float()
+            nll = F.cross_entropy(part, targets[b, s : s + NLL_ROWS], reduction="sum", ignore_index=-100)
+            total += nll.double()
+    return total
+
+
 def _batches(windows: list[list[int]], batch_size: int, *, pad: bool) -> list[list[tuple[list[int], int]]]:
     """``windows`` in batches of ``batch_size``, each window with the length it runs at. The shorter last window
     runs alone, or with ``pad`` (a model streamed from disk, for which every batch reads the whole checkpoint) padded
@@ -95,6 +110,7 @@ def _batches(windows: list[list[int]], batch_size: int, *, pad: bool) -> list[li
     ]
 
 
+@torch.inference_mode()
 def token_nll(
     model: Any,
     tokenizer: PreTrainedTokenizerBase,
@@ -135,13 +151,11 @@ def token_nll(
                 tap.keep = torch.tensor([i < len(w) for w, n in batch for i in range(n)], device=device)
             out = model(input_ids=input_ids)  # [B, T]
             logits = out.logits if hasattr(out, "logits") else out  # [B, T, V]
-            shift_logits = logits[:, :-1, :].float()  # [B, T-1, V]
             targets = input_ids[:, 1:].clone()  # [B, T-1]
             for row, (w, _) in enumerate(batch):
                 targets[row, len(w) - 1 :] = -100  # a padded window's padding is not scored
-            nll = F.cross_entropy(
-                shift_logits.reshape(-1, shift_logits.size(-1)), targets.reshape(-1), reduction="sum", ignore_index=-100
-            )
+            nll = summed_nll(logits[:, :-1, :], targets)
+            del logits, out
             if not bool(torch.isfinite(nll)):  # a NaN or Inf logit: every figure from here on would be one too
                 raise NonFiniteModel(
                     "the model computes non-finite logits (NaN or Inf) on this text: its weights hold NaN or Inf, "
@@ -273,9 +287,10 @@ def render_matrix(
 
 def _activations(cfg: Mapping[str, Any], tokens: int, width: int) -> int:
     """Bytes of one forward pass's activations over ``tokens`` positions: hidden states per layer, the logits in
-    the model's dtype (``width`` bytes) and the loss's float32 copies of them (the shifted logits, their
-    log-softmax, its reshaped copy: measured 22 bytes per logit for a float32 model at SmolLM2's vocabulary)."""
-    return tokens * int(cfg["hidden_size"]) * 24 + tokens * int(cfg["vocab_size"]) * (width + 20)
+    the model's dtype (``width`` bytes, and 4 more for a float32 copy), and the loss's float32 copies of one slice of
+    :data:`NLL_ROWS` positions (measured 22 bytes per logit, over the whole batch when the loss took it at once)."""
+    vocab = int(cfg["vocab_size"])
+    return tokens * int(cfg["hidden_size"]) * 24 + tokens * vocab * (width + 4) + min(tokens, NLL_ROWS) * vocab * 20
 
 
 RUNTIME = 512 << 20  # the interpreter, torch and transformers themselves
