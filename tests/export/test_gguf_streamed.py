@@ -55,3 +55,32 @@ def test_verification_streams_when_the_16bit_model_does_not_fit_with_the_residen
         )
     assert low["ppl_reference"] == pytest.approx(full["ppl_reference"], rel=1e-5)
     assert low["top1_agreement"] == full["top1_agreement"]
+
+
+def test_llama_cpp_keeps_the_weights_in_the_mapped_file_when_asked(tmp_path, monkeypatch):
+    """llama.cpp's CPU backend copies 4-bit weights into its repacked layouts (a second, anonymous copy of them);
+    ``repack=False`` (the streamed verification) loads the model with llama.cpp's ``use_extra_bufts`` off, only for
+    that load, and the logits stay the same."""
+    import llama_cpp._internals as internals
+    import numpy as np
+
+    from moetool.export.gguf.verify import llama_logits, load_llama
+
+    d = save_dense(tmp_path / "wide", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2, num_hidden_layers=1, tie_word_embeddings=True)  # fmt: skip
+    man = export(d, tmp_path / "q", quant="q4_0", verify=False)
+    seen = []
+    loader = internals.LlamaModel.__init__
+
+    def spy(self, *a, params, **k):  # the parameters llama.cpp's model loader receives
+        seen.append(bool(params.use_extra_bufts))
+        loader(self, *a, params=params, **k)
+
+    monkeypatch.setattr(internals.LlamaModel, "__init__", spy)
+    logits = {}
+    for repack in (True, False, True):
+        llm = load_llama(tmp_path / "q" / man["file"], n_ctx=32, repack=repack)
+        logits[repack] = llama_logits(llm, list(range(1, 20)))
+        llm.close()
+    assert seen == [True, False, True]
+    np.testing.assert_allclose(logits[False], logits[True], atol=1e-4)

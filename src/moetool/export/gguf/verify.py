@@ -159,6 +159,28 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+@contextlib.contextmanager
+def _extra_buffers(llama_cpp: Any, on: bool) -> Iterator[None]:
+    """llama.cpp's ``use_extra_bufts`` model parameter (weight repacking) set to ``on`` while a model loads:
+    llama-cpp-python's ``Llama`` takes its parameters from ``llama_model_default_params`` and has no argument for it."""
+    if on:
+        yield
+        return
+    binding = llama_cpp.llama_cpp  # the module Llama calls it from
+    default = binding.llama_model_default_params
+
+    def params() -> Any:
+        out = default()
+        out.use_extra_bufts = False
+        return out
+
+    binding.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        binding.llama_model_default_params = default
+
+
 def load_llama(
     path: Path,
     n_ctx: int,
@@ -168,14 +190,18 @@ def load_llama(
     n_threads: int | None = None,
     why: str = "verifying a GGUF",
     otherwise: str = "pass --no-verify to write an unverified artifact",
+    repack: bool = True,
 ) -> Any:
     """``path`` in llama-cpp-python with logits kept for every position; ``f32_kv=False`` keeps llama.cpp's default
-    f16 KV cache (as users run it). ``n_threads`` defaults to the CPU count, at most 4."""
-    Llama = require("llama_cpp", "llama", why=why, otherwise=otherwise).Llama
+    f16 KV cache (as users run it). ``n_threads`` defaults to the CPU count, at most 4. ``repack=False`` keeps every
+    weight in the mapped file: llama.cpp's CPU backend otherwise copies the q4_0, q4_k and iq4_nl tensors into its
+    own interleaved layouts (faster matmuls, and a second, anonymous copy of them: 12.8 GB for a 24B-parameter MoE
+    with 4-bit experts)."""
+    llama_cpp = require("llama_cpp", "llama", why=why, otherwise=otherwise)
     # an f16 KV cache (llama.cpp's default) alone moves logits by ~5e-3; the parity check is of the weights
     kv = {"type_k": 0, "type_v": 0} if f32_kv else {}
-    with quiet_stderr():
-        return Llama(
+    with quiet_stderr(), _extra_buffers(llama_cpp, repack):
+        return llama_cpp.Llama(
             model_path=str(path),
             n_ctx=n_ctx,
             n_batch=n_ctx,
@@ -261,11 +287,12 @@ def run_llama(
     n_windows: int = 4,
     lora_path: Path | None = None,
     equivalent: Callable[[str], str] | None = None,
+    repack: bool = True,
 ) -> LlamaRun:
     """Load ``gguf_path`` in llama.cpp, check its tokenizer against ``tok`` and run it on windows of ``text`` (one
     per length in ``seq_lens``, then ``n_windows`` of the longest); the one parity run every GGUF writer uses."""
     probes, ppl_windows = windows(tok, text, seq_lens, n_windows)
-    llm = load_llama(gguf_path, n_ctx=max(seq_lens), lora_path=lora_path)
+    llm = load_llama(gguf_path, n_ctx=max(seq_lens), lora_path=lora_path, repack=repack)
     try:
         mismatches = check_tokenizer(llm, tok, equivalent)
         logits = [llama_logits(llm, ids) for ids in probes + ppl_windows]
@@ -311,7 +338,10 @@ def compare(
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     max_pos = int(getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
-    run = run_llama(gguf_path, tok, text, lens, n_windows=n_windows, lora_path=lora_path, equivalent=equivalent)
+    # streamed, the model does not fit in memory: nor does a repacked copy of its artifact beside the mapped file
+    run = run_llama(
+        gguf_path, tok, text, lens, n_windows=n_windows, lora_path=lora_path, equivalent=equivalent, repack=not streamed
+    )
     original = reference_model(model_dir, torch_dtype, streamed=streamed)
     ref = run.transformers_logits(original)
     del original
