@@ -22,7 +22,6 @@ NOT_MODEL_TYPES = {
     ("cli/build.py", "llama"),
     ("export/gguf/exporter.py", "llama"),
     ("export/gguf/verify.py", "llama"),
-    ("export/gguf/write.py", "llama"),
     ("export/gguf/ggml.py", "llama"),
     ("export/gguf/tokenizer.py", "llama"),
     ("export/gguf/pretokenizers.py", "qwen2"),

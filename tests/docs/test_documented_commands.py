@@ -372,6 +372,7 @@ COMMANDS: list[Cmd] = [
     helponly('.venv/bin/python bench/size_ladder.py --rungs 360m --only "onnx q8_0"', BENCH),
     helponly(".venv/bin/python bench/tuning_dtypes.py --rung 360m --steps 3", BENCH),
     helponly(".venv/bin/python bench/sharded_tuning.py --rung 360m --processes 1,2,4 --ddp 2", BENCH),
+    helponly(".venv/bin/python bench/seven_b.py --quant moe-q4", BENCH),
     helponly(".venv/bin/python bench/larger_than_ram.py --reps 2", BENCH),
     helponly("python bench/gpu_check.py", BENCH),
     helponly(".venv/bin/python bench/imatrix_quality.py", BENCH),
