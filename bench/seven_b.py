@@ -29,8 +29,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -105,43 +103,6 @@ def draw(root: Path) -> dict[str, Path]:
     return paths
 
 
-def _tree_anon(pid: int) -> int:
-    """Anonymous resident bytes of ``pid`` and every process below it (a stage may run its tools as children)."""
-    total = 0
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                total += int(line.split()[1]) * 1024
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            total += sum(_tree_anon(int(c)) for c in (task / "children").read_text().split())
-    except OSError:  # the process ended between two reads
-        pass
-    return total
-
-
-def run(args: list[str], log: Path) -> tuple[float, int, int, int, str]:
-    """(wall seconds, peak RSS, sampled peak anonymous memory, exit code, last line) of one process."""
-    t0 = time.perf_counter()
-    peak_anon = 0
-    with open(log, "w") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
-        done = threading.Event()
-
-        def sample() -> None:
-            nonlocal peak_anon
-            while not done.wait(0.2):
-                peak_anon = max(peak_anon, _tree_anon(proc.pid))
-
-        t = threading.Thread(target=sample, daemon=True)
-        t.start()
-        _, status, usage = os.wait4(proc.pid, 0)
-        done.set()
-        t.join()
-    wall = time.perf_counter() - t0
-    lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-    return wall, usage.ru_maxrss * 1024, peak_anon, os.waitstatus_to_exitcode(status), lines[-1] if lines else ""
-
-
 def _converter(moe: Path, root: Path) -> list[str]:
     out, done = root / "llama-cpp.q8_0.gguf", root / "convert.done"
     out.unlink(missing_ok=True)
@@ -184,7 +145,7 @@ def main() -> None:
     for stage, args, drop_after in stages:
         if only and stage not in only:
             continue
-        wall, rss, anon, code, last = run(args, work / f"{stage.replace(' ', '-')}.log")
+        wall, rss, anon, code, last = sl.measured(args, work / f"{stage.replace(' ', '-')}.log")
         rows.append((stage, wall, rss, anon, code, last))
         print(f"  {stage}: {wall:.0f} s, peak {rss / 1e9:.2f} GB (anonymous {anon / 1e9:.2f} GB), exit {code}: "
               f"{last[:160]}", flush=True)  # fmt: skip

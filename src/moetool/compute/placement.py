@@ -48,13 +48,7 @@ def place(
     A target is placed only when its keys exactly tile it (every region in bounds, the element counts adding up);
     otherwise its keys go to ``rest``.
     """
-    from transformers.core_model_loading import (
-        Concatenate,
-        MergeModulelist,
-        WeightConverter,
-        WeightRenaming,
-        rename_source_key,
-    )
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
@@ -72,7 +66,7 @@ def place(
         groups[target][pattern].append(key)
     targets: dict[str, list[tuple[str, Region]]] = {}
     for target, by in groups.items():
-        regions = _tile(by, shapes, tuple(meta[target].shape), by_pattern, (MergeModulelist, Concatenate))
+        regions = _tile(by, shapes, tuple(meta[target].shape), by_pattern)
         if regions is None:
             rest += [k for keys in by.values() for k in keys]
         else:
@@ -85,23 +79,23 @@ def _tile(
     shapes: dict[str, tuple[int, ...]],
     want: tuple[int, ...],
     by_pattern: Mapping[str, object],
-    ops_known: tuple[type, type],
 ) -> list[tuple[str, Region]] | None:
     """The regions of a ``want``-shaped target that its keys (grouped by the source pattern they matched, None for a
     plain rename) fill, or None when they do not tile it by a plain copy, a stack, or a stack then concatenation."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
     if None in by:
         keys = by[None]
         return [(keys[0], ())] if list(by) == [None] and len(keys) == 1 and shapes[keys[0]] == want else None
     conv = by_pattern[next(p for p in by if p is not None)]
-    merge, concat = ops_known
     ops = [(type(op), getattr(op, "dim", None)) for op in conv.operations]  # type: ignore[attr-defined]
     patterns: list[str] = conv.source_patterns  # type: ignore[attr-defined]
-    if ops == [(merge, 0)] and len(patterns) == 1:
+    if ops == [(MergeModulelist, 0)] and len(patterns) == 1:
         keys = by.get(patterns[0], [])
         if len(keys) != want[0] or any(shapes[k] != want[1:] for k in keys):
             return None
         return [(k, (e,)) for e, k in enumerate(keys)]  # transformers stacks in the keys' natural order
-    if ops != [(merge, 0), (concat, 1)] or set(by) != set(patterns):
+    if ops != [(MergeModulelist, 0), (Concatenate, 1)] or set(by) != set(patterns):
         return None
     regions: list[tuple[str, Region]] = []
     row = 0

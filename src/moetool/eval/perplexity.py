@@ -164,6 +164,8 @@ def token_nll(
             total_nll += float(nll)
             total_tokens += sum(len(w) - 1 for w, _ in batch)
     finally:
+        if tap is not None:
+            tap.keep = None
         if was_training and hasattr(model, "train"):
             model.train()
     return total_nll, total_tokens

@@ -153,7 +153,8 @@ class ArtifactTensors:
         else:
             arr = _array(self._by_name, g)
             kind = self._by_name[g.name].tensor_type.name.lower()
-        got = np.array(arr, dtype=np.float32).reshape(self.shape(src))
+        # a copy only where needed (a read-only view of the mapped file): a streamed model copies it into place
+        got = np.require(arr, np.float32, ["C", "W"]).reshape(self.shape(src))
         if src not in self.rounding:  # the source is read once, the first time (a streamed model asks every pass)
             want = self._ckpt.get(src).float().numpy()
             self.rounding[src] = (kind, relative_error(got, want), off_rounding(got, want, kind))

@@ -176,20 +176,22 @@ class GGUFExporter:
                 own = ArtifactTensors(target, req.model_dir, plan.layout)  # big for a second copy on the disk
             elif not lossless:
                 own = artifact_checkpoint(target, req.model_dir, plan.layout, Path(work), dtype=held)
-            report = compare(
-                target,
-                req.model_dir,
-                text,
-                artifact_weights=own.path if isinstance(own, ArtifactWeights) else own,
-                equivalent=functools.partial(llama_cpp_equivalent, vocab),
-                dtype=ref,
-                artifact_dtype="float32" if isinstance(own, ArtifactTensors) else held,
-                types=matrix_types(plan.quant),
-                rounding=own.rounding if own else None,
-                streamed=streamed,
-            )
-            if isinstance(own, ArtifactTensors):
-                own.close()
+            try:
+                report = compare(
+                    target,
+                    req.model_dir,
+                    text,
+                    artifact_weights=own.path if isinstance(own, ArtifactWeights) else own,
+                    equivalent=functools.partial(llama_cpp_equivalent, vocab),
+                    dtype=ref,
+                    artifact_dtype="float32" if isinstance(own, ArtifactTensors) else held,
+                    types=matrix_types(plan.quant),
+                    rounding=own.rounding if own else None,
+                    streamed=streamed,
+                )
+            finally:
+                if isinstance(own, ArtifactTensors):
+                    own.close()
         tolerance = gate_problems(report, plan.quant)
         return replace(report.record(), text=text_src, tolerance=tolerance, verdict="pass")
 
@@ -288,7 +290,8 @@ def imatrix_record(m: ImportanceMatrix, path: Path | None, llama: dict[str, str]
 def gguf_need(plan: GGUFPlan, *, verify: bool, output: Path, collect: bool = False) -> Need:
     """Memory and disk of writing (and verifying) ``plan``'s GGUF, from the plan alone.
 
-    Disk: the artifact and, for a lossy plan verified with the model held, the float32 checkpoint of the artifact's dequantized weights that verification compares layer outputs with.
+    Disk: the artifact and, for a lossy plan verified with the model held, the float32 checkpoint of the artifact's
+    dequantized weights that verification compares layer outputs with (streamed, they are dequantized as read).
     Memory: writing streams one tensor at a time; verification holds one float32 copy of the weights at a time (the
     source model beside llama.cpp's copy of the artifact, then the artifact's dequantized weights).
     """

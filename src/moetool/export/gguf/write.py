@@ -187,7 +187,7 @@ def write_gguf(
     import gguf
 
     types = {a.entry.out_name: a.type for a in plan.assignments}
-    by_ggml_ = by_ggml(plan, imatrix is not None)
+    ggml_types = by_ggml(plan, imatrix is not None)
     threads = threads or max(1, min(4, os.cpu_count() or 1))
     w = gguf.GGUFWriter(str(path), layout.arch)
     _metadata(w, cfg, layout, name, file_type_of(plan))
@@ -209,7 +209,7 @@ def write_gguf(
     for t in layout.tensors:
         ty = types[t.name]
         arr = rope_tensors[t.name] if t.name in rope_tensors else load_tensor(ckpt, t)
-        if t.name in by_ggml_:
+        if t.name in ggml_types:
             importance = None
             if imatrix is not None and ty in IMATRIX_AWARE:
                 importance = importance_of(imatrix, t.name, tuple(t.shape))
