@@ -10,7 +10,7 @@ from conftest import save_dense
 from moetool.api import assemble, export
 from moetool.compute.upcast import float32_overhead, layer_bytes
 from moetool.export.gguf import exporter as gguf_exporter
-from moetool.export.gguf.verify import VERIFY_OVERHEAD, streamed_need
+from moetool.export.reference import VERIFY_OVERHEAD, streamed_need
 from moetool.io.checkpoint import Checkpoint
 
 

@@ -80,18 +80,20 @@ def is_float_plan(plan: GraphPlan) -> bool:
 def runtime_parity(
     req: ExportRequest,
     hf: nn.Module,
-    wrapper: nn.Module,
+    wrapper: nn.Module | None,
     prefill: Prefill,
     decode: Decode | None,
     *,
     runtime: str,
     gate_as: str | None,
     seq_lens: tuple[int, ...] | None = None,
+    reference: str = "transformers float32",
 ) -> ParityRecord:
     """Parity of the artifact (through ``prefill``/``decode``, run in its runtime) and of the torch ``wrapper`` that
-    was converted, both against transformers ``hf`` on the model's held-out text.
+    was converted (None: a graph built without one), both against transformers ``hf`` on the model's held-out text.
 
-    ``gate_as`` names the artifact in the error raised when it misses the fp32 gate (the record then says ``pass``
+    ``reference`` names ``hf`` in the record (:func:`moetool.export.reference.reference_label`). ``gate_as`` names
+    the artifact in the error raised when it misses the fp32 gate (the record then says ``pass``
     at that tolerance); None reports without judging (``reported``).
 
     Raises:
@@ -102,7 +104,10 @@ def runtime_parity(
     text, src = held_out_text(req.model_dir, req.eval_text)
     tok = AutoTokenizer.from_pretrained(str(req.model_dir))
     lens = seq_lens if seq_lens is not None else (32, 128)
-    record = replace(measure_graph(hf, wrapper, tok, text, prefill, decode, runtime=runtime, seq_lens=lens), text=src)
+    measured = measure_graph(
+        hf, wrapper, tok, text, prefill, decode, runtime=runtime, seq_lens=lens, reference=reference
+    )
+    record = replace(measured, text=src)
     return judge(record, gate_as) if gate_as is not None else record.judged(None)
 
 

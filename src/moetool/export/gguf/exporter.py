@@ -155,7 +155,8 @@ class GGUFExporter:
         Raises:
             ExportError: a gate is missed or the tokenizers disagree.
         """
-        from moetool.export.gguf.verify import compare, reference_dtype, stream_reference
+        from moetool.export.gguf.verify import compare
+        from moetool.export.reference import reference_dtype, stream_reference
 
         text, text_src = held_out_text(req.model_dir, req.eval_text)
         lossless = all(a.type == "f32" for a in plan.quant.assignments)
@@ -296,7 +297,7 @@ def gguf_need(plan: GGUFPlan, *, verify: bool, output: Path, collect: bool = Fal
     source model beside llama.cpp's copy of the artifact, then the artifact's dequantized weights).
     """
     from moetool.compute.upcast import float32_overhead
-    from moetool.export.gguf.verify import VERIFY_OVERHEAD, reference_dtype, stream_reference, streamed_need
+    from moetool.export.reference import VERIFY_OVERHEAD, reference_dtype, stream_reference, streamed_need
 
     params = plan.quant.total_params
     artifact = plan.quant.total_bytes

@@ -12,11 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
-    from moetool.compute.stream import TensorSource
     from moetool.export.gguf.dequant import ArtifactTensors
 
 import contextlib
@@ -31,6 +29,7 @@ import numpy as np
 from moetool.export.gate import GateReport, margin_gate
 from moetool.export.heldout import Agreement, agreement_of, reference_logits, windows
 from moetool.export.parity import ConversionCheck, ParityRecord, TokenizerCheck, TokenizerMismatch
+from moetool.export.reference import reference_label, reference_model
 from moetool.extras import require
 
 TOKENIZER_PROBES: tuple[str, ...] = (
@@ -74,11 +73,12 @@ class ParityReport:
         """The manifest's parity record: the headline figures against the source model (what a user compares
         with), the conversion check, the tokenizer and the margin gate (verdict and tolerance are the exporter's)."""
         conversion = ConversionCheck.of(
-            self.conversion, f"{_reference(self.artifact_dtype, self.streamed)}, on the artifact's dequantized weights"
+            self.conversion,
+            f"{reference_label(self.artifact_dtype, self.streamed)}, on the artifact's dequantized weights",
         )
         record = ParityRecord(
             runtime="llama-cpp-python",
-            reference=_reference(self.reference_dtype, self.streamed),
+            reference=reference_label(self.reference_dtype, self.streamed),
             tokenizer=TokenizerCheck(self.tokenizer_match, len(TOKENIZER_PROBES), tuple(self.tokenizer_mismatches)),
             seq_lens=tuple(self.seq_lens),
             tokens_scored=self.tokens_scored,
@@ -86,60 +86,6 @@ class ParityReport:
             gate=self.gate,
         )
         return record.with_figures(self.original)
-
-
-def _reference(storage: str, streamed: bool = False) -> str:
-    if streamed:
-        return f"transformers float32, layer by layer streamed from disk over {storage} weights"
-    if storage == "float32":
-        return "transformers float32"
-    return f"transformers float32, layer by layer over {storage} weights"
-
-
-def reference_dtype(params: int, config: dict[str, Any]) -> str:
-    """The dtype the transformers reference holds its weights in: float32 when that takes at most half the available
-    memory, else the checkpoint's own 16-bit dtype (a bf16 MoE of 5B parameters is 21 GB in float32). Either way it
-    computes in float32 (:func:`reference_model`) and its figures are the same; the 16-bit copy is slower by the
-    per-layer casts and needs half the memory.
-
-    Raises:
-        BudgetError: ``MOETOOL_MEMORY_BUDGET`` is not a size.
-    """
-    from moetool.io.budget import available_memory
-
-    own = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    if own not in ("bfloat16", "float16"):
-        return "float32"
-    mem = available_memory()
-    return "float32" if mem is None or params * 4 + VERIFY_OVERHEAD <= mem // 2 else own
-
-
-VERIFY_OVERHEAD = 1 << 30  # activations of the probe windows, the tokenizer, the runtime
-
-
-def stream_reference(params: int, config: dict[str, Any]) -> bool:
-    """Whether the transformers reference must stream its layers from disk: when even its copy in the checkpoint's
-    own dtype (with one float32 layer, :func:`reference_dtype`) would not fit in the available memory.
-
-    Raises:
-        BudgetError: ``MOETOOL_MEMORY_BUDGET`` is not a size.
-    """
-    from moetool.compute.upcast import float32_overhead
-    from moetool.io.budget import available_memory
-
-    mem = available_memory()
-    own = reference_dtype(params, config)
-    held = params * 4 if own == "float32" else params * 2 + float32_overhead(params, config)
-    return mem is not None and held + VERIFY_OVERHEAD > mem
-
-
-def streamed_need(params: int, config: dict[str, Any]) -> int:
-    """Bytes a streamed reference holds: the weights outside the layer stack and one layer in float32
-    (:func:`moetool.compute.stream.streamed_weight_bytes`) and the verification's activations
-    (:data:`VERIFY_OVERHEAD`)."""
-    from moetool.compute.stream import streamed_weight_bytes
-
-    return streamed_weight_bytes(config, params) + VERIFY_OVERHEAD
 
 
 @contextlib.contextmanager
@@ -258,24 +204,6 @@ class LlamaRun:
     def transformers_logits(self, model: nn.Module) -> list[np.ndarray]:
         """``model``'s logits on the same ids, in the same order (:func:`reference_logits`)."""
         return reference_logits(model, self.probes + self.ppl_windows)
-
-
-def reference_model(
-    path: Path, storage: torch.dtype, *, streamed: bool = False, tensors: TensorSource | None = None
-) -> nn.Module:
-    """The transformers reference at ``path``, held in ``storage`` and computing in float32: a 16-bit model runs one
-    float32 layer at a time (:func:`moetool.compute.upcast.float32_layer_by_layer`), which gives a float32 model's
-    logits in about half its memory; ``streamed``, its layers are read from disk as each runs
-    (:func:`moetool.compute.stream.streamed_causal_lm`: the same logits for one layer's memory), from ``tensors``
-    instead of the folder's safetensors where given."""
-    from transformers import AutoModelForCausalLM
-
-    from moetool.compute.stream import streamed_causal_lm
-    from moetool.compute.upcast import float32_layer_by_layer
-
-    if streamed or tensors is not None:
-        return streamed_causal_lm(Path(path), storage=storage, tensors=tensors)
-    return float32_layer_by_layer(AutoModelForCausalLM.from_pretrained(str(path), dtype=storage).eval())
 
 
 def run_llama(

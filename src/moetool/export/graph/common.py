@@ -54,12 +54,12 @@ def onnx_export(
 
 
 def meta_export_model(config: Mapping[str, Any]) -> ExportLM:
-    """An ExportLM on the meta device: its parameter names and shapes, no weights read."""
+    """An ExportLM on the meta device: its parameter names and shapes, no weights read; float32, as graphs compute."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(**config)
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(cfg)
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         try:
             return ExportLM(hf)
         except ValueError as exc:

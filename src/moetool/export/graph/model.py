@@ -323,15 +323,8 @@ class ExportLM(nn.Module):
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         inner = hf.model
         self.embed = nn.Embedding.from_pretrained(shared(inner.embed_tokens.weight), freeze=True)
-        blocks = []
-        for layer in inner.layers:
-            m = layer.mlp
-            mlp = (
-                _moe(m, cfg, rec)
-                if hasattr(m, "experts")
-                else GatedMLP(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
-            )
-            blocks.append(Block(layer, cfg, eps, mlp))
+        self._facts = (cfg, rec, eps)  # what block_of needs (a tuple: no submodule, no parameter)
+        blocks = [self.block_of(layer) for layer in inner.layers]
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(inner.norm.weight, eps)
         self.lm_head = linear(hf.lm_head.weight)
@@ -339,6 +332,18 @@ class ExportLM(nn.Module):
         self.n_layers = len(blocks)
         self.n_kv = blocks[0].attn.n_kv
         self.head_dim = blocks[0].attn.head_dim
+
+    def block_of(self, layer: Any) -> Block:
+        """The export block of one transformers decoder layer of this model, sharing its weights: what a streamed
+        export builds for each layer as it is read (:mod:`moetool.export.onnx.weights`)."""
+        cfg, rec, eps = self._facts
+        m = layer.mlp
+        mlp = (
+            _moe(m, cfg, rec)
+            if hasattr(m, "experts")
+            else GatedMLP(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+        )
+        return Block(layer, cfg, eps, mlp)
 
     def blocks(self) -> list[Block]:
         """The decoder blocks (``layers`` is their ``nn.ModuleList``)."""

@@ -16,7 +16,7 @@ from torch import nn
 
 from moetool.export.base import ExportError
 from moetool.export.graph.model import prefill_inputs
-from moetool.export.heldout import agreement, windows
+from moetool.export.heldout import agreement_of, reference_logits, windows
 from moetool.export.parity import DecodeCheck, ParityRecord
 from moetool.io.jsontypes import JsonObject
 
@@ -26,7 +26,7 @@ Decode = Callable[[np.ndarray, int, list[np.ndarray]], tuple[np.ndarray, list[np
 
 def measure_graph(
     hf: nn.Module,
-    export_model: nn.Module,
+    export_model: nn.Module | None,
     tok: PreTrainedTokenizerBase,
     text: str,
     prefill: Prefill,
@@ -36,41 +36,44 @@ def measure_graph(
     seq_lens: tuple[int, ...] = (32, 128),
     n_windows: int = 4,
     decode_steps: int = 8,
+    reference: str = "transformers float32",
 ) -> ParityRecord:
     """The artifact's figures (its ``prefill``/``decode`` in its runtime) against transformers ``hf`` on ``text``:
     max |Δlogit| per length in ``seq_lens`` (capped at the model's positions), the cached decode's over
     ``decode_steps`` tokens, top-1 and perplexity over ``n_windows`` windows. ``export_model`` (the torch wrapper
-    that was converted) is compared too, so a mismatch can be told apart from the conversion's."""
+    that was converted) is compared too, so a mismatch can be told apart from the conversion's; None for a graph
+    built without one (a streamed export). ``reference`` names ``hf`` in the record.
+
+    ``hf`` runs once over every window (:func:`reference_logits`: one pass, for a model streamed from disk)."""
 
     max_pos = int(getattr(hf.config, "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
     probes, ppl_windows = windows(tok, text, lens, n_windows)
     got = [prefill(np.array([ids], dtype=np.int64))[0][0] for ids in probes + ppl_windows]
-    vs = agreement(got, hf, probes, ppl_windows)
+    ref = reference_logits(hf, probes + ppl_windows)
+    vs = agreement_of(got, ref, probes, ppl_windows)
     wrapper: dict[str, float] = {}
-    for ids in probes:
-        x = torch.tensor([ids])
+    for ids, want in zip(probes, ref, strict=False):
+        if export_model is None:
+            break
         with torch.no_grad():
-            ref = hf(x).logits[0].numpy()
-            ours = export_model(*prefill_inputs(x))[0][0].numpy()
-        wrapper[str(len(ids))] = float(np.abs(ref - ours).max())
+            ours = export_model(*prefill_inputs(torch.tensor([ids])))[0][0].numpy()
+        wrapper[str(len(ids))] = float(np.abs(want - ours).max())
     checked = None
     if decode is not None:
-        ids = probes[-1]
+        ids, want = probes[-1], ref[len(probes) - 1]
         n0 = len(ids) - decode_steps
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0].numpy()
         logits, past = prefill(np.array([ids[:n0]], dtype=np.int64))
-        worst = float(np.abs(logits[0] - ref[:n0]).max())
+        worst = float(np.abs(logits[0] - want[:n0]).max())
         for t in range(n0, len(ids)):
             logits, past = decode(np.array([[ids[t]]], dtype=np.int64), t, past)
-            worst = max(worst, float(np.abs(logits[0, -1] - ref[t]).max()))
+            worst = max(worst, float(np.abs(logits[0, -1] - want[t]).max()))
         checked = DecodeCheck(prefill_tokens=n0, steps=decode_steps, max_abs_logit_diff=worst)
     record = ParityRecord(
         runtime=runtime,
-        reference="transformers float32",
+        reference=reference,
         seq_lens=tuple(lens),
-        wrapper=wrapper,
+        wrapper=wrapper or None,
         decode=checked,
         tokens_scored=sum(len(w) - 1 for w in ppl_windows),
     )

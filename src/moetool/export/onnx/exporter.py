@@ -1,34 +1,37 @@
-"""``moetool export --target onnx``: ExportLM → one decoder graph in the convention ONNX LLM runners drive
-(:mod:`moetool.export.onnx.decoder`), weights quantized per the plan (:mod:`moetool.export.onnx.quantize`), parity
-in onnxruntime, and greedy generation in onnxruntime-genai from the written folder.
+"""``moetool export --target onnx``: one decoder graph in the convention ONNX LLM runners drive
+(:mod:`moetool.export.onnx.decoder`), traced without weights (:mod:`moetool.export.onnx.structure`), its weights
+stored as the plan says (:mod:`moetool.export.onnx.layout`) and written one layer at a time from the checkpoint
+(:mod:`moetool.export.onnx.weights`); parity in onnxruntime against transformers (streamed from disk when the model
+does not fit), and greedy generation in onnxruntime-genai from the written folder.
 
-Files: ``model.onnx`` (``model.onnx.data`` beside it past protobuf's 2 GB), ``genai_config.json``, the model's
-tokenizer and config files.
+Files: ``model.onnx`` (the graph), ``model.onnx.data`` (its weights), ``genai_config.json``, the model's tokenizer
+and config files.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.graph.common import GraphPlan
 from moetool.export.heldout import held_out_text
-from moetool.export.onnx.decoder import SCOPE, export_decoder, name_dims, write_runner_files
-from moetool.export.onnx.moe_op import to_qmoe, translation_table
-from moetool.export.onnx.quantize import quantize_graph
+from moetool.export.onnx.decoder import write_runner_files
+from moetool.export.onnx.layout import Layout, lay_out
 from moetool.export.onnx.runner import genai_check, ort_runners, ort_session
+from moetool.export.onnx.structure import Structure, trace_structure
+from moetool.export.onnx.weights import DATA_FILE, save_structure, write_weights
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
+from moetool.extras import require
 from moetool.io.atomic import atomic_dir
+from moetool.io.budget import Need, human
 from moetool.io.jsontypes import JsonObject
-from moetool.progress import Step
+from moetool.progress import Step, step_printer
 
 if TYPE_CHECKING:
-    from onnx import ModelProto
-    from torch import nn
-
-    from moetool.export.graph.model import ExportLM
+    from rich.console import Console
 
 
 def _count_ops(path: Path) -> dict[str, int]:
@@ -59,10 +62,44 @@ def moe_kernel(req: ExportRequest) -> str:
     return kind
 
 
+def onnx_need(plan: GraphPlan, *, sparse: bool, verify: bool, output: Path) -> Need:
+    """Memory and disk of a streamed ONNX export of ``plan``: writing holds the weights outside the layer stack and
+    one layer in float32 (two for a sparse block: the per-expert weights and their fused stacks) while a tensor is
+    rounded; verification holds onnxruntime's copy of the artifact beside the transformers reference, held or
+    streamed (:mod:`moetool.export.reference`)."""
+    from moetool.compute.upcast import float32_overhead, layer_bytes
+    from moetool.export.reference import VERIFY_OVERHEAD, reference_dtype, stream_reference, streamed_need
+
+    params, artifact = plan.quant.total_params, plan.quant.total_bytes
+    outside, layer = layer_bytes(plan.config, params)
+    writing = outside + layer * (5 if sparse else 3) // 2 + WRITE_OVERHEAD
+    ref = reference_dtype(params, plan.config)
+    streamed = stream_reference(params, plan.config)
+    held = params * 4 if ref == "float32" else params * 2 + float32_overhead(params, plan.config)
+    reference = streamed_need(params, plan.config) if streamed else held + VERIFY_OVERHEAD
+    verifying = int(artifact * SESSION_MULTIPLE) + reference
+    how = "streamed from disk, one float32 layer at a time" if streamed else f"held in {ref}"
+    return Need(
+        stage="onnx export",
+        memory=max(writing, verifying) if verify else writing,
+        memory_detail=f"written one layer at a time ({human(writing)}); verified against the model {how}"
+        if verify
+        else "written one layer at a time",
+        disk=artifact,
+        output=output,
+        way_out="Export with --no-verify, or on a machine with more memory",
+    )
+
+
+WRITE_OVERHEAD = 768 << 20  # torch, onnx and the traced structure
+SESSION_MULTIPLE = 1.5  # onnxruntime's session over the artifact: mapped weights and the 4/8-bit ones repacked
+
+
 class ONNXExporter(GraphExporter):
-    # 6.44 GB for the 135M-shaped ladder rung's MoE (0.75 GB in bf16, 1.5 GB in float32) at q8_0; 8.06 GB (5.4×)
-    # while the export model held its own copy of the weights
-    peak_multiple, peak_measured = 4.3, True
+    """Streamed: the graph is traced on ``meta`` (:mod:`moetool.export.onnx.structure`) and its weights are
+    written one decoder layer at a time, rounded as they are written (:mod:`moetool.export.onnx.weights`); the
+    model is never held whole."""
+
     name = "onnx"
     requires = "onnx"
     runtime_modules = ("onnx", "onnxscript", "onnxruntime")  # onnxscript: torch.onnx's dynamo exporter
@@ -70,64 +107,96 @@ class ONNXExporter(GraphExporter):
     def check(self, req: ExportRequest) -> None:
         moe_kernel(req)
 
-    def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
-    ) -> JsonObject:
-        import onnxruntime as ort
-
-        precisions = plan.precisions()
-        sparse = moe_kernel(req) == "sparse" and em.make_sparse() > 0
-        qmoe: dict[str, int] = {}
-
-        def before_quantizing(model: ModelProto) -> list[str]:
-            name_dims(model)
-            if not sparse:
-                return []
-            done, notes = to_qmoe(model, precisions, SCOPE)
-            qmoe.update(done)
-            return notes
-
+    def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
+        for module in self.runtime_modules:
+            require(module, self.requires, why=f"--target {self.name}")
+        self.check(req)
+        moe = int(plan.config.get("num_local_experts") or plan.config.get("num_experts") or 0)
+        onnx_need(plan, sparse=moe_kernel(req) == "sparse" and moe > 0, verify=req.verify, output=req.output).check()
+        started = time.perf_counter()
+        step = step_printer(console, started)
+        step("tracing the decoder's structure on the meta device (no weights)")
+        st = trace_structure(plan.config, sparse=moe_kernel(req) == "sparse")
+        layout = lay_out(st, plan.precisions())
         with atomic_dir(req.output, force=req.force) as tmp:
             path = tmp / "model.onnx"
-            step("torch.onnx.export: one decoder graph for prefill and decode")
-            export_decoder(em, path, translation_table() if sparse else None)
-            if not is_float_plan(plan):
-                step("quantizing the graph")
-            counts, qnotes = quantize_graph(path, precisions, SCOPE, before=before_quantizing)
+            step(f"writing the weights one layer at a time ({st.n_layers} layers)")
+            write_weights(req.model_dir, st, layout, tmp / DATA_FILE)
+            save_structure(st.model, path)
             context = min(plan.context, int(plan.config.get("max_position_embeddings", plan.context)))
-            side = write_runner_files(req.model_dir, tmp, em, path.name, context)
+            side = write_runner_files(req.model_dir, tmp, st.em, path.name, context)
             parity: ParityRecord | str = NOT_VERIFIED
             generation: JsonObject | str = NOT_VERIFIED
             if req.verify:
-                step("checking the graph in onnxruntime against transformers")
-                prefill, decode = ort_runners(ort_session(path), em.n_layers, em.n_kv, em.head_dim)
-                runtime = f"onnxruntime {ort.__version__}"
-                gate_as = "ONNX (fp32)" if is_float_plan(plan) else None
-                parity = runtime_parity(req, hf, em, prefill, decode, runtime=runtime, gate_as=gate_as)
-                generation = genai_check(tmp, hf, _genai_prompt(req)) or "onnxruntime-genai not installed"
+                parity, generation = self._verify(req, plan, st, path, step)
             files = {p.name: p for p in sorted(tmp.iterdir()) if p.is_file()}
-            fields: JsonObject = {
-                "runtime": f"onnxruntime {ort.__version__}",
-                "interface": {
-                    "graph": path.name,
-                    "inputs": "input_ids, attention_mask (int64 [batch, past + new]), position_ids, "
-                    "past_key_values.{i}.key|value (empty for the prefill)",
-                    "outputs": "logits, present.{i}.key|value",
-                    "runner_files": [*side],
-                },
-                "quantized_nodes": {**counts},
-                "moe_kernel": {
-                    "kind": "sparse" if sparse else "dense-masked",
-                    "op": ("QMoE" if any(qmoe.values()) else "MoE") + " (com.microsoft, onnxruntime only)"
-                    if sparse
-                    else "every expert as standard MatMuls, unchosen ones weighted 0 (any ONNX runtime)",
-                    "layers": em.sparse_moe_layers(),
-                    "experts_quantized": {**qmoe},
-                },
-                "ops": {**_count_ops(path)},
-                "generation": generation,
-            }
             manifest = finish_graph_manifest(
-                tmp, "onnx", plan, files, "model.onnx", fields, parity=parity, started=started, notes=qnotes
+                tmp,
+                "onnx",
+                plan,
+                files,
+                "model.onnx",
+                self._fields(path, st, layout, side, generation),
+                parity=parity,
+                started=started,
+                notes=layout.notes,
             )
         return manifest
+
+    def _verify(
+        self, req: ExportRequest, plan: GraphPlan, st: Structure, path: Path, step: Step
+    ) -> tuple[ParityRecord, JsonObject | str]:
+        import onnxruntime as ort
+        import torch
+
+        from moetool.export.graph.model import ExportLM
+        from moetool.export.reference import reference_dtype, reference_label, reference_model, stream_reference
+
+        params = plan.quant.total_params
+        ref_dtype = reference_dtype(params, plan.config)
+        streamed = stream_reference(params, plan.config)
+        how = "streamed from disk one layer at a time" if streamed else f"held in {ref_dtype}"
+        step(f"checking the graph in onnxruntime against transformers ({how})")
+        ref = reference_model(req.model_dir, getattr(torch, ref_dtype), streamed=streamed)
+        # the torch export model over a resident float32 reference shares its weights: the conversion's own figure
+        wrapper = ExportLM(ref).eval() if not streamed and ref_dtype == "float32" else None
+        if wrapper is not None and st.sparse_layers:
+            wrapper.make_sparse()
+        session = ort_session(path)
+        prefill, decode = ort_runners(session, st.n_layers, st.n_kv, st.head_dim)
+        runtime = f"onnxruntime {ort.__version__}"
+        gate_as = "ONNX (fp32)" if is_float_plan(plan) else None
+        label = reference_label(ref_dtype, streamed)
+        parity = runtime_parity(req, ref, wrapper, prefill, decode, runtime=runtime, gate_as=gate_as, reference=label)
+        del session, prefill, decode, wrapper
+        generation = genai_check(path.parent, ref, _genai_prompt(req)) or "onnxruntime-genai not installed"
+        return parity, generation
+
+    def _fields(
+        self, path: Path, st: Structure, layout: Layout, side: list[str], generation: JsonObject | str
+    ) -> JsonObject:
+        import onnxruntime as ort
+
+        sparse = st.sparse_layers > 0
+        return {
+            "runtime": f"onnxruntime {ort.__version__}",
+            "interface": {
+                "graph": path.name,
+                "inputs": "input_ids, attention_mask (int64 [batch, past + new]), position_ids, "
+                "past_key_values.{i}.key|value (empty for the prefill)",
+                "outputs": "logits, present.{i}.key|value",
+                "runner_files": [*side],
+            },
+            "export": "streamed: the graph traced on the meta device, the weights written one layer at a time",
+            "quantized_nodes": {**layout.counts},
+            "moe_kernel": {
+                "kind": "sparse" if sparse else "dense-masked",
+                "op": ("QMoE" if any(layout.experts.values()) else "MoE") + " (com.microsoft, onnxruntime only)"
+                if sparse
+                else "every expert as standard MatMuls, unchosen ones weighted 0 (any ONNX runtime)",
+                "layers": st.sparse_layers,
+                "experts_quantized": {**layout.experts},
+            },
+            "ops": {**_count_ops(path)},
+            "generation": generation,
+        }

@@ -23,7 +23,7 @@ from moetool.export.onnx.quantize import BLOCK, module_of
 if TYPE_CHECKING:
     from onnx import ModelProto
 
-_SWIGLU: dict[str, int | str] = {"activation_type": "swiglu", "swiglu_fusion": 1}
+SWIGLU: dict[str, int | str] = {"activation_type": "swiglu", "swiglu_fusion": 1}
 
 
 def register_moe_schema() -> None:
@@ -71,7 +71,7 @@ def translation_table() -> dict[Callable[..., object], Callable[..., object]]:
     op = onnxscript.opset18
 
     def moe(x: Any, logits: Any, fc1: Any, fc2: Any, k: int, normalize: bool) -> Any:
-        out = msft.MoE(x, logits, fc1, None, fc2, k=k, normalize_routing_weights=1, **_SWIGLU)
+        out = msft.MoE(x, logits, fc1, None, fc2, k=k, normalize_routing_weights=1, **SWIGLU)
         if normalize:
             return out
         # onnxruntime 1.31's MoE renormalises the top-k whatever normalize_routing_weights says (QMoE too, without
@@ -84,7 +84,7 @@ def translation_table() -> dict[Callable[..., object], Callable[..., object]]:
     return {torch.ops.moetool.sparse_moe.default: moe}
 
 
-def _quantize(w: np.ndarray, bits: int, block: int | None) -> tuple[np.ndarray, np.ndarray]:
+def quantize_experts(w: np.ndarray, bits: int, block: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric, zero point 2^(bits−1) (QMoE's default): ``w`` [E, N, K] → (uint8 [E, N, K·bits/8], 4-bit element 2i
     in the low nibble; scales [E, N] per row or [E, N, K/block])."""
     e, n, k = w.shape
@@ -131,13 +131,13 @@ def to_qmoe(model: ModelProto, precisions: dict[str, str], scope: str) -> tuple[
         new_inits = []
         names = []
         for tag, w in (("fc1", fc1), ("fc2", fc2)):
-            q, s = _quantize(w, bits, block)
+            q, s = quantize_experts(w, bits, block)
             names += [f"{node.name}.{tag}.q", f"{node.name}.{tag}.scale"]
             new_inits += [numpy_helper.from_array(q, names[-2]), numpy_helper.from_array(s, names[-1])]
         graph.initializer.extend(new_inits)
         k = next(a.i for a in node.attribute if a.name == "k")
         norm = next(a.i for a in node.attribute if a.name == "normalize_routing_weights")
-        attrs: dict[str, int | str] = {"k": k, "normalize_routing_weights": norm, "expert_weight_bits": bits, **_SWIGLU}
+        attrs: dict[str, int | str] = {"k": k, "normalize_routing_weights": norm, "expert_weight_bits": bits, **SWIGLU}
         attrs["accuracy_level"] = quantize.ACCURACY_LEVEL
         if block is not None:
             attrs["block_size"] = block

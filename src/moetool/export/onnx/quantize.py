@@ -99,7 +99,7 @@ def gather_int8(model: ModelProto, node_names: set[str]) -> set[str]:
     """Replace each named ``Gather`` over a constant [V, D] table with int8 rows and one fp32 scale per block of
     32 (symmetric, as q8_0): Gather both, multiply, reshape back. Returns the names replaced; a Gather over anything
     but an initializer is left as it is."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import numpy_helper
 
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
@@ -116,12 +116,8 @@ def gather_int8(model: ModelProto, node_names: set[str]) -> set[str]:
         w = numpy_helper.to_array(table).astype(np.float32)
         if axis != 0 or w.ndim != 2:
             continue
-        v, d = w.shape
-        block = BLOCK if d % BLOCK == 0 else d
-        wb = w.reshape(v, d // block, block)
-        scale = np.abs(wb).max(-1, keepdims=True) / 127.0
-        scale = np.where(scale == 0, 1.0, scale).astype(np.float32)  # [V, nb, 1]
-        q = np.clip(np.rint(wb / scale), -127, 127).astype(np.int8)  # [V, nb, block]
+        d = w.shape[1]
+        q, scale = int8_rows(w)
         p, ids, out = node.name, node.input[1], node.output[0]
         graph.initializer.extend(
             [
@@ -130,15 +126,7 @@ def gather_int8(model: ModelProto, node_names: set[str]) -> set[str]:
                 numpy_helper.from_array(np.array([d], dtype=np.int64), f"{p}.width"),
             ]
         )
-        new = [
-            helper.make_node("Gather", [f"{table.name}.int8", ids], [f"{p}.q"], name=f"{p}.rows", axis=0),
-            helper.make_node("Gather", [f"{table.name}.scale", ids], [f"{p}.s"], name=f"{p}.scales", axis=0),
-            helper.make_node("Cast", [f"{p}.q"], [f"{p}.qf"], name=f"{p}.cast", to=TensorProto.FLOAT),
-            helper.make_node("Mul", [f"{p}.qf", f"{p}.s"], [f"{p}.blocks"], name=f"{p}.dequant"),
-            helper.make_node("Shape", [ids], [f"{p}.ids_shape"], name=f"{p}.ids_shape"),
-            helper.make_node("Concat", [f"{p}.ids_shape", f"{p}.width"], [f"{p}.shape"], name=f"{p}.concat", axis=0),
-            helper.make_node("Reshape", [f"{p}.blocks", f"{p}.shape"], [out], name=p),
-        ]
+        new = gather_int8_nodes(p, f"{table.name}.int8", f"{table.name}.scale", f"{p}.width", ids, out)
         at = list(graph.node).index(node)
         graph.node.remove(node)
         for i, n in enumerate(new):
@@ -147,6 +135,35 @@ def gather_int8(model: ModelProto, node_names: set[str]) -> set[str]:
             graph.initializer.remove(table)
         replaced.add(p)
     return replaced
+
+
+def int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A [V, D] table as int8 rows with one fp32 scale per block of 32 (symmetric, as q8_0; one block per row when D
+    is not a multiple of 32): (q [V, nb, block] int8, scale [V, nb, 1])."""
+    v, d = w.shape
+    block = BLOCK if d % BLOCK == 0 else d
+    wb = w.reshape(v, d // block, block)
+    scale = np.abs(wb).max(-1, keepdims=True) / 127.0
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)  # [V, nb, 1]
+    q = np.clip(np.rint(wb / scale), -127, 127).astype(np.int8)  # [V, nb, block]
+    return q, scale
+
+
+def gather_int8_nodes(name: str, rows: str, scales: str, width: str, ids: str, out: str) -> list[NodeProto]:
+    """The nodes that stand for ``Gather(table, ids)`` over :func:`int8_rows`' ``rows`` and ``scales`` (``width``:
+    an int64 [1] initializer holding D): gather both, multiply, reshape back to [..., D]."""
+    from onnx import TensorProto, helper
+
+    p = name
+    return [
+        helper.make_node("Gather", [rows, ids], [f"{p}.q"], name=f"{p}.rows", axis=0),
+        helper.make_node("Gather", [scales, ids], [f"{p}.s"], name=f"{p}.scales", axis=0),
+        helper.make_node("Cast", [f"{p}.q"], [f"{p}.qf"], name=f"{p}.cast", to=TensorProto.FLOAT),
+        helper.make_node("Mul", [f"{p}.qf", f"{p}.s"], [f"{p}.blocks"], name=f"{p}.dequant"),
+        helper.make_node("Shape", [ids], [f"{p}.ids_shape"], name=f"{p}.ids_shape"),
+        helper.make_node("Concat", [f"{p}.ids_shape", width], [f"{p}.shape"], name=f"{p}.concat", axis=0),
+        helper.make_node("Reshape", [f"{p}.blocks", f"{p}.shape"], [out], name=p),
+    ]
 
 
 def save_model(model: ModelProto, path: Path) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from moetool.export.graph.parity import Decode, Prefill
+from moetool.export.heldout import reference_logits
 from moetool.export.onnx.decoder import past_names
 from moetool.io.jsontypes import JsonObject
 
@@ -51,8 +51,12 @@ def ort_runners(session: InferenceSession, n_layers: int, kv_heads: int, head_di
 
 
 def genai_check(out_dir: Path, hf: Any, prompt: list[int], new_tokens: int = 16) -> JsonObject | None:
-    """Greedy tokens from onnxruntime-genai driving ``out_dir`` against transformers' on the same prompt ids; None
-    when onnxruntime-genai is not installed (the ``onnx`` extra installs it)."""
+    """Greedy tokens from onnxruntime-genai driving ``out_dir`` against transformers' greedy choices on the same
+    prompt ids; None when onnxruntime-genai is not installed (the ``onnx`` extra installs it).
+
+    transformers is teacher-forced over the prompt and onnxruntime-genai's tokens in one pass (one read of a model
+    streamed from disk): its greedy generation equals them exactly when each of its argmaxes is the next token, so
+    the first position where one is not is where the two generations part."""
     try:
         import onnxruntime_genai as og
     except ImportError:
@@ -66,19 +70,14 @@ def genai_check(out_dir: Path, hf: Any, prompt: list[int], new_tokens: int = 16)
     while not gen.is_done():
         gen.generate_next_token()
     got = [int(t) for t in gen.get_sequence(0)][len(prompt) :]
+    del gen, params, model  # its copy of the weights, before transformers runs
+    logits = reference_logits(hf, [prompt + got])[0]  # [len(prompt) + len(got), V]
+    want = logits[len(prompt) - 1 :].argmax(-1).tolist()  # the greedy choice after each prefix
+    first = next((i for i, t in enumerate(got) if want[i] != t), None)
     eos = hf.generation_config.eos_token_id
-    with torch.no_grad():
-        ref = hf.generate(
-            torch.tensor([prompt]),
-            max_length=total,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=hf.generation_config.pad_token_id or (eos[0] if isinstance(eos, list) else eos),
-        )
-    want = ref[0, len(prompt) :].tolist()
-    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
-    if first is None and len(got) != len(want):
-        first = min(len(got), len(want))
+    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if first is None and len(got) < new_tokens and (not got or got[-1] not in stops):
+        first = len(got)  # onnxruntime-genai stopped where transformers would have gone on
     return {
         "runner": f"onnxruntime-genai {og.__version__}",
         "prompt_tokens": len(prompt),

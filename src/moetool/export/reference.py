@@ -1,0 +1,96 @@
+"""The transformers reference an exported artifact is checked against: in which dtype it is held, and whether it is
+held at all or streamed from disk one layer at a time (:mod:`moetool.compute.stream`), from the model's size and the
+memory available. Every exporter that verifies against transformers (GGUF, ONNX) decides it here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from moetool.compute.stream import TensorSource
+
+__all__ = [
+    "VERIFY_OVERHEAD",
+    "reference_dtype",
+    "reference_label",
+    "reference_model",
+    "stream_reference",
+    "streamed_need",
+]
+
+
+def reference_dtype(params: int, config: dict[str, Any]) -> str:
+    """The dtype the transformers reference holds its weights in: float32 when that takes at most half the available
+    memory, else the checkpoint's own 16-bit dtype (a bf16 MoE of 5B parameters is 21 GB in float32). Either way it
+    computes in float32 (:func:`reference_model`) and its figures are the same; the 16-bit copy is slower by the
+    per-layer casts and needs half the memory.
+
+    Raises:
+        BudgetError: ``MOETOOL_MEMORY_BUDGET`` is not a size.
+    """
+    from moetool.io.budget import available_memory
+
+    own = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    if own not in ("bfloat16", "float16"):
+        return "float32"
+    mem = available_memory()
+    return "float32" if mem is None or params * 4 + VERIFY_OVERHEAD <= mem // 2 else own
+
+
+VERIFY_OVERHEAD = 1 << 30  # activations of the probe windows, the tokenizer, the runtime
+
+
+def stream_reference(params: int, config: dict[str, Any]) -> bool:
+    """Whether the transformers reference must stream its layers from disk: when even its copy in the checkpoint's
+    own dtype (with one float32 layer, :func:`reference_dtype`) would not fit in the available memory.
+
+    Raises:
+        BudgetError: ``MOETOOL_MEMORY_BUDGET`` is not a size.
+    """
+    from moetool.compute.upcast import float32_overhead
+    from moetool.io.budget import available_memory
+
+    mem = available_memory()
+    own = reference_dtype(params, config)
+    held = params * 4 if own == "float32" else params * 2 + float32_overhead(params, config)
+    return mem is not None and held + VERIFY_OVERHEAD > mem
+
+
+def streamed_need(params: int, config: dict[str, Any]) -> int:
+    """Bytes a streamed reference holds: the weights outside the layer stack and one layer in float32
+    (:func:`moetool.compute.stream.streamed_weight_bytes`) and the verification's activations
+    (:data:`VERIFY_OVERHEAD`)."""
+    from moetool.compute.stream import streamed_weight_bytes
+
+    return streamed_weight_bytes(config, params) + VERIFY_OVERHEAD
+
+
+def reference_model(
+    path: Path, storage: torch.dtype, *, streamed: bool = False, tensors: TensorSource | None = None
+) -> nn.Module:
+    """The transformers reference at ``path``, held in ``storage`` and computing in float32: a 16-bit model runs one
+    float32 layer at a time (:func:`moetool.compute.upcast.float32_layer_by_layer`), which gives a float32 model's
+    logits in about half its memory; ``streamed``, its layers are read from disk as each runs
+    (:func:`moetool.compute.stream.streamed_causal_lm`: the same logits for one layer's memory), from ``tensors``
+    instead of the folder's safetensors where given."""
+    from transformers import AutoModelForCausalLM
+
+    from moetool.compute.stream import streamed_causal_lm
+    from moetool.compute.upcast import float32_layer_by_layer
+
+    if streamed or tensors is not None:
+        return streamed_causal_lm(Path(path), storage=storage, tensors=tensors)
+    return float32_layer_by_layer(AutoModelForCausalLM.from_pretrained(str(path), dtype=storage).eval())
+
+
+def reference_label(storage: str, streamed: bool = False) -> str:
+    """What a parity record names as its reference: a :func:`reference_model` held in ``storage``, or streamed."""
+    if streamed:
+        return f"transformers float32, layer by layer streamed from disk over {storage} weights"
+    if storage == "float32":
+        return "transformers float32"
+    return f"transformers float32, layer by layer over {storage} weights"
