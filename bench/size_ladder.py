@@ -6,7 +6,7 @@ size trained on Python's documentation). Each stage runs as its own ``moetool`` 
 (``wait4``):
 
     merge (top-2 of 4, cheap_embed routers, bf16) → train (a few steps, the model's own dtype) → eval (perplexity on
-    4,096 tokens) → GGUF q8_0 export with verification → ONNX q8_0 export
+    4,096 tokens) → GGUF q8_0 export with verification → ONNX q8_0 export → ONNX moe-q4 export (4-bit experts)
 
 or, with ``--experts``, the merge followed by ``moetool experts`` remove (without and with its parity check), prune,
 add and extract,
@@ -226,6 +226,9 @@ def rung(
         ("gguf q8_0", [moetool, "export", str(tuned), "-o", str(root / "gguf"), "--quant", "q8_0", "--force"]),
         ("onnx q8_0", [moetool, "export", str(tuned), "-o", str(root / "onnx"), "--target", "onnx", "--quant",
                        "q8_0", "--force"]),
+        # what a phone runs: 4-bit experts (QMoE), router f32, the rest 8-bit
+        ("onnx moe-q4", [moetool, "export", str(tuned), "-o", str(root / "onnx-q4"), "--target", "onnx", "--quant",
+                         "moe-q4", "--force"]),
     ]  # fmt: skip
     if experts:  # the merge, then every edit of `moetool experts` on it
         stages = stages[:1] + _edit_stages(root, moe, paths, texts)

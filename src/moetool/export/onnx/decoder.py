@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,6 @@ import torch
 from torch import nn
 
 from moetool.arch.records import require_record
-from moetool.export.graph.common import onnx_export
 from moetool.export.graph.model import NEG, ExportLM
 from moetool.export.jsonnum import integer
 from moetool.io.jsontypes import JsonObject, JsonValue
@@ -65,35 +63,6 @@ class OnnxDecoder(nn.Module):
         mask = torch.where(keep, 0.0, NEG)[:, None]  # [B, 1, T, S]; NEG is finite: a padded row stays finite
         out: tuple[torch.Tensor, ...] = self.em(input_ids, position_ids, mask, *past)
         return out
-
-
-def export_decoder(
-    em: ExportLM, path: Path, custom_translation_table: dict[Callable[..., object], Callable[..., object]] | None = None
-) -> None:
-    """Trace :class:`OnnxDecoder` with every batch and length dimension dynamic (an example past of 3 positions, so
-    none is specialised to 0 or 1 and an empty past runs too). The exporter names the dimensions (:func:`name_dims`)
-    in the one pass that loads, quantizes and saves the graph."""
-    n = em.n_layers
-    b, t, p = 2, 4, 3
-    ids = torch.randint(0, 10, (b, t))
-    mask = torch.ones(b, p + t, dtype=torch.long)
-    pos = torch.arange(p, p + t)[None].expand(b, t).contiguous()
-    past = [torch.zeros(b, em.n_kv, p, em.head_dim) for _ in range(2 * n)]
-    auto = torch.export.Dim.AUTO
-    onnx_export(
-        OnnxDecoder(em).eval(),
-        (ids, mask, pos, *past),
-        path,
-        inputs=["input_ids", "attention_mask", "position_ids", *past_names(n)],
-        outputs=["logits", *past_names(n, "present")],
-        dynamic_shapes=(
-            {0: auto, 1: auto},
-            {0: auto, 1: auto},
-            {0: auto, 1: auto},
-            tuple({0: auto, 2: auto} for _ in past),
-        ),
-        custom_translation_table=custom_translation_table,
-    )
 
 
 def name_dims(model: ModelProto) -> None:

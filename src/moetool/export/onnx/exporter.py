@@ -62,23 +62,37 @@ def moe_kernel(req: ExportRequest) -> str:
     return kind
 
 
+HELD_REFERENCE_LIMIT = 1 << 30  # float32 bytes under which the reference is held (and the torch wrapper checked)
+WRITE_OVERHEAD = 768 << 20  # torch, onnx and the traced structure
+SESSION_MULTIPLE = 1.5  # onnxruntime's session over the artifact: mapped weights and the 4/8-bit ones repacked
+
+
+def held_reference(plan: GraphPlan) -> bool:
+    """Whether verification holds the transformers reference in float32 (and checks the torch export model over its
+    weights): only for a model under :data:`HELD_REFERENCE_LIMIT` in float32 that fits. Larger ones are streamed from
+    disk one layer at a time, the same figures for one layer's memory (a pass reads the checkpoint; verification
+    makes two), so the export's peak is the artifact's session, not the model held whole."""
+    from moetool.export.reference import stream_reference
+
+    params = plan.quant.total_params
+    return params * 4 <= HELD_REFERENCE_LIMIT and not stream_reference(params, plan.config)
+
+
 def onnx_need(plan: GraphPlan, *, sparse: bool, verify: bool, output: Path) -> Need:
     """Memory and disk of a streamed ONNX export of ``plan``: writing holds the weights outside the layer stack and
     one layer in float32 (two for a sparse block: the per-expert weights and their fused stacks) while a tensor is
-    rounded; verification holds onnxruntime's copy of the artifact beside the transformers reference, held or
-    streamed (:mod:`moetool.export.reference`)."""
-    from moetool.compute.upcast import float32_overhead, layer_bytes
-    from moetool.export.reference import VERIFY_OVERHEAD, reference_dtype, stream_reference, streamed_need
+    rounded; verification holds onnxruntime's copy of the artifact beside the transformers reference, held in
+    float32 or streamed (:func:`held_reference`)."""
+    from moetool.compute.upcast import layer_bytes
+    from moetool.export.reference import VERIFY_OVERHEAD, streamed_need
 
     params, artifact = plan.quant.total_params, plan.quant.total_bytes
     outside, layer = layer_bytes(plan.config, params)
     writing = outside + layer * (5 if sparse else 3) // 2 + WRITE_OVERHEAD
-    ref = reference_dtype(params, plan.config)
-    streamed = stream_reference(params, plan.config)
-    held = params * 4 if ref == "float32" else params * 2 + float32_overhead(params, plan.config)
-    reference = streamed_need(params, plan.config) if streamed else held + VERIFY_OVERHEAD
+    held = held_reference(plan)
+    reference = params * 4 + VERIFY_OVERHEAD if held else streamed_need(params, plan.config)
     verifying = int(artifact * SESSION_MULTIPLE) + reference
-    how = "streamed from disk, one float32 layer at a time" if streamed else f"held in {ref}"
+    how = "held in float32" if held else "streamed from disk, one float32 layer at a time"
     return Need(
         stage="onnx export",
         memory=max(writing, verifying) if verify else writing,
@@ -89,10 +103,6 @@ def onnx_need(plan: GraphPlan, *, sparse: bool, verify: bool, output: Path) -> N
         output=output,
         way_out="Export with --no-verify, or on a machine with more memory",
     )
-
-
-WRITE_OVERHEAD = 768 << 20  # torch, onnx and the traced structure
-SESSION_MULTIPLE = 1.5  # onnxruntime's session over the artifact: mapped weights and the 4/8-bit ones repacked
 
 
 class ONNXExporter(GraphExporter):
@@ -150,23 +160,21 @@ class ONNXExporter(GraphExporter):
         import torch
 
         from moetool.export.graph.model import ExportLM
-        from moetool.export.reference import reference_dtype, reference_label, reference_model, stream_reference
+        from moetool.export.reference import reference_label, reference_model
 
-        params = plan.quant.total_params
-        ref_dtype = reference_dtype(params, plan.config)
-        streamed = stream_reference(params, plan.config)
-        how = "streamed from disk one layer at a time" if streamed else f"held in {ref_dtype}"
+        held = held_reference(plan)
+        storage = "float32" if held else str(plan.config.get("dtype") or plan.config.get("torch_dtype") or "float32")
+        how = "held in float32" if held else "streamed from disk one layer at a time"
         step(f"checking the graph in onnxruntime against transformers ({how})")
-        ref = reference_model(req.model_dir, getattr(torch, ref_dtype), streamed=streamed)
-        # the torch export model over a resident float32 reference shares its weights: the conversion's own figure
-        wrapper = ExportLM(ref).eval() if not streamed and ref_dtype == "float32" else None
-        if wrapper is not None and st.sparse_layers:
-            wrapper.make_sparse()
+        ref = reference_model(req.model_dir, getattr(torch, storage), streamed=not held)
+        # over the held float32 reference the torch export model shares its weights: the conversion's own figure
+        # (dense-masked: the same function as the sparse op, without a fused copy of the experts)
+        wrapper = ExportLM(ref).eval() if held else None
         session = ort_session(path)
         prefill, decode = ort_runners(session, st.n_layers, st.n_kv, st.head_dim)
         runtime = f"onnxruntime {ort.__version__}"
         gate_as = "ONNX (fp32)" if is_float_plan(plan) else None
-        label = reference_label(ref_dtype, streamed)
+        label = reference_label(storage, not held)
         parity = runtime_parity(req, ref, wrapper, prefill, decode, runtime=runtime, gate_as=gate_as, reference=label)
         del session, prefill, decode, wrapper
         generation = genai_check(path.parent, ref, _genai_prompt(req)) or "onnxruntime-genai not installed"

@@ -1,6 +1,7 @@
 """``moetool::sparse_moe`` in ONNX: onnxruntime's ``com.microsoft.MoE`` (fp32 experts) and, for a plan that
 quantizes a layer's experts, ``com.microsoft.QMoE`` (8 bits per row, or 4 bits in blocks of 32), both run by its CPU
-provider with only each token's top-k experts computed.
+provider with only each token's top-k experts computed. :mod:`moetool.export.onnx.layout` turns an MoE node into
+QMoE; :func:`quantize_experts` rounds its weights.
 
 What onnxruntime 1.31 computes (checked against the torch op in tests): ``router_probs`` takes the logits (the op
 applies the softmax); ``activation_type=swiglu`` with ``swiglu_fusion=1`` needs gate and up rows interleaved in fc1
@@ -13,15 +14,9 @@ moetool's default), so 8-bit experts are stored in blocks of 32 then, and per ro
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-from moetool.export.onnx import quantize
-from moetool.export.onnx.quantize import BLOCK, module_of
-
-if TYPE_CHECKING:
-    from onnx import ModelProto
 
 SWIGLU: dict[str, int | str] = {"activation_type": "swiglu", "swiglu_fusion": 1}
 
@@ -96,62 +91,3 @@ def quantize_experts(w: np.ndarray, bits: int, block: int | None) -> tuple[np.nd
     if bits == 4:
         q = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
     return q, (scale[..., 0] if block is None else scale)
-
-
-def to_qmoe(model: ModelProto, precisions: dict[str, str], scope: str) -> tuple[dict[str, int], list[str]]:
-    """Turn each MoE node whose layer's experts the plan quantizes into a QMoE with those weights; returns experts
-    quantized per precision and notes (a layer whose experts the plan mixes takes the widest of them)."""
-    from onnx import helper, numpy_helper
-
-    graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
-    done = {"int8": 0, "int4": 0}
-    notes: list[str] = []
-    for node in list(graph.node):
-        if node.op_type != "MoE" or node.domain != "com.microsoft":
-            continue
-        layer = (module_of(node) or "").removeprefix(scope)  # "layers.N.mlp"
-        wanted = {p for name, p in precisions.items() if name.startswith(f"{layer}.experts.")}
-        if not wanted or wanted == {"fp32"}:
-            continue
-        precision = "fp32" if "fp32" in wanted else "int8" if "int8" in wanted else "int4"
-        if len(wanted) > 1:
-            notes.append(f"{layer}: experts planned {sorted(wanted)}; QMoE takes one precision per layer: {precision}")
-        if precision == "fp32":
-            continue
-        fc1 = numpy_helper.to_array(inits[node.input[2]])
-        fc2 = numpy_helper.to_array(inits[node.input[4]])
-        bits = 8 if precision == "int8" else 4
-        divisible = fc1.shape[2] % BLOCK == 0 and fc2.shape[2] % BLOCK == 0
-        # 8-bit blocks take onnxruntime's int8-activation kernel (fast, not exact); per row is exact but slow, so
-        # 8-bit experts are per row only when activations stay fp32 (accuracy level 0)
-        block = BLOCK if divisible and (bits == 4 or quantize.ACCURACY_LEVEL > 0) else None
-        if block is None and not divisible:
-            notes.append(f"{layer}: widths not multiples of {BLOCK}: {bits}-bit experts with one scale per row")
-        new_inits = []
-        names = []
-        for tag, w in (("fc1", fc1), ("fc2", fc2)):
-            q, s = quantize_experts(w, bits, block)
-            names += [f"{node.name}.{tag}.q", f"{node.name}.{tag}.scale"]
-            new_inits += [numpy_helper.from_array(q, names[-2]), numpy_helper.from_array(s, names[-1])]
-        graph.initializer.extend(new_inits)
-        k = next(a.i for a in node.attribute if a.name == "k")
-        norm = next(a.i for a in node.attribute if a.name == "normalize_routing_weights")
-        attrs: dict[str, int | str] = {"k": k, "normalize_routing_weights": norm, "expert_weight_bits": bits, **SWIGLU}
-        attrs["accuracy_level"] = quantize.ACCURACY_LEVEL
-        if block is not None:
-            attrs["block_size"] = block
-        probs = f"{node.name}.router_weights"
-        x, logits = node.input[0], node.input[1]
-        inputs = [x, logits, names[0], names[1], "", names[2], names[3], "", "", "", "", "", "", "", probs]
-        at = list(graph.node).index(node)
-        graph.node.remove(node)
-        graph.node.insert(at, helper.make_node("Softmax", [logits], [probs], name=f"{node.name}.softmax", axis=-1))
-        qmoe = helper.make_node("QMoE", inputs, list(node.output), name=node.name, domain="com.microsoft")
-        qmoe.attribute.extend(helper.make_attribute(key, value) for key, value in sorted(attrs.items()))  # as make_node
-        graph.node.insert(at + 1, qmoe)
-        for name in (node.input[2], node.input[4]):
-            if not any(name in n.input for n in graph.node):
-                graph.initializer.remove(inits[name])
-        done[precision] += fc1.shape[0]
-    return done, notes
