@@ -134,3 +134,34 @@ def test_refused_up_front_when_one_layer_does_not_fit(deep_moe, tmp_path, monkey
     with pytest.raises(BudgetError, match="one layer at a time"):
         export(deep_moe, tmp_path / "o", target="onnx", quant="experts=q4_0,*=q8_0")
     assert not (tmp_path / "o").exists()
+
+
+def test_4bit_experts_in_blocks_compute_the_planned_weights(deep_moe, tmp_path, monkeypatch):
+    """QMoE's block-wise 4-bit experts (widths that are multiples of 32) equal transformers running the experts
+    rounded the same way, symmetric per block of 32, with fp32 activations (accuracy level 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from moetool.export.onnx import quantize
+    from moetool.export.onnx.runner import ort_runners, ort_session
+
+    monkeypatch.setattr(quantize, "ACCURACY_LEVEL", 0)
+    man = export(deep_moe, tmp_path / "o", target="onnx", quant="experts=q4_0,*=f32", verify=False)
+    assert man["moe_kernel"]["experts_quantized"] == {"int8": 0, "int4": 24} and not man["notes"]
+
+    def rounded(w: torch.Tensor) -> torch.Tensor:  # [E, N, K], blocks of 32 along K, zero point 8
+        blocks = w.reshape(*w.shape[:2], -1, 32)
+        scale = blocks.abs().amax(-1, keepdim=True) / 7
+        q = (torch.round(blocks / scale) + 8).clamp(0, 15) - 8
+        return (q * scale).reshape(w.shape)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(deep_moe), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.experts.gate_up_proj.copy_(rounded(layer.mlp.experts.gate_up_proj))
+            layer.mlp.experts.down_proj.copy_(rounded(layer.mlp.experts.down_proj))
+    cfg = hf.config
+    session = ort_session(tmp_path / "o" / "model.onnx")
+    prefill, _ = ort_runners(session, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    ids = torch.randint(4, cfg.vocab_size, (1, 24))
+    with torch.no_grad():
+        assert np.abs(prefill(ids.numpy())[0] - hf(ids).logits.numpy()).max() < 1e-4
