@@ -76,11 +76,11 @@ def plan_graph(req: ExportRequest, fmt: str) -> GraphPlan:
 def graph_need(target: str, plan: GraphPlan, multiple: float, measured: bool, output: Path) -> Need:
     """Peak memory of a graph export as ``multiple`` × the model's float32 weights, and its artifact on disk.
 
-    ``measured``: the multiple is a peak RSS measured at q8_0 (the real demo MoE, or the size ladder's 135M rung for
-    ONNX; README), not a guess.
+    ``measured``: the multiple is a peak RSS measured at q8_0 on the real demo MoE (README), not a guess. The
+    targets that trace the whole model use it; ONNX streams and estimates its own (``onnx.exporter.onnx_need``).
     """
     f32 = plan.quant.total_params * 4
-    how = "as measured (bench/size_ladder.py, the real MoE)" if measured else "estimated"
+    how = "as measured on the real MoE" if measured else "estimated"
     return Need(
         stage=f"{target} export",
         memory=int(f32 * multiple) + (512 << 20),
