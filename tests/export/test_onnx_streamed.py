@@ -93,17 +93,19 @@ def test_weights_are_written_one_layer_at_a_time_and_checked_against_a_streamed_
     high = params * 2 + float32_overhead(params, config) + VERIFY_OVERHEAD
     assert low < high
     monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str((low + high) // 2))
+    before = _live_tensor_bytes()  # what earlier tests (module fixtures, caches) left alive in this process
     peak = [0]
     encode = weights.encode
 
     def measured(stored, tensor):
-        peak[0] = max(peak[0], _live_tensor_bytes())
+        peak[0] = max(peak[0], _live_tensor_bytes() - before)
         return encode(stored, tensor)
 
     monkeypatch.setattr(weights, "encode", measured)
     man = export(deep_moe, tmp_path / "o", target="onnx", quant=quant)
     # never the model whole: the weights outside the layers, one layer and its fused experts, one tensor rounding
-    assert peak[0] <= outside + layer * 5 // 2, (peak[0], outside, layer)
+    # (and up to 256 KiB of what else the run creates: rope tables, tokenizer and loader caches)
+    assert peak[0] <= outside + layer * 5 // 2 + (256 << 10), (peak[0], outside, layer)
     assert peak[0] < outside + 4 * layer < params * 4
     p = man["parity"]
     assert p["reference"] == "transformers float32, layer by layer streamed from disk over bfloat16 weights"
