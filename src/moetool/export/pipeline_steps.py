@@ -23,6 +23,7 @@ from moetool.export.graph.parity import Decode, Prefill, judge, measure_graph
 from moetool.export.heldout import held_out_text
 from moetool.export.parity import ParityRecord
 from moetool.extras import require
+from moetool.io.budget import Need
 from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.progress import Step, step_printer
 
@@ -49,19 +50,32 @@ class GraphExporter:
         return plan_graph(req, self.name)
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
-
-        for module in self.runtime_modules:
-            require(module, self.requires, why=f"--target {self.name}")
-        self.check(req)
-        graph_need(self.name, plan, self.peak_multiple, self.peak_measured, req.output).check()
+        self.ready(req, plan)
         started = time.perf_counter()
         step = step_printer(console, started)
         step(f"loading {req.model_dir}")
         hf, em = load_export_model(req.model_dir)
         return self.write(req, plan, hf, em, started=started, step=step)
 
+    def ready(self, req: ExportRequest, plan: GraphPlan) -> None:
+        """Refuse, before anything is loaded or written: a runtime that is not installed, an option the target
+        cannot take (:meth:`check`), a need larger than the memory or disk available (:meth:`need`).
+
+        Raises:
+            MissingExtraError, ExportError, BudgetError: naming what is missing, wrong or too large.
+        """
+        for module in self.runtime_modules:
+            require(module, self.requires, why=f"--target {self.name}")
+        self.check(req)
+        self.need(req, plan).check()
+
     def check(self, req: ExportRequest) -> None:
         """Refuse target options (``req.options``) the target cannot take; nothing is loaded yet."""
+
+    def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
+        """Peak memory and disk of the export: :attr:`peak_multiple` × the float32 weights, for a target that holds
+        the whole model (a streaming target estimates its own)."""
+        return graph_need(self.name, plan, self.peak_multiple, self.peak_measured, req.output)
 
     def write(
         self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step

@@ -18,9 +18,16 @@ __all__ = [
     "reference_dtype",
     "reference_label",
     "reference_model",
+    "stored_dtype",
     "stream_reference",
     "streamed_need",
 ]
+
+
+def stored_dtype(config: dict[str, Any]) -> str:
+    """The dtype ``config.json`` says the weights are stored in (``dtype``, or the older ``torch_dtype``; float32
+    when it says none)."""
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
 def reference_dtype(params: int, config: dict[str, Any]) -> str:
@@ -34,7 +41,7 @@ def reference_dtype(params: int, config: dict[str, Any]) -> str:
     """
     from moetool.io.budget import available_memory
 
-    own = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    own = stored_dtype(config)
     if own not in ("bfloat16", "float16"):
         return "float32"
     mem = available_memory()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moetool.arch.outputs import expert_count
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.graph.common import GraphPlan
 from moetool.export.heldout import held_out_text
@@ -24,7 +25,6 @@ from moetool.export.onnx.structure import Structure, trace_structure
 from moetool.export.onnx.weights import DATA_FILE, save_structure, write_weights
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
-from moetool.extras import require
 from moetool.io.atomic import atomic_dir
 from moetool.io.budget import Need, human
 from moetool.io.jsontypes import JsonObject
@@ -119,12 +119,12 @@ class ONNXExporter(GraphExporter):
     def check(self, req: ExportRequest) -> None:
         moe_kernel(req)
 
+    def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
+        sparse = moe_kernel(req) == "sparse" and expert_count(plan.config) > 0
+        return onnx_need(plan, sparse=sparse, verify=req.verify, output=req.output)
+
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
-        for module in self.runtime_modules:
-            require(module, self.requires, why=f"--target {self.name}")
-        self.check(req)
-        moe = int(plan.config.get("num_local_experts") or plan.config.get("num_experts") or 0)
-        onnx_need(plan, sparse=moe_kernel(req) == "sparse" and moe > 0, verify=req.verify, output=req.output).check()
+        self.ready(req, plan)
         started = time.perf_counter()
         step = step_printer(console, started)
         step("tracing the decoder's structure on the meta device (no weights)")
@@ -162,10 +162,10 @@ class ONNXExporter(GraphExporter):
         import torch
 
         from moetool.export.graph.model import ExportLM
-        from moetool.export.reference import reference_label, reference_model
+        from moetool.export.reference import reference_label, reference_model, stored_dtype
 
         held = held_reference(plan)
-        storage = "float32" if held else str(plan.config.get("dtype") or plan.config.get("torch_dtype") or "float32")
+        storage = "float32" if held else stored_dtype(plan.config)
         how = "held in float32" if held else "streamed from disk one layer at a time"
         step(f"checking the graph in onnxruntime against transformers ({how})")
         ref = reference_model(req.model_dir, getattr(torch, storage), streamed=not held)
@@ -173,7 +173,7 @@ class ONNXExporter(GraphExporter):
         # (dense-masked: the same function as the sparse op, without a fused copy of the experts)
         wrapper = ExportLM(ref).eval() if held else None
         session = ort_session(path)
-        prefill, decode = ort_runners(session, st.n_layers, st.n_kv, st.head_dim)
+        prefill, decode = ort_runners(session, st.n_layers, st.em.n_kv, st.em.head_dim)
         runtime = f"onnxruntime {ort.__version__}"
         gate_as = "ONNX (fp32)" if is_float_plan(plan) else None
         label = reference_label(storage, not held)

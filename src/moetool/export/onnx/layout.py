@@ -82,7 +82,8 @@ def _attr(node: NodeProto, name: str, default: int | float) -> int | float:
 
 
 class _Graph:
-    """The proto's nodes with the consumers of each value; rewrites keep both in step."""
+    """The proto's nodes with the consumers of each value as traced. Each weight's consumers are rewritten once,
+    by the one rewrite that reads them, so the map stays right for every weight still to be laid out."""
 
     def __init__(self, graph: GraphProto) -> None:
         self.graph = graph
@@ -101,7 +102,10 @@ class _Graph:
         self.graph.node.remove(node)
 
 
-def _nbits_node(name: str, a: str, out: str, weight: str, n: int, k: int, bits: int) -> tuple[NodeProto, Stored]:
+def _nbits_node(
+    name: str, a: str, out: str, weight: str, source: str, n: int, k: int, bits: int
+) -> tuple[NodeProto, Stored]:
+    """``MatMulNBits(a)`` → ``out`` over ``weight`` [N, K] (from ExportLM's ``source``), and how it is stored."""
     from onnx import helper
 
     blocks = -(-k // BLOCK)
@@ -116,13 +120,11 @@ def _nbits_node(name: str, a: str, out: str, weight: str, n: int, k: int, bits: 
         "MatMulNBits", [a, pieces[0].name, pieces[1].name], [out], name=name, domain="com.microsoft"
     )
     node.attribute.extend(helper.make_attribute(key, value) for key, value in sorted(attrs.items()))
-    return node, Stored("", "nbits", pieces, bits=bits, block=BLOCK)
+    return node, Stored(source, "nbits", pieces, bits=bits, block=BLOCK)
 
 
 def _projection(g: _Graph, weight: str, source: str, shape: tuple[int, ...], p: str, out: Layout) -> bool:
     """A ``Transpose`` → ``MatMul`` projection; False when the weight is not consumed so."""
-    from dataclasses import replace
-
     users = g.users[weight]
     if len(users) != 1 or users[0].op_type != "Transpose" or len(shape) != 2:
         return False
@@ -132,9 +134,9 @@ def _projection(g: _Graph, weight: str, source: str, shape: tuple[int, ...], p: 
     if p in ("int4", "int8") and matmuls and all(m.op_type == "MatMul" and m.input[1] == t.output[0] for m in matmuls):
         bits = 4 if p == "int4" else 8
         for m in matmuls:
-            node, stored = _nbits_node(m.name, m.input[0], m.output[0], weight, n, k, bits)
+            node, stored = _nbits_node(m.name, m.input[0], m.output[0], weight, source, n, k, bits)
             g.replace(m, [node])
-        out.stored.append(replace(stored, source=source))
+        out.stored.append(stored)
         out.counts[p] += len(matmuls)
     else:
         if p in ("int4", "int8"):
@@ -149,8 +151,6 @@ def _projection(g: _Graph, weight: str, source: str, shape: tuple[int, ...], p: 
 
 def _gemm(g: _Graph, weight: str, source: str, shape: tuple[int, ...], p: str, out: Layout) -> bool:
     """A ``Gemm`` over ``weight`` with ``transB`` (a router): MatMulNBits (plus its bias) when planned in bits."""
-    from dataclasses import replace
-
     from onnx import helper
 
     users = g.users[weight]
@@ -166,12 +166,12 @@ def _gemm(g: _Graph, weight: str, source: str, shape: tuple[int, ...], p: str, o
     bits = 4 if p == "int4" else 8
     bias = gemm.input[2] if len(gemm.input) > 2 and gemm.input[2] else None
     product = f"{gemm.output[0]}.nobias" if bias else gemm.output[0]
-    node, stored = _nbits_node(gemm.name, gemm.input[0], product, weight, shape[0], shape[1], bits)
+    node, stored = _nbits_node(gemm.name, gemm.input[0], product, weight, source, shape[0], shape[1], bits)
     new = [node]
     if bias:
         new.append(helper.make_node("Add", [product, bias], [gemm.output[0]], name=f"{gemm.name}.bias"))
     g.replace(gemm, new)
-    out.stored.append(replace(stored, source=source))
+    out.stored.append(stored)
     out.counts[p] += 1
     return True
 

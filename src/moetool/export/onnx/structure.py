@@ -35,11 +35,15 @@ class Structure:
     model: ModelProto
     weights: dict[str, tuple[tuple[int, ...], str]]
     em: ExportLM  # on meta: the names, shapes and attention facts the runner files read
-    n_layers: int
-    n_kv: int
-    head_dim: int
-    sparse_layers: int
-    moe_layers: int
+
+    @property
+    def n_layers(self) -> int:
+        return self.em.n_layers
+
+    @property
+    def sparse_layers(self) -> int:
+        """MoE blocks traced as the sparse op (``com.microsoft.MoE`` nodes)."""
+        return self.em.sparse_moe_layers()
 
 
 @contextlib.contextmanager
@@ -54,14 +58,6 @@ def _quiet_optimizer() -> Iterator[None]:
         log.setLevel(was)
 
 
-def meta_model(config: Mapping[str, Any], *, sparse: bool) -> ExportLM:
-    """The ExportLM of ``config`` on ``meta``, its MoE blocks through the sparse op when ``sparse``."""
-    em = meta_export_model(config).eval()
-    if sparse:
-        em.make_sparse()
-    return em
-
-
 def trace_structure(config: Mapping[str, Any], *, sparse: bool) -> Structure:
     """Trace the decoder of ``config`` (a ``config.json``) on ``meta``; see the module docstring.
 
@@ -73,7 +69,9 @@ def trace_structure(config: Mapping[str, Any], *, sparse: bool) -> Structure:
 
     from moetool.export.onnx.moe_op import translation_table
 
-    em = meta_model(config, sparse=sparse)
+    em = meta_export_model(config).eval()
+    if sparse:
+        em.make_sparse()
     n = em.n_layers
     b, t, p = 2, 4, 3
     meta = torch.device("meta")
@@ -120,9 +118,4 @@ def trace_structure(config: Mapping[str, Any], *, sparse: bool) -> Structure:
         model=proto,
         weights={k: v for k, v in weights.items() if k in used},
         em=em,
-        n_layers=n,
-        n_kv=em.n_kv,
-        head_dim=em.head_dim,
-        sparse_layers=em.sparse_moe_layers(),
-        moe_layers=em.moe_layers(),
     )
