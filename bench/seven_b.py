@@ -17,7 +17,13 @@ llama.cpp's own route is convert_hf_to_gguf.py to a 16- or 8-bit GGUF, then llam
 (25.9 GB at q8_0) does not fit beside the MoE on this disk, so the converter's file has its written part punched
 out as it grows (its header is read back at the end), and llama-quantize, which needs that file, is not run.
 
-    .venv/bin/python bench/seven_b.py [--work DIR] [--only STAGES] [--keep]
+    .venv/bin/python bench/seven_b.py [--work DIR] [--only STAGES] [--keep] [--layers N] [--budget SIZE]
+
+``--layers N`` runs a slice of the rung: the same layers (and embeddings, and head) in Mistral-7B's shape, N of them.
+A stage that streams its layers from disk holds the weights outside the layer stack and one layer at a time, so its
+peak is the whole rung's in a fraction of the time and disk. ``--budget`` sets ``MOETOOL_MEMORY_BUDGET`` for every
+stage: the memory each may plan for (with a slice, what makes evaluation and verification stream as the whole rung
+must on this machine).
 """
 
 from __future__ import annotations
@@ -69,15 +75,16 @@ print(f"GGUF v{version}: {tensors} tensors, {kv} keys, {size} bytes written and 
 """
 
 
-def draw(root: Path) -> dict[str, Path]:
-    """Base as bf16 shards written one tensor at a time; experts as hard links to its files."""
+def draw(root: Path, layers: int = 32) -> dict[str, Path]:
+    """Base (``layers`` decoder layers) as bf16 shards written one tensor at a time; experts as hard links to its
+    files."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from moetool.io.writer import ShardedWriter
 
     cfg = LlamaConfig(vocab_size=sl.VOCAB, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
-                      eos_token_id=2, rope_theta=1000000.0, **SHAPE)  # fmt: skip
+                      eos_token_id=2, rope_theta=1000000.0, **SHAPE | {"num_hidden_layers": layers})  # fmt: skip
     with torch.device("meta"):
         names = sorted((n, tuple(p.shape)) for n, p in LlamaForCausalLM(cfg).state_dict().items())
     base = root / "base"
@@ -112,22 +119,45 @@ def _converter(moe: Path, root: Path) -> list[str]:
     return ["bash", "-c", f"{punch} {conv}; rc=$?; touch {done}; wait; rm -f {out} {done}; exit $rc"]
 
 
+def _llama_route(moe: Path, root: Path, tools: Path, quant: str) -> list[tuple[str, list[str], None]]:
+    """llama.cpp's own two steps, kept file and all: ``convert_hf_to_gguf.py --outtype bf16``, then ``llama-quantize``
+    to ``quant``, the bf16 file deleted after. They run where the disk holds the bf16 file beside the MoE (a slice of
+    the rung; the whole rung's 48.6 GB file does not fit beside its MoE here)."""
+    bf16, out = root / "llama-cpp.bf16.gguf", root / f"llama-cpp.{quant}.gguf"
+    moe_bytes = sum(f.stat().st_size for f in moe.glob("*.safetensors"))
+    free = shutil.disk_usage(root).free
+    if moe_bytes + (1 << 30) > free:
+        why = f"the bf16 GGUF needs {moe_bytes / 1e9:.1f} GB beside the MoE, {free / 1e9:.1f} GB free"
+        return [("llama.cpp convert bf16 + llama-quantize", ["bash", "-c", f"echo 'not run: {why}'; exit 1"], None)]
+    conv = [sys.executable, str(ROOT / "scripts" / "llama_converter.py"), str(moe), "--outfile", str(bf16),
+            "--outtype", "bf16"]  # fmt: skip
+    quantize = ["bash", "-c", f"{tools / 'llama-quantize'} {bf16} {out} {quant.upper()}; rc=$?; rm -f {bf16} {out}; "
+                "exit $rc"]  # fmt: skip
+    return [("llama.cpp convert bf16", conv, None), (f"llama-quantize {quant}", quantize, None)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--only", default=None, help="comma-separated stages (default: all)")
     ap.add_argument("--keep", action="store_true", help="keep the rung's files")
     ap.add_argument("--quant", default="q4_k")
+    ap.add_argument("--llama-tools", type=Path, default=ROOT / "out" / "llama-tools" / "bin",
+                    help="llama-quantize's folder (scripts/build_llama_tools.sh)")  # fmt: skip
+    ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="decoder layers (a slice)")
+    ap.add_argument("--budget", default=None, help="MOETOOL_MEMORY_BUDGET for every stage, e.g. 8G")
     ap.add_argument("--draw", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.draw:  # internal: the family, drawn in a process of its own
-        draw(a.draw)
+        draw(a.draw, a.layers)
         return
+    if a.budget:
+        os.environ["MOETOOL_MEMORY_BUDGET"] = a.budget  # the stages' processes inherit it
     work = a.work or Path(tempfile.mkdtemp(prefix="moetool-7b-"))
     models = work / "models"
     only = a.only.split(",") if a.only else None
     if not (models / "math" / "config.json").is_file() and (not only or {"base eval", "merge"} & set(only)):
-        subprocess.run([sys.executable, __file__, "--draw", str(models)], check=True)
+        subprocess.run([sys.executable, __file__, "--draw", str(models), "--layers", str(a.layers)], check=True)
     paths = {n: models / n for n in ("base", *sl.EXPERTS)}
     texts = sl._texts(work)
     recipe = sl._recipe(work, paths, texts)
@@ -141,8 +171,16 @@ def main() -> None:
         (f"gguf {a.quant}", [moetool, "export", str(moe), "-o", str(gguf), "--quant", a.quant, "--force"], None),
         ("llama.cpp convert q8_0", _converter(moe, work), None),
     ]
+    if not only or any(x.startswith("llama") for x in only):  # the MoE exists once merged: look at the disk then
+        stages.append(("llama.cpp route", [], None))
     rows = []
     for stage, args, drop_after in stages:
+        if stage == "llama.cpp route":
+            route = _llama_route(moe, work, a.llama_tools, "q4_0" if a.quant == "moe-q4" else a.quant)
+            if only and "llama.cpp route" in only:
+                only += [x[0] for x in route]
+            stages.extend(route)
+            continue
         if only and stage not in only:
             continue
         wall, rss, anon, code, last = sl.measured(args, work / f"{stage.replace(' ', '-')}.log")

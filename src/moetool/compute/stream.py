@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from moetool.compute.rows import FF_ROWS, feed_forward, run_in_rows
 from moetool.compute.upcast import decoder_layers, layer_bytes
 from moetool.errors import MoetoolError
 from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES
@@ -272,6 +273,7 @@ def streamed_causal_lm(
     storage: torch.dtype = torch.bfloat16,
     check_finite: bool = True,
     tensors: TensorSource | None = None,
+    ff_rows: int | None = FF_ROWS,
     **model_kwargs: str,
 ) -> nn.Module:
     """The causal LM in ``path`` (a ``save_pretrained`` folder of safetensors) with its decoder layers streamed from
@@ -282,6 +284,10 @@ def streamed_causal_lm(
     ``model(input_ids=[B, T]).logits`` is ``[B, T, V]`` as a resident float32 model's. With ``check_finite`` each
     tensor is checked for NaN and Inf as it is read (:class:`NonFiniteModel`). :func:`stream_of` gives the model's
     :class:`Stream`.
+
+    Each layer's feed-forward block runs ``ff_rows`` positions at a time (:func:`moetool.compute.rows.run_in_rows`;
+    None: all at once): a pass reads the checkpoint once however many windows it runs, so its activations should
+    not grow with them either.
 
     Raises:
         MoetoolError: no safetensors in ``path``, or checkpoint tensors the model does not place.
@@ -310,5 +316,8 @@ def streamed_causal_lm(
     for i, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda _m, _a, i=i: up(i))
         layer.register_forward_hook(down)
+        block = feed_forward(layer)
+        if ff_rows is not None and block is not None:
+            run_in_rows(block, ff_rows)
     model.__dict__["_moetool_stream"] = stream  # read by stream_of (a plain attribute, not a submodule)
     return model

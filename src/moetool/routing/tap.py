@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from moetool.compute.rows import feed_forward, rows_of
 from moetool.errors import MoetoolError
 
 
@@ -28,11 +29,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def moe_block(layer: torch.nn.Module) -> torch.nn.Module | None:
-    """A decoder layer's feed-forward block: ``mlp`` (Mixtral and Qwen MoEs in transformers 5, the dense families)
-    or ``block_sparse_moe`` (GraniteMoE)."""
-    block = getattr(layer, "mlp", None)
-    return block if block is not None else getattr(layer, "block_sparse_moe", None)
+moe_block = feed_forward  # a decoder layer's feed-forward block, MoE or dense (the name its callers here use)
 
 
 def experts_modules(model: torch.nn.Module) -> dict[int, FusedExperts]:
@@ -71,6 +68,8 @@ class RouterTap:
 
     def __init__(self, model: torch.nn.Module, jitter: float = 0.0) -> None:
         self.routers = self.find_routers(model)
+        # router → its block, whose slice (compute.rows.rows_of) says where a call's positions lie in the batch
+        self._blocks = {id(_router(moe_block(layer))): moe_block(layer) for layer in decoder_layers(model)}
         self.logits: list[torch.Tensor] = []
         self.keep: torch.Tensor | None = None  # [B*T] bool: the tokens to collect (None: all), e.g. not padding
         self.jitter = jitter
@@ -92,9 +91,19 @@ class RouterTap:
             raise MoetoolError("the model has no MoE layers with routers (is it a merged MoE checkpoint?)")
         return routers
 
-    def _capture(self, _mod: torch.nn.Module, _args: tuple[object, ...], output: tuple[torch.Tensor, ...]) -> None:
+    def _capture(self, mod: torch.nn.Module, _args: tuple[object, ...], output: tuple[torch.Tensor, ...]) -> None:
         logits = output[0]
-        self.logits.append(logits if self.keep is None else logits.reshape(-1, logits.shape[-1])[self.keep])
+        block = self._blocks.get(id(mod))
+        part = rows_of(block) if block is not None else None
+        first = part[0] if part is not None else 0
+        if self.keep is not None or part is not None:
+            logits = logits.reshape(-1, logits.shape[-1])
+        if self.keep is not None:
+            logits = logits[self.keep[first : first + logits.shape[0]]]
+        if part is not None and first > 0:  # the next slice of one call (a streamed layer): one entry per call
+            self.logits[-1] = torch.cat([self.logits[-1], logits])
+        else:
+            self.logits.append(logits)
 
     def _jitter(self, mod: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
         if not mod.training:
