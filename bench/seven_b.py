@@ -139,7 +139,9 @@ def _llama_route(moe: Path, root: Path, tools: Path, quant: str) -> list[tuple[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--only", default=None, help="comma-separated stages (default: all)")
+    ap.add_argument(
+        "--only", default=None, help="comma-separated stages (default: all; 'llama.cpp route': convert + quantize)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the rung's files")
     ap.add_argument("--quant", default="q4_k")
     ap.add_argument("--llama-tools", type=Path, default=ROOT / "out" / "llama-tools" / "bin",

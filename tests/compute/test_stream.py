@@ -10,7 +10,7 @@ from consumer_fixtures import merge
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from moetool.compute.stream import NonFiniteModel, stream_of, streamed_causal_lm
+from moetool.compute.stream import NonFiniteModel, stream_of, streamed_causal_lm, streamed_weight_bytes
 from moetool.compute.upcast import decoder_layers, precision_of
 
 
@@ -46,3 +46,25 @@ def test_a_non_finite_layer_is_named_when_it_is_read(tiny_models, tmp_path):
     model = streamed_causal_lm(moe)  # nothing of layer 1 is read yet
     with torch.inference_mode(), pytest.raises(NonFiniteModel, match=r"model\.layers\.1\.self_attn\.o_proj\.weight"):
         model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_streamed_estimate_reads_a_layer_in_place_for_every_output_architecture(case, tiny_models, tmp_path):
+    """Every output architecture's layer is read straight into its parameters, so the estimate holds one float32
+    layer and the largest tensor being read, not the half layer more that transformers' own loading would need."""
+    import json
+
+    from moetool.compute.upcast import layer_bytes
+    from moetool.io.checkpoint import Checkpoint
+
+    family, extra = CASES[case]
+    moe = _bf16(merge(tmp_path, tiny_models(family), case, extra))
+    config = json.loads((moe / "config.json").read_text())
+    ck = Checkpoint(moe)
+    params = sum(t.numel for t in ck.tensors.values())
+    largest = max(t.numel * 2 for n, t in ck.tensors.items() if n.startswith("model.layers.0."))
+    outside, layer = layer_bytes(config, params)
+    assert streamed_weight_bytes(config, params, moe) == outside + layer + largest
+    assert streamed_weight_bytes(config, params) == outside + layer * 3 // 2  # without the checkpoint: the margin
+    (moe / "config.json").write_text(json.dumps(config | {"model_type": "not_a_model"}))
+    assert streamed_weight_bytes(config, params, moe) == outside + layer * 3 // 2  # cannot be built: the margin

@@ -227,14 +227,49 @@ def meta_causal_lm(
     return MetaModel(Path(path), model, layers, prefix, loader, layer_keys, outside)
 
 
-def streamed_weight_bytes(config: dict[str, Any], params: int) -> int:
+def streamed_weight_bytes(config: dict[str, Any], params: int, path: Path | None = None) -> int:
     """Bytes of weights a streamed model holds at its peak: those outside the layer stack and one decoder layer, in
-    float32, and half a layer more for the tensors whose conversion transformers' loader does itself (up to three
-    copies of them) and the tensor being read. Measured on a four-expert layer of Mistral-7B's shape (2.98 GB in
+    float32, plus what reading a layer adds. Measured on a four-expert layer of Mistral-7B's shape (2.98 GB in
     float32): 1.00× the layer while it is read in place (:mod:`moetool.compute.placement`), 1.6× through
-    transformers' loading alone."""
+    transformers' loading alone.
+
+    With the checkpoint's ``path``, what reading adds is worked out from its first layer: two more float32 copies of
+    the tensors transformers' loader converts itself (:attr:`moetool.compute.placement.Placement.rest`) and the
+    largest tensor as stored (the one being read). Without it, or for a model built by code not registered here,
+    half a layer more, which covers both."""
     outside, layer = layer_bytes(config, params)
-    return outside + layer * 3 // 2
+    reads = _layer_reads(Path(path), _stamp(Path(path))) if path is not None else None
+    if reads is None:
+        return outside + layer * 3 // 2
+    rest, largest = reads
+    return outside + layer + 2 * rest + largest
+
+
+def _stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """The checkpoint's files, sizes and times: a new checkpoint at the same path is worked out again."""
+    files = sorted([*path.glob("*.safetensors"), path / "config.json"])
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
+@functools.lru_cache(maxsize=8)  # an estimate is asked for several batch sizes; building on meta takes seconds
+def _layer_reads(path: Path, _stamp: tuple[tuple[str, int, int], ...]) -> tuple[int, int] | None:
+    """``(float32 bytes of the first layer's tensors left to transformers' conversions, stored bytes of its largest
+    tensor)``, or None where the model cannot be built here (an architecture transformers does not know)."""
+    from moetool.compute.placement import place
+
+    try:
+        meta = meta_causal_lm(Path(path))
+    except (ValueError, KeyError, OSError, MoetoolError):  # an unknown model type, no safetensors
+        return None
+    keys = meta.layer_keys.get(0, [])
+    slices = {k: meta.loader.where[k].get_slice(k) for k in keys}
+    shapes = {k: tuple(int(d) for d in s.get_shape()) for k, s in slices.items()}
+    placement = place(meta.model, shapes, meta.loader._conversions, meta.loader._meta)
+    rest = sum(math.prod(shapes[k]) * 4 for k in placement.rest)
+    largest = max(
+        (math.prod(shapes[k]) * SAFETENSORS_TAG_BYTES.get(s.get_dtype(), 4) for k, s in slices.items()), default=0
+    )
+    return rest, largest
 
 
 @functools.cache

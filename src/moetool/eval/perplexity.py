@@ -335,7 +335,7 @@ def eval_need(path: Path, *, dtype: str | None, seq_len: int, batch_size: int = 
     params = sum(t.numel for t in ck.tensors.values())
     tokens = batch_size * seq_len
     if streamed:
-        weights = streamed_weight_bytes(cfg, params)
+        weights = streamed_weight_bytes(cfg, params, Path(path))
         acts = _activations(cfg, tokens, 4, FF_ROWS)
         held = f"weights {human(weights)} (outside the layers, and one layer read in float32)"
     else:
