@@ -372,6 +372,7 @@ COMMANDS: list[Cmd] = [
     helponly('.venv/bin/python bench/size_ladder.py --rungs 360m --only "onnx q8_0"', BENCH),
     helponly('.venv/bin/python bench/size_ladder.py --rungs 360m,1.7b --only "onnx moe-q4,onnx q8_0"', BENCH),
     notrun("moetool export out/real/merged --target onnx --quant moe-q4", REAL_DEFAULT),
+    notrun("moetool export out/real/merged --target onnx --quant moe-q4 --accuracy-level 0", REAL_DEFAULT),
     notrun("moetool export out/real/merged --quant moe-q4", REAL_DEFAULT),
     helponly(".venv/bin/python bench/sparse_decode.py --experts 4,8", BENCH),
     helponly(".venv/bin/python bench/tuning_dtypes.py --rung 360m --steps 3", BENCH),

@@ -154,18 +154,17 @@ def _fake_quant_rows(w, bits):
 
 
 @pytest.mark.parametrize(("quant", "bits"), [("experts=q8_0,*=f32", 8), ("experts=q4_0,*=f32", 4)])
-def test_qmoe_computes_the_planned_expert_weights(mixtral, tmp_path, quant, bits, monkeypatch):
+def test_qmoe_computes_the_planned_expert_weights(mixtral, tmp_path, quant, bits):
     """A plan that quantizes the experts gives QMoE nodes whose logits equal transformers' with those experts
     fake-quantized the same way: the op's weight layout, packing, scales and routing are what moetool writes
-    (with fp32 activations; the shipped level 4 also quantizes activations, which parity reports)."""
+    (with fp32 activations, ``--accuracy-level 0``; the default level 4 also quantizes activations, which parity
+    reports)."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
-    from moetool.export.onnx import quantize
-
-    monkeypatch.setattr(quantize, "ACCURACY_LEVEL", 0)
-    man = export(mixtral, tmp_path / "o", target="onnx", quant=quant, verify=False)
+    man = export(mixtral, tmp_path / "o", target="onnx", quant=quant, verify=False, accuracy_level=0)
+    assert man["accuracy_level"]["level"] == 0 and man["accuracy_level"]["activations"].startswith("fp32")
     assert _ops(tmp_path / "o" / "model.onnx")["QMoE"] == 2
     assert man["moe_kernel"]["experts_quantized"][f"int{bits}"] == 6
     hf = AutoModelForCausalLM.from_pretrained(str(mixtral), dtype=torch.float32).eval()

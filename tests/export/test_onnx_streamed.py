@@ -107,6 +107,7 @@ def test_weights_are_written_one_layer_at_a_time_and_checked_against_a_streamed_
     # (and up to 256 KiB of what else the run creates: rope tables, tokenizer and loader caches)
     assert peak[0] <= outside + layer * 5 // 2 + (256 << 10), (peak[0], outside, layer)
     assert peak[0] < outside + 4 * layer < params * 4
+    assert man["accuracy_level"]["level"] == 4  # the default: int8 activations
     p = man["parity"]
     assert p["reference"] == "transformers float32, layer by layer streamed from disk over bfloat16 weights"
     assert "export_model_vs_transformers" not in p  # no torch model was held to compare
@@ -138,16 +139,14 @@ def test_refused_up_front_when_one_layer_does_not_fit(deep_moe, tmp_path, monkey
     assert not (tmp_path / "o").exists()
 
 
-def test_4bit_experts_in_blocks_compute_the_planned_weights(deep_moe, tmp_path, monkeypatch):
+def test_4bit_experts_in_blocks_compute_the_planned_weights(deep_moe, tmp_path):
     """QMoE's block-wise 4-bit experts (widths that are multiples of 32) equal transformers running the experts
-    rounded the same way, symmetric per block of 32, with fp32 activations (accuracy level 0)."""
+    rounded the same way, symmetric per block of 32, with fp32 activations (``--accuracy-level 0``)."""
     from transformers import AutoModelForCausalLM
 
-    from moetool.export.onnx import quantize
     from moetool.export.onnx.runner import ort_runners, ort_session
 
-    monkeypatch.setattr(quantize, "ACCURACY_LEVEL", 0)
-    man = export(deep_moe, tmp_path / "o", target="onnx", quant="experts=q4_0,*=f32", verify=False)
+    man = export(deep_moe, tmp_path / "o", target="onnx", quant="experts=q4_0,*=f32", verify=False, accuracy_level=0)
     assert man["moe_kernel"]["experts_quantized"] == {"int8": 0, "int4": 24} and not man["notes"]
 
     def rounded(w: torch.Tensor) -> torch.Tensor:  # [E, N, K], blocks of 32 along K, zero point 8

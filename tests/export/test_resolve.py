@@ -49,7 +49,10 @@ def test_target_options_are_planned_not_set_afterwards(model, tmp_path):
         plan_standard_export(model, tmp_path / "o", target="gguf", compute_units="ALL")
 
 
-@pytest.mark.parametrize(("option", "flag"), [("moe_kernel", "--moe-kernel"), ("compute_units", "--compute-units")])
+@pytest.mark.parametrize(
+    ("option", "flag"),
+    [("moe_kernel", "--moe-kernel"), ("compute_units", "--compute-units"), ("accuracy_level", "--accuracy-level")],
+)
 def test_a_methods_output_refuses_target_options_at_planning(tmp_path, option, flag):
     from moetool.api import plan_export
 

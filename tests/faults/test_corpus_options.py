@@ -183,6 +183,14 @@ def _export_cases(env, t: dict[str, Path], bad_imatrix: Path) -> dict[str, tuple
         ),
         "imatrix-bad-info": (["--quant", "q4_k", "--imatrix", str(bad_imatrix)], [str(bad_imatrix), "not valid JSON"]),
         "moe-kernel-gguf": (["--moe-kernel", "dense"], ["--moe-kernel dense: only the onnx target reads it, not gguf"]),
+        "accuracy-level-gguf": (
+            ["--accuracy-level", "0"],
+            ["--accuracy-level 0: only the onnx target reads it, not gguf"],
+        ),
+        "accuracy-level-unknown": (
+            ["--target", "onnx", "--accuracy-level", "2"],
+            ["--accuracy-level 2: choose 0: fp32", "4: int8"],
+        ),
         "compute-units-onnx": (
             ["--target", "onnx", "--compute-units", "ALL"],
             ["--compute-units ALL: only the coreml target reads it, not onnx"],
@@ -202,6 +210,8 @@ def _export_cases(env, t: dict[str, Path], bad_imatrix: Path) -> dict[str, tuple
         "calibration-blank",
         "imatrix-bad-info",
         "moe-kernel-gguf",
+        "accuracy-level-gguf",
+        "accuracy-level-unknown",
         "compute-units-onnx",
         "eval-text-without-verification",
         "base-of-a-model",

@@ -23,6 +23,13 @@ MoeKernelOpt = Annotated[
         "dense (every expert as standard MatMuls, for ONNX runtimes other than onnxruntime)."
     ),
 ]
+AccuracyLevelOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="ONNX: what the 4- and 8-bit operators compute their activations in: 4 (the default: int8, fast) or 0 "
+        "(fp32: exact to the rounded weights, slower)."
+    ),
+]
 # the importance-matrix options (GGUF), as aliases: export_cmd's signature stays readable
 ImatrixOpt = Annotated[
     str | None,
@@ -74,6 +81,7 @@ def export_cmd(
     verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
     compute_units: ComputeUnitsOpt = None,
     moe_kernel: MoeKernelOpt = None,
+    accuracy_level: AccuracyLevelOpt = None,
     imatrix: ImatrixOpt = None,
     calibration: CalibrationOpt = None,
     imatrix_mode: ImatrixModeOpt = None,
@@ -116,6 +124,7 @@ def export_cmd(
         model, output, target=target, quant=quant, device=profile, force=force, verify=verify, eval_text=text,
         context=context, imatrix=imatrix, calibration=calib, imatrix_mode=imatrix_mode,
         imatrix_min_tokens=imatrix_floor, compute_units=compute_units, moe_kernel=moe_kernel,
+        accuracy_level=accuracy_level,
     )  # fmt: skip
     label = getattr(getattr(job.plan, "quant", None), "label", "")
     print_export_plan(job.exporter, job.plan, f"{job.exporter.name} plan '{label}' for {job.plan.name}")

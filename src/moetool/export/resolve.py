@@ -85,6 +85,7 @@ def resolve_quant(
 TARGET_OPTIONS: dict[str, tuple[str, str]] = {
     "compute_units": ("--compute-units", "coreml"),
     "moe_kernel": ("--moe-kernel", "onnx"),
+    "accuracy_level": ("--accuracy-level", "onnx"),
 }
 
 
@@ -118,6 +119,7 @@ STANDARD_ONLY = {
     "--imatrix": ("imatrix", "calibration", "imatrix_mode", "imatrix_min_tokens"),
     "--compute-units": ("compute_units",),
     "--moe-kernel": ("moe_kernel",),
+    "--accuracy-level": ("accuracy_level",),
 }
 
 
@@ -149,6 +151,7 @@ class ExportOptions(TypedDict, total=False):
     imatrix_min_tokens: int | None  # routed mode's floor per expert (default 128)
     compute_units: str | None  # Core ML's compute units (coreml only)
     moe_kernel: str | None  # ONNX's MoE operators, sparse or dense (onnx only)
+    accuracy_level: int | None  # ONNX's 4/8-bit operators: 4 (int8 activations, the default) or 0 (fp32) (onnx only)
     options: dict[str, Any] | None  # a method exporter's own settings (hybrid: experts=False, the router only)
     recipe: RecipeBase | None  # the recipe the model was built from (default: the one its folder keeps)
 

@@ -62,6 +62,23 @@ def moe_kernel(req: ExportRequest) -> str:
     return kind
 
 
+def accuracy_level(req: ExportRequest) -> int:
+    """``--accuracy-level``: what the 4- and 8-bit operators compute their activations in
+    (:data:`moetool.export.onnx.quantize.ACCURACY_LEVELS`; default 4, int8).
+
+    Raises:
+        ExportError: a level not offered.
+    """
+    from moetool.export.onnx.quantize import ACCURACY_LEVEL, ACCURACY_LEVELS
+
+    given = req.options.get("accuracy_level")
+    level = ACCURACY_LEVEL if given is None else given
+    if level not in ACCURACY_LEVELS:
+        offered = "; ".join(f"{k}: {v}" for k, v in ACCURACY_LEVELS.items())
+        raise ExportError(f"--accuracy-level {level!r}: choose {offered}")
+    return int(level)
+
+
 HELD_REFERENCE_LIMIT = 1 << 30  # float32 bytes under which the reference is held (and the torch wrapper checked)
 WRITE_OVERHEAD = 768 << 20  # torch, onnx and the traced structure
 # onnxruntime's session over the artifact (mapped weights, the 4/8-bit ones repacked), fitted to the size ladder's
@@ -118,6 +135,7 @@ class ONNXExporter(GraphExporter):
 
     def check(self, req: ExportRequest) -> None:
         moe_kernel(req)
+        accuracy_level(req)
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
         sparse = moe_kernel(req) == "sparse" and expert_count(plan.config) > 0
@@ -129,7 +147,7 @@ class ONNXExporter(GraphExporter):
         step = step_printer(console, started)
         step("tracing the decoder's structure on the meta device (no weights)")
         st = trace_structure(plan.config, sparse=moe_kernel(req) == "sparse")
-        layout = lay_out(st, plan.precisions())
+        layout = lay_out(st, plan.precisions(), accuracy_level(req))
         with atomic_dir(req.output, force=req.force) as tmp:
             path = tmp / "model.onnx"
             step(f"writing the weights one layer at a time ({st.n_layers} layers)")
@@ -187,6 +205,8 @@ class ONNXExporter(GraphExporter):
     ) -> JsonObject:
         import onnxruntime as ort
 
+        from moetool.export.onnx.quantize import ACCURACY_LEVELS
+
         sparse = st.sparse_layers > 0
         return {
             "runtime": f"onnxruntime {ort.__version__}",
@@ -199,6 +219,7 @@ class ONNXExporter(GraphExporter):
             },
             "export": "streamed: the graph traced on the meta device, the weights written one layer at a time",
             "quantized_nodes": {**layout.counts},
+            "accuracy_level": {"level": layout.accuracy_level, "activations": ACCURACY_LEVELS[layout.accuracy_level]},
             "moe_kernel": {
                 "kind": "sparse" if sparse else "dense-masked",
                 "op": ("QMoE" if any(layout.experts.values()) else "MoE") + " (com.microsoft, onnxruntime only)"

@@ -72,6 +72,7 @@ class Layout:
     counts: dict[str, int] = field(default_factory=lambda: {"int8": 0, "int4": 0})
     experts: dict[str, int] = field(default_factory=lambda: {"int8": 0, "int4": 0})
     notes: list[str] = field(default_factory=list)
+    accuracy_level: int = 4  # MatMulNBits' and QMoE's (moetool.export.onnx.quantize.ACCURACY_LEVELS)
 
 
 def _attr(node: NodeProto, name: str, default: int | float) -> int | float:
@@ -103,7 +104,7 @@ class _Graph:
 
 
 def _nbits_node(
-    name: str, a: str, out: str, weight: str, source: str, n: int, k: int, bits: int
+    name: str, a: str, out: str, weight: str, source: str, n: int, k: int, bits: int, accuracy: int
 ) -> tuple[NodeProto, Stored]:
     """``MatMulNBits(a)`` → ``out`` over ``weight`` [N, K] (from ExportLM's ``source``), and how it is stored."""
     from onnx import helper
@@ -114,8 +115,8 @@ def _nbits_node(
         Piece(f"{weight}_scales", FLOAT, (n, blocks)),
     )
     attrs: dict[str, int] = {"K": k, "N": n, "bits": bits, "block_size": BLOCK}
-    if quantize.ACCURACY_LEVEL:
-        attrs["accuracy_level"] = quantize.ACCURACY_LEVEL
+    if accuracy:
+        attrs["accuracy_level"] = accuracy
     node = helper.make_node(
         "MatMulNBits", [a, pieces[0].name, pieces[1].name], [out], name=name, domain="com.microsoft"
     )
@@ -134,7 +135,7 @@ def _projection(g: _Graph, weight: str, source: str, shape: tuple[int, ...], p: 
     if p in ("int4", "int8") and matmuls and all(m.op_type == "MatMul" and m.input[1] == t.output[0] for m in matmuls):
         bits = 4 if p == "int4" else 8
         for m in matmuls:
-            node, stored = _nbits_node(m.name, m.input[0], m.output[0], weight, source, n, k, bits)
+            node, stored = _nbits_node(m.name, m.input[0], m.output[0], weight, source, n, k, bits, out.accuracy_level)
             g.replace(m, [node])
         out.stored.append(stored)
         out.counts[p] += len(matmuls)
@@ -166,7 +167,9 @@ def _gemm(g: _Graph, weight: str, source: str, shape: tuple[int, ...], p: str, o
     bits = 4 if p == "int4" else 8
     bias = gemm.input[2] if len(gemm.input) > 2 and gemm.input[2] else None
     product = f"{gemm.output[0]}.nobias" if bias else gemm.output[0]
-    node, stored = _nbits_node(gemm.name, gemm.input[0], product, weight, source, shape[0], shape[1], bits)
+    node, stored = _nbits_node(
+        gemm.name, gemm.input[0], product, weight, source, shape[0], shape[1], bits, out.accuracy_level
+    )
     new = [node]
     if bias:
         new.append(helper.make_node("Add", [product, bias], [gemm.output[0]], name=f"{gemm.name}.bias"))
@@ -239,7 +242,7 @@ def _moe(g: _Graph, node: NodeProto, st: Structure, precisions: dict[str, str], 
     divisible = s1[2] % BLOCK == 0 and s2[2] % BLOCK == 0
     # 8-bit blocks take onnxruntime's int8-activation kernel (fast, not exact); per row is exact but slow, so
     # 8-bit experts are per row only when activations stay fp32 (accuracy level 0)
-    block = BLOCK if divisible and (bits == 4 or quantize.ACCURACY_LEVEL > 0) else None
+    block = BLOCK if divisible and (bits == 4 or out.accuracy_level > 0) else None
     if block is None and not divisible:
         out.notes.append(f"{layer}: widths not multiples of {BLOCK}: {bits}-bit experts with one scale per row")
     names: list[str] = []
@@ -255,7 +258,7 @@ def _moe(g: _Graph, node: NodeProto, st: Structure, precisions: dict[str, str], 
         "k": int(_attr(node, "k", 1)),
         "normalize_routing_weights": int(_attr(node, "normalize_routing_weights", 0)),
         "expert_weight_bits": bits,
-        "accuracy_level": quantize.ACCURACY_LEVEL,
+        "accuracy_level": out.accuracy_level,
         **SWIGLU,
     }
     if block is not None:
@@ -271,11 +274,12 @@ def _moe(g: _Graph, node: NodeProto, st: Structure, precisions: dict[str, str], 
     out.experts[precision] += e
 
 
-def lay_out(st: Structure, precisions: dict[str, str]) -> Layout:
+def lay_out(st: Structure, precisions: dict[str, str], accuracy_level: int | None = None) -> Layout:
     """Decide how every weight of ``st`` is stored under ``precisions`` (export name → fp32 | int8 | int4) and
-    rewrite ``st.model``'s graph in place to match."""
+    rewrite ``st.model``'s graph in place to match; its 4- and 8-bit operators compute at ``accuracy_level``
+    (default :data:`moetool.export.onnx.quantize.ACCURACY_LEVEL`)."""
     g = _Graph(st.model.graph)
-    out = Layout()
+    out = Layout(accuracy_level=quantize.ACCURACY_LEVEL if accuracy_level is None else accuracy_level)
     for node in [n for n in g.graph.node if n.op_type == "MoE" and n.domain == "com.microsoft"]:
         _moe(g, node, st, precisions, out)
     experts = {s.source for s in out.stored}

@@ -20,6 +20,11 @@ BLOCK = 32
 # CPU the real SmolLM2 MoE decodes 24x faster than at level 0 (fp32 activations, weights dequantized every call);
 # parity reports what it costs. Tests set 0 to check the weight layout exactly.
 ACCURACY_LEVEL = 4
+# the levels an export takes (``--accuracy-level``), and what each computes its activations in
+ACCURACY_LEVELS = {
+    0: "fp32 (the 4/8-bit weights dequantized in each call: exact to the rounded weights, slower)",
+    4: "int8 (each row of activations quantized per block, as llama.cpp's dot products do: fast)",
+}
 _QUANTIZABLE = ("MatMul", "Gather")
 
 
