@@ -52,3 +52,16 @@ def test_a_block_that_returns_more_than_its_positions_is_refused_by_name():
     with pytest.raises(MoetoolError, match="Pair returned tuple, not one tensor of its 4 positions"):
         block(torch.ones(2, 5, 2))
     assert rows_of(block) is None
+
+
+def test_a_per_position_input_is_sliced_with_the_positions():
+    class Routed(torch.nn.Module):  # GEM's MLP: a route per position beside the hidden states
+        def forward(self, x: torch.Tensor, route: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            return x * route.unsqueeze(-1) * scale
+
+    x = torch.randn(3, 5, 4)
+    route = torch.arange(15.0).reshape(3, 5)
+    want = Routed()(x, route, scale=2.0)
+    block = Routed()
+    run_in_rows(block, 4)
+    torch.testing.assert_close(block(x, route, scale=2.0), want, rtol=0, atol=0)

@@ -44,7 +44,8 @@ def rows_of(block: nn.Module) -> tuple[int, int] | None:
 def run_in_rows(block: nn.Module, rows: int = FF_ROWS) -> None:
     """Make ``block`` (a feed-forward block: ``[B, T, H]`` in, ``[B, T, H]`` out, each position on its own) run its
     input ``rows`` positions at a time, as ``[1, rows, H]`` slices of the flattened positions, writing each slice's
-    output into one ``[B, T, H]`` result. An input of at most ``rows`` positions runs whole.
+    output into one ``[B, T, H]`` result. Other tensor inputs with the same leading ``[B, T]`` (a per-position route)
+    are sliced alike; the rest pass as they are. An input of at most ``rows`` positions runs whole.
 
     Raises:
         MoetoolError: at run time, the block returns something other than one tensor of the input's positions.
@@ -60,11 +61,21 @@ def run_in_rows(block: nn.Module, rows: int = FF_ROWS) -> None:
             out: torch.Tensor = whole(hidden_states, *args, **kwargs)
             return out
         flat = hidden_states.reshape(total, width)
+
+        def cut(value: Any, first: int) -> Any:  # a per-position input ([*lead, ...], e.g. GEM's route) sliced too
+            if isinstance(value, torch.Tensor) and tuple(value.shape[: len(lead)]) == tuple(lead):
+                return value.reshape(total, *value.shape[len(lead) :])[first : first + rows].unsqueeze(0)
+            return value
+
         result: torch.Tensor | None = None
         try:
             for first in range(0, total, rows):
                 block.__dict__[_ROWS] = (first, total)
-                part = whole(flat[first : first + rows].unsqueeze(0), *args, **kwargs)
+                part = whole(
+                    flat[first : first + rows].unsqueeze(0),
+                    *(cut(a, first) for a in args),
+                    **{k: cut(v, first) for k, v in kwargs.items()},
+                )
                 n = min(rows, total - first)
                 if not isinstance(part, torch.Tensor) or part.numel() % n:
                     raise MoetoolError(
