@@ -38,6 +38,8 @@ from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from moetool.compute.placement import Placement
+
 __all__ = [
     "CheckpointLoader",
     "MetaModel",
@@ -141,6 +143,16 @@ class CheckpointLoader:
         # transformers annotates the mapping it builds more widely than the field it feeds
         self._config = LoadStateDictConfig(dtype=dtype, weight_mapping=conversions)  # type: ignore[arg-type]
 
+    def plan(self, keys: list[str]) -> tuple[dict[str, Any], dict[str, int], Placement]:
+        """For ``keys`` (checkpoint names), before anything is read: their slices, their bytes as stored, and where
+        each lands (:func:`moetool.compute.placement.place`; the rest left to transformers' conversions)."""
+        from moetool.compute.placement import place
+
+        slices = {k: self.where[k].get_slice(k) for k in keys}
+        shapes = {k: tuple(int(d) for d in s.get_shape()) for k, s in slices.items()}
+        stored = {k: math.prod(shapes[k]) * SAFETENSORS_TAG_BYTES.get(s.get_dtype(), 4) for k, s in slices.items()}
+        return slices, stored, place(self.model, shapes, self._conversions, self._meta)
+
     def load(self, keys: list[str]) -> int:
         """Load ``keys`` (checkpoint names) into the model; returns the bytes read as stored.
 
@@ -149,12 +161,10 @@ class CheckpointLoader:
         """
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
-        from moetool.compute.placement import place, set_parameter
+        from moetool.compute.placement import set_parameter
 
-        slices = {k: self.where[k].get_slice(k) for k in keys}
-        read = sum(int(math.prod(s.get_shape())) * SAFETENSORS_TAG_BYTES.get(s.get_dtype(), 4) for s in slices.values())
-        shapes = {k: tuple(int(d) for d in s.get_shape()) for k, s in slices.items()}
-        placement = place(self.model, shapes, self._conversions, self._meta)
+        slices, stored, placement = self.plan(keys)
+        read = sum(stored.values())
         for target, regions in placement.targets.items():
             value = torch.empty(self._meta[target].shape, dtype=self._dtype)
             for key, region in regions:
@@ -255,21 +265,13 @@ def _stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
 def _layer_reads(path: Path, _stamp: tuple[tuple[str, int, int], ...]) -> tuple[int, int] | None:
     """``(float32 bytes of the first layer's tensors left to transformers' conversions, stored bytes of its largest
     tensor)``, or None where the model cannot be built here (an architecture transformers does not know)."""
-    from moetool.compute.placement import place
-
     try:
         meta = meta_causal_lm(Path(path))
     except (ValueError, KeyError, OSError, MoetoolError):  # an unknown model type, no safetensors
         return None
-    keys = meta.layer_keys.get(0, [])
-    slices = {k: meta.loader.where[k].get_slice(k) for k in keys}
-    shapes = {k: tuple(int(d) for d in s.get_shape()) for k, s in slices.items()}
-    placement = place(meta.model, shapes, meta.loader._conversions, meta.loader._meta)
-    rest = sum(math.prod(shapes[k]) * 4 for k in placement.rest)
-    largest = max(
-        (math.prod(shapes[k]) * SAFETENSORS_TAG_BYTES.get(s.get_dtype(), 4) for k, s in slices.items()), default=0
-    )
-    return rest, largest
+    slices, stored, placement = meta.loader.plan(meta.layer_keys.get(0, []))
+    rest = sum(math.prod(slices[k].get_shape()) * 4 for k in placement.rest)
+    return rest, max(stored.values(), default=0)
 
 
 @functools.cache

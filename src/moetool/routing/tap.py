@@ -69,7 +69,8 @@ class RouterTap:
     def __init__(self, model: torch.nn.Module, jitter: float = 0.0) -> None:
         self.routers = self.find_routers(model)
         # router → its block, whose slice (compute.rows.rows_of) says where a call's positions lie in the batch
-        self._blocks = {id(_router(moe_block(layer))): moe_block(layer) for layer in decoder_layers(model)}
+        blocks = [moe_block(layer) for layer in decoder_layers(model)]
+        self._blocks = {id(r): b for b in blocks if b is not None and (r := _router(b)) is not None}
         self.logits: list[torch.Tensor] = []
         self.keep: torch.Tensor | None = None  # [B*T] bool: the tokens to collect (None: all), e.g. not padding
         self.jitter = jitter

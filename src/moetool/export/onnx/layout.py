@@ -72,7 +72,7 @@ class Layout:
     counts: dict[str, int] = field(default_factory=lambda: {"int8": 0, "int4": 0})
     experts: dict[str, int] = field(default_factory=lambda: {"int8": 0, "int4": 0})
     notes: list[str] = field(default_factory=list)
-    accuracy_level: int = 4  # MatMulNBits' and QMoE's (moetool.export.onnx.quantize.ACCURACY_LEVELS)
+    accuracy_level: int = quantize.ACCURACY_LEVEL  # MatMulNBits' and QMoE's (quantize.ACCURACY_LEVELS)
 
 
 def _attr(node: NodeProto, name: str, default: int | float) -> int | float:
@@ -274,12 +274,12 @@ def _moe(g: _Graph, node: NodeProto, st: Structure, precisions: dict[str, str], 
     out.experts[precision] += e
 
 
-def lay_out(st: Structure, precisions: dict[str, str], accuracy_level: int | None = None) -> Layout:
+def lay_out(st: Structure, precisions: dict[str, str], accuracy_level: int = quantize.ACCURACY_LEVEL) -> Layout:
     """Decide how every weight of ``st`` is stored under ``precisions`` (export name → fp32 | int8 | int4) and
     rewrite ``st.model``'s graph in place to match; its 4- and 8-bit operators compute at ``accuracy_level``
     (default :data:`moetool.export.onnx.quantize.ACCURACY_LEVEL`)."""
     g = _Graph(st.model.graph)
-    out = Layout(accuracy_level=quantize.ACCURACY_LEVEL if accuracy_level is None else accuracy_level)
+    out = Layout(accuracy_level=accuracy_level)
     for node in [n for n in g.graph.node if n.op_type == "MoE" and n.domain == "com.microsoft"]:
         _moe(g, node, st, precisions, out)
     experts = {s.source for s in out.stored}
