@@ -9,7 +9,7 @@ from consumer_fixtures import merge
 from typer.testing import CliRunner
 
 from moetool.cli import app
-from moetool.eval.perplexity import eval_need, eval_residency
+from moetool.eval.residency import eval_need, eval_residency
 from moetool.io.budget import BudgetError
 
 TEXT = (

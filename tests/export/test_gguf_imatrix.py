@@ -215,7 +215,7 @@ def test_a_model_that_does_not_fit_is_streamed_with_the_resident_statistics(tmp_
     model does not fit the memory available, as ``moetool eval`` does, and gives the resident importance."""
     from tuning_fixtures import write_tuning_recipe
 
-    from moetool.eval.perplexity import eval_need
+    from moetool.eval.residency import eval_need
     from moetool.export.gguf.imatrix import collect
 
     monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))

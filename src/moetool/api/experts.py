@@ -21,7 +21,7 @@ from moetool.edit.layout import EditError, read_layout
 from moetool.edit.options import check_precision, check_unread_data
 from moetool.edit.run import EditResult, run
 from moetool.edit.tune import Recalibration, data_files, data_sources
-from moetool.eval.perplexity import eval_need
+from moetool.eval.residency import eval_need
 from moetool.progress import silent
 
 __all__ = [

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Unpack
 from rich.console import Console
 
 from moetool.errors import MoetoolError
-from moetool.eval.perplexity import eval_residency
 from moetool.eval.report import evaluate as run
+from moetool.eval.residency import eval_residency
 from moetool.export.base import ExportError, ExportJob, ExportRequest, Manifest, check_artifact_dir
 from moetool.export.gguf.lora import export_adapter, is_adapter
 from moetool.export.resolve import ExportOptions, check_method_options, plan_standard_export

@@ -38,7 +38,7 @@ def edit_need(plan: EditPlan, out: Path, *, verify: bool, tuned: bool, streamed:
     of input and output loaded once (they run one after the other), or, ``streamed``, one layer of them at a time;
     the output's bytes on disk (twice when the edited model is tuned into its final place)."""
     from moetool.compute.upcast import float32_overhead
-    from moetool.eval.perplexity import eval_need
+    from moetool.eval.residency import eval_need
 
     sizes = [op.numel * SAFETENSORS_TAG_BYTES[op.dtype] for op in plan.ops]
     written = sum(sizes)

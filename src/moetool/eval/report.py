@@ -13,7 +13,8 @@ import torch
 from moetool.compute.upcast import precision_of
 from moetool.errors import MoetoolError
 from moetool.eval.gem import gem_metrics
-from moetool.eval.perplexity import NonFiniteModel, Residency, load_causal_lm, nonfinite_weight, token_nll
+from moetool.eval.perplexity import NonFiniteModel, load_causal_lm, nonfinite_weight, token_nll
+from moetool.eval.residency import Residency
 from moetool.io.safe import read_json
 from moetool.routing.tap import RouterTap, has_moe_layers
 from moetool.train.precision import dtype_name
@@ -72,7 +73,7 @@ def evaluate(
     """Evaluate each model on each domain's held-out text; ``also(name, model, tokenizer)`` runs after a model's
     perplexity pass while it is still loaded (lm-eval tasks: each model is read from disk once). Each model runs in
     ``dtype`` (``auto``: its checkpoint's own, nothing upcast) on ``device`` (``auto``: a GPU when there is one),
-    resident unless ``residency`` says it is streamed from disk (:func:`moetool.eval.perplexity.eval_residency`).
+    resident unless ``residency`` says it is streamed from disk (:func:`moetool.eval.residency.eval_residency`).
 
     Returns:
         A JSON-ready dict: ``perplexity[model][domain]``, ``nll``/``tokens`` likewise, ``routing[model][domain]``

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from transformers import PreTrainedTokenizerBase
 
-    from moetool.eval.perplexity import Residency
+    from moetool.eval.residency import Residency
 
 EXPERT_PROJ = ("gate", "up", "down")
 # Fewer calibration tokens than this draw a warning: the routed mode's default floor per expert (128), so below it
@@ -234,7 +234,7 @@ def _residency(model_dir: Path, calib: Calibration, device: str | None) -> Resid
     Raises:
         BudgetError: neither fits.
     """
-    from moetool.eval.perplexity import Residency, eval_residency
+    from moetool.eval.residency import Residency, eval_residency
     from moetool.train.precision import resolve_device
 
     if resolve_device(device or "auto").type != "cpu":
