@@ -101,3 +101,22 @@ def test_tflite_mixed_precision_by_role(models, tmp_path):
     assert any("embeddings planned int8 but kept fp32" in n for n in man["tflite_notes"])
     with pytest.raises(ExportError, match="per role"):
         plan_export(models["mixtral"], tmp_path / "x", target="tflite", quant="layers.0.*=q4_0,*=q8_0")
+
+
+def test_coreml_chunks_streamed(models, tmp_path):
+    """One package per decoder layer (--chunk-layers 1): each converted from its layer alone, hidden states passed
+    from one to the next, the chain of wrappers checked against transformers as one model."""
+    man = export(models["mixtral"], tmp_path / "cm", target="coreml", quant=MIXED, chunk_layers=1)
+    chunks = man["chunks"]
+    assert [c["file"] for c in chunks] == ["model_chunk00.mlpackage", "model_chunk01.mlpackage"]
+    assert [c["layers"] for c in chunks] == [[0, 1], [1, 2]] and man["structure"] is None
+    first, last = chunks[0]["structure"], chunks[1]["structure"]
+    assert first["inputs"] == ["input_ids", "position_ids", "mask"] and first["outputs"] == ["next_hidden_states"]
+    assert last["inputs"] == ["hidden_states", "position_ids", "mask"] and last["outputs"] == ["logits"]
+    assert all(c["structure"]["states"] == ["k_cache", "v_cache"] and c["structure"]["reloads"] for c in chunks)
+    # every expert weight compressed, each in the package of its own layer
+    comp = man["compressed_weights"]
+    assert sum(v.startswith("int4") for v in comp.values()) == 18
+    assert sum(c["structure"]["compressed_weight_ops"]["constexpr_blockwise_shift_scale"] for c in chunks) == len(comp)
+    assert _worst(man["parity"]) <= 1e-4 and man["parity"]["decode"]["steps"] == 8
+    assert {p.split("/")[0] for p in man["files"]} == {c["file"] for c in chunks}

@@ -4,15 +4,13 @@ does not fit is exported and verified anyway, against a reference streamed from 
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 import torch
-from tuning_fixtures import write_tuning_recipe
+from streamed_fixtures import deep_moe as deep_moe_at
+from streamed_fixtures import live_tensor_bytes
 
-from conftest import save_dense
-from moetool.api import assemble, export
+from moetool.api import export
 from moetool.compute.upcast import layer_bytes
 from moetool.export.onnx import weights
 from moetool.export.onnx.layout import Stored
@@ -46,30 +44,9 @@ def test_matmul_nbits_weights_are_what_onnxruntimes_quantizer_writes(bits, k):
     assert np.array_equal(scales, inits["w_scales"])
 
 
-def _live_tensor_bytes() -> int:
-    """Bytes of every CPU tensor storage alive in this process (each storage once)."""
-    seen: set[int] = set()
-    total = 0
-    for obj in gc.get_objects():
-        # plain tensors and parameters only: the trace leaves fake tensors around, which hold no memory
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
-
-
 @pytest.fixture(scope="module")
 def deep_moe(tmp_path_factory):
-    """A bf16 MoE of 8 layers (3 experts), deep and narrow as real models are: one layer is a small part of it."""
-    root = tmp_path_factory.mktemp("onnx-deep")
-    kw = {"num_hidden_layers": 8, "hidden_size": 64, "intermediate_size": 128, "tie_word_embeddings": True}
-    base = save_dense(root / "base", **kw)
-    family = {"base": base} | {f"e{i}": save_dense(root / f"e{i}", seed=i, base=base, mlp_noise=0.3) for i in (1, 2, 3)}
-    recipe = write_tuning_recipe(root, family, steps=1)
-    recipe.write_text(recipe.read_text().replace("gate_mode: random\n", "gate_mode: random\ndtype: bfloat16\n"))
-    return assemble(recipe, root / "moe")
+    return deep_moe_at(tmp_path_factory.mktemp("onnx-deep"))
 
 
 def test_weights_are_written_one_layer_at_a_time_and_checked_against_a_streamed_reference(
@@ -93,12 +70,12 @@ def test_weights_are_written_one_layer_at_a_time_and_checked_against_a_streamed_
     high = params * 2 + float32_overhead(params, config) + VERIFY_OVERHEAD
     assert low < high
     monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str((low + high) // 2))
-    before = _live_tensor_bytes()  # what earlier tests (module fixtures, caches) left alive in this process
+    before = live_tensor_bytes()  # what earlier tests (module fixtures, caches) left alive in this process
     peak = [0]
     encode = weights.encode
 
     def measured(stored, tensor):
-        peak[0] = max(peak[0], _live_tensor_bytes() - before)
+        peak[0] = max(peak[0], live_tensor_bytes() - before)
         return encode(stored, tensor)
 
     monkeypatch.setattr(weights, "encode", measured)

@@ -195,6 +195,10 @@ def _export_cases(env, t: dict[str, Path], bad_imatrix: Path) -> dict[str, tuple
             ["--target", "onnx", "--compute-units", "ALL"],
             ["--compute-units ALL: only the coreml target reads it, not onnx"],
         ),
+        "chunk-layers-onnx": (
+            ["--target", "onnx", "--chunk-layers", "2"],
+            ["--chunk-layers 2: only the coreml target reads it, not onnx"],
+        ),
         "eval-text-without-verification": (
             ["--no-verify", "--eval-text", str(t["good"])],
             ["--eval-text", "--no-verify skips it"],
@@ -213,6 +217,7 @@ def _export_cases(env, t: dict[str, Path], bad_imatrix: Path) -> dict[str, tuple
         "accuracy-level-gguf",
         "accuracy-level-unknown",
         "compute-units-onnx",
+        "chunk-layers-onnx",
         "eval-text-without-verification",
         "base-of-a-model",
     ],

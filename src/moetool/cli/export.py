@@ -16,6 +16,14 @@ from moetool.cli.options import ForOpt, OldDeviceOpt, old_spelling
 ComputeUnitsOpt = Annotated[
     str | None, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE (the default).")
 ]
+ChunkLayersOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Core ML: decoder layers per .mlpackage (default: as many as 512 MiB of float32 weights hold; one "
+        "package when the whole model fits). Each chunk is converted on its own, so the export holds one chunk.",
+    ),
+]
 MoeKernelOpt = Annotated[
     str | None,
     typer.Option(
@@ -80,6 +88,7 @@ def export_cmd(
     ] = False,
     verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
     compute_units: ComputeUnitsOpt = None,
+    chunk_layers: ChunkLayersOpt = None,
     moe_kernel: MoeKernelOpt = None,
     accuracy_level: AccuracyLevelOpt = None,
     imatrix: ImatrixOpt = None,
@@ -123,7 +132,7 @@ def export_cmd(
     job = api.plan_export(
         model, output, target=target, quant=quant, device=profile, force=force, verify=verify, eval_text=text,
         context=context, imatrix=imatrix, calibration=calib, imatrix_mode=imatrix_mode,
-        imatrix_min_tokens=imatrix_floor, compute_units=compute_units, moe_kernel=moe_kernel,
+        imatrix_min_tokens=imatrix_floor, compute_units=compute_units, chunk_layers=chunk_layers, moe_kernel=moe_kernel,
         accuracy_level=accuracy_level,
     )  # fmt: skip
     label = getattr(getattr(job.plan, "quant", None), "label", "")

@@ -19,7 +19,7 @@ from torch import nn
 from moetool.export.base import ExportRequest, write_manifest
 from moetool.export.graph.common import GraphPlan, graph_manifest, graph_need, plan_graph
 from moetool.export.graph.model import load_export_model
-from moetool.export.graph.parity import Decode, Prefill, judge, measure_graph
+from moetool.export.graph.parity import Batch, Decode, Prefill, judge, measure_graph
 from moetool.export.heldout import held_out_text
 from moetool.export.parity import ParityRecord
 from moetool.extras import require
@@ -95,20 +95,22 @@ def runtime_parity(
     req: ExportRequest,
     hf: nn.Module,
     wrapper: nn.Module | None,
-    prefill: Prefill,
+    prefill: Prefill | None,
     decode: Decode | None,
     *,
     runtime: str,
     gate_as: str | None,
     seq_lens: tuple[int, ...] | None = None,
     reference: str = "transformers float32",
+    batch: Batch | None = None,
 ) -> ParityRecord:
     """Parity of the artifact (through ``prefill``/``decode``, run in its runtime) and of the torch ``wrapper`` that
     was converted (None: a graph built without one), both against transformers ``hf`` on the model's held-out text.
 
-    ``reference`` names ``hf`` in the record (:func:`moetool.export.reference.reference_label`). ``gate_as`` names
-    the artifact in the error raised when it misses the fp32 gate (the record then says ``pass``
-    at that tolerance); None reports without judging (``reported``).
+    ``batch`` runs every call at once instead (:data:`moetool.export.graph.parity.Batch`). ``reference`` names
+    ``hf`` in the record (:func:`moetool.export.reference.reference_label`). ``gate_as`` names the artifact in the
+    error raised when it misses the fp32 gate (the record then says ``pass`` at that tolerance); None reports
+    without judging (``reported``).
 
     Raises:
         ExportError: ``gate_as`` is given and the artifact misses the fp32 gate.
@@ -119,7 +121,7 @@ def runtime_parity(
     tok = AutoTokenizer.from_pretrained(str(req.model_dir))
     lens = seq_lens if seq_lens is not None else (32, 128)
     measured = measure_graph(
-        hf, wrapper, tok, text, prefill, decode, runtime=runtime, seq_lens=lens, reference=reference
+        hf, wrapper, tok, text, prefill, decode, runtime=runtime, seq_lens=lens, reference=reference, batch=batch
     )
     record = replace(measured, text=src)
     return judge(record, gate_as) if gate_as is not None else record.judged(None)

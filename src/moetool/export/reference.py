@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from moetool.compute.stream import TensorSource
 
 __all__ = [
+    "HELD_REFERENCE_LIMIT",
     "VERIFY_OVERHEAD",
+    "held_reference",
     "reference_dtype",
     "reference_label",
     "reference_model",
@@ -74,6 +76,17 @@ def streamed_need(params: int, config: dict[str, Any]) -> int:
     from moetool.compute.stream import streamed_weight_bytes
 
     return streamed_weight_bytes(config, params) + VERIFY_OVERHEAD
+
+
+HELD_REFERENCE_LIMIT = 1 << 30  # float32 bytes under which a graph target holds its reference (and checks its wrapper)
+
+
+def held_reference(params: int, config: dict[str, Any]) -> bool:
+    """Whether a graph target's verification holds the transformers reference in float32 (and checks the torch
+    export model over its weights): only for a model under :data:`HELD_REFERENCE_LIMIT` in float32 that fits.
+    Larger ones are streamed from disk one layer at a time, the same figures for one layer's memory, so the export's
+    peak is the artifact's, not the model held whole."""
+    return params * 4 <= HELD_REFERENCE_LIMIT and not stream_reference(params, config)
 
 
 def reference_model(

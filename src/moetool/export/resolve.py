@@ -84,6 +84,7 @@ def resolve_quant(
 # exporter options (ExportRequest.options) and the command-line flag and the one target that reads each
 TARGET_OPTIONS: dict[str, tuple[str, str]] = {
     "compute_units": ("--compute-units", "coreml"),
+    "chunk_layers": ("--chunk-layers", "coreml"),
     "moe_kernel": ("--moe-kernel", "onnx"),
     "accuracy_level": ("--accuracy-level", "onnx"),
 }
@@ -118,6 +119,7 @@ STANDARD_ONLY = {
     "--for (a deployment profile)": ("device",),
     "--imatrix": ("imatrix", "calibration", "imatrix_mode", "imatrix_min_tokens"),
     "--compute-units": ("compute_units",),
+    "--chunk-layers": ("chunk_layers",),
     "--moe-kernel": ("moe_kernel",),
     "--accuracy-level": ("accuracy_level",),
 }
@@ -150,6 +152,7 @@ class ExportOptions(TypedDict, total=False):
     imatrix_mode: str | None  # routed (default) or all
     imatrix_min_tokens: int | None  # routed mode's floor per expert (default 128)
     compute_units: str | None  # Core ML's compute units (coreml only)
+    chunk_layers: int | None  # decoder layers per Core ML package (coreml only; default: by float32 bytes)
     moe_kernel: str | None  # ONNX's MoE operators, sparse or dense (onnx only)
     accuracy_level: int | None  # ONNX's 4/8-bit operators: 4 (int8 activations, the default) or 0 (fp32) (onnx only)
     options: dict[str, Any] | None  # a method exporter's own settings (hybrid: experts=False, the router only)

@@ -1,14 +1,22 @@
-"""``moetool export --target coreml``: a stateful ML Program (iOS 18) with the KV cache as Core ML states and
-per-weight compression from the plan.
+"""``moetool export --target coreml``: stateful ML Programs (iOS 18) with the KV cache as Core ML states and
+per-weight compression from the plan, converted from the checkpoint a chunk of decoder layers at a time.
 
-On Linux Core ML cannot run (``predict`` needs macOS), so the proof is split: the *exact torch wrapper that was
-converted* (:class:`StatefulLM`) is compared with transformers (prefill at two lengths, then cached decode), and the
-converted program is checked structurally — spec version, states, inputs and outputs, op histogram, and which
-weights were compressed to what. ``scripts/coreml_parity_mac.py`` runs the numeric check on a Mac.
+The model is never held whole (:mod:`moetool.export.graph.stream`): the weights outside the layer stack are read
+once, then each chunk's layers (:mod:`moetool.export.coreml.chunks`) are read, traced, converted, compressed and
+saved as one ``.mlpackage``, and dropped before the next chunk is read. A model whose layers fit one chunk is one
+``model.mlpackage`` (``input_ids`` in, ``logits`` out); a larger one is ``model_chunk00.mlpackage`` … run in
+sequence, hidden states passed from one to the next, each with its own cache.
+
+On Linux Core ML cannot run (``predict`` needs macOS), so the proof is split: the *exact torch wrappers that were
+converted* (:class:`StatefulChunk`, run in sequence) are compared with transformers (prefill at two lengths, then
+cached decode), and each converted program is checked structurally — spec version, states, inputs and outputs, op
+histogram, and which weights were compressed to what. ``scripts/coreml_parity_mac.py`` runs the numeric check on a
+Mac.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -16,48 +24,58 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import nn
 
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
-from moetool.export.coreml.stateful import StatefulLM
+from moetool.export.coreml.chunks import chunk_batch, chunk_file, chunk_ranges
+from moetool.export.coreml.stateful import StatefulChunk
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import causal_mask
-from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
 from moetool.io.atomic import atomic_dir
-from moetool.io.jsontypes import JsonObject
-from moetool.progress import Step
+from moetool.io.budget import Need, human
+from moetool.io.jsontypes import JsonObject, JsonValue
+from moetool.progress import Step, step_printer
 
 if TYPE_CHECKING:
     from coremltools.models import MLModel
     from coremltools.optimize.coreml import OpLinearQuantizerConfig
+    from rich.console import Console
 
-    from moetool.export.graph.model import ExportLM
+    from moetool.export.graph.stream import StreamedExport
 
 BLOCK = 32
 COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
 
 
-def convert(model: ExportLM, capacity: int, fp16: bool, compute_units: str) -> MLModel:
+def convert(chunk: StatefulChunk, fp16: bool, compute_units: str) -> MLModel:
+    """``chunk`` traced and converted: ``input_ids`` (the first chunk) or ``hidden_states`` [1, T, D] in,
+    ``logits`` (the last) or ``next_hidden_states`` out, ``position_ids`` and ``mask`` beside; T up to its capacity."""
     import coremltools as ct
 
-    wrapper = StatefulLM(model, capacity).eval()
-    example = (torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None], causal_mask(8, 0))
-    with torch.no_grad():
-        traced = torch.jit.trace(wrapper, example)
+    capacity = chunk.capacity
     dt = np.float16 if fp16 else np.float32
     seq = ct.RangeDim(1, capacity)
+    if chunk.first:
+        x = torch.zeros(1, 8, dtype=torch.long)
+        first = ct.TensorType(name="input_ids", shape=(1, seq), dtype=np.int32)
+    else:
+        hidden = chunk.hidden_size
+        x = torch.zeros(1, 8, hidden)
+        first = ct.TensorType(name="hidden_states", shape=(1, seq, hidden), dtype=dt)
+    example = (x, torch.arange(8)[None], causal_mask(8, 0))
+    with torch.no_grad():
+        traced = torch.jit.trace(chunk, example)
     return ct.convert(
         traced,
         inputs=[
-            ct.TensorType(name="input_ids", shape=(1, seq), dtype=np.int32),
+            first,
             ct.TensorType(name="position_ids", shape=(1, seq), dtype=np.int32),
             ct.TensorType(name="mask", shape=(1, 1, seq, ct.RangeDim(1, capacity)), dtype=dt),
         ],
-        outputs=[ct.TensorType(name="logits", dtype=dt)],
+        outputs=[ct.TensorType(name="logits" if chunk.last else "next_hidden_states", dtype=dt)],
         states=[
-            ct.StateType(wrapped_type=ct.TensorType(shape=tuple(wrapper.k_cache.shape), dtype=dt), name=n)
+            ct.StateType(wrapped_type=ct.TensorType(shape=tuple(chunk.k_cache.shape), dtype=dt), name=n)
             for n in ("k_cache", "v_cache")
         ],
         minimum_deployment_target=ct.target.iOS18,
@@ -127,43 +145,6 @@ def structure(ml: MLModel, path: Path) -> JsonObject:
     }
 
 
-def _wrapper_runners(wrapper: StatefulLM) -> tuple[Prefill, Decode]:
-    """Prefill and decode through the converted torch wrapper itself: its KV cache lives in its own buffers (the
-    Core ML states), so no past is passed around and prefill starts from an empty cache."""
-
-    def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-        wrapper.k_cache.zero_()
-        wrapper.v_cache.zero_()
-        t = ids.shape[1]
-        with torch.no_grad():
-            out = wrapper(torch.from_numpy(ids), torch.arange(t)[None], causal_mask(t, 0))
-        return out.numpy(), []
-
-    def decode(ids: np.ndarray, pos: int, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        with torch.no_grad():
-            out = wrapper(torch.from_numpy(ids), torch.tensor([[pos]]), causal_mask(1, pos))
-        return out.numpy(), []
-
-    return prefill, decode
-
-
-def _wrapper_parity(req: ExportRequest, hf: nn.Module, em: ExportLM, capacity: int) -> ParityRecord:
-    """Parity of the torch wrapper that was converted (Core ML itself runs on macOS only), held to the fp32 gate."""
-
-    prefill, decode = _wrapper_runners(StatefulLM(em, capacity).eval())
-    parity = runtime_parity(
-        req,
-        hf,
-        em,
-        prefill,
-        decode,
-        runtime="torch: the StatefulLM wrapper that was converted",
-        gate_as="Core ML wrapper",
-        seq_lens=(32, min(128, capacity)),
-    )
-    return replace(parity, runtime_not_run="not run: Core ML prediction needs macOS (scripts/coreml_parity_mac.py)")
-
-
 def _compute_units(req: ExportRequest) -> str:
     units = str(req.options.get("compute_units", "CPU_AND_NE"))
     if units not in COMPUTE_UNITS:
@@ -171,45 +152,154 @@ def _compute_units(req: ExportRequest) -> str:
     return units
 
 
+def _chunk_layers(req: ExportRequest) -> int | None:
+    given = req.options.get("chunk_layers")
+    return None if given is None else int(given)
+
+
+# coremltools holds what it converts about five times over its float32 weights (traced constants, MIL's float32 and
+# float16 copies, the compressed ones, the serialised blob): 6.5 GB for the 1.29 GB real MoE converted whole
+CONVERT_MULTIPLE = 5.0
+RUNTIME = 768 << 20  # torch, coremltools and the traced graph
+
+
+def coreml_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
+    """Memory and disk of a Core ML export of ``plan`` in ``ranges``' chunks: converting holds the weights outside
+    the layer stack and the largest chunk (with the embedding and head, which the first and last chunks convert)
+    :data:`CONVERT_MULTIPLE` times; verification holds the transformers reference (held in float32 or streamed,
+    :func:`moetool.export.reference.held_reference`) beside one chunk of the converted wrappers."""
+    from moetool.compute.upcast import layer_bytes
+    from moetool.export.reference import VERIFY_OVERHEAD, held_reference, streamed_need
+
+    params = plan.quant.total_params
+    outside, layer = layer_bytes(plan.config, params)
+    chunk = max(b - a for a, b in ranges) * layer
+    converting = int(CONVERT_MULTIPLE * (chunk + outside)) + RUNTIME
+    held = held_reference(params, plan.config)
+    reference = params * 4 + VERIFY_OVERHEAD if held else streamed_need(params, plan.config)
+    verifying = reference + outside + chunk  # the reference's allowance covers the runtime
+    how = "held in float32" if held else "streamed from disk, one float32 layer at a time"
+    chunks = f"{len(ranges)} chunk{'s' * (len(ranges) > 1)} of up to {max(b - a for a, b in ranges)} layers"
+    return Need(
+        stage="coreml export",
+        memory=max(converting, verifying) if verify else converting,
+        memory_detail=f"converted in {chunks} ({human(converting)}); verified against the model {how}"
+        if verify
+        else f"converted in {chunks}",
+        disk=plan.quant.total_bytes,
+        output=output,
+        way_out="Export in smaller chunks (--chunk-layers), with --no-verify, or on a machine with more memory",
+    )
+
+
+def _ranges(req: ExportRequest, plan: GraphPlan) -> list[tuple[int, int]]:
+    from moetool.compute.upcast import layer_bytes
+
+    _, layer = layer_bytes(plan.config, plan.quant.total_params)
+    return chunk_ranges(int(plan.config["num_hidden_layers"]), layer, _chunk_layers(req))
+
+
+def _package(src: StreamedExport, span: tuple[int, int], capacity: int, ends: tuple[bool, bool]) -> StatefulChunk:
+    """The wrapper of layers ``span`` read from the checkpoint; ``ends``: (first chunk, last chunk)."""
+    blocks = {i: src.block(i) for i in range(*span)}
+    return StatefulChunk(src.em, blocks, capacity, first=ends[0], last=ends[1]).eval()
+
+
 class CoreMLExporter(GraphExporter):
-    peak_multiple, peak_measured = 5.0, True  # 6.5 GB for the 1.29 GB (float32) real MoE
+    """Streamed: converted a chunk of decoder layers at a time from the checkpoint (:mod:`moetool.export.coreml.
+    chunks`); the model is never held whole."""
+
     name = "coreml"
     requires = "coreml"
     runtime_modules = ("coremltools",)
 
     def check(self, req: ExportRequest) -> None:
         _compute_units(req)
+        layers = _chunk_layers(req)
+        if layers is not None:
+            chunk_ranges(1, 1, layers)  # refuses a chunk of no layers
 
-    def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
-    ) -> JsonObject:
+    def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
+        return coreml_need(plan, _ranges(req, plan), verify=req.verify, output=req.output)
+
+    def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
+        from moetool.export.graph.stream import streamed_export_model
+
+        self.ready(req, plan)
+        started = time.perf_counter()
+        step = step_printer(console, started)
         units = _compute_units(req)
-        max_pos = int(plan.config.get("max_position_embeddings", 2048))
-        capacity = min(max_pos, plan.context)
-        # Core ML states are fp16 only, so the program computes in fp16; an f32 plan means "no weight compression"
-        fp16 = True
-        step("converting to a Core ML program with coremltools")
-        ml = convert(em, capacity, fp16, units)
-        ml, applied = compress(ml, plan.precisions(), fp16)
+        capacity = min(int(plan.config.get("max_position_embeddings", 2048)), plan.context)
+        fp16 = True  # Core ML states are fp16 only, so the program computes in fp16; fp32 means "no compression"
+        ranges = _ranges(req, plan)
+        src = streamed_export_model(req.model_dir)
+        packages: list[JsonValue] = []
+        infos: list[JsonObject] = []
+        applied: dict[str, str] = {}
         with atomic_dir(req.output, force=req.force) as tmp:
-            path = tmp / "model.mlpackage"
-            ml.save(str(path))
-            info = structure(ml, path)
-            if info["states"] != ["k_cache", "v_cache"] or not info["ios18_or_later"]:
-                raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
+            for c, span in enumerate(ranges):
+                step(f"converting layers {span[0]}–{span[1] - 1} (chunk {c + 1} of {len(ranges)}) with coremltools")
+                wrapper = _package(src, span, capacity, (c == 0, c == len(ranges) - 1))
+                ml, done = compress(convert(wrapper, fp16, units), plan.precisions(), fp16)
+                applied |= done
+                path = tmp / chunk_file(c, len(ranges))
+                ml.save(str(path))
+                info = structure(ml, path)
+                if info["states"] != ["k_cache", "v_cache"] or not info["ios18_or_later"]:
+                    raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
+                packages.append({"file": path.name, "layers": [span[0], span[1]], "structure": info})
+                infos.append(info)
+                del ml, wrapper
+                for i in range(*span):
+                    src.drop(i)
+            parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
-                step("checking the traced wrapper against transformers (Core ML predicts only on macOS)")
-            parity: ParityRecord | str = _wrapper_parity(req, hf, em, capacity) if req.verify else NOT_VERIFIED
-            files = {p.relative_to(tmp).as_posix(): p for p in path.rglob("*") if p.is_file()}
+                parity = self._verify(req, plan, src, ranges, capacity, step)
+            files = {p.relative_to(tmp).as_posix(): p for p in sorted(tmp.rglob("*")) if p.is_file()}
             fields: JsonObject = {
-                "file": "model.mlpackage",  # a package is a folder: its Manifest.json stands for it in the hashes
+                "file": chunk_file(0, len(ranges)),  # a package is a folder: its Manifest.json stands for it
                 "runtime": "Core ML (iOS 18 / macOS 15), stateful KV cache",
+                "export": "streamed: converted one chunk of decoder layers at a time from the checkpoint",
                 "compute_units": units,
                 "compute_precision": "float16" if fp16 else "float32",
                 "capacity": capacity,
-                "structure": info,
+                "chunks": packages,
+                "structure": infos[0] if len(infos) == 1 else None,  # each chunk's is under "chunks"
                 "compressed_weights": {k: v for k, v in sorted(applied.items())},
             }
-            main = "model.mlpackage/Manifest.json"
+            main = f"{chunk_file(0, len(ranges))}/Manifest.json"
             manifest = finish_graph_manifest(tmp, "coreml", plan, files, main, fields, parity=parity, started=started)
         return manifest
+
+    def _verify(
+        self,
+        req: ExportRequest,
+        plan: GraphPlan,
+        src: StreamedExport,
+        ranges: list[tuple[int, int]],
+        capacity: int,
+        step: Step,
+    ) -> ParityRecord:
+        """The converted wrappers, run chunk by chunk (:func:`chunk_batch`), against transformers (held in float32
+        for a small model, with the whole ExportLM over its weights as the conversion's own figure; else streamed)."""
+        from moetool.export.graph.model import ExportLM
+        from moetool.export.reference import held_reference, reference_label, reference_model, stored_dtype
+
+        held = held_reference(plan.quant.total_params, plan.config)
+        storage = "float32" if held else stored_dtype(plan.config)
+        how = "held in float32" if held else "streamed from disk one layer at a time"
+        step(f"checking the converted wrappers against transformers ({how}; Core ML predicts only on macOS)")
+        ref = reference_model(req.model_dir, getattr(torch, storage), streamed=not held)
+        parity = runtime_parity(
+            req,
+            ref,
+            ExportLM(ref).eval() if held else None,
+            None,
+            None,
+            runtime="torch: the StatefulChunk wrappers that were converted, in sequence",
+            gate_as="Core ML wrapper",
+            seq_lens=(32, min(128, capacity)),
+            reference=reference_label(storage, not held),
+            batch=chunk_batch(src, ranges, capacity),
+        )
+        return replace(parity, runtime_not_run="not run: Core ML prediction needs macOS (scripts/coreml_parity_mac.py)")

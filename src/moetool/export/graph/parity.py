@@ -22,6 +22,30 @@ from moetool.io.jsontypes import JsonObject
 
 Prefill = Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]]  # ids [1, T] → (logits, present)
 Decode = Callable[[np.ndarray, int, list[np.ndarray]], tuple[np.ndarray, list[np.ndarray]]]  # (ids [1,1], pos, past)
+# (ids [1, T], None) is a prefill from an empty cache; (ids [1, 1], pos) decodes the token at ``pos`` after the call
+# before it. A Batch gives every call's logits [1, T, V], in order: a runtime that must see the calls up front (a
+# model converted in chunks, checked chunk by chunk as each is converted) takes them at once
+Call = tuple[np.ndarray, int | None]
+Batch = Callable[[list[Call]], list[np.ndarray]]
+
+
+def sequential(prefill: Prefill, decode: Decode | None) -> Batch:
+    """The calls run one after another through ``prefill`` and ``decode``, the cache carried between them."""
+
+    def run(calls: list[Call]) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        past: list[np.ndarray] = []
+        for ids, pos in calls:
+            if pos is None:
+                logits, past = prefill(ids)
+            elif decode is None:
+                raise ValueError("a decode call without a decode function")
+            else:
+                logits, past = decode(ids, pos, past)
+            out.append(logits)
+        return out
+
+    return run
 
 
 def measure_graph(
@@ -29,7 +53,7 @@ def measure_graph(
     export_model: nn.Module | None,
     tok: PreTrainedTokenizerBase,
     text: str,
-    prefill: Prefill,
+    prefill: Prefill | None,
     decode: Decode | None,
     *,
     runtime: str,
@@ -37,19 +61,32 @@ def measure_graph(
     n_windows: int = 4,
     decode_steps: int = 8,
     reference: str = "transformers float32",
+    batch: Batch | None = None,
 ) -> ParityRecord:
     """The artifact's figures (its ``prefill``/``decode`` in its runtime) against transformers ``hf`` on ``text``:
     max |Δlogit| per length in ``seq_lens`` (capped at the model's positions), the cached decode's over
     ``decode_steps`` tokens, top-1 and perplexity over ``n_windows`` windows. ``export_model`` (the torch wrapper
     that was converted) is compared too, so a mismatch can be told apart from the conversion's; None for a graph
-    built without one (a streamed export). ``reference`` names ``hf`` in the record.
+    built without one (a streamed export). ``reference`` names ``hf`` in the record. ``batch`` (instead of
+    ``prefill`` and ``decode``) runs every call at once (:data:`Batch`), the cached decode included.
 
     ``hf`` runs once over every window (:func:`reference_logits`: one pass, for a model streamed from disk)."""
 
     max_pos = int(getattr(hf.config, "max_position_embeddings", 2048))
     lens = sorted({min(n, max_pos) for n in seq_lens})
     probes, ppl_windows = windows(tok, text, lens, n_windows)
-    got = [prefill(np.array([ids], dtype=np.int64))[0][0] for ids in probes + ppl_windows]
+    calls: list[Call] = [(np.array([ids], dtype=np.int64), None) for ids in probes + ppl_windows]
+    decoding = decode is not None or batch is not None
+    n0 = len(probes[-1]) - decode_steps
+    if decoding:  # a prefill of the last probe's start, then its last tokens one at a time against the cache
+        calls.append((np.array([probes[-1][:n0]], dtype=np.int64), None))
+        calls += [(np.array([[probes[-1][t]]], dtype=np.int64), t) for t in range(n0, len(probes[-1]))]
+    if batch is None:
+        if prefill is None:
+            raise ValueError("measure_graph needs a prefill function or a batch runner")
+        batch = sequential(prefill, decode)
+    outs = batch(calls)
+    got = [o[0] for o in outs[: len(probes) + len(ppl_windows)]]
     ref = reference_logits(hf, probes + ppl_windows)
     vs = agreement_of(got, ref, probes, ppl_windows)
     wrapper: dict[str, float] = {}
@@ -60,13 +97,11 @@ def measure_graph(
             ours = export_model(*prefill_inputs(torch.tensor([ids])))[0][0].numpy()
         wrapper[str(len(ids))] = float(np.abs(want - ours).max())
     checked = None
-    if decode is not None:
-        ids, want = probes[-1], ref[len(probes) - 1]
-        n0 = len(ids) - decode_steps
-        logits, past = prefill(np.array([ids[:n0]], dtype=np.int64))
-        worst = float(np.abs(logits[0] - want[:n0]).max())
-        for t in range(n0, len(ids)):
-            logits, past = decode(np.array([[ids[t]]], dtype=np.int64), t, past)
+    if decoding:
+        want = ref[len(probes) - 1]
+        rest = outs[len(probes) + len(ppl_windows) :]
+        worst = float(np.abs(rest[0][0] - want[:n0]).max())
+        for t, logits in zip(range(n0, len(probes[-1])), rest[1:], strict=True):
             worst = max(worst, float(np.abs(logits[0, -1] - want[t]).max()))
         checked = DecodeCheck(prefill_tokens=n0, steps=decode_steps, max_abs_logit_diff=worst)
     record = ParityRecord(

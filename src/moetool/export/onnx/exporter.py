@@ -79,7 +79,6 @@ def accuracy_level(req: ExportRequest) -> int:
     return int(level)
 
 
-HELD_REFERENCE_LIMIT = 1 << 30  # float32 bytes under which the reference is held (and the torch wrapper checked)
 WRITE_OVERHEAD = 768 << 20  # torch, onnx and the traced structure
 # onnxruntime's session over the artifact (mapped weights, the 4/8-bit ones repacked), fitted to the size ladder's
 # 360M and 1.7B rungs at moe-q4: 2.55 GB and 7.73 GB measured, 2.55 GB and 8.1 GB estimated
@@ -87,14 +86,11 @@ SESSION_MULTIPLE = 1.6
 
 
 def held_reference(plan: GraphPlan) -> bool:
-    """Whether verification holds the transformers reference in float32 (and checks the torch export model over its
-    weights): only for a model under :data:`HELD_REFERENCE_LIMIT` in float32 that fits. Larger ones are streamed from
-    disk one layer at a time, the same figures for one layer's memory (a pass reads the checkpoint; verification
-    makes two), so the export's peak is the artifact's session, not the model held whole."""
-    from moetool.export.reference import stream_reference
+    """:func:`moetool.export.reference.held_reference` for ``plan``'s model (a pass of a streamed reference reads the
+    checkpoint; verification makes two)."""
+    from moetool.export.reference import held_reference as held
 
-    params = plan.quant.total_params
-    return params * 4 <= HELD_REFERENCE_LIMIT and not stream_reference(params, plan.config)
+    return held(plan.quant.total_params, plan.config)
 
 
 def onnx_need(plan: GraphPlan, *, sparse: bool, verify: bool, output: Path) -> Need:

@@ -132,23 +132,19 @@ def _named(module: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]
 def stream_sources(model_dir: Path, st: Structure) -> Iterator[dict[str, torch.Tensor]]:
     """The ExportLM tensors of ``model_dir``: first those outside the layer stack, then one decoder layer's at a
     time (its memory given back before the next is read), all in float32."""
-    from moetool.compute.stream import give_back_freed_memory, meta_causal_lm
-    from moetool.export.graph.model import DenseMaskedMoE, ExportLM
+    from moetool.export.graph.model import DenseMaskedMoE
+    from moetool.export.graph.stream import streamed_export_model
 
-    meta = meta_causal_lm(model_dir, torch.float32)
-    meta.load_outside()
-    em = ExportLM(meta.model)
-    yield {n: t for n, t in _named(em).items() if not n.startswith("layers.")}
+    src = streamed_export_model(model_dir)
+    yield {n: t for n, t in _named(src.em).items() if not n.startswith("layers.")}
     for i in range(st.n_layers):
-        meta.loader.load(meta.layer_keys.get(i, []))
-        block = em.block_of(meta.layers[i])
+        block = src.block(i)
         if st.sparse_layers and isinstance(block.mlp, DenseMaskedMoE):
             block.mlp.make_sparse()
         tensors = _named(block, f"layers.{i}.")
         yield tensors
         del tensors, block
-        meta.layers[i].to("meta")
-        give_back_freed_memory()
+        src.drop(i)
 
 
 def write_weights(model_dir: Path, st: Structure, layout: Layout, data_path: Path) -> int:

@@ -1,0 +1,80 @@
+"""The Core ML export streams: each chunk of decoder layers is read from the checkpoint, converted and dropped before
+the next, so a model whose 16-bit copy does not fit is exported in chunks and checked, chunk by chunk, against a
+reference streamed from disk; a model whose chunk does not fit is refused before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+from streamed_fixtures import deep_moe as deep_moe_at
+from streamed_fixtures import live_tensor_bytes
+
+from moetool.api import export, plan_export
+from moetool.compute.upcast import float32_overhead, layer_bytes
+from moetool.export import ExportError
+from moetool.export.coreml import exporter
+from moetool.export.coreml.chunks import chunk_ranges
+from moetool.export.reference import VERIFY_OVERHEAD, streamed_need
+from moetool.io.budget import BudgetError
+from moetool.io.checkpoint import Checkpoint
+
+QUANT = "experts=q4_0,router=f32,*=q8_0"
+
+
+@pytest.fixture(scope="module")
+def deep_moe(tmp_path_factory):
+    return deep_moe_at(tmp_path_factory.mktemp("coreml-deep"))
+
+
+def test_chunks_are_balanced_and_sized_by_float32_bytes():
+    assert chunk_ranges(8, 100, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert chunk_ranges(30, 100, 12) == [(0, 10), (10, 20), (20, 30)]  # 3 chunks of 10, not 12 + 12 + 6
+    assert chunk_ranges(4, 1, None) == [(0, 4)]  # a small model is one package
+    assert len(chunk_ranges(24, 900 << 20, None)) == 24  # a layer over the chunk size is a chunk of its own
+    with pytest.raises(ExportError, match="at least one decoder layer"):
+        chunk_ranges(8, 100, 0)
+
+
+def test_converted_a_chunk_at_a_time_and_checked_against_a_streamed_reference(deep_moe, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
+    config = Checkpoint(deep_moe).config
+    plan = plan_export(deep_moe, tmp_path / "plan", target="coreml", quant=QUANT)[2]
+    params = plan.quant.total_params
+    outside, layer = layer_bytes(config, params)
+    # a streamed reference beside two-layer chunks fits; the bf16 model held for the reference does not
+    low = streamed_need(params, config) + outside + 2 * layer
+    held = params * 2 + float32_overhead(params, config) + VERIFY_OVERHEAD
+    assert low < held
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str((low + held) // 2))
+    assert exporter.coreml_need(plan, chunk_ranges(8, layer, 2), verify=True, output=tmp_path / "x").memory == low
+    before = live_tensor_bytes()  # what earlier tests (module fixtures, caches) left alive in this process
+    peak = [0]
+    convert = exporter.convert
+
+    def measured(chunk, fp16, units):
+        peak[0] = max(peak[0], live_tensor_bytes() - before)
+        return convert(chunk, fp16, units)
+
+    monkeypatch.setattr(exporter, "convert", measured)
+    man = export(deep_moe, tmp_path / "cm", target="coreml", quant=QUANT, chunk_layers=2)
+    # never the model whole: the weights outside the layers and one chunk of two layers (and up to 256 KiB of what
+    # else the run creates: rope tables, the caches' buffers, tokenizer and loader caches)
+    assert peak[0] <= outside + 2 * layer + (256 << 10), (peak[0], outside, layer)
+    assert peak[0] < params * 4 / 2
+    assert [c["layers"] for c in man["chunks"]] == [[0, 2], [2, 4], [4, 6], [6, 8]]
+    p = man["parity"]
+    assert p["reference"] == "transformers float32, layer by layer streamed from disk over bfloat16 weights"
+    assert p["verdict"] == "pass" and max(p["max_abs_logit_diff"].values()) <= 1e-4
+    assert p["decode"]["max_abs_logit_diff"] <= 1e-4
+    # the same chunks checked against the float32 model held whole: the same figures, and the whole ExportLM's
+    monkeypatch.delenv("MOETOOL_MEMORY_BUDGET")
+    whole = export(deep_moe, tmp_path / "held", target="coreml", quant=QUANT, chunk_layers=2)["parity"]
+    assert whole["reference"] == "transformers float32"
+    assert max(whole["export_model_vs_transformers"].values()) < 1e-4
+    assert p["ppl_artifact"] == pytest.approx(whole["ppl_artifact"], rel=1e-5)
+
+
+def test_refused_up_front_when_one_chunk_does_not_fit(deep_moe, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(64 << 20))
+    with pytest.raises(BudgetError, match="--chunk-layers"):
+        export(deep_moe, tmp_path / "o", target="coreml", quant=QUANT)
+    assert not (tmp_path / "o").exists()
