@@ -2,8 +2,8 @@
 
     python scripts/coreml_parity_mac.py EXPORT_DIR MODEL_DIR [--text FILE]
 
-EXPORT_DIR is `moetool export --target coreml` output (model.mlpackage + manifest.json), MODEL_DIR the model it was
-exported from. Needs macOS 15+ with coremltools, torch and transformers. Prints max |Δlogit| for a prefill at two
+EXPORT_DIR is `moetool export --target coreml` output (model.mlpackage + manifest.json, or the chunks its manifest
+lists, run in sequence), MODEL_DIR the model it was exported from. Needs macOS 15+ with coremltools, torch and transformers. Prints max |Δlogit| for a prefill at two
 lengths and for 8 cached decode steps, top-1 agreement, and exits 1 if fp16 drift exceeds --tol (default 0.1).
 """
 
@@ -21,6 +21,33 @@ def causal_mask(t: int, past: int) -> np.ndarray:
     return m[None, None]
 
 
+class Chain:
+    """The export's packages as one model: the manifest's ``chunks`` run in order, each chunk's output hidden states
+    the next one's input, each with its own state (one package: itself)."""
+
+    def __init__(self, export_dir: str) -> None:
+        import json
+
+        import coremltools as ct
+
+        chunks = json.loads(Path(export_dir, "manifest.json").read_text()).get("chunks") or [
+            {"file": "model.mlpackage"}
+        ]
+        self.models = [ct.models.MLModel(str(Path(export_dir, c["file"]))) for c in chunks]
+
+    def make_state(self) -> list:
+        return [m.make_state() for m in self.models]
+
+    def predict(self, inputs: dict, state: list) -> dict:
+        x = {"input_ids": inputs["input_ids"]}
+        out: dict = {}
+        for m, s in zip(self.models, state, strict=True):
+            out = m.predict({**x, "position_ids": inputs["position_ids"], "mask": inputs["mask"]}, s)
+            if "next_hidden_states" in out:
+                x = {"hidden_states": out["next_hidden_states"]}
+        return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("export_dir")
@@ -28,11 +55,10 @@ def main() -> int:
     ap.add_argument("--text", default=None)
     ap.add_argument("--tol", type=float, default=0.1)
     args = ap.parse_args()
-    import coremltools as ct
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ml = ct.models.MLModel(f"{args.export_dir}/model.mlpackage")
+    ml = Chain(args.export_dir)
     hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     text = Path(args.text).read_text() if args.text else "def main():\n    return 42\n" * 40

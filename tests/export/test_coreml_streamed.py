@@ -78,3 +78,62 @@ def test_refused_up_front_when_one_chunk_does_not_fit(deep_moe, tmp_path, monkey
     with pytest.raises(BudgetError, match="--chunk-layers"):
         export(deep_moe, tmp_path / "o", target="coreml", quant=QUANT)
     assert not (tmp_path / "o").exists()
+
+
+class _TorchPackage:
+    """Stands in for ``coremltools.models.MLModel`` on Linux (no ``predict`` here): the package's layers, read again
+    from the checkpoint into the wrapper that was converted, fed by the names its recorded structure declares."""
+
+    def __init__(self, src, chunk, n_chunks, index):
+        from moetool.export.coreml.stateful import StatefulChunk
+
+        start, stop = chunk["layers"]
+        blocks = {i: src.block(i) for i in range(start, stop)}
+        self.wrapper = StatefulChunk(src.em, blocks, 256, first=index == 0, last=index == n_chunks - 1).eval()
+        self.inputs, self.outputs = chunk["structure"]["inputs"], chunk["structure"]["outputs"]
+
+    def make_state(self):
+        return self.wrapper
+
+    def predict(self, feed, state):
+        import numpy as np
+        import torch
+
+        assert list(feed) == self.inputs, (list(feed), self.inputs)  # the names the package takes, in its order
+        x, pos, mask = (torch.from_numpy(np.asarray(feed[n])) for n in self.inputs)
+        with torch.no_grad():
+            y = state(x.long() if self.wrapper.first else x.float(), pos.long(), mask.float())
+        return {self.outputs[0]: y.numpy()}
+
+
+def test_the_mac_script_runs_the_chunks_in_sequence(deep_moe, tmp_path, monkeypatch, capsys):
+    """scripts/coreml_parity_mac.py feeds a chunked export as the manifest lists it: names from each package's
+    structure, one state per package, hidden states passed on (Core ML itself replaced by the converted wrappers)."""
+    import importlib.util
+    import json
+    import sys
+    import types
+    from pathlib import Path
+
+    from moetool.export.graph.stream import streamed_export_model
+
+    out = tmp_path / "cm"
+    man = export(deep_moe, out, target="coreml", quant="f32", chunk_layers=3, verify=False)
+    chunks = json.loads((out / "manifest.json").read_text())["chunks"]
+    assert [c["layers"] for c in chunks] == [[0, 3], [3, 5], [5, 8]] and man["parity"].startswith("not verified")
+    src = streamed_export_model(deep_moe)
+    files = [c["file"] for c in chunks]
+
+    def package(path):
+        i = files.index(Path(path).name)
+        return _TorchPackage(src, chunks[i], len(chunks), i)
+
+    fake = types.ModuleType("coremltools")
+    fake.models = types.SimpleNamespace(MLModel=package)
+    monkeypatch.setitem(sys.modules, "coremltools", fake)
+    spec = importlib.util.spec_from_file_location("coreml_parity_mac", Path("scripts/coreml_parity_mac.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["coreml_parity_mac.py", str(out), str(deep_moe), "--tol", "1e-4"])
+    assert script.main() == 0, capsys.readouterr().out
+    assert "decode 8 steps with states" in capsys.readouterr().out
