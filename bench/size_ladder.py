@@ -229,9 +229,11 @@ def rung(
         # what a phone runs: 4-bit experts (QMoE), router f32, the rest 8-bit
         ("onnx moe-q4", [moetool, "export", str(tuned), "-o", str(root / "onnx-q4"), "--target", "onnx", "--quant",
                          "moe-q4", "--force"]),
-        # Core ML converted a chunk of layers at a time (the default chunks: 512 MiB of float32 layers each)
+        # Core ML and ExecuTorch convert a chunk of layers at a time (by default 256 MiB of float32 layers each)
         ("coreml moe-q4", [moetool, "export", str(tuned), "-o", str(root / "coreml-q4"), "--target", "coreml",
                            "--quant", "moe-q4", "--force"]),
+        ("executorch moe-q4", [moetool, "export", str(tuned), "-o", str(root / "executorch-q4"), "--target",
+                               "executorch", "--quant", "moe-q4", "--force"]),
     ]  # fmt: skip
     if experts:  # the merge, then every edit of `moetool experts` on it
         stages = stages[:1] + _edit_stages(root, moe, paths, texts)

@@ -47,10 +47,11 @@ def test_executorch_fp32_mixtral(models, tmp_path):
     man = export(models["mixtral"], tmp_path / "et", target="executorch", quant="f32", console=Console(file=log))
     # each slow stage is announced as it starts (minutes on a 30-layer model), in order, with the elapsed seconds
     lines = log.getvalue().splitlines()
-    stages = ["loading", "torch.export", "lowering", "serializing", "checking the program in executorch.runtime"]
+    stages = ["reading", "torch.export", "lowering", "serializing", "checking the programs in executorch.runtime"]
     at = [next(i for i, line in enumerate(lines) if stage in line and " s  " in line) for stage in stages]
     assert at == sorted(at), log.getvalue()
     assert man["files"].keys() == {"model.pte"} and _worst(man["parity"]) <= 1e-4
+    assert man["programs"] == [{"file": "model.pte", "layers": [0, 2]}]
     # every expert runs: XNNPACK cannot select experts in the graph (the reason is recorded for the reader)
     moe = man["moe_kernel"]
     assert moe["kind"] == "dense-masked" and moe["layers"] == 2 and "XNNPACK" in moe["reason"]
@@ -63,6 +64,19 @@ def test_executorch_quantized_experts_qwen2_moe(models, tmp_path):
     assert man["quantized_linears"] == {"int4": 12, "int8": 21}
     assert sum("not a multiple of 32" in n for n in man["notes"]) == 6
     assert 0.5 < man["parity"]["top1_agreement"] <= 1.0
+
+
+def test_executorch_chunks_streamed(models, tmp_path):
+    """One program per decoder layer (--chunk-layers 1), each lowered from its layer alone, run in sequence in
+    executorch.runtime (hidden states and each program's own cache passed along) and held to the fp32 gate."""
+    man = export(models["mixtral"], tmp_path / "et", target="executorch", quant="f32", chunk_layers=1)
+    assert man["programs"] == [
+        {"file": "model_chunk00.pte", "layers": [0, 1]},
+        {"file": "model_chunk01.pte", "layers": [1, 2]},
+    ]
+    assert man["files"].keys() == {"model_chunk00.pte", "model_chunk01.pte"}
+    assert _worst(man["parity"]) <= 1e-4 and man["parity"]["decode"]["steps"] == 8
+    assert man["moe_kernel"]["layers"] == 2
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

@@ -81,10 +81,10 @@ def resolve_quant(
     return spec
 
 
-# exporter options (ExportRequest.options) and the command-line flag and the one target that reads each
+# exporter options (ExportRequest.options): the command-line flag, and the targets that read it (space-separated)
 TARGET_OPTIONS: dict[str, tuple[str, str]] = {
     "compute_units": ("--compute-units", "coreml"),
-    "chunk_layers": ("--chunk-layers", "coreml"),
+    "chunk_layers": ("--chunk-layers", "coreml executorch"),
     "moe_kernel": ("--moe-kernel", "onnx"),
     "accuracy_level": ("--accuracy-level", "onnx"),
 }
@@ -97,9 +97,11 @@ def check_target_options(target: str, options: Mapping[str, object]) -> None:
         ExportError: naming the flag, the target that reads it and the one planned.
     """
     for key, value in options.items():
-        flag, reader = TARGET_OPTIONS[key]
-        if value is not None and target != reader:
-            raise ExportError(f"{flag} {value}: only the {reader} target reads it, not {target}; leave it out")
+        flag, readers = TARGET_OPTIONS[key]
+        if value is not None and target not in readers.split():
+            which = " and ".join(readers.split())
+            reads = "targets read" if " " in readers else "target reads"
+            raise ExportError(f"{flag} {value}: only the {which} {reads} it, not {target}; leave it out")
 
 
 def target_options(target: str, opts: ExportOptions) -> dict[str, Any]:

@@ -9,40 +9,35 @@ balanced: layer counts differ by at most one.
 
 from __future__ import annotations
 
-import itertools
-import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from moetool.export.base import ExportError
-from moetool.export.graph.model import causal_mask
+from moetool.export.graph.chunk import ChunkRunner, chain_calls
+from moetool.export.graph.chunk import chunk_ranges as ranges_of
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from moetool.export.graph.parity import Batch, Call
     from moetool.export.graph.stream import StreamedExport
 
 __all__ = ["CHUNK_BYTES", "chunk_batch", "chunk_file", "chunk_ranges"]
 
-# decoder layers' float32 weights per package, by default: coremltools holds a chunk about five times over while it
-# converts it, so this bounds the conversion near 2.5 GB whatever the model's size
-CHUNK_BYTES = 512 << 20
+# decoder layers' float32 weights per package, by default: coremltools holds a chunk (and the embedding or head of
+# the first and last) about five times over while it converts it; at 512 MiB the 360M-shaped rung peaked at 4.36 GB,
+# twice its bf16 bytes
+CHUNK_BYTES = 256 << 20
 
 
 def chunk_ranges(n_layers: int, layer_bytes: int, chunk_layers: int | None = None) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each chunk's layers: ``chunk_layers`` per chunk at most (None: as many as
-    :data:`CHUNK_BYTES` of float32 layers hold, at least one), balanced.
+    """:func:`moetool.export.graph.chunk.chunk_ranges` at Core ML's :data:`CHUNK_BYTES`.
 
     Raises:
         ExportError: ``chunk_layers`` below 1.
     """
-    if chunk_layers is not None and chunk_layers < 1:
-        raise ExportError(f"--chunk-layers {chunk_layers}: a chunk holds at least one decoder layer")
-    per = chunk_layers or max(1, CHUNK_BYTES // max(1, layer_bytes))
-    count = math.ceil(n_layers / per)
-    bounds = [round(i * n_layers / count) for i in range(count + 1)]
-    return list(itertools.pairwise(bounds))
+    return ranges_of(n_layers, layer_bytes, CHUNK_BYTES, chunk_layers)
 
 
 def chunk_file(index: int, count: int) -> str:
@@ -51,26 +46,31 @@ def chunk_file(index: int, count: int) -> str:
 
 
 def chunk_batch(src: StreamedExport, ranges: list[tuple[int, int]], capacity: int) -> Batch:
-    """Every parity call through the chain of :class:`StatefulChunk` wrappers that was converted, one chunk at a time:
-    each chunk's layers are read from the checkpoint once and run over all the calls (its cache reset at each
-    prefill), their hidden states kept for the next chunk. Memory: one chunk's float32 layers and the calls' hidden
-    states."""
+    """Every parity call through the chain of :class:`StatefulChunk` wrappers that was converted, one chunk at a time
+    (:func:`moetool.export.graph.chunk.chain_calls`): each chunk's layers are read from the checkpoint once more and
+    run over all the calls. Memory: one chunk's float32 layers and the calls' hidden states."""
     from moetool.export.coreml.stateful import StatefulChunk
 
-    def run(calls: list[Call]) -> list[np.ndarray]:
-        xs: list[torch.Tensor] = [torch.from_numpy(ids) for ids, _ in calls]
-        for c, (start, stop) in enumerate(ranges):
-            blocks = {i: src.block(i) for i in range(start, stop)}
+    def opener(c: int, span: tuple[int, int]) -> Callable[[], ChunkRunner]:
+        def open_chunk() -> ChunkRunner:
+            blocks = {i: src.block(i) for i in range(*span)}
             chunk = StatefulChunk(src.em, blocks, capacity, first=c == 0, last=c == len(ranges) - 1).eval()
-            with torch.no_grad():
-                for j, (ids, pos) in enumerate(calls):
-                    if pos is None:  # a new sequence: an empty cache
-                        chunk.reset()
-                    t, past = ids.shape[1], pos or 0
-                    xs[j] = chunk(xs[j], torch.arange(past, past + t)[None], causal_mask(t, past))
-            del chunk, blocks
-            for i in range(start, stop):
-                src.drop(i)
-        return [x.numpy() for x in xs]
+            for i in range(*span):  # the wrapper holds the blocks' weights now; the transformers layers can go
+                src.meta.layers[i].to("meta")
 
-    return run
+            def run(
+                x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, past: list[torch.Tensor] | None
+            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                if past is None:  # the cache is the wrapper's state: emptied for a new sequence
+                    chunk.reset()
+                with torch.no_grad():
+                    return chunk(x, pos, mask), []
+
+            return run
+
+        return open_chunk
+
+    def run_all(calls: list[Call]) -> list[np.ndarray]:
+        return chain_calls(calls, (opener(c, span) for c, span in enumerate(ranges)))
+
+    return run_all

@@ -240,7 +240,11 @@ class CoreMLExporter(GraphExporter):
             for c, span in enumerate(ranges):
                 step(f"converting layers {span[0]}–{span[1] - 1} (chunk {c + 1} of {len(ranges)}) with coremltools")
                 wrapper = _package(src, span, capacity, (c == 0, c == len(ranges) - 1))
-                ml, done = compress(convert(wrapper, fp16, units), plan.precisions(), fp16)
+                ml = convert(wrapper, fp16, units)
+                del wrapper  # the program holds its own copy: the torch weights go before it is compressed
+                for i in range(*span):
+                    src.drop(i)
+                ml, done = compress(ml, plan.precisions(), fp16)
                 applied |= done
                 path = tmp / chunk_file(c, len(ranges))
                 ml.save(str(path))
@@ -249,9 +253,7 @@ class CoreMLExporter(GraphExporter):
                     raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
                 packages.append({"file": path.name, "layers": [span[0], span[1]], "structure": info})
                 infos.append(info)
-                del ml, wrapper
-                for i in range(*span):
-                    src.drop(i)
+                del ml
             parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
                 parity = self._verify(req, plan, src, ranges, capacity, step)

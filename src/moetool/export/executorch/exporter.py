@@ -1,41 +1,61 @@
-"""``moetool export --target executorch``: ExportLM → one ``.pte`` with two methods, ``forward`` (prefill, dynamic
-length) and ``decode`` (one token against a KV cache of dynamic length), lowered to XNNPACK; parity through
+"""``moetool export --target executorch``: programs with two methods each, ``forward`` (prefill, dynamic length)
+and ``decode`` (one token against a KV cache of dynamic length), lowered to XNNPACK; parity through
 ``executorch.runtime``. Weights are quantized per the plan with torchao before export (int8 or int4 groupwise,
-dynamic int8 activations: the forms XNNPACK runs), by module name, so the router and norms stay fp32."""
+dynamic int8 activations: the forms XNNPACK runs), by module name, so the router and norms stay fp32.
+
+Streamed, in chunks: the model is never held whole (:mod:`moetool.export.graph.stream`). Each chunk of consecutive
+decoder layers (:class:`~moetool.export.graph.chunk.ExportChunk`) is read from the checkpoint, quantized, exported,
+lowered and written as its own program, then dropped; a model whose layers fit one chunk is one ``model.pte``
+(``input_ids`` in, ``logits`` out), a larger one ``model_chunk00.pte`` … run in sequence, hidden states passed on,
+each chunk's KV cache its own inputs and outputs. The check runs the programs chunk by chunk over the parity calls.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from torch import nn
     from torch.export import ExportedProgram
 
+    from moetool.export.graph.parity import Batch, Call
+
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
+from moetool.export.graph.chunk import ChunkRunner, ExportChunk, chain_calls, chunk_ranges
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import ExportLM, causal_mask, prefill_inputs
 from moetool.export.graph.moe_kernel import dense_moe_kernel
-from moetool.export.graph.parity import Decode, Prefill
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
-from moetool.io.jsontypes import JsonObject
-from moetool.progress import Step
+from moetool.io.budget import Need, human
+from moetool.io.jsontypes import JsonObject, JsonValue
+from moetool.progress import Step, step_printer
 
 
-def export_programs(model: ExportLM) -> tuple[ExportedProgram, ExportedProgram]:
+def _first_input(model: ExportLM | ExportChunk, t: int) -> torch.Tensor:
+    """An example of the model's first input over ``t`` positions: token ids, or a chunk's hidden states."""
+    if getattr(model, "first", True):
+        return torch.randint(0, 10, (1, t))
+    return torch.zeros(1, t, int(getattr(model, "hidden_size", 0)))
+
+
+def export_programs(model: ExportLM | ExportChunk) -> tuple[ExportedProgram, ExportedProgram]:
     """torch.export both methods (strict tracing: the non-strict path adds stride guards it then rejects)."""
 
     seq = torch.export.Dim("seq", min=2, max=4096)
+    _, pos, mask = prefill_inputs(torch.zeros(1, 8, dtype=torch.long))
     pre = torch.export.export(
         model,
-        prefill_inputs(torch.randint(0, 10, (1, 8))),
+        (_first_input(model, 8), pos, mask),
         dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
         strict=True,
     )
@@ -44,7 +64,7 @@ def export_programs(model: ExportLM) -> tuple[ExportedProgram, ExportedProgram]:
     past = [torch.zeros(1, model.n_kv, p, model.head_dim) for _ in range(2 * model.n_layers)]
     dec = torch.export.export(
         model,
-        (torch.tensor([[1]]), torch.tensor([[p]]), causal_mask(1, p), *past),
+        (_first_input(model, 1), torch.tensor([[p]]), causal_mask(1, p), *past),
         dynamic_shapes=(None, None, {3: past_len + 1}, tuple({2: past_len} for _ in past)),
         strict=True,
     )
@@ -86,7 +106,7 @@ def quantize_modules(model: nn.Module, precisions: dict[str, str]) -> tuple[dict
     return counts, notes
 
 
-def lower(model: ExportLM, step: Step | None = None) -> bytes:
+def lower(model: ExportLM | ExportChunk, step: Step | None = None) -> bytes:
     """Both methods of ``model`` lowered to XNNPACK: the ``.pte`` program's bytes."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
@@ -101,57 +121,176 @@ def lower(model: ExportLM, step: Step | None = None) -> bytes:
     return buffer
 
 
-def _pte_runners(path: Path) -> tuple[Prefill, Decode]:
-    """Prefill and decode calls into the program's two methods through ``executorch.runtime``."""
+def _program_runner(path: Path) -> ChunkRunner:
+    """One program's two methods through ``executorch.runtime``, as a chunk of the chain
+    (:func:`moetool.export.graph.chunk.chain_calls`): no past is a prefill (``forward``), else ``decode``."""
     from executorch.runtime import Runtime
 
     program = Runtime.get().load_program(str(path))
     fwd, step = program.load_method("forward"), program.load_method("decode")
 
-    def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[Any]]:
-        out = fwd.execute(list(prefill_inputs(torch.from_numpy(ids))))
-        return out[0].numpy(), list(out[1:])
+    def run(
+        x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, past: list[torch.Tensor] | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        out = fwd.execute([x, pos, mask]) if past is None else step.execute([x, pos, mask, *past])
+        return out[0], list(out[1:])
 
-    def decode(ids: np.ndarray, pos: int, past: list[Any]) -> tuple[np.ndarray, list[Any]]:
-        out = step.execute([torch.from_numpy(ids), torch.tensor([[pos]]), causal_mask(1, pos), *past])
-        return out[0].numpy(), list(out[1:])
+    return run
 
-    return prefill, decode
+
+def program_batch(paths: list[Path]) -> Batch:
+    """Every parity call through the programs at ``paths`` in sequence, one program loaded at a time."""
+
+    def opener(path: Path) -> Callable[[], ChunkRunner]:
+        return lambda: _program_runner(path)
+
+    def run_all(calls: list[Call]) -> list[np.ndarray]:
+        return chain_calls(calls, (opener(p) for p in paths))
+
+    return run_all
+
+
+def _prefixed(step: Step, where: str) -> Step:
+    """``step`` announcing each stage after ``where`` (which program of several)."""
+
+    def announce(what: str) -> None:
+        step(where + what)
+
+    return announce
+
+
+def program_file(index: int, count: int) -> str:
+    """The program name of chunk ``index`` of ``count``: ``model.pte`` when the model is one chunk."""
+    return "model.pte" if count == 1 else f"model_chunk{index:02d}.pte"
+
+
+# decoder layers' float32 weights per program, by default: torchao's quantization, torch.export and XNNPACK's
+# lowering hold a chunk (and the embedding or head of the first and last) several times over
+CHUNK_BYTES = 256 << 20
+# peak RSS as a multiple of what one chunk converts (its layers, and the embedding and head where it holds them):
+# 12.2× the float32 weights for the real MoE exported whole (15.7 GB for 1.29 GB)
+LOWER_MULTIPLE = 12.2
+RUNTIME = 768 << 20  # torch, executorch and the exported graphs
+
+
+def _ranges(req: ExportRequest, plan: GraphPlan) -> list[tuple[int, int]]:
+    from moetool.compute.upcast import layer_bytes
+
+    _, layer = layer_bytes(plan.config, plan.quant.total_params)
+    given = req.options.get("chunk_layers")
+    return chunk_ranges(
+        int(plan.config["num_hidden_layers"]), layer, CHUNK_BYTES, None if given is None else int(given)
+    )
+
+
+def executorch_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
+    """Memory and disk of an ExecuTorch export of ``plan`` in ``ranges``' chunks: lowering holds the largest chunk
+    with the weights outside the layers :data:`LOWER_MULTIPLE` times; verification holds the transformers reference
+    (held in float32 or streamed) beside one chunk's program."""
+    from moetool.compute.upcast import layer_bytes
+    from moetool.export.reference import VERIFY_OVERHEAD, held_reference, streamed_need
+
+    params = plan.quant.total_params
+    outside, layer = layer_bytes(plan.config, params)
+    most = max(b - a for a, b in ranges)
+    lowering = int(LOWER_MULTIPLE * (most * layer + outside)) + RUNTIME
+    held = held_reference(params, plan.config)
+    reference = params * 4 + VERIFY_OVERHEAD if held else streamed_need(params, plan.config)
+    verifying = reference + outside + most * layer
+    chunks = f"{len(ranges)} program{'s' * (len(ranges) > 1)} of up to {most} layers"
+    return Need(
+        stage="executorch export",
+        memory=max(lowering, verifying) if verify else lowering,
+        memory_detail=f"lowered in {chunks} ({human(lowering)})",
+        disk=plan.quant.total_bytes,
+        output=output,
+        way_out="Export in smaller chunks (--chunk-layers), with --no-verify, or on a machine with more memory",
+    )
 
 
 class ExecuTorchExporter(GraphExporter):
-    peak_multiple, peak_measured = 12.2, True  # 15.7 GB for the 1.29 GB (float32) real MoE
+    """Streamed: lowered a chunk of decoder layers at a time from the checkpoint; the model is never held whole."""
+
     name = "executorch"
     requires = "executorch"
     runtime_modules = ("executorch",)
 
-    def write(
-        self, req: ExportRequest, plan: GraphPlan, hf: nn.Module, em: ExportLM, *, started: float, step: Step
-    ) -> JsonObject:
+    def check(self, req: ExportRequest) -> None:
+        given = req.options.get("chunk_layers")
+        if given is not None:
+            chunk_ranges(1, 1, CHUNK_BYTES, int(given))  # refuses a chunk of no layers
 
-        if not is_float_plan(plan):
-            step("quantizing the linear layers with torchao")
-        counts, qnotes = quantize_modules(em, plan.precisions())
-        buf = lower(em, step)
+    def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
+        return executorch_need(plan, _ranges(req, plan), verify=req.verify, output=req.output)
+
+    def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
+        from moetool.export.graph.stream import streamed_export_model
+
+        self.ready(req, plan)
+        started = time.perf_counter()
+        step = step_printer(console, started)
+        ranges = _ranges(req, plan)
+        step(f"reading {req.model_dir} outside its decoder layers")
+        src = streamed_export_model(req.model_dir)
+        counts = {"int8": 0, "int4": 0}
+        notes: list[str] = []
+        programs: list[JsonValue] = []
+        paths: list[Path] = []
         with atomic_dir(req.output, force=req.force) as tmp:
-            path = tmp / "model.pte"
-            path.write_bytes(buf)
+            for c, span in enumerate(ranges):
+                n = len(ranges)
+                where = f"layers {span[0]}–{span[1] - 1}, program {c + 1} of {n}: " if n > 1 else ""
+                blocks = {i: src.block(i) for i in range(*span)}
+                chunk = ExportChunk(src.em, blocks, first=c == 0, last=c == n - 1).eval()
+                if not is_float_plan(plan):
+                    step(f"{where}quantizing the linear layers with torchao")
+                done, qnotes = quantize_modules(chunk, plan.precisions())
+                for i in range(*span):  # the quantized weights replace the float ones, which can go now
+                    src.drop(i)
+                counts = {k: counts[k] + done[k] for k in counts}
+                notes += qnotes
+                path = tmp / program_file(c, n)
+                path.write_bytes(lower(chunk, _prefixed(step, where)))
+                paths.append(path)
+                programs.append({"file": path.name, "layers": [span[0], span[1]]})
+                del chunk, blocks
+            moe_layers = src.em.moe_layers()
             parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
-                step("checking the program in executorch.runtime against transformers")
-                prefill, decode = _pte_runners(path)
-                ref_model = ExportLM(hf).eval()  # em was quantized in place; the wrapper figure is for the float one
-                gate_as = "ExecuTorch (fp32)" if is_float_plan(plan) else None
-                runtime = "executorch (XNNPACK)"
-                parity = runtime_parity(req, hf, ref_model, prefill, decode, runtime=runtime, gate_as=gate_as)
+                step("checking the programs in executorch.runtime against transformers")
+                parity = _verify(req, plan, paths)
             fields: JsonObject = {
                 "runtime": "executorch.runtime, XNNPACK delegate",
+                "export": "streamed: lowered one chunk of decoder layers at a time from the checkpoint",
                 "methods": {"forward": "prefill", "decode": "one token with KV cache"},
+                "programs": programs,
                 "quantized_linears": {**counts},
-                "moe_kernel": dense_moe_kernel("executorch", em.moe_layers()),
+                "moe_kernel": dense_moe_kernel("executorch", moe_layers),
             }
-            files = {"model.pte": path}
+            files = {p.name: p for p in paths}
             manifest = finish_graph_manifest(
-                tmp, "executorch", plan, files, "model.pte", fields, parity=parity, started=started, notes=qnotes
+                tmp, "executorch", plan, files, paths[0].name, fields, parity=parity, started=started, notes=notes
             )
         return manifest
+
+
+def _verify(req: ExportRequest, plan: GraphPlan, paths: list[Path]) -> ParityRecord:
+    """The programs run in sequence (:func:`program_batch`) against transformers, held in float32 for a small model
+    (with the whole float ExportLM over its weights as the conversion's own figure), else streamed from disk."""
+    from moetool.export.reference import held_reference, reference_label, reference_model, stored_dtype
+
+    held = held_reference(plan.quant.total_params, plan.config)
+    storage = "float32" if held else stored_dtype(plan.config)
+    ref = reference_model(req.model_dir, getattr(torch, storage), streamed=not held)
+    gate_as = "ExecuTorch (fp32)" if is_float_plan(plan) else None
+    return runtime_parity(
+        req,
+        ref,
+        ExportLM(ref).eval() if held else None,
+        None,
+        None,
+        runtime="executorch (XNNPACK)",
+        gate_as=gate_as,
+        reference=reference_label(storage, not held),
+        batch=program_batch(paths),
+    )
