@@ -218,7 +218,13 @@ def print_manifest(output: Path | str, manifest: Manifest) -> None:
 
     where = Path(output) / manifest.file if manifest.file else Path(output)
     size = manifest.artifact_bytes
-    out.print(f"[green]wrote[/] {where}" + (f" ({human(size)})" if size else ""))
+    pieces = manifest.get("chunks") or manifest.get("programs")  # Core ML, ExecuTorch converted in chunks
+    if isinstance(pieces, list) and len(pieces) > 1:
+        where = Path(output)
+        size_text = f" ({len(pieces)} chunks run in sequence, {human(size)})" if size else ""
+    else:
+        size_text = f" ({human(size)})" if size else ""
+    out.print(f"[green]wrote[/] {where}{size_text}")
     origin = manifest.origin
     if origin is not None:
         key, source, parity = origin
