@@ -170,6 +170,9 @@ CHUNK_BYTES = 256 << 20
 # peak RSS as a multiple of what one chunk converts (its layers, and the embedding and head where it holds them):
 # 12.2× the float32 weights for the real MoE exported whole (15.7 GB for 1.29 GB)
 LOWER_MULTIPLE = 12.2
+# torch.export's and the lowering's state that stays allocated after a chunk is done, as a share of its float32 layers:
+# 0.21 GB per two-layer chunk of the 360M-shaped rung (0.27 GB), which peaked at 8.64 GB over 16 chunks
+RETAINED = 0.8
 RUNTIME = 768 << 20  # torch, executorch and the exported graphs
 
 
@@ -185,18 +188,20 @@ def _ranges(req: ExportRequest, plan: GraphPlan) -> list[tuple[int, int]]:
 
 def executorch_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
     """Memory and disk of an ExecuTorch export of ``plan`` in ``ranges``' chunks: lowering holds the largest chunk
-    with the weights outside the layers :data:`LOWER_MULTIPLE` times; verification holds the transformers reference
-    (held in float32 or streamed) beside one chunk's program."""
+    with the weights outside the layers :data:`LOWER_MULTIPLE` times, above what the chunks lowered before it left
+    allocated (:data:`RETAINED`); verification holds the transformers reference (held in float32 or streamed) beside
+    one chunk's program and that left-over state."""
     from moetool.compute.upcast import layer_bytes
     from moetool.export.reference import VERIFY_OVERHEAD, held_reference, streamed_need
 
     params = plan.quant.total_params
     outside, layer = layer_bytes(plan.config, params)
     most = max(b - a for a, b in ranges)
-    lowering = int(LOWER_MULTIPLE * (most * layer + outside)) + RUNTIME
+    n_layers = ranges[-1][1]
+    lowering = int(LOWER_MULTIPLE * (most * layer + outside) + RETAINED * n_layers * layer) + RUNTIME
     held = held_reference(params, plan.config)
     reference = params * 4 + VERIFY_OVERHEAD if held else streamed_need(params, plan.config)
-    verifying = reference + outside + most * layer
+    verifying = reference + outside + most * layer + int(RETAINED * n_layers * layer)
     chunks = f"{len(ranges)} program{'s' * (len(ranges) > 1)} of up to {most} layers"
     return Need(
         stage="executorch export",
