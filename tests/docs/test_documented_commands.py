@@ -379,6 +379,7 @@ COMMANDS: list[Cmd] = [
     helponly(".venv/bin/python bench/sharded_tuning.py --rung 360m --processes 1,2,4 --ddp 2", BENCH),
     helponly(".venv/bin/python bench/seven_b.py --quant moe-q4", BENCH),
     helponly(".venv/bin/python bench/seven_b.py --quant moe-q4 --only merge,eval", BENCH),
+    helponly('.venv/bin/python bench/seven_b.py --quant moe-q4 --only "merge,gguf moe-q4" --budget 8G', BENCH),
     helponly(".venv/bin/python bench/seven_b.py --layers 6 --budget 12G --quant moe-q4 --only merge,eval", BENCH),
     helponly(
         '.venv/bin/python bench/seven_b.py --layers 2 --budget 8G --quant moe-q4 --only "merge,gguf moe-q4,llama.cpp route"',
