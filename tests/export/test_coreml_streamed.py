@@ -12,7 +12,8 @@ from moetool.api import export, plan_export
 from moetool.compute.upcast import float32_overhead, layer_bytes
 from moetool.export import ExportError
 from moetool.export.coreml import exporter
-from moetool.export.coreml.chunks import chunk_ranges
+from moetool.export.coreml.chunks import CHUNK_BYTES
+from moetool.export.graph.chunk import chunk_ranges
 from moetool.export.reference import VERIFY_OVERHEAD, streamed_need
 from moetool.io.budget import BudgetError
 from moetool.io.checkpoint import Checkpoint
@@ -26,12 +27,14 @@ def deep_moe(tmp_path_factory):
 
 
 def test_chunks_are_balanced_and_sized_by_float32_bytes():
-    assert chunk_ranges(8, 100, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert chunk_ranges(30, 100, 12) == [(0, 10), (10, 20), (20, 30)]  # 3 chunks of 10, not 12 + 12 + 6
-    assert chunk_ranges(4, 1, None) == [(0, 4)]  # a small model is one package
-    assert len(chunk_ranges(24, 900 << 20, None)) == 24  # a layer over the chunk size is a chunk of its own
+    assert chunk_ranges(8, 100, CHUNK_BYTES, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert chunk_ranges(30, 100, CHUNK_BYTES, 12) == [(0, 10), (10, 20), (20, 30)]  # 3 chunks of 10, not 12 + 12 + 6
+    assert chunk_ranges(4, 1, CHUNK_BYTES, None) == [(0, 4)]  # a small model is one package
+    assert (
+        len(chunk_ranges(24, 900 << 20, CHUNK_BYTES, None)) == 24
+    )  # a layer over the chunk size is a chunk of its own
     with pytest.raises(ExportError, match="at least one decoder layer"):
-        chunk_ranges(8, 100, 0)
+        chunk_ranges(8, 100, CHUNK_BYTES, 0)
 
 
 def test_converted_a_chunk_at_a_time_and_checked_against_a_streamed_reference(deep_moe, tmp_path, monkeypatch):
@@ -45,7 +48,10 @@ def test_converted_a_chunk_at_a_time_and_checked_against_a_streamed_reference(de
     held = params * 2 + float32_overhead(params, config) + VERIFY_OVERHEAD
     assert low < held
     monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str((low + held) // 2))
-    assert exporter.coreml_need(plan, chunk_ranges(8, layer, 2), verify=True, output=tmp_path / "x").memory == low
+    assert (
+        exporter.coreml_need(plan, chunk_ranges(8, layer, CHUNK_BYTES, 2), verify=True, output=tmp_path / "x").memory
+        == low
+    )
     before = live_tensor_bytes()  # what earlier tests (module fixtures, caches) left alive in this process
     peak = [0]
     convert = exporter.convert

@@ -4,6 +4,7 @@ memory available. Every exporter that verifies against transformers (GGUF, ONNX)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,9 @@ if TYPE_CHECKING:
 __all__ = [
     "HELD_REFERENCE_LIMIT",
     "VERIFY_OVERHEAD",
+    "GraphReference",
+    "graph_reference",
+    "graph_reference_need",
     "held_reference",
     "reference_dtype",
     "reference_label",
@@ -87,6 +91,34 @@ def held_reference(params: int, config: dict[str, Any]) -> bool:
     Larger ones are streamed from disk one layer at a time, the same figures for one layer's memory, so the export's
     peak is the artifact's, not the model held whole."""
     return params * 4 <= HELD_REFERENCE_LIMIT and not stream_reference(params, config)
+
+
+def graph_reference_need(params: int, config: dict[str, Any]) -> tuple[int, bool]:
+    """(bytes, held) of a graph target's reference (:func:`graph_reference`): the float32 model and the
+    verification's allowance when :func:`held_reference`, else a streamed reference's (:func:`streamed_need`)."""
+    held = held_reference(params, config)
+    return (params * 4 + VERIFY_OVERHEAD if held else streamed_need(params, config)), held
+
+
+@dataclass(frozen=True)
+class GraphReference:
+    """The transformers model a graph artifact is checked against, how its parity record names it, and whether it is
+    held in float32 (then the torch export model over its weights can be checked too) or streamed from disk."""
+
+    model: nn.Module
+    label: str
+    held: bool
+
+
+def graph_reference(path: Path, params: int, config: dict[str, Any]) -> GraphReference:
+    """The reference of a graph target's check (ONNX, Core ML, ExecuTorch): held in float32 for a small model
+    (:func:`held_reference`), else streamed from disk one layer at a time over the checkpoint's own dtype."""
+    import torch
+
+    held = held_reference(params, config)
+    storage = "float32" if held else stored_dtype(config)
+    model = reference_model(Path(path), getattr(torch, storage), streamed=not held)
+    return GraphReference(model, reference_label(storage, not held), held)
 
 
 def reference_model(

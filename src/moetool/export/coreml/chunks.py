@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from moetool.export.graph.chunk import ChunkRunner, chain_calls
-from moetool.export.graph.chunk import chunk_ranges as ranges_of
 
 if TYPE_CHECKING:
     import numpy as np
@@ -23,21 +22,12 @@ if TYPE_CHECKING:
     from moetool.export.graph.parity import Batch, Call
     from moetool.export.graph.stream import StreamedExport
 
-__all__ = ["CHUNK_BYTES", "chunk_batch", "chunk_file", "chunk_ranges"]
+__all__ = ["CHUNK_BYTES", "chunk_batch", "chunk_file"]
 
 # decoder layers' float32 weights per package, by default: coremltools holds a chunk (and the embedding or head of
 # the first and last) about five times over while it converts it; at 512 MiB the 360M-shaped rung peaked at 4.36 GB,
 # twice its bf16 bytes
 CHUNK_BYTES = 256 << 20
-
-
-def chunk_ranges(n_layers: int, layer_bytes: int, chunk_layers: int | None = None) -> list[tuple[int, int]]:
-    """:func:`moetool.export.graph.chunk.chunk_ranges` at Core ML's :data:`CHUNK_BYTES`.
-
-    Raises:
-        ExportError: ``chunk_layers`` below 1.
-    """
-    return ranges_of(n_layers, layer_bytes, CHUNK_BYTES, chunk_layers)
 
 
 def chunk_file(index: int, count: int) -> str:
@@ -56,7 +46,7 @@ def chunk_batch(src: StreamedExport, ranges: list[tuple[int, int]], capacity: in
             blocks = {i: src.block(i) for i in range(*span)}
             chunk = StatefulChunk(src.em, blocks, capacity, first=c == 0, last=c == len(ranges) - 1).eval()
             for i in range(*span):  # the wrapper holds the blocks' weights now; the transformers layers can go
-                src.meta.layers[i].to("meta")
+                src.drop(i)
 
             def run(
                 x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, past: list[torch.Tensor] | None

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
-from moetool.export.coreml.chunks import chunk_batch, chunk_file, chunk_ranges
+from moetool.export.coreml.chunks import CHUNK_BYTES, chunk_batch, chunk_file
 from moetool.export.coreml.stateful import StatefulChunk
+from moetool.export.graph.chunk import chunk_layers, planned_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import causal_mask
 from moetool.export.parity import ParityRecord
@@ -152,11 +153,6 @@ def _compute_units(req: ExportRequest) -> str:
     return units
 
 
-def _chunk_layers(req: ExportRequest) -> int | None:
-    given = req.options.get("chunk_layers")
-    return None if given is None else int(given)
-
-
 # coremltools holds what it converts about five times over its float32 weights (traced constants, MIL's float32 and
 # float16 copies, the compressed ones, the serialised blob): 6.5 GB for the 1.29 GB real MoE converted whole
 CONVERT_MULTIPLE = 5.0
@@ -167,16 +163,15 @@ def coreml_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool,
     """Memory and disk of a Core ML export of ``plan`` in ``ranges``' chunks: converting holds the weights outside
     the layer stack and the largest chunk (with the embedding and head, which the first and last chunks convert)
     :data:`CONVERT_MULTIPLE` times; verification holds the transformers reference (held in float32 or streamed,
-    :func:`moetool.export.reference.held_reference`) beside one chunk of the converted wrappers."""
+    :func:`moetool.export.reference.graph_reference_need`) beside one chunk of the converted wrappers."""
     from moetool.compute.upcast import layer_bytes
-    from moetool.export.reference import VERIFY_OVERHEAD, held_reference, streamed_need
+    from moetool.export.reference import graph_reference_need
 
     params = plan.quant.total_params
     outside, layer = layer_bytes(plan.config, params)
     chunk = max(b - a for a, b in ranges) * layer
     converting = int(CONVERT_MULTIPLE * (chunk + outside)) + RUNTIME
-    held = held_reference(params, plan.config)
-    reference = params * 4 + VERIFY_OVERHEAD if held else streamed_need(params, plan.config)
+    reference, held = graph_reference_need(params, plan.config)
     verifying = reference + outside + chunk  # the reference's allowance covers the runtime
     how = "held in float32" if held else "streamed from disk, one float32 layer at a time"
     chunks = f"{len(ranges)} chunk{'s' * (len(ranges) > 1)} of up to {max(b - a for a, b in ranges)} layers"
@@ -190,13 +185,6 @@ def coreml_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool,
         output=output,
         way_out="Export in smaller chunks (--chunk-layers), with --no-verify, or on a machine with more memory",
     )
-
-
-def _ranges(req: ExportRequest, plan: GraphPlan) -> list[tuple[int, int]]:
-    from moetool.compute.upcast import layer_bytes
-
-    _, layer = layer_bytes(plan.config, plan.quant.total_params)
-    return chunk_ranges(int(plan.config["num_hidden_layers"]), layer, _chunk_layers(req))
 
 
 def _package(src: StreamedExport, span: tuple[int, int], capacity: int, ends: tuple[bool, bool]) -> StatefulChunk:
@@ -215,12 +203,10 @@ class CoreMLExporter(GraphExporter):
 
     def check(self, req: ExportRequest) -> None:
         _compute_units(req)
-        layers = _chunk_layers(req)
-        if layers is not None:
-            chunk_ranges(1, 1, layers)  # refuses a chunk of no layers
+        chunk_layers(req)
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
-        return coreml_need(plan, _ranges(req, plan), verify=req.verify, output=req.output)
+        return coreml_need(plan, planned_chunks(req, plan, CHUNK_BYTES), verify=req.verify, output=req.output)
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
         from moetool.export.graph.stream import streamed_export_model
@@ -231,7 +217,7 @@ class CoreMLExporter(GraphExporter):
         units = _compute_units(req)
         capacity = min(int(plan.config.get("max_position_embeddings", 2048)), plan.context)
         fp16 = True  # Core ML states are fp16 only, so the program computes in fp16; fp32 means "no compression"
-        ranges = _ranges(req, plan)
+        ranges = planned_chunks(req, plan, CHUNK_BYTES)
         src = streamed_export_model(req.model_dir)
         packages: list[JsonValue] = []
         infos: list[JsonObject] = []
@@ -285,23 +271,20 @@ class CoreMLExporter(GraphExporter):
         """The converted wrappers, run chunk by chunk (:func:`chunk_batch`), against transformers (held in float32
         for a small model, with the whole ExportLM over its weights as the conversion's own figure; else streamed)."""
         from moetool.export.graph.model import ExportLM
-        from moetool.export.reference import held_reference, reference_label, reference_model, stored_dtype
+        from moetool.export.reference import graph_reference
 
-        held = held_reference(plan.quant.total_params, plan.config)
-        storage = "float32" if held else stored_dtype(plan.config)
-        how = "held in float32" if held else "streamed from disk one layer at a time"
-        step(f"checking the converted wrappers against transformers ({how}; Core ML predicts only on macOS)")
-        ref = reference_model(req.model_dir, getattr(torch, storage), streamed=not held)
+        ref = graph_reference(req.model_dir, plan.quant.total_params, plan.config)
+        step(f"checking the converted wrappers against {ref.label} (Core ML predicts only on macOS)")
         parity = runtime_parity(
             req,
-            ref,
-            ExportLM(ref).eval() if held else None,
+            ref.model,
+            ExportLM(ref.model).eval() if ref.held else None,
             None,
             None,
             runtime="torch: the StatefulChunk wrappers that were converted, in sequence",
             gate_as="Core ML wrapper",
             seq_lens=(32, min(128, capacity)),
-            reference=reference_label(storage, not held),
+            reference=ref.label,
             batch=chunk_batch(src, ranges, capacity),
         )
         return replace(parity, runtime_not_run="not run: Core ML prediction needs macOS (scripts/coreml_parity_mac.py)")

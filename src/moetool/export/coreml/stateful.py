@@ -16,22 +16,10 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from moetool.export.graph.chunk import ExportChunk
 from moetool.export.graph.model import Block, ExportLM, attend, qkv_rope
 
 __all__ = ["StatefulChunk"]
-
-
-class _Body(nn.Module):
-    """The chunk's modules under the ExportLM's own names (``layers.5.attn.q.weight``), so the plan's precisions and
-    the converted program's weight names read the same whichever chunk holds a layer."""
-
-    def __init__(self, em: ExportLM, blocks: Mapping[int, Block], first: bool, last: bool) -> None:
-        super().__init__()
-        self.embed = em.embed if first else None
-        self.layers = nn.ModuleDict({str(i): b for i, b in blocks.items()})
-        self.norm = em.norm if last else None
-        self.lm_head = em.lm_head if last else None
-        self.rope = em.rope
 
 
 class StatefulChunk(nn.Module):
@@ -42,19 +30,15 @@ class StatefulChunk(nn.Module):
         self, em: ExportLM, blocks: Mapping[int, Block], capacity: int, *, first: bool = True, last: bool = True
     ) -> None:
         super().__init__()
-        self.model = _Body(em, blocks, first, last)
+        # the chunk's modules under the ExportLM's own names (``model.layers.5.attn.q.weight``), so the plan's
+        # precisions and the converted program's weight names read the same whichever chunk holds a layer
+        self.model = ExportChunk(em, blocks, first=first, last=last)
         self.capacity = capacity
         self.first, self.last = first, last
-        self.layer_range = (min(blocks), max(blocks) + 1)
-        self.hidden_size = int(em.embed.weight.shape[1])
+        self.hidden_size = self.model.hidden_size
         shape = (len(blocks), 1, em.n_kv, capacity, em.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape))
         self.register_buffer("v_cache", torch.zeros(shape))
-
-    @classmethod
-    def whole(cls, em: ExportLM, capacity: int) -> StatefulChunk:
-        """Every layer of ``em`` in one chunk: ``input_ids`` in, ``logits`` out."""
-        return cls(em, dict(enumerate(em.blocks())), capacity)
 
     def reset(self) -> None:
         """An empty cache: what a new sequence starts from."""

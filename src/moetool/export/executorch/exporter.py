@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
-from moetool.export.graph.chunk import ChunkRunner, ExportChunk, chain_calls, chunk_ranges
+from moetool.export.graph.chunk import ChunkRunner, ExportChunk, chain_calls, chunk_layers, planned_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import ExportLM, causal_mask, prefill_inputs
 from moetool.export.graph.moe_kernel import dense_moe_kernel
@@ -176,31 +176,20 @@ RETAINED = 0.8
 RUNTIME = 768 << 20  # torch, executorch and the exported graphs
 
 
-def _ranges(req: ExportRequest, plan: GraphPlan) -> list[tuple[int, int]]:
-    from moetool.compute.upcast import layer_bytes
-
-    _, layer = layer_bytes(plan.config, plan.quant.total_params)
-    given = req.options.get("chunk_layers")
-    return chunk_ranges(
-        int(plan.config["num_hidden_layers"]), layer, CHUNK_BYTES, None if given is None else int(given)
-    )
-
-
 def executorch_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
     """Memory and disk of an ExecuTorch export of ``plan`` in ``ranges``' chunks: lowering holds the largest chunk
     with the weights outside the layers :data:`LOWER_MULTIPLE` times, above what the chunks lowered before it left
     allocated (:data:`RETAINED`); verification holds the transformers reference (held in float32 or streamed) beside
     one chunk's program and that left-over state."""
     from moetool.compute.upcast import layer_bytes
-    from moetool.export.reference import VERIFY_OVERHEAD, held_reference, streamed_need
+    from moetool.export.reference import graph_reference_need
 
     params = plan.quant.total_params
     outside, layer = layer_bytes(plan.config, params)
     most = max(b - a for a, b in ranges)
     n_layers = ranges[-1][1]
     lowering = int(LOWER_MULTIPLE * (most * layer + outside) + RETAINED * n_layers * layer) + RUNTIME
-    held = held_reference(params, plan.config)
-    reference = params * 4 + VERIFY_OVERHEAD if held else streamed_need(params, plan.config)
+    reference, _ = graph_reference_need(params, plan.config)
     verifying = reference + outside + most * layer + int(RETAINED * n_layers * layer)
     chunks = f"{len(ranges)} program{'s' * (len(ranges) > 1)} of up to {most} layers"
     return Need(
@@ -221,12 +210,10 @@ class ExecuTorchExporter(GraphExporter):
     runtime_modules = ("executorch",)
 
     def check(self, req: ExportRequest) -> None:
-        given = req.options.get("chunk_layers")
-        if given is not None:
-            chunk_ranges(1, 1, CHUNK_BYTES, int(given))  # refuses a chunk of no layers
+        chunk_layers(req)
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
-        return executorch_need(plan, _ranges(req, plan), verify=req.verify, output=req.output)
+        return executorch_need(plan, planned_chunks(req, plan, CHUNK_BYTES), verify=req.verify, output=req.output)
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
         from moetool.export.graph.stream import streamed_export_model
@@ -234,7 +221,7 @@ class ExecuTorchExporter(GraphExporter):
         self.ready(req, plan)
         started = time.perf_counter()
         step = step_printer(console, started)
-        ranges = _ranges(req, plan)
+        ranges = planned_chunks(req, plan, CHUNK_BYTES)
         step(f"reading {req.model_dir} outside its decoder layers")
         src = streamed_export_model(req.model_dir)
         counts = {"int8": 0, "int4": 0}
@@ -282,20 +269,18 @@ class ExecuTorchExporter(GraphExporter):
 def _verify(req: ExportRequest, plan: GraphPlan, paths: list[Path]) -> ParityRecord:
     """The programs run in sequence (:func:`program_batch`) against transformers, held in float32 for a small model
     (with the whole float ExportLM over its weights as the conversion's own figure), else streamed from disk."""
-    from moetool.export.reference import held_reference, reference_label, reference_model, stored_dtype
+    from moetool.export.reference import graph_reference
 
-    held = held_reference(plan.quant.total_params, plan.config)
-    storage = "float32" if held else stored_dtype(plan.config)
-    ref = reference_model(req.model_dir, getattr(torch, storage), streamed=not held)
+    ref = graph_reference(req.model_dir, plan.quant.total_params, plan.config)
     gate_as = "ExecuTorch (fp32)" if is_float_plan(plan) else None
     return runtime_parity(
         req,
-        ref,
-        ExportLM(ref).eval() if held else None,
+        ref.model,
+        ExportLM(ref.model).eval() if ref.held else None,
         None,
         None,
         runtime="executorch (XNNPACK)",
         gate_as=gate_as,
-        reference=reference_label(storage, not held),
+        reference=ref.label,
         batch=program_batch(paths),
     )

@@ -23,10 +23,12 @@ from moetool.export.base import ExportError
 if TYPE_CHECKING:
     import numpy as np
 
+    from moetool.export.base import ExportRequest
+    from moetool.export.graph.common import GraphPlan
     from moetool.export.graph.model import Block, ExportLM
     from moetool.export.graph.parity import Call
 
-__all__ = ["ChunkRunner", "ExportChunk", "chain_calls", "chunk_ranges"]
+__all__ = ["ChunkRunner", "ExportChunk", "chain_calls", "chunk_layers", "chunk_ranges", "planned_chunks"]
 
 
 def chunk_ranges(
@@ -44,6 +46,32 @@ def chunk_ranges(
     count = math.ceil(n_layers / per)
     bounds = [round(i * n_layers / count) for i in range(count + 1)]
     return list(itertools.pairwise(bounds))
+
+
+def chunk_layers(req: ExportRequest) -> int | None:
+    """``--chunk-layers`` (None: not given).
+
+    Raises:
+        ExportError: below 1.
+    """
+    given = req.options.get("chunk_layers")
+    if given is None:
+        return None
+    chunk_ranges(1, 1, 1, int(given))  # refuses a chunk of no layers
+    return int(given)
+
+
+def planned_chunks(req: ExportRequest, plan: GraphPlan, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The chunks of ``plan``'s model: ``--chunk-layers`` per chunk, else as many layers as ``chunk_bytes`` of their
+    float32 weights hold (:func:`chunk_ranges`).
+
+    Raises:
+        ExportError: ``--chunk-layers`` below 1.
+    """
+    from moetool.compute.upcast import layer_bytes
+
+    _, layer = layer_bytes(plan.config, plan.quant.total_params)
+    return chunk_ranges(int(plan.config["num_hidden_layers"]), layer, chunk_bytes, chunk_layers(req))
 
 
 class ExportChunk(nn.Module):

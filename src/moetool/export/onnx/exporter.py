@@ -85,27 +85,19 @@ WRITE_OVERHEAD = 768 << 20  # torch, onnx and the traced structure
 SESSION_MULTIPLE = 1.6
 
 
-def held_reference(plan: GraphPlan) -> bool:
-    """:func:`moetool.export.reference.held_reference` for ``plan``'s model (a pass of a streamed reference reads the
-    checkpoint; verification makes two)."""
-    from moetool.export.reference import held_reference as held
-
-    return held(plan.quant.total_params, plan.config)
-
-
 def onnx_need(plan: GraphPlan, *, sparse: bool, verify: bool, output: Path) -> Need:
     """Memory and disk of a streamed ONNX export of ``plan``: writing holds the weights outside the layer stack and
     one layer in float32 (two for a sparse block: the per-expert weights and their fused stacks) while a tensor is
     rounded; verification holds onnxruntime's copy of the artifact beside the transformers reference, held in
-    float32 or streamed (:func:`held_reference`)."""
+    float32 or streamed (:func:`moetool.export.reference.graph_reference_need`: a pass of a streamed reference reads
+    the checkpoint; verification makes two)."""
     from moetool.compute.upcast import layer_bytes
-    from moetool.export.reference import VERIFY_OVERHEAD, streamed_need
+    from moetool.export.reference import graph_reference_need
 
     params, artifact = plan.quant.total_params, plan.quant.total_bytes
     outside, layer = layer_bytes(plan.config, params)
     writing = outside + layer * (5 if sparse else 3) // 2 + WRITE_OVERHEAD
-    held = held_reference(plan)
-    reference = params * 4 + VERIFY_OVERHEAD if held else streamed_need(params, plan.config)
+    reference, held = graph_reference_need(params, plan.config)
     verifying = int(artifact * SESSION_MULTIPLE) + reference
     how = "held in float32" if held else "streamed from disk, one float32 layer at a time"
     return Need(
@@ -173,24 +165,21 @@ class ONNXExporter(GraphExporter):
         self, req: ExportRequest, plan: GraphPlan, st: Structure, path: Path, step: Step
     ) -> tuple[ParityRecord, JsonObject | str]:
         import onnxruntime as ort
-        import torch
 
         from moetool.export.graph.model import ExportLM
-        from moetool.export.reference import reference_label, reference_model, stored_dtype
+        from moetool.export.reference import graph_reference
 
-        held = held_reference(plan)
-        storage = "float32" if held else stored_dtype(plan.config)
-        how = "held in float32" if held else "streamed from disk one layer at a time"
-        step(f"checking the graph in onnxruntime against transformers ({how})")
-        ref = reference_model(req.model_dir, getattr(torch, storage), streamed=not held)
+        reference = graph_reference(req.model_dir, plan.quant.total_params, plan.config)
+        ref = reference.model
+        step(f"checking the graph in onnxruntime against {reference.label}")
         # over the held float32 reference the torch export model shares its weights: the conversion's own figure
         # (dense-masked: the same function as the sparse op, without a fused copy of the experts)
-        wrapper = ExportLM(ref).eval() if held else None
+        wrapper = ExportLM(ref).eval() if reference.held else None
         session = ort_session(path)
         prefill, decode = ort_runners(session, st.n_layers, st.em.n_kv, st.em.head_dim)
         runtime = f"onnxruntime {ort.__version__}"
         gate_as = "ONNX (fp32)" if is_float_plan(plan) else None
-        label = reference_label(storage, not held)
+        label = reference.label
         parity = runtime_parity(req, ref, wrapper, prefill, decode, runtime=runtime, gate_as=gate_as, reference=label)
         del session, prefill, decode, wrapper
         generation = genai_check(path.parent, ref, _genai_prompt(req)) or "onnxruntime-genai not installed"
