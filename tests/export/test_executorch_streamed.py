@@ -1,5 +1,5 @@
 """The ExecuTorch export streams: each chunk of decoder layers is read from the checkpoint, quantized, lowered and
-written as its own program before the next is read (``test_graph_targets.py``: what a chunk holds while it is
+written as its own program before the next is read (in a process of its own by default; here in the test's) (``test_graph_targets.py``: what a chunk holds while it is
 lowered); a model whose chunk does not fit is refused before anything is written."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from streamed_fixtures import live_tensor_bytes
 
 from moetool.api import export, plan_export
 from moetool.compute.upcast import layer_bytes
-from moetool.export.executorch import exporter
+from moetool.export.executorch import exporter, lowering
 from moetool.io.budget import BudgetError
 from moetool.io.checkpoint import Checkpoint
 
@@ -35,7 +35,8 @@ def test_a_chunk_is_quantized_and_lowered_alone(deep_moe, tmp_path, monkeypatch)
         lowered.append(sorted({int(n.split(".")[1]) for n, _ in chunk.named_parameters() if n.startswith("layers.")}))
         return b"program"
 
-    monkeypatch.setattr(exporter, "lower", recorded)
+    monkeypatch.setattr(exporter, "IN_CHILD", False)  # in this process, where its tensors can be counted
+    monkeypatch.setattr(lowering, "lower", recorded)
     man = export(deep_moe, tmp_path / "et", target="executorch", quant=QUANT, chunk_layers=2, verify=False)
     assert lowered == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert [p["layers"] for p in man["programs"]] == [[0, 2], [2, 4], [4, 6], [6, 8]]

@@ -197,7 +197,7 @@ def _export_cases(env, t: dict[str, Path], bad_imatrix: Path) -> dict[str, tuple
         ),
         "chunk-layers-onnx": (
             ["--target", "onnx", "--chunk-layers", "2"],
-            ["--chunk-layers 2: only the coreml and executorch targets read it, not onnx"],
+            ["--chunk-layers 2: only the coreml, executorch and tflite targets read it, not onnx"],
         ),
         "eval-text-without-verification": (
             ["--no-verify", "--eval-text", str(t["good"])],

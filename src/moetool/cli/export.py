@@ -20,8 +20,9 @@ ChunkLayersOpt = Annotated[
     int | None,
     typer.Option(
         min=1,
-        help="Core ML, ExecuTorch: decoder layers per package or program (default: as many as 256 MiB of float32 "
-        "weights hold; one when the whole model fits). Each chunk is converted on its own, so the export holds one.",
+        help="Core ML, ExecuTorch, TFLite: decoder layers per package, program or model (default: as many as 256 MiB "
+        "of float32 weights hold; one when the whole model fits). Each chunk is converted on its own, so the export "
+        "holds one.",
     ),
 ]
 MoeKernelOpt = Annotated[

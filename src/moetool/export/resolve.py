@@ -84,7 +84,7 @@ def resolve_quant(
 # exporter options (ExportRequest.options): the command-line flag, and the targets that read it (space-separated)
 TARGET_OPTIONS: dict[str, tuple[str, str]] = {
     "compute_units": ("--compute-units", "coreml"),
-    "chunk_layers": ("--chunk-layers", "coreml executorch"),
+    "chunk_layers": ("--chunk-layers", "coreml executorch tflite"),
     "moe_kernel": ("--moe-kernel", "onnx"),
     "accuracy_level": ("--accuracy-level", "onnx"),
 }
@@ -99,8 +99,9 @@ def check_target_options(target: str, options: Mapping[str, object]) -> None:
     for key, value in options.items():
         flag, readers = TARGET_OPTIONS[key]
         if value is not None and target not in readers.split():
-            which = " and ".join(readers.split())
-            reads = "targets read" if " " in readers else "target reads"
+            names = readers.split()
+            which = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+            reads = "targets read" if len(names) > 1 else "target reads"
             raise ExportError(f"{flag} {value}: only the {which} {reads} it, not {target}; leave it out")
 
 
@@ -154,7 +155,7 @@ class ExportOptions(TypedDict, total=False):
     imatrix_mode: str | None  # routed (default) or all
     imatrix_min_tokens: int | None  # routed mode's floor per expert (default 128)
     compute_units: str | None  # Core ML's compute units (coreml only)
-    chunk_layers: int | None  # decoder layers per Core ML package (coreml only; default: by float32 bytes)
+    chunk_layers: int | None  # decoder layers per package, program or model (coreml, executorch, tflite)
     moe_kernel: str | None  # ONNX's MoE operators, sparse or dense (onnx only)
     accuracy_level: int | None  # ONNX's 4/8-bit operators: 4 (int8 activations, the default) or 0 (fp32) (onnx only)
     options: dict[str, Any] | None  # a method exporter's own settings (hybrid: experts=False, the router only)

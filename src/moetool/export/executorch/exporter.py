@@ -16,22 +16,21 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from torch import nn
-    from torch.export import ExportedProgram
 
     from moetool.export.graph.parity import Batch, Call
 
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
-from moetool.export.graph.chunk import ChunkRunner, ExportChunk, chain_calls, chunk_layers, planned_chunks
+from moetool.export.graph.chunk import ChunkRunner, chain_calls, chunk_layers, planned_chunks
 from moetool.export.graph.common import GraphPlan
-from moetool.export.graph.model import ExportLM, causal_mask, prefill_inputs
+from moetool.export.graph.model import ExportLM
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
@@ -39,86 +38,6 @@ from moetool.io.atomic import atomic_dir
 from moetool.io.budget import Need, human
 from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.progress import Step, step_printer
-
-
-def _first_input(model: ExportLM | ExportChunk, t: int) -> torch.Tensor:
-    """An example of the model's first input over ``t`` positions: token ids, or a chunk's hidden states."""
-    if getattr(model, "first", True):
-        return torch.randint(0, 10, (1, t))
-    return torch.zeros(1, t, int(getattr(model, "hidden_size", 0)))
-
-
-def export_programs(model: ExportLM | ExportChunk) -> tuple[ExportedProgram, ExportedProgram]:
-    """torch.export both methods (strict tracing: the non-strict path adds stride guards it then rejects)."""
-
-    seq = torch.export.Dim("seq", min=2, max=4096)
-    _, pos, mask = prefill_inputs(torch.zeros(1, 8, dtype=torch.long))
-    pre = torch.export.export(
-        model,
-        (_first_input(model, 8), pos, mask),
-        dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
-        strict=True,
-    )
-    past_len = torch.export.Dim("past", min=1, max=4095)
-    p = 5
-    past = [torch.zeros(1, model.n_kv, p, model.head_dim) for _ in range(2 * model.n_layers)]
-    dec = torch.export.export(
-        model,
-        (_first_input(model, 1), torch.tensor([[p]]), causal_mask(1, p), *past),
-        dynamic_shapes=(None, None, {3: past_len + 1}, tuple({2: past_len} for _ in past)),
-        strict=True,
-    )
-    return pre, dec
-
-
-def quantize_modules(model: nn.Module, precisions: dict[str, str]) -> tuple[dict[str, int], list[str]]:
-    """torchao weight quantization of the Linear modules the plan puts at int8/int4; returns counts and notes.
-
-    int4 groups are 32 wide; a layer whose input width is not a multiple of 32 gets int8 instead (with a note).
-    """
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerAxis, PerGroup
-
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    counts = {"int8": 0, "int4": 0}
-    notes: list[str] = []
-    by_cfg: dict[tuple[str, int], set[str]] = {}
-    for name, p in precisions.items():
-        mod = name.removesuffix(".weight")
-        if p == "fp32" or mod not in linears:
-            continue
-        if p == "int8":
-            by_cfg.setdefault(("int8", 0), set()).add(mod)
-            continue
-        k = linears[mod].in_features
-        if k % 32:  # XNNPACK's 4-bit kernels take groups of 32 only
-            notes.append(f"{mod}: input width {k} is not a multiple of 32 (XNNPACK's int4 group); int8 instead")
-            by_cfg.setdefault(("int8", 0), set()).add(mod)
-            continue
-        by_cfg.setdefault(("int4", 32), set()).add(mod)
-    for (key, group), names in by_cfg.items():
-        # XNNPACK runs 4-bit weights groupwise and 8-bit weights per output channel
-        dtype = getattr(torch, "int4") if key == "int4" else torch.int8  # noqa: B009 (int4 is not in the stubs)
-        gran = PerGroup(group) if key == "int4" else PerAxis(0)
-        cfg = Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=gran)
-        quantize_(model, cfg, filter_fn=lambda m, fqn, names=names: fqn in names)
-        counts[key] += len(names)
-    return counts, notes
-
-
-def lower(model: ExportLM | ExportChunk, step: Step | None = None) -> bytes:
-    """Both methods of ``model`` lowered to XNNPACK: the ``.pte`` program's bytes."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-
-    step = step or (lambda what: None)
-    step("torch.export: the prefill and decode methods")
-    pre, dec = export_programs(model)
-    step(f"lowering {len(pre.graph.nodes) + len(dec.graph.nodes):,} graph nodes to XNNPACK (the slow step)")
-    prog = to_edge_transform_and_lower({"forward": pre, "decode": dec}, partitioner=[XnnpackPartitioner()])
-    step("serializing the program")
-    buffer: bytes = prog.to_executorch().buffer
-    return buffer
 
 
 def _program_runner(path: Path) -> ChunkRunner:
@@ -157,6 +76,41 @@ def _prefixed(step: Step, where: str) -> Step:
         step(where + what)
 
     return announce
+
+
+# each chunk is lowered in a process of its own (moetool.export.executorch.lowering says why); False lowers them all
+# in this process, from one streamed reader: what tests that watch the tensors alive at each lowering use
+IN_CHILD = True
+
+# (layers [start, stop), first, last, program path, progress prefix) → the chunk's result (lowering.lower_chunk)
+ChunkLowerer = Callable[[tuple[int, int], bool, bool, Path, str], dict[str, Any]]
+
+
+def _chunk_lowerer(model_dir: Path, precisions: dict[str, str], step: Step) -> ChunkLowerer:
+    """How each chunk of the model in ``model_dir`` is lowered: in a child process (:data:`IN_CHILD`), which reads
+    its layers itself, or here, from one reader of the checkpoint that each chunk's layers are dropped from."""
+    from moetool.export.executorch import lowering
+    from moetool.export.graph.stream import streamed_export_model
+    from moetool.export.worker import run_worker
+
+    if IN_CHILD:
+
+        def in_child(span: tuple[int, int], first: bool, last: bool, path: Path, where: str) -> dict[str, Any]:
+            step(f"{where}torch.export and XNNPACK lowering, in a child process")
+            request = {"model_dir": str(model_dir), "layers": list(span), "first": first, "last": last}
+            request |= {"precisions": precisions, "path": str(path)}
+            return run_worker("moetool.export.executorch.lowering", request, what="ExecuTorch lowering")
+
+        return in_child
+    step(f"reading {model_dir} outside its decoder layers")
+    src = streamed_export_model(model_dir)
+
+    def here(span: tuple[int, int], first: bool, last: bool, path: Path, where: str) -> dict[str, Any]:
+        return lowering.lower_chunk(
+            src, span, first=first, last=last, precisions=precisions, path=path, step=_prefixed(step, where)
+        )
+
+    return here
 
 
 def program_file(index: int, count: int) -> str:
@@ -216,37 +170,27 @@ class ExecuTorchExporter(GraphExporter):
         return executorch_need(plan, planned_chunks(req, plan, CHUNK_BYTES), verify=req.verify, output=req.output)
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
-        from moetool.export.graph.stream import streamed_export_model
-
         self.ready(req, plan)
         started = time.perf_counter()
         step = step_printer(console, started)
         ranges = planned_chunks(req, plan, CHUNK_BYTES)
-        step(f"reading {req.model_dir} outside its decoder layers")
-        src = streamed_export_model(req.model_dir)
         counts = {"int8": 0, "int4": 0}
         notes: list[str] = []
         programs: list[JsonValue] = []
         paths: list[Path] = []
+        moe_layers = 0
         with atomic_dir(req.output, force=req.force) as tmp:
+            lowered = _chunk_lowerer(req.model_dir, plan.precisions(), step)
             for c, span in enumerate(ranges):
                 n = len(ranges)
-                where = f"layers {span[0]}–{span[1] - 1}, program {c + 1} of {n}: " if n > 1 else ""
-                blocks = {i: src.block(i) for i in range(*span)}
-                chunk = ExportChunk(src.em, blocks, first=c == 0, last=c == n - 1).eval()
-                if not is_float_plan(plan):
-                    step(f"{where}quantizing the linear layers with torchao")
-                done, qnotes = quantize_modules(chunk, plan.precisions())
-                for i in range(*span):  # the quantized weights replace the float ones, which can go now
-                    src.drop(i)
-                counts = {k: counts[k] + done[k] for k in counts}
-                notes += qnotes
                 path = tmp / program_file(c, n)
-                path.write_bytes(lower(chunk, _prefixed(step, where)))
+                where = f"layers {span[0]}–{span[1] - 1}, program {c + 1} of {n}: " if n > 1 else ""
+                result = lowered(span, c == 0, c == n - 1, path, where)
+                counts = {k: counts[k] + int(result["quantized_linears"][k]) for k in counts}
+                notes += result["notes"]
+                moe_layers += int(result["moe_layers"])
                 paths.append(path)
                 programs.append({"file": path.name, "layers": [span[0], span[1]]})
-                del chunk, blocks
-            moe_layers = src.em.moe_layers()
             parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
                 step("checking the programs in executorch.runtime against transformers")

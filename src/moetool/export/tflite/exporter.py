@@ -1,84 +1,196 @@
-"""``moetool export --target tflite``: ExportLM with a static KV cache → one ``.tflite`` with ``prefill`` and
+"""``moetool export --target tflite``: ExportLM with a static KV cache → ``.tflite`` models with ``prefill`` and
 ``decode`` signatures (litert-torch), int8/int4 by role through ai-edge-quantizer, parity in the LiteRT interpreter.
 
-The conversion runs in litert-torch's own interpreter through :mod:`moetool.export.tflite.runner`
-(worker: :mod:`moetool.export.tflite.worker`).
+Streamed, in chunks: the model is never held whole. Each chunk of consecutive decoder layers is read from the
+checkpoint, converted and quantized in a process of its own, in litert-torch's interpreter
+(:mod:`moetool.export.tflite.worker`), and written as its own model; a model whose layers fit one chunk is one
+``model.tflite`` (``input_ids`` in, ``logits`` out), a larger one ``model_chunk00.tflite`` … run in sequence, hidden
+states passed on, each chunk's KV cache its own inputs and outputs. The check runs the chunks one at a time in the
+LiteRT interpreter (:mod:`moetool.export.tflite.chain_worker`) against transformers here.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
-from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
+import numpy as np
 
-from moetool.export.base import ExportError, ExportRequest, write_manifest
-from moetool.export.graph.common import GraphPlan, graph_manifest, graph_need, plan_graph
-from moetool.export.graph.parity import judge
-from moetool.export.heldout import held_out_text
-from moetool.export.parity import NOT_VERIFIED, ParityRecord, parity_of
-from moetool.export.pipeline_steps import is_float_plan
+from moetool.export.base import ExportError, ExportRequest
+from moetool.export.graph.chunk import chunk_layers, planned_chunks
+from moetool.export.graph.common import GraphPlan, plan_graph
+from moetool.export.graph.model import ExportLM
+from moetool.export.graph.moe_kernel import dense_moe_kernel
+from moetool.export.parity import NOT_VERIFIED, ParityRecord
+from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.export.tflite.runner import REPO, litert_python, run_worker
 from moetool.export.tflite.worker import role_precisions
 from moetool.io.atomic import atomic_dir
+from moetool.io.budget import Need, human
+from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.progress import step_printer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from moetool.export.graph.parity import Batch, Call
 
 __all__ = ["REPO", "TFLiteExporter", "litert_python"]  # REPO, litert_python: kept importable here for older callers
 
+# decoder layers' float32 weights per model, by default (litert-torch's conversion holds a chunk several times over)
+CHUNK_BYTES = 256 << 20
+# peak RSS of one conversion (its own process) as a multiple of what it converts: its layers and the weights outside
+# the layer stack, which each chunk reads. 6.7× the float32 weights for the real MoE converted whole (8.6 GB, 1.29 GB)
+CONVERT_MULTIPLE = 6.7
+RUNTIME = 512 << 20  # torch and litert-torch in the converting process, torch in this one
 
-class TFLiteExporter:
+
+def chunk_file(index: int, count: int) -> str:
+    """The model name of chunk ``index`` of ``count``: ``model.tflite`` when the model is one chunk."""
+    return "model.tflite" if count == 1 else f"model_chunk{index:02d}.tflite"
+
+
+def static_shape(plan: GraphPlan) -> tuple[int, int]:
+    """(cache capacity, prefill length) of the converted signatures: up to 512 slots, a 128-token prefill."""
+    max_pos = int(plan.config.get("max_position_embeddings", 2048))
+    capacity = min(max_pos, plan.context, 512)
+    return capacity, min(128, capacity - 8)
+
+
+def tflite_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
+    """Memory and disk of a TFLite export of ``plan`` in ``ranges``' chunks: a conversion holds the largest chunk and
+    the weights outside the layers :data:`CONVERT_MULTIPLE` times; verification holds the transformers reference (in
+    float32 or streamed) here beside one chunk in the interpreter."""
+    from moetool.compute.upcast import layer_bytes
+    from moetool.export.reference import graph_reference_need
+
+    params = plan.quant.total_params
+    outside, layer = layer_bytes(plan.config, params)
+    most = max(b - a for a, b in ranges)
+    converting = int(CONVERT_MULTIPLE * (most * layer + outside)) + RUNTIME
+    reference, _ = graph_reference_need(params, plan.config)
+    verifying = reference + outside + most * layer  # the reference's allowance covers the interpreter's process
+    chunks = f"{len(ranges)} model{'s' * (len(ranges) > 1)} of up to {most} layers"
+    return Need(
+        stage="tflite export",
+        memory=max(converting, verifying) if verify else converting,
+        memory_detail=f"converted in {chunks} ({human(converting)})",
+        disk=plan.quant.total_bytes,
+        output=output,
+        way_out="Export in smaller chunks (--chunk-layers), with --no-verify, or on a machine with more memory",
+    )
+
+
+class TFLiteExporter(GraphExporter):
+    """Streamed: converted a chunk of decoder layers at a time from the checkpoint; the model is never held whole."""
+
     name = "tflite"
     requires = "tflite"
-    default_quant = "f32"
-    peak_multiple, peak_measured = 6.7, True  # 8.6 GB for the 1.29 GB (float32) real MoE
 
     def plan(self, req: ExportRequest) -> GraphPlan:
         plan = plan_graph(req, "tflite")
-
         try:
             role_precisions(plan.precisions())
         except ValueError as exc:
             raise ExportError(str(exc)) from None
         return plan
 
-    def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> dict[str, Any]:
-
+    def check(self, req: ExportRequest) -> None:
         litert_python()  # no litert-torch: refuse before anything is written
-        graph_need(self.name, plan, self.peak_multiple, self.peak_measured, req.output).check()
-        max_pos = int(plan.config.get("max_position_embeddings", 2048))
-        capacity = min(max_pos, plan.context, 512)
-        prefill_len = min(128, capacity - 8)
-        text, src = held_out_text(req.model_dir, req.eval_text)
-        t0 = time.perf_counter()
-        step = step_printer(console, t0)
+        chunk_layers(req)
+
+    def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
+        return tflite_need(plan, planned_chunks(req, plan, CHUNK_BYTES), verify=req.verify, output=req.output)
+
+    def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
+        self.ready(req, plan)
+        started = time.perf_counter()
+        step = step_printer(console, started)
+        ranges = planned_chunks(req, plan, CHUNK_BYTES)
+        capacity, prefill_len = static_shape(plan)
+        roles: dict[str, JsonValue] = {}
+        notes: list[str] = []
+        chunks: list[JsonValue] = []
+        paths: list[Path] = []
+        moe_layers = 0
         with atomic_dir(req.output, force=req.force) as tmp:
-            request = {
-                "model_dir": str(req.model_dir),
-                "out_dir": str(tmp),
-                "precisions": plan.precisions(),
-                "capacity": capacity,
-                "prefill_len": prefill_len,
-                "verify": req.verify,
-                "eval_text": text,
-            }
-            checked = ", then checking it in the LiteRT interpreter" if req.verify else ""
-            step(f"converting with litert-torch in its own interpreter{checked}")
-            result = run_worker("moetool.export.tflite.worker", request)
-            # the worker's figures come back as JSON (it runs in its own interpreter)
-            parity = parity_of(result.pop("parity", NOT_VERIFIED)) or NOT_VERIFIED
-            if isinstance(parity, ParityRecord):
-                parity = replace(parity, text=src)
-                parity = judge(parity, "TFLite (fp32)") if is_float_plan(plan) else parity.judged(None)
-            path = tmp / "model.tflite"
-            manifest = graph_manifest("tflite", plan, {"model.tflite": path}, "model.tflite")
-            manifest |= {
+            for c, span in enumerate(ranges):
+                n = len(ranges)
+                path = tmp / chunk_file(c, n)
+                where = f"layers {span[0]}–{span[1] - 1}, model {c + 1} of {n}: " if n > 1 else ""
+                step(f"{where}converting with litert-torch, in its own interpreter")
+                request = {"model_dir": str(req.model_dir), "layers": list(span), "first": c == 0, "last": c == n - 1}
+                request |= {"path": str(path), "precisions": plan.precisions()}
+                request |= {"capacity": capacity, "prefill_len": prefill_len}
+                result = run_worker("moetool.export.tflite.worker", request)
+                roles |= result["quantized_roles"]
+                notes += [x for x in result["tflite_notes"] if x not in notes]
+                moe_layers += int(result["moe_layers"])
+                paths.append(path)
+                chunks.append({"file": path.name, "layers": [span[0], span[1]]})
+            parity: ParityRecord | str = NOT_VERIFIED
+            if req.verify:
+                step("checking the models in the LiteRT interpreter against transformers")
+                parity = _verify(req, plan, paths, capacity, prefill_len)
+            n_kv = int(plan.config.get("num_key_value_heads") or plan.config["num_attention_heads"])
+            head_dim = int(
+                plan.config.get("head_dim") or plan.config["hidden_size"] // plan.config["num_attention_heads"]
+            )
+            fields: JsonObject = {
                 "runtime": "LiteRT (ai_edge_litert interpreter, XNNPACK)",
+                "export": "streamed: converted one chunk of decoder layers at a time from the checkpoint",
                 "signatures": {"prefill": f"{prefill_len} tokens (right-padded)", "decode": "1 token"},
                 "kv_cache": f"explicit inputs/outputs, capacity {capacity}",
-                **result,
-                "parity": parity.to_json() if isinstance(parity, ParityRecord) else parity,
-                "timing_s": {"total": round(time.perf_counter() - t0, 3)},
+                "chunks": chunks,
+                "quantized_roles": roles,
+                "capacity": capacity,
+                "prefill_len": prefill_len,
+                "tflite_notes": list(notes),
+                "cache_shape": [1, n_kv, capacity, head_dim],
+                "cache_tensors": 2 * int(plan.config["num_hidden_layers"]),
+                "moe_kernel": dense_moe_kernel("tflite", moe_layers),
             }
-            write_manifest(tmp, manifest)
+            files = {p.name: p for p in paths}
+            manifest = finish_graph_manifest(
+                tmp, "tflite", plan, files, paths[0].name, fields, parity=parity, started=started
+            )
         return manifest
+
+
+def interpreter_batch(paths: list[Path], capacity: int, prefill_len: int) -> Batch:
+    """Every parity call through the models at ``paths`` in sequence in the LiteRT interpreter, one at a time
+    (:mod:`moetool.export.tflite.chain_worker`, in litert-torch's interpreter)."""
+
+    def run_all(calls: list[Call]) -> list[np.ndarray]:
+        with tempfile.TemporaryDirectory(prefix="moetool-tflite-check-") as work:
+            given, out = Path(work) / "calls.npz", Path(work) / "logits.npz"
+            np.savez(given, *[ids for ids, _ in calls])
+            request = {"paths": [str(p) for p in paths], "capacity": capacity, "prefill_len": prefill_len}
+            request |= {"calls": str(given), "positions": [pos for _, pos in calls], "out": str(out)}
+            run_worker("moetool.export.tflite.chain_worker", request, what="the LiteRT check")
+            with np.load(out) as saved:
+                return [saved[f"arr_{j}"] for j in range(len(calls))]
+
+    return run_all
+
+
+def _verify(req: ExportRequest, plan: GraphPlan, paths: list[Path], capacity: int, prefill_len: int) -> ParityRecord:
+    """The models run in sequence (:func:`interpreter_batch`) against transformers, held in float32 for a small model
+    (with the whole float ExportLM over its weights as the conversion's own figure), else streamed from disk."""
+    from moetool.export.reference import graph_reference
+
+    ref = graph_reference(req.model_dir, plan.quant.total_params, plan.config)
+    return runtime_parity(
+        req,
+        ref.model,
+        ExportLM(ref.model).eval() if ref.held else None,
+        None,
+        None,
+        runtime="ai_edge_litert interpreter",
+        gate_as="TFLite (fp32)" if is_float_plan(plan) else None,
+        seq_lens=(32, prefill_len),
+        reference=ref.label,
+        batch=interpreter_batch(paths, capacity, prefill_len),
+    )

@@ -14,18 +14,16 @@ interpreter that one is used instead.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moetool.export.base import ExportError
+from moetool.export import worker
+from moetool.export.worker import worker_main
 from moetool.extras import missing
 
 __all__ = ["REPO", "litert_python", "padded_feeds", "run_worker", "signature_outputs", "worker_main"]
@@ -52,34 +50,12 @@ def litert_python() -> str:
 
 
 def run_worker(module: str, request: dict[str, Any], *, what: str = "TFLite conversion") -> dict[str, Any]:
-    """Run worker ``module`` on ``request`` in :func:`litert_python`; returns the result it printed.
+    """Run worker ``module`` on ``request`` in :func:`litert_python` (:func:`moetool.export.worker.run_worker`).
 
     Raises:
         ExportError: ``"{what} failed in {python}:"`` and the last lines of the worker's stderr.
     """
-    py = litert_python()
-    with tempfile.TemporaryDirectory() as work:
-        path = Path(work) / "request.json"
-        path.write_text(json.dumps(request))
-        proc = subprocess.run(
-            [py, "-m", module, str(path)],
-            check=False,
-            capture_output=True,
-            text=True,
-            env=os.environ | {"PYTHONPATH": str(REPO / "src")},  # the worker imports this checkout's moetool
-        )
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
-        raise ExportError(f"{what} failed in {py}:\n{tail}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
-
-
-def worker_main(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-    """A worker's ``__main__``: the request file named on the command line in, ``handle(request)`` out as JSON on
-    the last stdout line (libraries may print before it)."""
-    request: dict[str, Any] = json.loads(Path(sys.argv[1]).read_text())
-    print(json.dumps(handle(request)))
+    return worker.run_worker(module, request, python=litert_python(), what=what)
 
 
 def padded_feeds(ids: Sequence[int], length: int, mask: np.ndarray) -> dict[str, np.ndarray]:

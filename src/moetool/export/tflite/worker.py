@@ -1,10 +1,14 @@
-"""The TFLite conversion itself, run where litert-torch is installed (an isolated venv: litert-torch pins
-typing-extensions and pydantic below what the rest of moetool's stack needs).
+"""One TFLite model from some decoder layers, converted where litert-torch is installed (an isolated venv:
+litert-torch pins typing-extensions and pydantic below what the rest of moetool's stack needs), one process per
+chunk, so nothing a conversion leaves allocated outlives it:
 
     python -m moetool.export.tflite.worker REQUEST.json
 
-REQUEST has model_dir, out_dir (an existing empty directory), precisions (export name → fp32|int8|int4),
-capacity, prefill_len, verify, eval_text. Writes model.tflite and prints the result JSON on the last line.
+REQUEST has model_dir, layers ``[start, stop)``, first and last (whether the chunk embeds the tokens and computes
+the logits), path (the ``.tflite`` to write), precisions (export name → fp32|int8|int4), capacity and prefill_len.
+The layers are read from the checkpoint alone (:mod:`moetool.export.graph.stream`), given a static cache
+(:class:`~moetool.export.graph.static.StaticCacheLM`), converted with two signatures, ``prefill`` and ``decode``, and
+quantized by role. Prints quantized_roles, tflite_notes and moe_layers as JSON on the last line.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 # TFLite op-name scopes per role (the converter names ops after the module path; fused ops append more paths
@@ -68,13 +71,13 @@ def quantize(path: Path, roles: dict[str, str], blockwise: dict[str, bool]) -> d
     return applied
 
 
-def _blockwise(em: Any, precisions: dict[str, str]) -> dict[str, bool]:
+def _blockwise(model: Any, precisions: dict[str, str]) -> dict[str, bool]:
     """Per role: every quantized weight's input width is a multiple of 32 (int4 blocks of 32 fit)."""
     from moetool.export.graph.names import hf_name
     from moetool.quant.roles import role_of
 
     blockwise: dict[str, bool] = {}
-    for n, prm in em.named_parameters():
+    for n, prm in model.named_parameters(remove_duplicate=False):
         if prm.dim() == 2 and n in precisions:
             r = role_of(hf_name(n))
             blockwise[r] = blockwise.get(r, True) and prm.shape[1] % 32 == 0
@@ -94,85 +97,45 @@ def _notes(roles: dict[str, str], applied: dict[str, str]) -> list[str]:
     ]
 
 
-def _parity(path: Path, hf: Any, em: Any, model: Any, req: dict[str, Any], cap: int, plen: int) -> dict[str, Any]:
-    """The converted model's prefill and decode signatures in the LiteRT interpreter against transformers."""
-    from ai_edge_litert.interpreter import Interpreter
-    from transformers import AutoTokenizer
-
-    from moetool.export.graph.parity import graph_parity
-    from moetool.export.graph.static import static_mask
-    from moetool.export.tflite.runner import signature_outputs
-
-    it = Interpreter(model_path=str(path))
-    pre, dec = it.get_signature_runner("prefill"), it.get_signature_runner("decode")
-    n_cache = 2 * em.n_layers
-
-    def run(
-        runner: Any, ids: np.ndarray, p: np.ndarray, caches: list[np.ndarray]
-    ) -> tuple[np.ndarray, list[np.ndarray]]:
-        feeds = {
-            "args_0": ids.astype(np.int32),
-            "args_1": p.astype(np.int32),
-            "args_2": static_mask(torch.from_numpy(p), cap).numpy(),
-        }
-        feeds |= {f"args_{3 + i}": c for i, c in enumerate(caches)}
-        out = signature_outputs(runner, feeds)  # logits, then the caches
-        return out[0], out[1 : 1 + n_cache]
-
-    empty = [c.numpy() for c in model.empty_cache()]
-
-    def prefill(ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-        n = ids.shape[1]
-        padded = np.zeros((1, plen), dtype=np.int64)
-        padded[0, :n] = ids[0]
-        logits, caches = run(pre, padded, np.arange(plen)[None], empty)
-        return logits[:, :n], caches
-
-    def decode(ids: np.ndarray, p: int, caches: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        return run(dec, ids, np.array([[p]]), caches)
-
-    tok = AutoTokenizer.from_pretrained(req["model_dir"])
-    return graph_parity(
-        hf, em, tok, req["eval_text"], prefill, decode, runtime="ai_edge_litert interpreter", seq_lens=(32, plen)
-    )
-
-
 def convert(req: dict[str, Any]) -> dict[str, Any]:
-    """The request (module docstring) in, model.tflite written, the result out."""
+    """The request (module docstring) in, its ``.tflite`` written, the result out."""
     import litert_torch
-    from litert_torch import signature  # noqa: F401  (import check: the venv must have litert-torch)
 
-    from moetool.export.graph.model import load_export_model
-    from moetool.export.graph.moe_kernel import dense_moe_kernel
+    from moetool.export.graph.chunk import ExportChunk
+    from moetool.export.graph.model import DenseMaskedMoE
     from moetool.export.graph.static import StaticCacheLM, static_mask
+    from moetool.export.graph.stream import streamed_export_model
 
-    hf, em = load_export_model(req["model_dir"])
+    src = streamed_export_model(Path(req["model_dir"]))
+    start, stop = (int(i) for i in req["layers"])
+    blocks = {i: src.block(i) for i in range(start, stop)}
+    chunk = ExportChunk(src.em, blocks, first=bool(req["first"]), last=bool(req["last"])).eval()
     cap, plen = int(req["capacity"]), int(req["prefill_len"])
-    model = StaticCacheLM(em, cap).eval()
+    model = StaticCacheLM(chunk, cap).eval()
+
+    def first_input(t: int) -> torch.Tensor:
+        return torch.zeros(1, t, dtype=torch.long) if chunk.first else torch.zeros(1, t, chunk.hidden_size)
+
     pos = torch.arange(plen)[None]
-    pre_args = (torch.zeros(1, plen, dtype=torch.long), pos, static_mask(pos, cap), *model.empty_cache())
+    pre_args = (first_input(plen), pos, static_mask(pos, cap), *model.empty_cache())
     one = torch.tensor([[plen]])
-    dec_args = (torch.zeros(1, 1, dtype=torch.long), one, static_mask(one, cap), *model.empty_cache())
+    dec_args = (first_input(1), one, static_mask(one, cap), *model.empty_cache())
     edge = litert_torch.signature("prefill", model, pre_args).signature("decode", model, dec_args).convert()
-    path = Path(req["out_dir"]) / "model.tflite"
+    path = Path(req["path"])
     edge.export(str(path))
-    roles = role_precisions(req["precisions"])
-    applied = quantize(path, roles, _blockwise(em, req["precisions"]))
-    result: dict[str, Any] = {
+    del edge
+    held = {n for n, _ in chunk.named_parameters(remove_duplicate=False)}
+    precisions = {n: p for n, p in req["precisions"].items() if n in held}  # this chunk's weights only
+    roles = role_precisions(precisions)
+    applied = quantize(path, roles, _blockwise(chunk, precisions))
+    return {
         "quantized_roles": applied,
-        "capacity": cap,
-        "prefill_len": plen,
         "tflite_notes": _notes(roles, applied),
-        "cache_shape": [1, em.n_kv, cap, em.head_dim],
-        "cache_tensors": 2 * em.n_layers,
-        "moe_kernel": dense_moe_kernel("tflite", em.moe_layers()),
+        "moe_layers": sum(isinstance(b.mlp, DenseMaskedMoE) for b in blocks.values()),
     }
-    if req["verify"]:
-        result["parity"] = _parity(path, hf, em, model, req, cap, plen)
-    return result
 
 
 if __name__ == "__main__":
-    from moetool.export.tflite.runner import worker_main
+    from moetool.export.worker import worker_main
 
     worker_main(convert)

@@ -1,0 +1,159 @@
+"""One ExecuTorch program from some decoder layers: quantized by torchao per the plan, both methods exported with
+``torch.export`` and lowered to XNNPACK. The exporter runs each chunk here in a process of its own:
+
+    python -m moetool.export.executorch.lowering REQUEST.json
+
+REQUEST has ``model_dir``, ``layers`` ``[start, stop)``, ``first`` and ``last`` (whether the chunk embeds the tokens
+and computes the logits), ``precisions`` (export name → fp32|int8|int4) and ``path`` (the program to write). The
+result printed: ``quantized_linears`` (counts), ``notes`` and ``moe_layers`` (MoE blocks in the chunk).
+
+Why a process per chunk: ``torch.export`` and the lowering leave state allocated after the program is written (FX
+graph modules torch keeps reachable: 274 alive after three chunks; neither ``gc``, ``malloc_trim`` nor
+``torch._dynamo.reset()`` frees them), about 0.21 GB per two-layer chunk of the size ladder's 360M rung, 8.64 GB over
+its 16 chunks in one process. A process's exit gives it all back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moetool.export.graph.chunk import ExportChunk
+from moetool.export.graph.model import DenseMaskedMoE, ExportLM, causal_mask, prefill_inputs
+from moetool.progress import Step
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.export import ExportedProgram
+
+    from moetool.export.graph.stream import StreamedExport
+
+__all__ = ["export_programs", "lower", "lower_chunk", "quantize_modules"]
+
+
+def _first_input(model: ExportLM | ExportChunk, t: int) -> torch.Tensor:
+    """An example of the model's first input over ``t`` positions: token ids, or a chunk's hidden states."""
+    if getattr(model, "first", True):
+        return torch.randint(0, 10, (1, t))
+    return torch.zeros(1, t, int(getattr(model, "hidden_size", 0)))
+
+
+def export_programs(model: ExportLM | ExportChunk) -> tuple[ExportedProgram, ExportedProgram]:
+    """torch.export both methods (strict tracing: the non-strict path adds stride guards it then rejects)."""
+
+    seq = torch.export.Dim("seq", min=2, max=4096)
+    _, pos, mask = prefill_inputs(torch.zeros(1, 8, dtype=torch.long))
+    pre = torch.export.export(
+        model,
+        (_first_input(model, 8), pos, mask),
+        dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
+        strict=True,
+    )
+    past_len = torch.export.Dim("past", min=1, max=4095)
+    p = 5
+    past = [torch.zeros(1, model.n_kv, p, model.head_dim) for _ in range(2 * model.n_layers)]
+    dec = torch.export.export(
+        model,
+        (_first_input(model, 1), torch.tensor([[p]]), causal_mask(1, p), *past),
+        dynamic_shapes=(None, None, {3: past_len + 1}, tuple({2: past_len} for _ in past)),
+        strict=True,
+    )
+    return pre, dec
+
+
+def quantize_modules(model: nn.Module, precisions: dict[str, str]) -> tuple[dict[str, int], list[str]]:
+    """torchao weight quantization of the Linear modules the plan puts at int8/int4; returns counts and notes.
+
+    int4 groups are 32 wide; a layer whose input width is not a multiple of 32 gets int8 instead (with a note).
+    """
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    counts = {"int8": 0, "int4": 0}
+    notes: list[str] = []
+    by_cfg: dict[tuple[str, int], set[str]] = {}
+    for name, p in precisions.items():
+        mod = name.removesuffix(".weight")
+        if p == "fp32" or mod not in linears:
+            continue
+        if p == "int8":
+            by_cfg.setdefault(("int8", 0), set()).add(mod)
+            continue
+        k = linears[mod].in_features
+        if k % 32:  # XNNPACK's 4-bit kernels take groups of 32 only
+            notes.append(f"{mod}: input width {k} is not a multiple of 32 (XNNPACK's int4 group); int8 instead")
+            by_cfg.setdefault(("int8", 0), set()).add(mod)
+            continue
+        by_cfg.setdefault(("int4", 32), set()).add(mod)
+    for (key, group), names in by_cfg.items():
+        # XNNPACK runs 4-bit weights groupwise and 8-bit weights per output channel
+        dtype = getattr(torch, "int4") if key == "int4" else torch.int8  # noqa: B009 (int4 is not in the stubs)
+        gran = PerGroup(group) if key == "int4" else PerAxis(0)
+        cfg = Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=gran)
+        quantize_(model, cfg, filter_fn=lambda m, fqn, names=names: fqn in names)
+        counts[key] += len(names)
+    return counts, notes
+
+
+def lower(model: ExportLM | ExportChunk, step: Step | None = None) -> bytes:
+    """Both methods of ``model`` lowered to XNNPACK: the ``.pte`` program's bytes."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    step = step or (lambda what: None)
+    step("torch.export: the prefill and decode methods")
+    pre, dec = export_programs(model)
+    step(f"lowering {len(pre.graph.nodes) + len(dec.graph.nodes):,} graph nodes to XNNPACK (the slow step)")
+    prog = to_edge_transform_and_lower({"forward": pre, "decode": dec}, partitioner=[XnnpackPartitioner()])
+    step("serializing the program")
+    buffer: bytes = prog.to_executorch().buffer
+    return buffer
+
+
+def lower_chunk(
+    src: StreamedExport,
+    layers: tuple[int, int],
+    *,
+    first: bool,
+    last: bool,
+    precisions: dict[str, str],
+    path: Path,
+    step: Step | None = None,
+) -> dict[str, Any]:
+    """Layers ``[start, stop)`` of ``src`` read, quantized (their float weights dropped at once), lowered and written
+    to ``path``; returns the result the module docstring names."""
+    step = step or (lambda what: None)
+    blocks = {i: src.block(i) for i in range(*layers)}
+    chunk = ExportChunk(src.em, blocks, first=first, last=last).eval()
+    if any(p != "fp32" for p in precisions.values()):
+        step("quantizing the linear layers with torchao")
+    counts, notes = quantize_modules(chunk, precisions)
+    for i in range(*layers):  # the quantized weights replace the float ones, which can go now
+        src.drop(i)
+    moe_layers = sum(isinstance(b.mlp, DenseMaskedMoE) for b in blocks.values())
+    path.write_bytes(lower(chunk, step))
+    return {"quantized_linears": counts, "notes": notes, "moe_layers": moe_layers}
+
+
+def _lowered(request: dict[str, Any]) -> dict[str, Any]:
+    """The worker: the request's chunk read from its checkpoint (only the weights it needs besides its layers)."""
+    from moetool.export.graph.stream import streamed_export_model
+
+    start, stop = request["layers"]
+    return lower_chunk(
+        streamed_export_model(Path(request["model_dir"])),
+        (int(start), int(stop)),
+        first=bool(request["first"]),
+        last=bool(request["last"]),
+        precisions=request["precisions"],
+        path=Path(request["path"]),
+    )
+
+
+if __name__ == "__main__":
+    from moetool.export.worker import worker_main
+
+    worker_main(_lowered)
