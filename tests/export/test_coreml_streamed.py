@@ -26,17 +26,6 @@ def deep_moe(tmp_path_factory):
     return deep_moe_at(tmp_path_factory.mktemp("coreml-deep"))
 
 
-def test_chunks_are_balanced_and_sized_by_float32_bytes():
-    assert chunk_ranges(8, 100, CHUNK_BYTES, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert chunk_ranges(30, 100, CHUNK_BYTES, 12) == [(0, 10), (10, 20), (20, 30)]  # 3 chunks of 10, not 12 + 12 + 6
-    assert chunk_ranges(4, 1, CHUNK_BYTES, None) == [(0, 4)]  # a small model is one package
-    assert (
-        len(chunk_ranges(24, 900 << 20, CHUNK_BYTES, None)) == 24
-    )  # a layer over the chunk size is a chunk of its own
-    with pytest.raises(ExportError, match="at least one decoder layer"):
-        chunk_ranges(8, 100, CHUNK_BYTES, 0)
-
-
 def test_converted_a_chunk_at_a_time_and_checked_against_a_streamed_reference(deep_moe, tmp_path, monkeypatch):
     monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "cache"))
     config = Checkpoint(deep_moe).config

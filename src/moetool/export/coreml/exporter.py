@@ -160,17 +160,20 @@ RUNTIME = 768 << 20  # torch, coremltools and the traced graph
 
 
 def coreml_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
-    """Memory and disk of a Core ML export of ``plan`` in ``ranges``' chunks: converting holds the weights outside
-    the layer stack and the largest chunk (with the embedding and head, which the first and last chunks convert)
-    :data:`CONVERT_MULTIPLE` times; verification holds the transformers reference (held in float32 or streamed,
-    :func:`moetool.export.reference.graph_reference_need`) beside one chunk of the converted wrappers."""
+    """Memory and disk of a Core ML export of ``plan`` in ``ranges``' chunks: converting holds what the largest chunk
+    converts (its layers, and the embedding or head of the first or last) :data:`CONVERT_MULTIPLE` times, beside the
+    weights outside the layer stack that the reader keeps; verification holds the transformers reference (held in
+    float32 or streamed, :func:`moetool.export.reference.graph_reference_need`) beside one chunk of the converted
+    wrappers."""
     from moetool.compute.upcast import layer_bytes
+    from moetool.export.graph.chunk import converted_bytes, end_bytes
     from moetool.export.reference import graph_reference_need
 
     params = plan.quant.total_params
     outside, layer = layer_bytes(plan.config, params)
     chunk = max(b - a for a, b in ranges) * layer
-    converting = int(CONVERT_MULTIPLE * (chunk + outside)) + RUNTIME
+    largest = converted_bytes(ranges, layer, end_bytes(plan.config, params))
+    converting = int(CONVERT_MULTIPLE * largest) + outside + RUNTIME
     reference, held = graph_reference_need(params, plan.config)
     verifying = reference + outside + chunk  # the reference's allowance covers the runtime
     how = "held in float32" if held else "streamed from disk, one float32 layer at a time"

@@ -121,35 +121,33 @@ def program_file(index: int, count: int) -> str:
 # decoder layers' float32 weights per program, by default: torchao's quantization, torch.export and XNNPACK's
 # lowering hold a chunk (and the embedding or head of the first and last) several times over
 CHUNK_BYTES = 256 << 20
-# peak RSS as a multiple of what one chunk converts (its layers, and the embedding and head where it holds them):
-# 12.2× the float32 weights for the real MoE exported whole (15.7 GB for 1.29 GB)
+# peak RSS of one chunk's lowering (its own process) as a multiple of what it converts (its layers, and the embedding
+# or head of the first and last); 12.2× the float32 weights for the real MoE exported whole (15.7 GB for 1.29 GB)
 LOWER_MULTIPLE = 12.2
-# torch.export's and the lowering's state that stays allocated after a chunk is done, as a share of its float32 layers:
-# 0.21 GB per two-layer chunk of the 360M-shaped rung (0.27 GB), which peaked at 8.64 GB over 16 chunks
-RETAINED = 0.8
-RUNTIME = 768 << 20  # torch, executorch and the exported graphs
+RUNTIME = 768 << 20  # torch, torchao and executorch in the lowering process, torch in this one
 
 
 def executorch_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
-    """Memory and disk of an ExecuTorch export of ``plan`` in ``ranges``' chunks: lowering holds the largest chunk
-    with the weights outside the layers :data:`LOWER_MULTIPLE` times, above what the chunks lowered before it left
-    allocated (:data:`RETAINED`); verification holds the transformers reference (held in float32 or streamed) beside
-    one chunk's program and that left-over state."""
+    """Memory and disk of an ExecuTorch export of ``plan`` in ``ranges``' chunks: a chunk's lowering (in a process of
+    its own) holds what the largest chunk converts :data:`LOWER_MULTIPLE` times, beside the weights outside the layer
+    stack that its reader keeps; verification holds the transformers reference (held in float32 or streamed) beside
+    one chunk's program."""
     from moetool.compute.upcast import layer_bytes
+    from moetool.export.graph.chunk import converted_bytes, end_bytes
     from moetool.export.reference import graph_reference_need
 
     params = plan.quant.total_params
     outside, layer = layer_bytes(plan.config, params)
     most = max(b - a for a, b in ranges)
-    n_layers = ranges[-1][1]
-    lowering = int(LOWER_MULTIPLE * (most * layer + outside) + RETAINED * n_layers * layer) + RUNTIME
+    largest = converted_bytes(ranges, layer, end_bytes(plan.config, params))
+    lowering = int(LOWER_MULTIPLE * largest) + outside + RUNTIME
     reference, _ = graph_reference_need(params, plan.config)
-    verifying = reference + outside + most * layer + int(RETAINED * n_layers * layer)
+    verifying = reference + outside + most * layer
     chunks = f"{len(ranges)} program{'s' * (len(ranges) > 1)} of up to {most} layers"
     return Need(
         stage="executorch export",
         memory=max(lowering, verifying) if verify else lowering,
-        memory_detail=f"lowered in {chunks} ({human(lowering)})",
+        memory_detail=f"lowered in {chunks}, each in a process of its own ({human(lowering)})",
         disk=plan.quant.total_bytes,
         output=output,
         way_out="Export in smaller chunks (--chunk-layers), with --no-verify, or on a machine with more memory",

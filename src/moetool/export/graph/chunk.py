@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,14 +28,25 @@ if TYPE_CHECKING:
     from moetool.export.graph.model import Block, ExportLM
     from moetool.export.graph.parity import Call
 
-__all__ = ["ChunkRunner", "ExportChunk", "chain_calls", "chunk_layers", "chunk_ranges", "planned_chunks"]
+__all__ = [
+    "ChunkRunner",
+    "ExportChunk",
+    "chain_calls",
+    "chunk_layers",
+    "chunk_ranges",
+    "converted_bytes",
+    "end_bytes",
+    "planned_chunks",
+]
 
 
 def chunk_ranges(
-    n_layers: int, layer_bytes: int, chunk_bytes: int, chunk_layers: int | None = None
+    n_layers: int, layer_bytes: int, chunk_bytes: int, chunk_layers: int | None = None, end_bytes: int = 0
 ) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each chunk's layers: ``chunk_layers`` per chunk at most (None: as many as ``chunk_bytes``
-    of ``layer_bytes`` layers hold, at least one), balanced (counts differ by at most one).
+    """``[start, stop)`` of each chunk's layers: ``chunk_layers`` per chunk at most, balanced (counts differ by at
+    most one); None: as many ``layer_bytes`` layers as ``chunk_bytes`` holds (at least one), where the first and last
+    chunks also convert ``end_bytes`` each (the embedding, the head), so they take fewer layers and the middle ones
+    are balanced. A model whose layers, embedding and head fit ``chunk_bytes`` together is one chunk.
 
     Raises:
         ExportError: ``chunk_layers`` below 1.
@@ -43,9 +54,39 @@ def chunk_ranges(
     if chunk_layers is not None and chunk_layers < 1:
         raise ExportError(f"--chunk-layers {chunk_layers}: a chunk holds at least one decoder layer")
     per = chunk_layers or max(1, chunk_bytes // max(1, layer_bytes))
-    count = math.ceil(n_layers / per)
-    bounds = [round(i * n_layers / count) for i in range(count + 1)]
-    return list(itertools.pairwise(bounds))
+    at_ends = max(1, min(per, (chunk_bytes - end_bytes) // max(1, layer_bytes)))
+    if chunk_layers is not None or at_ends == per or n_layers * layer_bytes + 2 * end_bytes <= chunk_bytes:
+        return _balanced(0, n_layers, per)
+    if n_layers <= 2 * at_ends:
+        return _balanced(0, n_layers, math.ceil(n_layers / 2))
+    middle = _balanced(at_ends, n_layers - at_ends, per)
+    return [(0, at_ends), *middle, (n_layers - at_ends, n_layers)]
+
+
+def _balanced(start: int, stop: int, per: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` in as few chunks of at most ``per`` as it takes, their sizes differing by at most one."""
+    n = stop - start
+    if n <= 0:
+        return []
+    count = math.ceil(n / per)
+    return list(itertools.pairwise(start + round(i * n / count) for i in range(count + 1)))
+
+
+def end_bytes(config: dict[str, Any], params: int) -> int:
+    """Float32 bytes the first chunk converts beside its layers (the embedding), and the last (the head): the
+    weights outside the layer stack, halved when the head is a tensor of its own (:func:`layer_bytes`)."""
+    from moetool.compute.upcast import layer_bytes
+
+    outside, _ = layer_bytes(config, params)
+    c = config.get("text_config") or config
+    return outside if c.get("tie_word_embeddings", True) else outside // 2
+
+
+def converted_bytes(ranges: list[tuple[int, int]], layer_bytes: int, end: int) -> int:
+    """The most float32 bytes one chunk of ``ranges`` converts: its layers, and ``end`` more for the first chunk and
+    for the last (:func:`end_bytes`)."""
+    n = len(ranges)
+    return max((b - a) * layer_bytes + end * ((i == 0) + (i == n - 1)) for i, (a, b) in enumerate(ranges))
 
 
 def chunk_layers(req: ExportRequest) -> int | None:
@@ -63,15 +104,17 @@ def chunk_layers(req: ExportRequest) -> int | None:
 
 def planned_chunks(req: ExportRequest, plan: GraphPlan, chunk_bytes: int) -> list[tuple[int, int]]:
     """The chunks of ``plan``'s model: ``--chunk-layers`` per chunk, else as many layers as ``chunk_bytes`` of their
-    float32 weights hold (:func:`chunk_ranges`).
+    float32 weights hold, with the embedding and head counted in the first and last (:func:`chunk_ranges`).
 
     Raises:
         ExportError: ``--chunk-layers`` below 1.
     """
     from moetool.compute.upcast import layer_bytes
 
-    _, layer = layer_bytes(plan.config, plan.quant.total_params)
-    return chunk_ranges(int(plan.config["num_hidden_layers"]), layer, chunk_bytes, chunk_layers(req))
+    params = plan.quant.total_params
+    _, layer = layer_bytes(plan.config, params)
+    end = end_bytes(plan.config, params)
+    return chunk_ranges(int(plan.config["num_hidden_layers"]), layer, chunk_bytes, chunk_layers(req), end)
 
 
 class ExportChunk(nn.Module):

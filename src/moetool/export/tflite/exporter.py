@@ -41,8 +41,8 @@ __all__ = ["REPO", "TFLiteExporter", "litert_python"]  # REPO, litert_python: ke
 
 # decoder layers' float32 weights per model, by default (litert-torch's conversion holds a chunk several times over)
 CHUNK_BYTES = 256 << 20
-# peak RSS of one conversion (its own process) as a multiple of what it converts: its layers and the weights outside
-# the layer stack, which each chunk reads. 6.7× the float32 weights for the real MoE converted whole (8.6 GB, 1.29 GB)
+# peak RSS of one conversion (its own process) as a multiple of what it converts (its layers, and the embedding or
+# head of the first and last): 6.7× the float32 weights for the real MoE converted whole (8.6 GB for 1.29 GB)
 CONVERT_MULTIPLE = 6.7
 RUNTIME = 512 << 20  # torch and litert-torch in the converting process, torch in this one
 
@@ -60,16 +60,19 @@ def static_shape(plan: GraphPlan) -> tuple[int, int]:
 
 
 def tflite_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
-    """Memory and disk of a TFLite export of ``plan`` in ``ranges``' chunks: a conversion holds the largest chunk and
-    the weights outside the layers :data:`CONVERT_MULTIPLE` times; verification holds the transformers reference (in
-    float32 or streamed) here beside one chunk in the interpreter."""
+    """Memory and disk of a TFLite export of ``plan`` in ``ranges``' chunks: a conversion (in a process of its own)
+    holds what the largest chunk converts (its layers, and the embedding or head of the first or last)
+    :data:`CONVERT_MULTIPLE` times, beside the weights outside the layer stack that its reader keeps; verification
+    holds the transformers reference (in float32 or streamed) here beside one chunk in the interpreter."""
     from moetool.compute.upcast import layer_bytes
+    from moetool.export.graph.chunk import converted_bytes, end_bytes
     from moetool.export.reference import graph_reference_need
 
     params = plan.quant.total_params
     outside, layer = layer_bytes(plan.config, params)
     most = max(b - a for a, b in ranges)
-    converting = int(CONVERT_MULTIPLE * (most * layer + outside)) + RUNTIME
+    largest = converted_bytes(ranges, layer, end_bytes(plan.config, params))
+    converting = int(CONVERT_MULTIPLE * largest) + outside + RUNTIME
     reference, _ = graph_reference_need(params, plan.config)
     verifying = reference + outside + most * layer  # the reference's allowance covers the interpreter's process
     chunks = f"{len(ranges)} model{'s' * (len(ranges) > 1)} of up to {most} layers"
