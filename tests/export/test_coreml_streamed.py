@@ -10,7 +10,6 @@ from streamed_fixtures import live_tensor_bytes
 
 from moetool.api import export, plan_export
 from moetool.compute.upcast import float32_overhead, layer_bytes
-from moetool.export import ExportError
 from moetool.export.coreml import exporter
 from moetool.export.coreml.chunks import CHUNK_BYTES
 from moetool.export.graph.chunk import chunk_ranges
