@@ -6,7 +6,8 @@ size trained on Python's documentation). Each stage runs as its own ``moetool`` 
 (``wait4``):
 
     merge (top-2 of 4, cheap_embed routers, bf16) → train (a few steps, the model's own dtype) → eval (perplexity on
-    4,096 tokens) → GGUF q8_0 export with verification → ONNX q8_0 export → ONNX moe-q4 export (4-bit experts)
+    4,096 tokens) → GGUF q8_0 export with verification → ONNX q8_0 export → ONNX, Core ML, ExecuTorch and TFLite
+    moe-q4 exports (4-bit experts)
 
 or, with ``--experts``, the merge followed by ``moetool experts`` remove (without and with its parity check), prune,
 add and extract,
@@ -149,34 +150,41 @@ def drawn_rung(root: Path, rung: str) -> Path:
     return _recipe(root, paths, _texts(root))
 
 
-def tree_anon(pid: int) -> int:
-    """Anonymous resident bytes of ``pid`` and every process below it (a stage may run its tools as children)."""
-    total = 0
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(resident, anonymous resident) bytes of ``pid`` and every process below it, summed (a stage may run its
+    tools, or each chunk of an export, as children)."""
+    rss = anon = 0
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                total += int(line.split()[1]) * 1024
+            if line.startswith("VmRSS:"):
+                rss += int(line.split()[1]) * 1024
+            elif line.startswith("RssAnon:"):
+                anon += int(line.split()[1]) * 1024
         for task in Path(f"/proc/{pid}/task").iterdir():
-            total += sum(tree_anon(int(c)) for c in (task / "children").read_text().split())
+            for child in (task / "children").read_text().split():
+                r, a = tree_memory(int(child))
+                rss, anon = rss + r, anon + a
     except OSError:  # the process ended between two reads
         pass
-    return total
+    return rss, anon
 
 
 def measured(args: list[str], log: Path) -> tuple[float, int, int, int, str]:
-    """(wall seconds, peak RSS bytes from ``wait4``, peak anonymous bytes of its process tree sampled every 0.2 s,
-    exit code, last line of output) of one process. RSS also counts a mapped file's pages, which are the page
-    cache's; the anonymous figure is the process's own memory."""
+    """(wall seconds, peak RSS bytes, peak anonymous bytes, exit code, last line of output) of one process and its
+    children. The peak RSS is the larger of ``wait4``'s (the largest single process) and the process tree's sum
+    sampled every 0.2 s (a parent and the child it waits on are resident together). RSS also counts a mapped file's
+    pages, which are the page cache's; the anonymous figure is the processes' own memory."""
     t0 = time.perf_counter()
-    peak_anon = 0
+    peak_rss = peak_anon = 0
     with open(log, "w") as f:
         proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
         done = threading.Event()
 
         def sample() -> None:
-            nonlocal peak_anon
+            nonlocal peak_rss, peak_anon
             while not done.wait(0.2):
-                peak_anon = max(peak_anon, tree_anon(proc.pid))
+                rss, anon = tree_memory(proc.pid)
+                peak_rss, peak_anon = max(peak_rss, rss), max(peak_anon, anon)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -185,7 +193,8 @@ def measured(args: list[str], log: Path) -> tuple[float, int, int, int, str]:
         sampler.join()
     wall = time.perf_counter() - t0
     lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-    return wall, usage.ru_maxrss * 1024, peak_anon, os.waitstatus_to_exitcode(status), lines[-1] if lines else ""
+    rss = max(usage.ru_maxrss * 1024, peak_rss)
+    return wall, rss, peak_anon, os.waitstatus_to_exitcode(status), lines[-1] if lines else ""
 
 
 def _run(args: list[str], log: Path) -> tuple[float, int, int, str]:
@@ -235,11 +244,14 @@ def rung(
         # what a phone runs: 4-bit experts (QMoE), router f32, the rest 8-bit
         ("onnx moe-q4", [moetool, "export", str(tuned), "-o", str(root / "onnx-q4"), "--target", "onnx", "--quant",
                          "moe-q4", "--force"]),
-        # Core ML and ExecuTorch convert a chunk of layers at a time (by default 256 MiB of float32 layers each)
+        # Core ML, ExecuTorch and TFLite convert a chunk of layers at a time (by default 256 MiB of float32 layers
+        # each; ExecuTorch and TFLite in a process per chunk)
         ("coreml moe-q4", [moetool, "export", str(tuned), "-o", str(root / "coreml-q4"), "--target", "coreml",
                            "--quant", "moe-q4", "--force"]),
         ("executorch moe-q4", [moetool, "export", str(tuned), "-o", str(root / "executorch-q4"), "--target",
                                "executorch", "--quant", "moe-q4", "--force"]),
+        ("tflite moe-q4", [moetool, "export", str(tuned), "-o", str(root / "tflite-q4"), "--target", "tflite",
+                           "--quant", "moe-q4", "--force"]),
     ]  # fmt: skip
     if experts:  # the merge, then every edit of `moetool experts` on it
         stages = stages[:1] + _edit_stages(root, moe, paths, texts)
