@@ -30,7 +30,7 @@ def test_a_chunk_is_quantized_and_lowered_alone(deep_moe, tmp_path, monkeypatch)
     before = live_tensor_bytes()  # what earlier tests (module fixtures, caches) left alive in this process
     peak, lowered = [0], []
 
-    def recorded(chunk, step=None):
+    def recorded(chunk, bounds, step=None):
         peak[0] = max(peak[0], live_tensor_bytes() - before)
         lowered.append(sorted({int(n.split(".")[1]) for n, _ in chunk.named_parameters() if n.startswith("layers.")}))
         return b"program"

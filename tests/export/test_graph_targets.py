@@ -53,6 +53,13 @@ def test_executorch_fp32_mixtral(models, tmp_path):
     assert at == sorted(at), log.getvalue()
     assert man["files"].keys() == {"model.pte"} and _worst(man["parity"]) <= 1e-4
     assert man["programs"] == [{"file": "model.pte", "layers": [0, 2]}]
+    # the methods' shapes are bounded (ExecuTorch plans and allocates every activation for the largest shape allowed)
+    from executorch.runtime import Runtime
+
+    bounds = man["bounds"]
+    program = Runtime.get().load_program(str(tmp_path / "et" / "model.pte"))
+    assert program.metadata("forward").input_tensor_meta(0).sizes() == (1, bounds["prefill"])
+    assert program.metadata("decode").input_tensor_meta(3).sizes()[2] == bounds["context"] - 1
     # every expert runs: XNNPACK cannot select experts in the graph (the reason is recorded for the reader)
     moe = man["moe_kernel"]
     assert moe["kind"] == "dense-masked" and moe["layers"] == 2 and "XNNPACK" in moe["reason"]

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
+from moetool.export.executorch.lowering import Bounds, bounds_for
 from moetool.export.graph.chunk import ChunkRunner, chain_calls, chunk_layers, planned_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import ExportLM
@@ -86,7 +87,7 @@ IN_CHILD = True
 ChunkLowerer = Callable[[tuple[int, int], bool, bool, Path, str], dict[str, Any]]
 
 
-def _chunk_lowerer(model_dir: Path, precisions: dict[str, str], step: Step) -> ChunkLowerer:
+def _chunk_lowerer(model_dir: Path, precisions: dict[str, str], bounds: Bounds, step: Step) -> ChunkLowerer:
     """How each chunk of the model in ``model_dir`` is lowered: in a child process (:data:`IN_CHILD`), which reads
     its layers itself, or here, from one reader of the checkpoint that each chunk's layers are dropped from."""
     from moetool.export.executorch import lowering
@@ -99,6 +100,7 @@ def _chunk_lowerer(model_dir: Path, precisions: dict[str, str], step: Step) -> C
             step(f"{where}torch.export and XNNPACK lowering, in a child process")
             request = {"model_dir": str(model_dir), "layers": list(span), "first": first, "last": last}
             request |= {"precisions": precisions, "path": str(path)}
+            request |= {"prefill": bounds.prefill, "context": bounds.context}
             return run_worker("moetool.export.executorch.lowering", request, what="ExecuTorch lowering")
 
         return in_child
@@ -107,7 +109,14 @@ def _chunk_lowerer(model_dir: Path, precisions: dict[str, str], step: Step) -> C
 
     def here(span: tuple[int, int], first: bool, last: bool, path: Path, where: str) -> dict[str, Any]:
         return lowering.lower_chunk(
-            src, span, first=first, last=last, precisions=precisions, path=path, step=_prefixed(step, where)
+            src,
+            span,
+            first=first,
+            last=last,
+            precisions=precisions,
+            path=path,
+            bounds=bounds,
+            step=_prefixed(step, where),
         )
 
     return here
@@ -178,7 +187,8 @@ class ExecuTorchExporter(GraphExporter):
         paths: list[Path] = []
         moe_layers = 0
         with atomic_dir(req.output, force=req.force) as tmp:
-            lowered = _chunk_lowerer(req.model_dir, plan.precisions(), step)
+            bounds = bounds_for(plan.context, int(plan.config.get("max_position_embeddings", plan.context)))
+            lowered = _chunk_lowerer(req.model_dir, plan.precisions(), bounds, step)
             for c, span in enumerate(ranges):
                 n = len(ranges)
                 path = tmp / program_file(c, n)
@@ -196,7 +206,11 @@ class ExecuTorchExporter(GraphExporter):
             fields: JsonObject = {
                 "runtime": "executorch.runtime, XNNPACK delegate",
                 "export": "streamed: lowered one chunk of decoder layers at a time from the checkpoint",
-                "methods": {"forward": "prefill", "decode": "one token with KV cache"},
+                "methods": {
+                    "forward": f"prefill of 2 to {bounds.prefill} tokens from an empty cache",
+                    "decode": f"one token with KV cache, up to position {bounds.context - 1}",
+                },
+                "bounds": {"prefill": bounds.prefill, "context": bounds.context},
                 "programs": programs,
                 "quantized_linears": {**counts},
                 "moe_kernel": dense_moe_kernel("executorch", moe_layers),

@@ -4,7 +4,8 @@
     python -m moetool.export.executorch.lowering REQUEST.json
 
 REQUEST has ``model_dir``, ``layers`` ``[start, stop)``, ``first`` and ``last`` (whether the chunk embeds the tokens
-and computes the logits), ``precisions`` (export name → fp32|int8|int4) and ``path`` (the program to write). The
+and computes the logits), ``precisions`` (export name → fp32|int8|int4), ``prefill`` and ``context``
+(:class:`Bounds`) and ``path`` (the program to write). The
 result printed: ``quantized_linears`` (counts), ``notes`` and ``moe_layers`` (MoE blocks in the chunk).
 
 Why a process per chunk: ``torch.export`` and the lowering leave state allocated after the program is written (FX
@@ -15,6 +16,7 @@ its 16 chunks in one process. A process's exit gives it all back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 
     from moetool.export.graph.stream import StreamedExport
 
-__all__ = ["export_programs", "lower", "lower_chunk", "quantize_modules"]
+__all__ = ["PREFILL_MAX", "Bounds", "bounds_for", "export_programs", "lower", "lower_chunk", "quantize_modules"]
 
 
 def _first_input(model: ExportLM | ExportChunk, t: int) -> torch.Tensor:
@@ -40,10 +42,34 @@ def _first_input(model: ExportLM | ExportChunk, t: int) -> torch.Tensor:
     return torch.zeros(1, t, int(getattr(model, "hidden_size", 0)))
 
 
-def export_programs(model: ExportLM | ExportChunk) -> tuple[ExportedProgram, ExportedProgram]:
-    """torch.export both methods (strict tracing: the non-strict path adds stride guards it then rejects)."""
+@dataclass(frozen=True)
+class Bounds:
+    """The longest prefill ``forward`` takes and the positions ``decode`` reaches (``context``: past + 1 at most).
 
-    seq = torch.export.Dim("seq", min=2, max=4096)
+    ExecuTorch plans every activation's memory for the largest shape a method allows, and the program allocates it
+    when the method loads: a prefill of up to 4,096 tokens planned 2.4 GB per program of the size ladder's 360M rung
+    (15 heads' 4,096 × 4,096 attention scores), 3.4 GB once run. A bound keeps that to what the device needs.
+    """
+
+    prefill: int
+    context: int
+
+
+# the longest prefill by default: attention scores of 512 × 512 per head; a longer prompt goes on through decode
+PREFILL_MAX = 512
+
+
+def bounds_for(context: int, max_positions: int) -> Bounds:
+    """The bounds of a model of ``max_positions`` positions deployed at ``context`` tokens."""
+    ctx = max(8, min(context, max_positions))
+    return Bounds(prefill=min(PREFILL_MAX, ctx), context=ctx)
+
+
+def export_programs(model: ExportLM | ExportChunk, bounds: Bounds) -> tuple[ExportedProgram, ExportedProgram]:
+    """torch.export both methods within ``bounds`` (strict tracing: the non-strict path adds stride guards it then
+    rejects)."""
+
+    seq = torch.export.Dim("seq", min=2, max=bounds.prefill)
     _, pos, mask = prefill_inputs(torch.zeros(1, 8, dtype=torch.long))
     pre = torch.export.export(
         model,
@@ -51,7 +77,7 @@ def export_programs(model: ExportLM | ExportChunk) -> tuple[ExportedProgram, Exp
         dynamic_shapes=({1: seq}, {1: seq}, {2: seq, 3: seq}),
         strict=True,
     )
-    past_len = torch.export.Dim("past", min=1, max=4095)
+    past_len = torch.export.Dim("past", min=1, max=bounds.context - 1)
     p = 5
     past = [torch.zeros(1, model.n_kv, p, model.head_dim) for _ in range(2 * model.n_layers)]
     dec = torch.export.export(
@@ -98,14 +124,14 @@ def quantize_modules(model: nn.Module, precisions: dict[str, str]) -> tuple[dict
     return counts, notes
 
 
-def lower(model: ExportLM | ExportChunk, step: Step | None = None) -> bytes:
-    """Both methods of ``model`` lowered to XNNPACK: the ``.pte`` program's bytes."""
+def lower(model: ExportLM | ExportChunk, bounds: Bounds, step: Step | None = None) -> bytes:
+    """Both methods of ``model`` lowered to XNNPACK within ``bounds``: the ``.pte`` program's bytes."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
     step = step or (lambda what: None)
     step("torch.export: the prefill and decode methods")
-    pre, dec = export_programs(model)
+    pre, dec = export_programs(model, bounds)
     step(f"lowering {len(pre.graph.nodes) + len(dec.graph.nodes):,} graph nodes to XNNPACK (the slow step)")
     prog = to_edge_transform_and_lower({"forward": pre, "decode": dec}, partitioner=[XnnpackPartitioner()])
     step("serializing the program")
@@ -121,6 +147,7 @@ def lower_chunk(
     last: bool,
     precisions: dict[str, str],
     path: Path,
+    bounds: Bounds,
     step: Step | None = None,
 ) -> dict[str, Any]:
     """Layers ``[start, stop)`` of ``src`` read, quantized (their float weights dropped at once), lowered and written
@@ -134,7 +161,7 @@ def lower_chunk(
     for i in range(*layers):  # the quantized weights replace the float ones, which can go now
         src.drop(i)
     moe_layers = sum(isinstance(b.mlp, DenseMaskedMoE) for b in blocks.values())
-    path.write_bytes(lower(chunk, step))
+    path.write_bytes(lower(chunk, bounds, step))
     return {"quantized_linears": counts, "notes": notes, "moe_layers": moe_layers}
 
 
@@ -150,6 +177,7 @@ def _lowered(request: dict[str, Any]) -> dict[str, Any]:
         last=bool(request["last"]),
         precisions=request["precisions"],
         path=Path(request["path"]),
+        bounds=Bounds(prefill=int(request["prefill"]), context=int(request["context"])),
     )
 
 
