@@ -11,6 +11,7 @@ from rich.console import Console
 from conftest import write_recipe
 from moetool.api import export, plan_export
 from moetool.export import ExportError
+from moetool.io.checkpoint import Checkpoint
 
 EXPERTS = """experts:
   - {{name: a, source: {e1}, positive_prompts: ["def main():"]}}
@@ -129,8 +130,36 @@ def test_tflite_chunks_streamed(models, tmp_path):
     assert man["moe_kernel"]["layers"] == 2
 
 
+# the dtype of each FULLY_CONNECTED op's weight in a .tflite, read in litert-torch's interpreter: {rows: [dtypes]}
+_FC_DTYPES = """
+import json, sys
+from ai_edge_litert.interpreter import Interpreter
+it = Interpreter(model_path=sys.argv[1])
+ts = {d["index"]: d for d in it.get_tensor_details()}
+out = {}
+for op in it._get_ops_details():
+    if op["op_name"] == "FULLY_CONNECTED":
+        w = ts[op["inputs"][1]]
+        out.setdefault(str(w["shape"][0]), []).append(w["dtype"].__name__)
+print(json.dumps(out))
+"""
+
+
+def _fc_dtypes(path):
+    import json
+    import subprocess
+
+    from moetool.export.tflite.runner import litert_python
+
+    proc = subprocess.run([litert_python(), "-c", _FC_DTYPES, str(path)], capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_tflite_mixed_precision_by_role(models, tmp_path):
     man = export(models["mixtral"], tmp_path / "tfl", target="tflite", quant=MIXED)
+    # the head is quantized as planned (its op is named after the logits it returns, not after its module)
+    vocab = str(Checkpoint(models["mixtral"]).config["vocab_size"])
+    assert set(_fc_dtypes(tmp_path / "tfl" / "model.tflite")[vocab]) == {"int8"}
     # down_proj's input width 48 rules out 32-blocks, so the experts' int4 is per channel (noted)
     assert man["quantized_roles"] == {"experts": "int4 (per channel)", "attention": "int8", "output": "int8"}
     assert any("per channel, not blockwise" in n for n in man["tflite_notes"])

@@ -26,7 +26,8 @@ ROLE_SCOPES: dict[str, str] = {
     "router": r"^[^;]*DenseMaskedMoE_mlp/torch\.nn\.modules\.linear\.Linear_(router|shared_gate)",
     "attention": r"^[^;]*Attention_attn/",
     "ffn": r"^[^;]*GatedMLP_mlp/",
-    "output": r"^[^;]*Linear_lm_head",
+    # the head's op is named after the logits it returns when they are a signature's output
+    "output": r"^[^;]*Linear_lm_head|^(prefill|decode)_output_0_output(;|$)",
 }
 
 
