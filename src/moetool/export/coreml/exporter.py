@@ -1,9 +1,9 @@
 """``moetool export --target coreml``: stateful ML Programs (iOS 18) with the KV cache as Core ML states and
 per-weight compression from the plan, converted from the checkpoint a chunk of decoder layers at a time.
 
-The model is never held whole (:mod:`moetool.export.graph.stream`): the weights outside the layer stack are read
-once, then each chunk's layers (:mod:`moetool.export.coreml.chunks`) are read, traced, converted, compressed and
-saved as one ``.mlpackage``, and dropped before the next chunk is read. A model whose layers fit one chunk is one
+The model is never held whole (:mod:`moetool.export.graph.stream`): each chunk's layers
+(:mod:`moetool.export.coreml.chunks`) are read, traced, converted, compressed and saved as one ``.mlpackage`` in a
+process of their own (:mod:`moetool.export.coreml.worker`), which exits before the next chunk is read. A model whose layers fit one chunk is one
 ``model.mlpackage`` (``input_ids`` in, ``logits`` out); a larger one is ``model_chunk00.mlpackage`` … run in
 sequence, hidden states passed from one to the next, each with its own cache.
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -196,6 +196,66 @@ def _package(src: StreamedExport, span: tuple[int, int], capacity: int, ends: tu
     return StatefulChunk(src.em, blocks, capacity, first=ends[0], last=ends[1]).eval()
 
 
+def _converted(model_dir: Path, job: ChunkJob) -> JsonObject:
+    """``job`` converted by ``python -m moetool.export.coreml.worker`` (:data:`IN_CHILD`)."""
+    from moetool.export.worker import run_worker
+
+    request = {"model_dir": str(model_dir), "layers": list(job.layers), "first": job.first, "last": job.last}
+    request |= {"precisions": job.precisions, "capacity": job.capacity, "units": job.units, "path": str(job.path)}
+    result: JsonObject = run_worker("moetool.export.coreml.worker", request, what="Core ML conversion")
+    return result
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """One package to convert: layers ``[start, stop)``, whether it is the first or last chunk, and how (the plan's
+    precisions, the cache capacity, the compute units) into ``path``."""
+
+    layers: tuple[int, int]
+    first: bool
+    last: bool
+    precisions: dict[str, str]
+    capacity: int
+    units: str
+    path: Path
+
+
+def convert_chunk(src: StreamedExport, job: ChunkJob, fp16: bool = True) -> JsonObject:
+    """``job``'s layers read from ``src``, traced, converted (the torch weights dropped before compression),
+    compressed per the plan and saved; returns ``compressed`` (weight → what it became) and ``structure``."""
+    wrapper = _package(src, job.layers, job.capacity, (job.first, job.last))
+    ml = convert(wrapper, fp16, job.units)
+    del wrapper  # the program holds its own copy: the torch weights go before it is compressed
+    for i in range(*job.layers):
+        src.drop(i)
+    ml, done = compress(ml, job.precisions, fp16)
+    ml.save(str(job.path))
+    return {"compressed": {**done}, "structure": structure(ml, job.path)}
+
+
+def converted_in_child(request: dict[str, Any]) -> JsonObject:
+    """The worker of :mod:`moetool.export.coreml.worker`: the request's chunk read from its checkpoint alone."""
+    from moetool.export.graph.stream import streamed_export_model
+
+    start, stop = request["layers"]
+    job = ChunkJob(
+        layers=(int(start), int(stop)),
+        first=bool(request["first"]),
+        last=bool(request["last"]),
+        precisions=dict(request["precisions"]),
+        capacity=int(request["capacity"]),
+        units=str(request["units"]),
+        path=Path(request["path"]),
+    )
+    return convert_chunk(streamed_export_model(Path(request["model_dir"])), job)
+
+
+# each chunk is converted in a process of its own: coremltools and the trace leave about 0.5 GB allocated over a
+# model's chunks (the 360M rung's last chunk peaked at 2.33 GB alone, 3.14 GB after 16 others in one process). False
+# converts them all here, from one reader: what tests that watch the tensors alive at each conversion use
+IN_CHILD = True
+
+
 class CoreMLExporter(GraphExporter):
     """Streamed: converted a chunk of decoder layers at a time from the checkpoint (:mod:`moetool.export.coreml.
     chunks`); the model is never held whole."""
@@ -221,31 +281,30 @@ class CoreMLExporter(GraphExporter):
         capacity = min(int(plan.config.get("max_position_embeddings", 2048)), plan.context)
         fp16 = True  # Core ML states are fp16 only, so the program computes in fp16; fp32 means "no compression"
         ranges = planned_chunks(req, plan, CHUNK_BYTES)
-        src = streamed_export_model(req.model_dir)
+        src = None if IN_CHILD else streamed_export_model(req.model_dir)
         packages: list[JsonValue] = []
         infos: list[JsonObject] = []
         applied: dict[str, str] = {}
         with atomic_dir(req.output, force=req.force) as tmp:
             for c, span in enumerate(ranges):
-                step(f"converting layers {span[0]}–{span[1] - 1} (chunk {c + 1} of {len(ranges)}) with coremltools")
-                wrapper = _package(src, span, capacity, (c == 0, c == len(ranges) - 1))
-                ml = convert(wrapper, fp16, units)
-                del wrapper  # the program holds its own copy: the torch weights go before it is compressed
-                for i in range(*span):
-                    src.drop(i)
-                ml, done = compress(ml, plan.precisions(), fp16)
-                applied |= done
+                how = " in a child process" if IN_CHILD else ""
+                step(
+                    f"converting layers {span[0]}–{span[1] - 1} (chunk {c + 1} of {len(ranges)}) with coremltools{how}"
+                )
                 path = tmp / chunk_file(c, len(ranges))
-                ml.save(str(path))
-                info = structure(ml, path)
+                job = ChunkJob(span, c == 0, c == len(ranges) - 1, plan.precisions(), capacity, units, path)
+                result = _converted(req.model_dir, job) if src is None else convert_chunk(src, job, fp16)
+                applied |= {str(k): str(v) for k, v in result["compressed"].items()}  # type: ignore[union-attr]
+                info = result["structure"]
+                assert isinstance(info, dict)
                 if info["states"] != ["k_cache", "v_cache"] or not info["ios18_or_later"]:
                     raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
                 packages.append({"file": path.name, "layers": [span[0], span[1]], "structure": info})
                 infos.append(info)
-                del ml
             parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
-                parity = self._verify(req, plan, src, ranges, capacity, step)
+                reader = src if src is not None else streamed_export_model(req.model_dir)
+                parity = self._verify(req, plan, reader, ranges, capacity, step)
             files = {p.relative_to(tmp).as_posix(): p for p in sorted(tmp.rglob("*")) if p.is_file()}
             fields: JsonObject = {
                 "file": chunk_file(0, len(ranges)),  # a package is a folder: its Manifest.json stands for it
