@@ -196,14 +196,14 @@ def _package(src: StreamedExport, span: tuple[int, int], capacity: int, ends: tu
     return StatefulChunk(src.em, blocks, capacity, first=ends[0], last=ends[1]).eval()
 
 
-def _converted(model_dir: Path, job: ChunkJob) -> JsonObject:
+def _converted(model_dir: Path, job: ChunkJob) -> Converted:
     """``job`` converted by ``python -m moetool.export.coreml.worker`` (:data:`IN_CHILD`)."""
     from moetool.export.worker import run_worker
 
     request = {"model_dir": str(model_dir), "layers": list(job.layers), "first": job.first, "last": job.last}
     request |= {"precisions": job.precisions, "capacity": job.capacity, "units": job.units, "path": str(job.path)}
-    result: JsonObject = run_worker("moetool.export.coreml.worker", request, what="Core ML conversion")
-    return result
+    result = run_worker("moetool.export.coreml.worker", request, what="Core ML conversion")
+    return Converted(dict(result["compressed"]), result["structure"])
 
 
 @dataclass(frozen=True)
@@ -220,9 +220,17 @@ class ChunkJob:
     path: Path
 
 
-def convert_chunk(src: StreamedExport, job: ChunkJob, fp16: bool = True) -> JsonObject:
+@dataclass(frozen=True)
+class Converted:
+    """What converting a chunk gave: each compressed weight's form, and the saved program's structure."""
+
+    compressed: dict[str, str]
+    structure: JsonObject
+
+
+def convert_chunk(src: StreamedExport, job: ChunkJob, fp16: bool = True) -> Converted:
     """``job``'s layers read from ``src``, traced, converted (the torch weights dropped before compression),
-    compressed per the plan and saved; returns ``compressed`` (weight → what it became) and ``structure``."""
+    compressed per the plan and saved."""
     wrapper = _package(src, job.layers, job.capacity, (job.first, job.last))
     ml = convert(wrapper, fp16, job.units)
     del wrapper  # the program holds its own copy: the torch weights go before it is compressed
@@ -230,7 +238,7 @@ def convert_chunk(src: StreamedExport, job: ChunkJob, fp16: bool = True) -> Json
         src.drop(i)
     ml, done = compress(ml, job.precisions, fp16)
     ml.save(str(job.path))
-    return {"compressed": {**done}, "structure": structure(ml, job.path)}
+    return Converted(done, structure(ml, job.path))
 
 
 def converted_in_child(request: dict[str, Any]) -> JsonObject:
@@ -247,7 +255,8 @@ def converted_in_child(request: dict[str, Any]) -> JsonObject:
         units=str(request["units"]),
         path=Path(request["path"]),
     )
-    return convert_chunk(streamed_export_model(Path(request["model_dir"])), job)
+    done = convert_chunk(streamed_export_model(Path(request["model_dir"])), job)
+    return {"compressed": {**done.compressed}, "structure": done.structure}
 
 
 # each chunk is converted in a process of its own: coremltools and the trace leave about 0.5 GB allocated over a
@@ -293,10 +302,9 @@ class CoreMLExporter(GraphExporter):
                 )
                 path = tmp / chunk_file(c, len(ranges))
                 job = ChunkJob(span, c == 0, c == len(ranges) - 1, plan.precisions(), capacity, units, path)
-                result = _converted(req.model_dir, job) if src is None else convert_chunk(src, job, fp16)
-                applied |= {str(k): str(v) for k, v in result["compressed"].items()}  # type: ignore[union-attr]
-                info = result["structure"]
-                assert isinstance(info, dict)
+                done = _converted(req.model_dir, job) if src is None else convert_chunk(src, job, fp16)
+                applied |= done.compressed
+                info = done.structure
                 if info["states"] != ["k_cache", "v_cache"] or not info["ios18_or_later"]:
                     raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
                 packages.append({"file": path.name, "layers": [span[0], span[1]], "structure": info})
