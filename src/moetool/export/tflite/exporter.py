@@ -42,7 +42,9 @@ __all__ = ["REPO", "TFLiteExporter", "litert_python"]  # REPO, litert_python: ke
 # decoder layers' float32 weights per model, by default (litert-torch's conversion holds a chunk several times over)
 CHUNK_BYTES = 256 << 20
 # peak RSS of one conversion (its own process) as a multiple of what it converts (its layers, and the embedding or
-# head of the first and last): 6.7× the float32 weights for the real MoE converted whole (8.6 GB for 1.29 GB)
+# head of the first and last): 6.7× the float32 weights for the real MoE converted whole (8.6 GB for 1.29 GB); two
+# middle layers of the size ladder's 360M rung (256 MB of float32) peaked at 2.11 GB with the runtime, at any plan
+# (the quantizer rewrites the converted file)
 CONVERT_MULTIPLE = 6.7
 RUNTIME = 512 << 20  # torch and litert-torch in the converting process, torch in this one
 
