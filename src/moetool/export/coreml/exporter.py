@@ -165,28 +165,19 @@ def coreml_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool,
     weights outside the layer stack that the reader keeps; verification holds the transformers reference (held in
     float32 or streamed, :func:`moetool.export.reference.graph_reference_need`) beside one chunk of the converted
     wrappers."""
-    from moetool.compute.upcast import layer_bytes
-    from moetool.export.graph.chunk import converted_bytes, end_bytes
-    from moetool.export.reference import graph_reference_need
+    from moetool.export.graph.chunk import CHUNKED_WAY_OUT, chunked_memory
 
-    params = plan.quant.total_params
-    outside, layer = layer_bytes(plan.config, params)
-    chunk = max(b - a for a, b in ranges) * layer
-    largest = converted_bytes(ranges, layer, end_bytes(plan.config, params))
-    converting = int(CONVERT_MULTIPLE * largest) + outside + RUNTIME
-    reference, held = graph_reference_need(params, plan.config)
-    verifying = reference + outside + chunk  # the reference's allowance covers the runtime
-    how = "held in float32" if held else "streamed from disk, one float32 layer at a time"
-    chunks = f"{len(ranges)} chunk{'s' * (len(ranges) > 1)} of up to {max(b - a for a, b in ranges)} layers"
+    mem = chunked_memory(plan, ranges, multiple=CONVERT_MULTIPLE, runtime=RUNTIME, piece="chunk")
+    how = "held in float32" if mem.held else "streamed from disk, one float32 layer at a time"
     return Need(
         stage="coreml export",
-        memory=max(converting, verifying) if verify else converting,
-        memory_detail=f"converted in {chunks} ({human(converting)}); verified against the model {how}"
+        memory=mem.peak(verify),
+        memory_detail=f"converted in {mem.chunks} ({human(mem.converting)}); verified against the model {how}"
         if verify
-        else f"converted in {chunks}",
+        else f"converted in {mem.chunks}",
         disk=plan.quant.total_bytes,
         output=output,
-        way_out="Export in smaller chunks (--chunk-layers), with --no-verify, or on a machine with more memory",
+        way_out=CHUNKED_WAY_OUT,
     )
 
 

@@ -143,25 +143,16 @@ def executorch_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: b
     its own) holds what the largest chunk converts up to :data:`LOWER_MULTIPLE` times, beside the weights outside the layer
     stack that its reader keeps; verification holds the transformers reference (held in float32 or streamed) beside
     one chunk's program."""
-    from moetool.compute.upcast import layer_bytes
-    from moetool.export.graph.chunk import converted_bytes, end_bytes
-    from moetool.export.reference import graph_reference_need
+    from moetool.export.graph.chunk import CHUNKED_WAY_OUT, chunked_memory
 
-    params = plan.quant.total_params
-    outside, layer = layer_bytes(plan.config, params)
-    most = max(b - a for a, b in ranges)
-    largest = converted_bytes(ranges, layer, end_bytes(plan.config, params))
-    lowering = int(LOWER_MULTIPLE * largest) + outside + RUNTIME
-    reference, _ = graph_reference_need(params, plan.config)
-    verifying = reference + outside + most * layer
-    chunks = f"{len(ranges)} program{'s' * (len(ranges) > 1)} of up to {most} layers"
+    mem = chunked_memory(plan, ranges, multiple=LOWER_MULTIPLE, runtime=RUNTIME, piece="program")
     return Need(
         stage="executorch export",
-        memory=max(lowering, verifying) if verify else lowering,
-        memory_detail=f"lowered in {chunks}, each in a process of its own ({human(lowering)})",
+        memory=mem.peak(verify),
+        memory_detail=f"lowered in {mem.chunks}, each in a process of its own ({human(mem.converting)})",
         disk=plan.quant.total_bytes,
         output=output,
-        way_out="Export in smaller chunks (--chunk-layers), with --no-verify, or on a machine with more memory",
+        way_out=CHUNKED_WAY_OUT,
     )
 
 

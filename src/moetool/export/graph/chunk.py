@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,11 +30,14 @@ if TYPE_CHECKING:
     from moetool.export.graph.parity import Call
 
 __all__ = [
+    "CHUNKED_WAY_OUT",
     "ChunkRunner",
+    "ChunkedMemory",
     "ExportChunk",
     "chain_calls",
     "chunk_layers",
     "chunk_ranges",
+    "chunked_memory",
     "converted_bytes",
     "end_bytes",
     "planned_chunks",
@@ -100,6 +104,45 @@ def chunk_layers(req: ExportRequest) -> int | None:
         return None
     chunk_ranges(1, 1, 1, int(given))  # refuses a chunk of no layers
     return int(given)
+
+
+@dataclass(frozen=True)
+class ChunkedMemory:
+    """The memory of a graph export converted chunk by chunk (:func:`chunked_memory`): ``converting`` (the largest
+    chunk's conversion), ``verifying`` (the reference beside one chunk), whether the reference is ``held`` in float32,
+    and ``chunks``, how the model is cut, in words."""
+
+    converting: int
+    verifying: int
+    held: bool
+    chunks: str
+
+    def peak(self, verify: bool) -> int:
+        return max(self.converting, self.verifying) if verify else self.converting
+
+
+# how a chunked export that does not fit gets out
+CHUNKED_WAY_OUT = "Export in smaller chunks (--chunk-layers), with --no-verify, or on a machine with more memory"
+
+
+def chunked_memory(
+    plan: GraphPlan, ranges: list[tuple[int, int]], *, multiple: float, runtime: int, piece: str
+) -> ChunkedMemory:
+    """Memory of exporting ``plan`` in ``ranges``' chunks: converting holds what the largest chunk converts (its
+    layers, and the embedding or head of the first or last, :func:`converted_bytes`) ``multiple`` times, beside the
+    weights outside the layer stack its reader keeps and ``runtime``; verifying holds the transformers reference (in
+    float32 or streamed, :func:`moetool.export.reference.graph_reference_need`, whose allowance covers the runtime)
+    beside one chunk. ``piece`` names a chunk's artifact (package, program, model)."""
+    from moetool.compute.upcast import layer_bytes
+    from moetool.export.reference import graph_reference_need
+
+    params = plan.quant.total_params
+    outside, layer = layer_bytes(plan.config, params)
+    most = max(b - a for a, b in ranges)
+    converting = int(multiple * converted_bytes(ranges, layer, end_bytes(plan.config, params))) + outside + runtime
+    reference, held = graph_reference_need(params, plan.config)
+    chunks = f"{len(ranges)} {piece}{'s' * (len(ranges) > 1)} of up to {most} layers"
+    return ChunkedMemory(converting, reference + outside + most * layer, held, chunks)
 
 
 def planned_chunks(req: ExportRequest, plan: GraphPlan, chunk_bytes: int) -> list[tuple[int, int]]:

@@ -66,25 +66,16 @@ def tflite_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool,
     holds what the largest chunk converts (its layers, and the embedding or head of the first or last)
     :data:`CONVERT_MULTIPLE` times, beside the weights outside the layer stack that its reader keeps; verification
     holds the transformers reference (in float32 or streamed) here beside one chunk in the interpreter."""
-    from moetool.compute.upcast import layer_bytes
-    from moetool.export.graph.chunk import converted_bytes, end_bytes
-    from moetool.export.reference import graph_reference_need
+    from moetool.export.graph.chunk import CHUNKED_WAY_OUT, chunked_memory
 
-    params = plan.quant.total_params
-    outside, layer = layer_bytes(plan.config, params)
-    most = max(b - a for a, b in ranges)
-    largest = converted_bytes(ranges, layer, end_bytes(plan.config, params))
-    converting = int(CONVERT_MULTIPLE * largest) + outside + RUNTIME
-    reference, _ = graph_reference_need(params, plan.config)
-    verifying = reference + outside + most * layer  # the reference's allowance covers the interpreter's process
-    chunks = f"{len(ranges)} model{'s' * (len(ranges) > 1)} of up to {most} layers"
+    mem = chunked_memory(plan, ranges, multiple=CONVERT_MULTIPLE, runtime=RUNTIME, piece="model")
     return Need(
         stage="tflite export",
-        memory=max(converting, verifying) if verify else converting,
-        memory_detail=f"converted in {chunks} ({human(converting)})",
+        memory=mem.peak(verify),
+        memory_detail=f"converted in {mem.chunks} ({human(mem.converting)})",
         disk=plan.quant.total_bytes,
         output=output,
-        way_out="Export in smaller chunks (--chunk-layers), with --no-verify, or on a machine with more memory",
+        way_out=CHUNKED_WAY_OUT,
     )
 
 
