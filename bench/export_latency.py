@@ -7,8 +7,10 @@ Exports the model to ONNX, ExecuTorch (XNNPACK), TFLite (LiteRT, run in .venv-li
 without verification (the exporters' tests prove parity), then times in each runtime: a prefill of PROMPT tokens
 (tokens/s, median of 5) and 32 decode steps with the KV cache (ms/token, median). Threads: each runtime's default
 on this 2-core machine; ``--llama-threads 1`` pins the llama.cpp reference to one thread, whose OpenMP workers
-otherwise spin against other processes on a loaded machine. The MoE is evaluated dense-masked in the graph runtimes
-(every expert runs) and sparsely in llama.cpp, which is part of what the table shows.
+otherwise spin against other processes on a loaded machine. ExecuTorch and LiteRT compute every expert for every token
+(dense-masked, the form their exporters write), ONNX either form (``--onnx-moe``) and llama.cpp only the chosen ones,
+which is part of what the table shows. An artifact of several chunks (programs or models of consecutive layers) is
+timed as an app runs it: every chunk loaded, each step through all of them in turn.
 
 ``--artifacts DIR`` keeps the exports in ``DIR/TARGET-QUANT`` and times an export already there instead of writing
 it again (any ``moetool export`` output of the same model, target and quant, verified or not): on the 30-layer real
@@ -57,58 +59,37 @@ def bench_onnx(d: Path, ids: np.ndarray, n_layers: int) -> tuple[float, float]:
     return _prefill_decode(prefill, decode, ids)
 
 
-def bench_executorch(d: Path, ids: np.ndarray) -> tuple[float, float]:
+def _chain(runners: list, ids: np.ndarray) -> tuple[float, float]:  # type: ignore[type-arg]
+    """Prefill and decode through every chunk of an artifact, all loaded (``graph.chunk.chain_step``)."""
     import torch
-    from executorch.runtime import Runtime
 
-    from moetool.export.graph.model import causal_mask, prefill_inputs
-
-    prog = Runtime.get().load_program(str(d / "model.pte"))
-    fwd, step = prog.load_method("forward"), prog.load_method("decode")
+    from moetool.export.graph.chunk import chain_step
 
     def prefill(x):  # type: ignore[no-untyped-def]
-        out = fwd.execute(list(prefill_inputs(torch.from_numpy(x))))
-        return out[0], list(out[1:])
+        return chain_step(runners, torch.from_numpy(x), 0, None)
 
     def decode(x, pos, past):  # type: ignore[no-untyped-def]
-        out = step.execute([torch.from_numpy(x), torch.tensor([[pos]]), causal_mask(1, pos), *past])
-        return out[0], list(out[1:])
+        return chain_step(runners, torch.from_numpy(x), pos, past)
 
     return _prefill_decode(prefill, decode, ids)
 
 
-def bench_tflite(d: Path, ids: np.ndarray) -> tuple[float, float]:
-    """Runs in the LiteRT venv (this script re-invoked with --litert)."""
-    import torch
-    from ai_edge_litert.interpreter import Interpreter
+def bench_executorch(d: Path, ids: np.ndarray) -> tuple[float, float]:
+    """The programs in order (``programs`` in the manifest: one per chunk of layers), all loaded."""
+    from moetool.export.executorch.exporter import program_runner
 
-    from moetool.export.graph.static import static_mask
+    man = json.loads((d / "manifest.json").read_text())
+    return _chain([program_runner(d / c["file"]) for c in man["programs"]], ids)
+
+
+def bench_tflite(d: Path, ids: np.ndarray) -> tuple[float, float]:
+    """Runs in the LiteRT venv (this script re-invoked with --litert): the models in order (``chunks``), all loaded,
+    the prompt cut to the converted prefill length."""
+    from moetool.export.tflite.chain_worker import chunk_runner
 
     man = json.loads((d / "manifest.json").read_text())
     cap, plen = man["capacity"], man["prefill_len"]
-    it = Interpreter(model_path=str(d / "model.tflite"))
-    pre, dec = it.get_signature_runner("prefill"), it.get_signature_runner("decode")
-
-    def run(r, x, p, caches):  # type: ignore[no-untyped-def]
-        feeds = {
-            "args_0": x.astype(np.int32),
-            "args_1": p.astype(np.int32),
-            "args_2": static_mask(torch.from_numpy(p), cap).numpy(),
-        }
-        feeds |= {f"args_{3 + i}": c for i, c in enumerate(caches)}
-        out = r(**feeds)
-        keys = sorted(out, key=lambda k: int(k.split("_")[-1]))
-        return out[keys[0]], [out[k] for k in keys[1:]]
-
-    empty = [np.zeros(man["cache_shape"], dtype=np.float32) for _ in range(man["cache_tensors"])]
-
-    def prefill(x):  # type: ignore[no-untyped-def]
-        return run(pre, x[:, :plen], np.arange(plen)[None], empty)
-
-    def decode(x, pos, past):  # type: ignore[no-untyped-def]
-        return run(dec, x, np.array([[pos]]), past)
-
-    return _prefill_decode(prefill, decode, ids[:, :plen])
+    return _chain([chunk_runner(d / c["file"], cap, plen) for c in man["chunks"]], ids[:, :plen])
 
 
 def bench_gguf(path: Path, ids: np.ndarray, threads: int | None) -> tuple[float, float]:

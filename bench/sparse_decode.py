@@ -1,11 +1,16 @@
 """Decode time per token of an MoE's sparse ONNX graph (onnxruntime's QMoE: only the top-2 experts run) against its
-dense-masked graph (every expert runs) and llama.cpp, all at 4-bit experts (``--quant moe-q4``), at 4 and 8 experts.
+dense-masked graph (every expert runs), the ExecuTorch and LiteRT artifacts (dense-masked: the form their exporters
+write, ``moe_kernel.reason`` in their manifests says why) and llama.cpp, all at 4-bit experts (``--quant moe-q4``),
+at 4 and 8 experts.
 
 Each family is the size ladder's 360M shape (random bf16 weights; timing depends on shapes only): a base and N
-experts drawn in a child process, merged top-2, then ``bench/export_latency.py --targets onnx,gguf --onnx-moe
-sparse,dense`` exports and times it in the same run (prefill of 128 tokens, 32 decode steps, medians).
+experts drawn in a child process, merged top-2, then ``bench/export_latency.py --targets TARGETS --onnx-moe
+sparse,dense`` exports and times it in the same run (prefill of 128 tokens, 32 decode steps, medians). With
+``--work DIR --keep`` a second run times the exports already there (the ExecuTorch one takes most of an hour at
+8 experts on 2 cores), so the timings can be taken on an idle machine.
 
-    .venv/bin/python bench/sparse_decode.py [--experts 4,8] [--work DIR] [--keep] [--llama-threads N]
+    .venv/bin/python bench/sparse_decode.py [--experts 4,8] [--targets onnx,executorch,tflite,gguf] [--work DIR]
+        [--keep] [--llama-threads N]
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def main() -> None:
     ap.add_argument("--experts", default="4,8")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--targets", default="onnx,executorch,tflite,gguf", help="gguf (llama.cpp) is the reference")
     ap.add_argument("--llama-threads", default=None)
     ap.add_argument("--draw", nargs=2, help=argparse.SUPPRESS)  # internal: N DIR, draw the family
     args = ap.parse_args()
@@ -54,7 +60,7 @@ def main() -> None:
         moe = family(n, root)
         print(f"\n## {n} experts, top-2 ({moe})", flush=True)
         cmd = [sys.executable, str(Path(__file__).parent / "export_latency.py"), "--model", str(moe), "--quant",
-               "moe-q4", "--targets", "onnx,gguf", "--onnx-moe", "sparse,dense", "--artifacts", str(root / "art")]  # fmt: skip
+               "moe-q4", "--targets", args.targets, "--onnx-moe", "sparse,dense", "--artifacts", str(root / "art")]  # fmt: skip
         if args.llama_threads:
             cmd += ["--llama-threads", args.llama_threads]
         (root / "art").mkdir(exist_ok=True)

@@ -41,3 +41,43 @@ def test_end_bytes_are_the_embedding_or_the_untied_head():
     config = {"vocab_size": 1000, "hidden_size": 10, "num_hidden_layers": 2}
     assert end_bytes(config, 1_000_000) == 1000 * 10 * 4
     assert end_bytes(config | {"tie_word_embeddings": False}, 1_000_000) == 1000 * 10 * 4
+
+
+def test_chain_step_through_loaded_chunks_equals_the_whole_model():
+    """Prefill then cached decode, one call through three chunks each with its cache: the whole ExportLM's logits."""
+    import torch
+    import transformers
+
+    from moetool.export.graph.chunk import ExportChunk, chain_step
+    from moetool.export.graph.model import ExportLM, causal_mask, prefill_inputs
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    em = ExportLM(transformers.AutoModelForCausalLM.from_config(cfg).eval()).eval()
+    spans = [(0, 1), (1, 4), (4, 5)]
+    chunks = [
+        ExportChunk(em, {i: em.layers[i] for i in range(a, b)}, first=a == 0, last=b == 5).eval() for a, b in spans
+    ]
+
+    def runner(chunk):  # type: ignore[no-untyped-def]
+        def run(x, pos, mask, past):  # type: ignore[no-untyped-def]
+            out = chunk(x, pos, mask, *(past or []))
+            return out[0], list(out[1:])
+
+        return run
+
+    ids = torch.randint(0, 64, (1, 11))
+    with torch.no_grad():
+        logits, pasts = chain_step([runner(c) for c in chunks], ids[:, :8], 0, None)
+        whole = em(*prefill_inputs(ids[:, :8]))
+        assert (logits - whole[0]).abs().max() <= 1e-5
+        assert [len(p) for p in pasts] == [2, 6, 2]  # k and v per layer of each chunk
+        past = list(whole[1:])
+        for t in range(8, 11):
+            logits, pasts = chain_step([runner(c) for c in chunks], ids[:, t : t + 1], t, pasts)
+            whole = em(ids[:, t : t + 1], torch.tensor([[t]]), causal_mask(1, t), *past)
+            past = list(whole[1:])
+            assert (logits - whole[0]).abs().max() <= 1e-5

@@ -41,7 +41,7 @@ from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.progress import Step, step_printer
 
 
-def _program_runner(path: Path) -> ChunkRunner:
+def program_runner(path: Path) -> ChunkRunner:
     """One program's two methods through ``executorch.runtime``, as a chunk of the chain
     (:func:`moetool.export.graph.chunk.chain_calls`): no past is a prefill (``forward``), else ``decode``."""
     from executorch.runtime import Runtime
@@ -62,7 +62,7 @@ def program_batch(paths: list[Path]) -> Batch:
     """Every parity call through the programs at ``paths`` in sequence, one program loaded at a time."""
 
     def opener(path: Path) -> Callable[[], ChunkRunner]:
-        return lambda: _program_runner(path)
+        return lambda: program_runner(path)
 
     def run_all(calls: list[Call]) -> list[np.ndarray]:
         return chain_calls(calls, (opener(p) for p in paths))

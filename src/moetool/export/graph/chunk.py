@@ -1,6 +1,7 @@
 """Some consecutive decoder layers of an ExportLM as a model of their own, and the parity calls run through a chain of
-such chunks one chunk at a time: how the graph targets that convert a few layers at a time (Core ML, ExecuTorch)
-build and check an artifact of several programs.
+such chunks one chunk at a time: how the graph targets that convert a few layers at a time (Core ML, ExecuTorch,
+TFLite) build and check an artifact of several programs; :func:`chain_step` runs one call through all of them loaded,
+as an app does.
 
 A chunk's first input is ``input_ids [B, T]`` for the first chunk (it embeds them), the previous chunk's hidden
 states ``[B, T, D]`` otherwise; its first output is ``logits [B, T, V]`` for the last chunk (final norm and head),
@@ -35,6 +36,7 @@ __all__ = [
     "ChunkedMemory",
     "ExportChunk",
     "chain_calls",
+    "chain_step",
     "chunk_layers",
     "chunk_ranges",
     "chunked_memory",
@@ -219,3 +221,20 @@ def chain_calls(calls: list[Call], chunks: Iterable[Callable[[], ChunkRunner]]) 
         del run  # the chunk's weights or program with it
         give_back_freed_memory()
     return [x.numpy() for x in xs]
+
+
+def chain_step(
+    runners: list[ChunkRunner], ids: torch.Tensor, start: int, pasts: list[list[torch.Tensor]] | None
+) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """One call through every chunk of a chain, all loaded (what an app serving the artifact does per step):
+    ``ids [1, T]`` at positions ``start …``, each chunk with its own cache (``pasts[i]``; None: a prefill from empty
+    caches). Returns the last chunk's logits ``[1, T, V]`` and every chunk's new cache."""
+    from moetool.export.graph.model import causal_mask
+
+    t = ids.shape[1]
+    pos, mask = torch.arange(start, start + t)[None], causal_mask(t, start)
+    x, caches = ids, []
+    for i, run in enumerate(runners):
+        x, past = run(x, pos, mask, None if pasts is None else pasts[i])
+        caches.append(past)
+    return x, caches
