@@ -2,14 +2,17 @@
 
 Evaluation and verification of a model larger than memory (four 7B experts are 48 GB in bf16) need every layer once
 per forward pass, never all at once. :func:`streamed_causal_lm` builds the model's structure on PyTorch's ``meta``
-device (no memory), loads what lies outside the layer stack (embeddings, final norm, head, rotary tables) in float32,
-and puts a pre-hook on each decoder layer that reads its tensors from the checkpoint and a hook that drops them when
-the layer returns. Memory: the outside weights and one layer, in float32, plus the activations.
+device (no memory), loads what lies outside the layer stack (embeddings, final norm, head, rotary tables), and puts a
+pre-hook on each decoder layer that reads its tensors from the checkpoint and a hook that drops them when the layer
+returns. Memory: the outside weights and one layer, plus the activations; what a model holds is counted by
+:func:`moetool.compute.stream_bytes.streamed_weight_bytes`.
 
 The tensors are read through transformers' own loading (its checkpoint-to-module renames and conversions, such as
-transformers 5's fused MoE experts) so a layer holds exactly what ``from_pretrained`` would give it, cast to float32:
-bf16 and f16 values are exact in float32, so the logits equal a resident float32 model's. Files are read with
-``pread``, not mapped, so pages of layers already run do not stay in the process's resident set.
+transformers 5's fused MoE experts) so a layer holds what ``from_pretrained`` would give it. The arithmetic is
+float32: most tensors are cast to float32 as they are read, while the expert stacks, the embedding and the head stay
+in their stored 16 bits and are upcast a piece at a time as they compute (:mod:`moetool.compute.narrow`). bf16 and
+f16 values are exact in float32, so the logits equal a resident float32 model's. Files are read with ``pread``, not
+mapped, so pages of layers already run do not stay in the process's resident set.
 
 A forward pass reads the whole checkpoint: run as many sequences per pass as memory allows (:class:`Stream` records
 the passes and bytes read, for the reports).
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from moetool.compute.narrow import compute_by_expert, expert_stacks, narrow_names, upcast_outside
 from moetool.compute.rows import FF_ROWS, feed_forward, run_in_rows
 from moetool.compute.upcast import decoder_layers, layer_bytes
 from moetool.errors import MoetoolError
@@ -51,7 +55,6 @@ __all__ = [
     "meta_causal_lm",
     "stream_of",
     "streamed_causal_lm",
-    "streamed_weight_bytes",
 ]
 
 
@@ -140,6 +143,8 @@ class CheckpointLoader:
         self._conversions: list[object] = list(conversions)
         self._meta = model.state_dict()  # names and shapes, before any tensor is read (on meta: no memory)
         self._dtype = dtype
+        # parameters held as the checkpoint stores them when that is 16 bits (moetool.compute.narrow), not in dtype
+        self.narrow: set[str] = set()
         # transformers annotates the mapping it builds more widely than the field it feeds
         self._config = LoadStateDictConfig(dtype=dtype, weight_mapping=conversions)  # type: ignore[arg-type]
 
@@ -152,6 +157,16 @@ class CheckpointLoader:
         shapes = {k: tuple(int(d) for d in s.get_shape()) for k, s in slices.items()}
         stored = {k: math.prod(shapes[k]) * SAFETENSORS_TAG_BYTES.get(s.get_dtype(), 4) for k, s in slices.items()}
         return slices, stored, place(self.model, shapes, self._conversions, self._meta)
+
+    def _held(self, target: str, sources: list[Any]) -> torch.dtype:
+        """The dtype parameter ``target`` is held in: its sources' own where it is narrow and they are all one 16-bit
+        dtype (exact in float32), else the loader's."""
+        from moetool.compute.narrow import SIXTEEN
+
+        stored = {s.get_dtype() for s in sources}
+        if target in self.narrow and len(stored) == 1 and (tag := stored.pop()) in SIXTEEN:
+            return SIXTEEN[tag]
+        return self._dtype
 
     def load(self, keys: list[str]) -> int:
         """Load ``keys`` (checkpoint names) into the model; returns the bytes read as stored.
@@ -166,7 +181,7 @@ class CheckpointLoader:
         slices, stored, placement = self.plan(keys)
         read = sum(stored.values())
         for target, regions in placement.targets.items():
-            value = torch.empty(self._meta[target].shape, dtype=self._dtype)
+            value = torch.empty(self._meta[target].shape, dtype=self._held(target, [slices[k] for k, _ in regions]))
             for key, region in regions:
                 value[region].copy_(slices[key][...])  # read as stored, cast as it is copied
             set_parameter(self.model, target, value)
@@ -237,43 +252,6 @@ def meta_causal_lm(
     return MetaModel(Path(path), model, layers, prefix, loader, layer_keys, outside)
 
 
-def streamed_weight_bytes(config: dict[str, Any], params: int, path: Path | None = None) -> int:
-    """Bytes of weights a streamed model holds at its peak: those outside the layer stack and one decoder layer, in
-    float32, plus what reading a layer adds. Measured on a four-expert layer of Mistral-7B's shape (2.98 GB in
-    float32): 1.00× the layer while it is read in place (:mod:`moetool.compute.placement`), 1.6× through
-    transformers' loading alone.
-
-    With the checkpoint's ``path``, what reading adds is worked out from its first layer: two more float32 copies of
-    the tensors transformers' loader converts itself (:attr:`moetool.compute.placement.Placement.rest`) and the
-    largest tensor as stored (the one being read). Without it, or for a model built by code not registered here,
-    half a layer more, which covers both."""
-    outside, layer = layer_bytes(config, params)
-    reads = _layer_reads(Path(path), _stamp(Path(path))) if path is not None else None
-    if reads is None:
-        return outside + layer * 3 // 2
-    rest, largest = reads
-    return outside + layer + 2 * rest + largest
-
-
-def _stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
-    """The checkpoint's files, sizes and times: a new checkpoint at the same path is worked out again."""
-    files = sorted([*path.glob("*.safetensors"), path / "config.json"])
-    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
-
-
-@functools.lru_cache(maxsize=8)  # an estimate is asked for several batch sizes; building on meta takes seconds
-def _layer_reads(path: Path, _stamp: tuple[tuple[str, int, int], ...]) -> tuple[int, int] | None:
-    """``(float32 bytes of the first layer's tensors left to transformers' conversions, stored bytes of its largest
-    tensor)``, or None where the model cannot be built here (an architecture transformers does not know)."""
-    try:
-        meta = meta_causal_lm(Path(path))
-    except (ValueError, KeyError, OSError, MoetoolError):  # an unknown model type, no safetensors
-        return None
-    slices, stored, placement = meta.loader.plan(meta.layer_keys.get(0, []))
-    rest = sum(math.prod(slices[k].get_shape()) * 4 for k in placement.rest)
-    return rest, max(stored.values(), default=0)
-
-
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
@@ -318,7 +296,11 @@ def streamed_causal_lm(
     where given (the folder still gives the config). ``storage`` is the dtype the checkpoint holds (for the reports);
     ``model_kwargs`` go to ``from_config`` as to ``from_pretrained`` (``experts_implementation="eager"``).
 
-    ``model(input_ids=[B, T]).logits`` is ``[B, T, V]`` as a resident float32 model's. With ``check_finite`` each
+    ``model(input_ids=[B, T]).logits`` is ``[B, T, V]`` as a resident float32 model's. Expert stacks, the embedding
+    and the head are held as stored when that is 16 bits and upcast a piece at a time as they compute
+    (:mod:`moetool.compute.narrow`): the experts then run transformers' eager loop, whatever implementation
+    ``model_kwargs`` name (the same float32 arithmetic; a grouped kernel's sums differ by rounding). With
+    ``check_finite`` each
     tensor is checked for NaN and Inf as it is read (:class:`NonFiniteModel`). :func:`stream_of` gives the model's
     :class:`Stream`.
 
@@ -335,7 +317,11 @@ def streamed_causal_lm(
     model.eval()
     stream = Stream(path=path, storage=storage, layers=len(layers))
     stream._keys = meta.layer_keys
+    loader.narrow = narrow_names(model)
+    for experts in expert_stacks(model).values():
+        compute_by_expert(experts)
     stream.bytes_read += meta.load_outside()
+    upcast_outside(model)
     if check_finite:
         _check_finite(model, "")
 

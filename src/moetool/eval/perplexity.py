@@ -59,6 +59,13 @@ def _model_device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
+def _is_transformers(model: Any) -> bool:
+    """True for a transformers model (which takes ``use_cache``), not a wrapper scored through its own call."""
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
 def text_windows(ids: list[int], seq_len: int, bos_id: int | None) -> list[list[int]]:
     """Cut ``ids`` into non-overlapping windows of at most ``seq_len`` model inputs.
 
@@ -140,12 +147,15 @@ def token_nll(
         model.eval()
     total_nll = 0.0
     total_tokens = 0
+    # a transformers model keeps a KV cache of every layer through its forward unless told not to (at Mistral-7B's
+    # shape 0.26 MB per position: 1.07 GB over 4,096 tokens); scoring never reads it
+    scoring = {"use_cache": False} if _is_transformers(model) else {}
     try:
         for batch in _batches(windows, batch_size, pad=stream_of(model) is not None):
             input_ids = torch.tensor([w + w[-1:] * (n - len(w)) for w, n in batch], dtype=torch.long, device=device)
             if tap is not None:
                 tap.keep = torch.tensor([i < len(w) for w, n in batch for i in range(n)], device=device)
-            out = model(input_ids=input_ids)  # [B, T]
+            out = model(input_ids=input_ids, **scoring)  # [B, T]
             logits = out.logits if hasattr(out, "logits") else out  # [B, T, V]
             targets = input_ids[:, 1:].clone()  # [B, T-1]
             for row, (w, _) in enumerate(batch):

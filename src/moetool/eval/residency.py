@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from moetool.compute.stream import streamed_weight_bytes
+from moetool.compute.stream_bytes import streamed_weight_bytes
 from moetool.eval.perplexity import NLL_ROWS
 from moetool.io.budget import BudgetError, Need, available_memory, human
 

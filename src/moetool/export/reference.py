@@ -77,7 +77,7 @@ def streamed_need(params: int, config: dict[str, Any]) -> int:
     """Bytes a streamed reference holds: the weights outside the layer stack and one layer in float32
     (:func:`moetool.compute.stream.streamed_weight_bytes`) and the verification's activations
     (:data:`VERIFY_OVERHEAD`)."""
-    from moetool.compute.stream import streamed_weight_bytes
+    from moetool.compute.stream_bytes import streamed_weight_bytes
 
     return streamed_weight_bytes(config, params) + VERIFY_OVERHEAD
 

@@ -45,8 +45,9 @@ def experts_modules(model: torch.nn.Module) -> dict[int, FusedExperts]:
 
 def expert_activation(experts: FusedExperts, e: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``e``'s intermediate activation ``act(gate(x)) · up(x)`` for tokens ``x`` ``[T, H]`` → ``[T, ff]``: the
-    input of its down projection."""
-    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    input of its down projection. The expert's matrix is cast to ``x``'s dtype (a stack held in 16 bits under float32
+    arithmetic, :mod:`moetool.compute.narrow`; no copy when it is that dtype already)."""
+    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e].to(x.dtype)).chunk(2, dim=-1)
     return experts.act_fn(gate) * up
 
 
