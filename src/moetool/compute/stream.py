@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import gc
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -53,6 +54,7 @@ __all__ = [
     "give_back_freed_memory",
     "layer_bytes",
     "meta_causal_lm",
+    "release_models",
     "stream_of",
     "streamed_causal_lm",
 ]
@@ -258,6 +260,15 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to ask
         return None
+
+
+def release_models() -> None:
+    """Free the models no longer referenced now, and give their memory back (:func:`give_back_freed_memory`). A
+    streamed model's layer hooks refer to its loader, which refers to the model: a reference cycle, which only the
+    cycle collector frees, at a time of its choosing. Measured on a 2-layer slice of the 7B rung, the GGUF
+    verification's streamed reference kept 1.3 GB alive through the artifact pass after it."""
+    gc.collect()
+    give_back_freed_memory()
 
 
 def give_back_freed_memory() -> None:

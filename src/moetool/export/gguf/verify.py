@@ -262,6 +262,8 @@ def compare(
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
+    from moetool.compute.stream import release_models
+
     torch_dtype = getattr(torch, dtype)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     max_pos = int(getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", 2048))
@@ -270,15 +272,15 @@ def compare(
     run = run_llama(
         gguf_path, tok, text, lens, n_windows=n_windows, lora_path=lora_path, equivalent=equivalent, repack=not streamed
     )
-    original = reference_model(model_dir, torch_dtype, streamed=streamed)
-    ref = run.transformers_logits(original)
-    del original
+    ref = run.transformers_logits(reference_model(model_dir, torch_dtype, streamed=streamed))
+    release_models()
     own = None
     if isinstance(artifact_weights, Path):
         held = getattr(torch, artifact_dtype or dtype)
         own = run.transformers_logits(reference_model(artifact_weights, held, streamed=streamed))
     elif artifact_weights is not None:  # the source's config over the artifact's tensors, one layer at a time
         own = run.transformers_logits(reference_model(model_dir, torch.float32, tensors=artifact_weights))
+    release_models()
     vs_original = run.against(ref)
     n = len(run.probes)
     gate = None if types is None else margin_gate(ref[n:], own[n:] if own else None, run.logits[n:], types, rounding)
