@@ -69,3 +69,27 @@ def test_refused_up_front_when_one_chunk_does_not_fit(deep_moe, tmp_path, monkey
     with pytest.raises(BudgetError, match="--chunk-layers"):
         export(deep_moe, tmp_path / "o", target="tflite", quant=QUANT)
     assert not (tmp_path / "o").exists()
+
+
+def test_the_checks_files_lie_in_the_outputs_temporary_folder(tmp_path, monkeypatch):
+    """The calls and logits handed to the interpreter's process sit beside the models, in the output's temporary
+    folder (swept by the next run if this one is killed), and are gone once the check returns."""
+    from pathlib import Path
+
+    import numpy as np
+
+    seen: dict = {}
+
+    def interpreter(module: str, request: dict, *, what: str) -> dict:
+        seen.update(request)
+        np.savez(request["out"], np.ones((1, 2, 5), dtype=np.float32))
+        return {"calls": 1}
+
+    monkeypatch.setattr(exporter, "run_worker", interpreter)
+    folder = tmp_path / ".out.moetool-tmp-1-abcd"
+    folder.mkdir()
+    (model := folder / "model.tflite").write_bytes(b"")
+    logits = exporter.interpreter_batch([model], 8, 4)([(np.array([[3, 4]]), None)])
+    assert logits[0].shape == (1, 2, 5)
+    assert Path(seen["calls"]).parent.parent == folder and Path(seen["out"]).parent.parent == folder
+    assert list(folder.iterdir()) == [model]
