@@ -80,7 +80,7 @@ def test_dense_moe_kernel_record(case, layers):
 
     em = ExportLM(_model(*CASES[case]))
     assert em.moe_layers() == layers
-    for target in ("executorch", "tflite"):
+    for target in ("executorch", "tflite", "coreml"):
         rec = dense_moe_kernel(target, em.moe_layers())
         assert rec["kind"] == "dense-masked" and rec["layers"] == layers
         assert (rec["reason"] is None) == (layers == 0)  # a dense model has no experts to select

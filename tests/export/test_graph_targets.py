@@ -106,6 +106,8 @@ def test_coreml_structure_and_wrapper(models, tmp_path, arch):
     assert not any("router" in k for k in comp)  # the router is left uncompressed
     assert s["compressed_weight_ops"]["constexpr_blockwise_shift_scale"] == len(comp)
     assert _worst(man["parity"]) <= 1e-4 and "macOS" in man["parity"]["core_ml_runtime"]
+    moe = man["moe_kernel"]
+    assert moe["kind"] == "dense-masked" and moe["layers"] == 2 and "compression.py" in moe["reason"]
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

@@ -31,6 +31,7 @@ from moetool.export.coreml.stateful import StatefulChunk
 from moetool.export.graph.chunk import chunk_layers, planned_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.model import causal_mask
+from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
 from moetool.io.atomic import atomic_dir
@@ -256,6 +257,13 @@ def converted_in_child(request: dict[str, Any]) -> JsonObject:
 IN_CHILD = True
 
 
+def _moe_layers(plan: GraphPlan) -> int:
+    """The MoE blocks of the planned model (each written dense-masked)."""
+    from moetool.export.graph.common import meta_export_model
+
+    return meta_export_model(plan.config).moe_layers()
+
+
 class CoreMLExporter(GraphExporter):
     """Streamed: converted a chunk of decoder layers at a time from the checkpoint (:mod:`moetool.export.coreml.
     chunks`); the model is never held whole."""
@@ -315,6 +323,7 @@ class CoreMLExporter(GraphExporter):
                 "chunks": packages,
                 "structure": infos[0] if len(infos) == 1 else None,  # each chunk's is under "chunks"
                 "compressed_weights": {k: v for k, v in sorted(applied.items())},
+                "moe_kernel": dense_moe_kernel("coreml", _moe_layers(plan)),
             }
             main = f"{chunk_file(0, len(ranges))}/Manifest.json"
             manifest = finish_graph_manifest(tmp, "coreml", plan, files, main, fields, parity=parity, started=started)

@@ -1,4 +1,5 @@
-"""The manifest's ``moe_kernel`` field for the graph targets that keep the MoE dense-masked (ExecuTorch, LiteRT): the
+"""The manifest's ``moe_kernel`` field for the graph targets that keep the MoE dense-masked (ExecuTorch, LiteRT, Core
+ML): the
 same shape as ONNX's (``kind``, ``op``, ``layers``), plus the ``reason`` the sparse form was not written.
 
 Selecting each token's top-k experts in a static graph takes one of two forms, and neither runtime runs either fast
@@ -38,14 +39,25 @@ REASONS: dict[str, str] = {
     ),
 }
 
+REASONS["coreml"] = (
+    "Core ML has no sparse-expert primitive, and what the runtime does with compressed weights outside a Linear is "
+    "undocumented: constexpr_blockwise_shift_scale weights are decompressed 'either at model load time or runtime' "
+    "by backend (coremltools ops/defs/iOS18/compression.py; docs opt-overview), so gathering the chosen rows of a "
+    "stacked 4-bit expert tensor may hold every expert in fp16; third-party tests report dynamic weight slicing, "
+    "topk and cond blocks running on the CPU only (fxlin/Anemll-PhiMoe-exp), and one function per expert "
+    "(multifunction models) needs a host round trip per MoE layer per token. Not measured here: Core ML runs only "
+    "on Apple hardware"
+)
+
 OPS: dict[str, str] = {
+    "coreml": "every expert as linear ops with their compressed (constexpr) weights, unchosen ones weighted 0",
     "executorch": "every expert as XNNPACK-delegated Linears, unchosen ones weighted 0",
     "tflite": "every expert as FULLY_CONNECTED ops (XNNPACK delegate), unchosen ones weighted 0",
 }
 
 
 def dense_moe_kernel(target: str, moe_layers: int) -> JsonObject:
-    """The ``moe_kernel`` manifest field of ``target`` (executorch or tflite), whose ``moe_layers`` MoE blocks are
+    """The ``moe_kernel`` manifest field of ``target`` (executorch, tflite or coreml), whose ``moe_layers`` MoE blocks are
     all dense-masked; ``reason`` is None for a model without MoE blocks (nothing to select)."""
     if target not in REASONS:
         raise ValueError(f"no dense-masked MoE kernel record for target {target!r}: {', '.join(REASONS)}")
