@@ -385,6 +385,9 @@ COMMANDS: list[Cmd] = [
         '.venv/bin/python bench/seven_b.py --layers 2 --budget 8G --quant moe-q4 --only "merge,gguf moe-q4,llama.cpp route"',
         BENCH,
     ),
+    helponly(
+        '.venv/bin/python bench/seven_b.py --layers 8 --budget 8G --quant moe-q4 --only "merge,eval,gguf moe-q4"', BENCH
+    ),
     helponly(".venv/bin/python bench/larger_than_ram.py --reps 2", BENCH),
     helponly("python bench/gpu_check.py", BENCH),
     helponly(".venv/bin/python bench/imatrix_quality.py", BENCH),
