@@ -160,7 +160,7 @@ class CheckpointLoader:
         stored = {k: math.prod(shapes[k]) * SAFETENSORS_TAG_BYTES.get(s.get_dtype(), 4) for k, s in slices.items()}
         return slices, stored, place(self.model, shapes, self._conversions, self._meta)
 
-    def _held(self, target: str, sources: list[Any]) -> torch.dtype:
+    def held_dtype(self, target: str, sources: list[Any]) -> torch.dtype:
         """The dtype parameter ``target`` is held in: its sources' own where it is narrow and they are all one 16-bit
         dtype (exact in float32), else the loader's."""
         from moetool.compute.narrow import SIXTEEN
@@ -169,6 +169,10 @@ class CheckpointLoader:
         if target in self.narrow and len(stored) == 1 and (tag := stored.pop()) in SIXTEEN:
             return SIXTEEN[tag]
         return self._dtype
+
+    def target_shape(self, target: str) -> tuple[int, ...]:
+        """The shape of the model's parameter or buffer ``target``, known before anything is read."""
+        return tuple(self._meta[target].shape)
 
     def load(self, keys: list[str]) -> int:
         """Load ``keys`` (checkpoint names) into the model; returns the bytes read as stored.
@@ -183,7 +187,9 @@ class CheckpointLoader:
         slices, stored, placement = self.plan(keys)
         read = sum(stored.values())
         for target, regions in placement.targets.items():
-            value = torch.empty(self._meta[target].shape, dtype=self._held(target, [slices[k] for k, _ in regions]))
+            value = torch.empty(
+                self._meta[target].shape, dtype=self.held_dtype(target, [slices[k] for k, _ in regions])
+            )
             for key, region in regions:
                 value[region].copy_(slices[key][...])  # read as stored, cast as it is copied
             set_parameter(self.model, target, value)

@@ -80,10 +80,10 @@ def held_bytes(path: Path, _stamp: tuple[tuple[str, int, int], ...] = ()) -> Hel
         for target, regions in placement.targets.items():
             sources = [slices[k] for k, _ in regions]
             numel = sum(math.prod(s.get_shape()) for s in sources)
-            width = loader._held(target, sources).itemsize
+            width = loader.held_dtype(target, sources).itemsize
             held += numel * width
             if target in stacks and width < 4:  # one expert's matrix at a time
-                upcast = max(upcast, numel // int(loader._meta[target].shape[0]) * 4)
+                upcast = max(upcast, numel // loader.target_shape(target)[0] * 4)
             if target == head_name and width < 4:
                 head_wide = numel * 4
         rest = sum(math.prod(slices[k].get_shape()) * 4 for k in placement.rest)
