@@ -13,7 +13,8 @@ while it computes:
 - the head's weight for its product (it runs after the last layer is dropped).
 
 The values multiplied are the float32 values of the float32 path, in the same products and the same order, so the
-logits are the same bit for bit (``tests/compute/test_narrow.py``).
+logits are the same bit for bit (``tests/compute/test_stream.py``; ``tests/compute/test_narrow.py`` checks what is
+held and upcast).
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SIXTEEN", "compute_by_expert", "expert_stacks", "narrow_names", "upcast_outside"]
+__all__ = [
+    "SIXTEEN",
+    "compute_by_expert",
+    "end_names",
+    "expert_stacks",
+    "narrow_names",
+    "stack_names",
+    "upcast_outside",
+]
 
 SIXTEEN = {"BF16": torch.bfloat16, "F16": torch.float16}  # safetensors' names of the 16-bit dtypes held as stored
 _STACKS = ("gate_up_proj", "up_proj", "down_proj")
@@ -43,14 +52,23 @@ def expert_stacks(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def narrow_names(model: nn.Module) -> set[str]:
-    """The parameters held as stored: every expert stack's weights (:func:`expert_stacks`; not their biases), the
-    input embedding's and the output head's."""
-    names = {f"{n}.{p}" for n, m in expert_stacks(model).items() for p in _STACKS if hasattr(m, p)}
-    ends = [model.get_input_embeddings(), model.get_output_embeddings()]  # type: ignore[operator]
+def stack_names(model: nn.Module) -> set[str]:
+    """The parameter names of every expert stack's weights (:func:`expert_stacks`; not their biases)."""
+    return {f"{n}.{p}" for n, m in expert_stacks(model).items() for p in _STACKS if hasattr(m, p)}
+
+
+def end_names(model: nn.Module) -> tuple[str | None, str | None]:
+    """The weight names of the input embedding and of the output head (None where the model has none)."""
     modules = {id(m): n for n, m in model.named_modules()}
-    names |= {f"{modules[id(m)]}.weight" for m in ends if m is not None and id(m) in modules}
-    return names
+    ends = (model.get_input_embeddings(), model.get_output_embeddings())  # type: ignore[operator]
+    embed, head = (f"{modules[id(m)]}.weight" if m is not None and id(m) in modules else None for m in ends)
+    return embed, head
+
+
+def narrow_names(model: nn.Module) -> set[str]:
+    """The parameters held as stored: every expert stack's weights (:func:`stack_names`), the input embedding's and
+    the output head's (:func:`end_names`)."""
+    return stack_names(model) | {n for n in end_names(model) if n is not None}
 
 
 def _product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:

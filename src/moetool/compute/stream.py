@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from moetool.compute.narrow import compute_by_expert, expert_stacks, narrow_names, upcast_outside
+from moetool.compute.narrow import SIXTEEN, compute_by_expert, expert_stacks, narrow_names, upcast_outside
 from moetool.compute.rows import FF_ROWS, feed_forward, run_in_rows
 from moetool.compute.upcast import decoder_layers, layer_bytes
 from moetool.errors import MoetoolError
@@ -163,8 +163,6 @@ class CheckpointLoader:
     def held_dtype(self, target: str, sources: list[Any]) -> torch.dtype:
         """The dtype parameter ``target`` is held in: its sources' own where it is narrow and they are all one 16-bit
         dtype (exact in float32), else the loader's."""
-        from moetool.compute.narrow import SIXTEEN
-
         stored = {s.get_dtype() for s in sources}
         if target in self.narrow and len(stored) == 1 and (tag := stored.pop()) in SIXTEEN:
             return SIXTEEN[tag]

@@ -57,7 +57,7 @@ def _stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
 def held_bytes(path: Path, _stamp: tuple[tuple[str, int, int], ...] = ()) -> HeldBytes | None:
     """:class:`HeldBytes` of the checkpoint in ``path`` (``_stamp`` keys the cache), or None where the model cannot be
     built here (an architecture transformers does not know, no safetensors)."""
-    from moetool.compute.narrow import expert_stacks, narrow_names
+    from moetool.compute.narrow import end_names, narrow_names, stack_names
     from moetool.compute.stream import meta_causal_lm
 
     try:
@@ -66,11 +66,8 @@ def held_bytes(path: Path, _stamp: tuple[tuple[str, int, int], ...] = ()) -> Hel
         return None
     loader = meta.loader
     loader.narrow = narrow_names(meta.model)
-    stacks = {f"{n}.{p}" for n in expert_stacks(meta.model) for p in ("gate_up_proj", "up_proj", "down_proj")}
-
-    head = meta.model.get_output_embeddings()
-    modules = {id(m): n for n, m in meta.model.named_modules()}
-    head_name = f"{modules.get(id(head))}.weight"
+    stacks = stack_names(meta.model)
+    head_name = end_names(meta.model)[1]
 
     def part(keys: list[str]) -> tuple[int, int, int, int]:
         """(bytes as held, largest upcast of one expert's matrix, what reading adds: the float32 copies of the
