@@ -52,3 +52,22 @@ def test_refused_up_front_when_one_chunk_does_not_fit(deep_moe, tmp_path, monkey
     with pytest.raises(BudgetError, match="--chunk-layers"):
         export(deep_moe, tmp_path / "o", target="executorch", quant=QUANT)
     assert not (tmp_path / "o").exists()
+
+
+def test_programs_lowered_at_once_each_count_in_the_memory_check(deep_moe, tmp_path, monkeypatch):
+    """Each program lowered at once is a process holding its chunk: by default as many run as the memory allows (two
+    of 2.5 lowerings' worth), and --jobs beyond that is refused up front, naming --jobs."""
+    from dataclasses import replace
+
+    from moetool.export.graph import jobs
+
+    monkeypatch.setattr(jobs, "cores", lambda: 4)
+    ex, req, plan = plan_export(deep_moe, tmp_path / "o", target="executorch", quant=QUANT, chunk_layers=2)
+    one = exporter.executorch_chunks(replace(req, options={**req.options, "jobs": 1}), plan).memory.converting
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(int(2.5 * one)))
+    need = ex.need(req, plan)
+    assert need.memory == max(2 * one, exporter.executorch_chunks(req, plan).memory.verifying)
+    assert "4 programs of up to 2 layers, 2 at once" in need.memory_detail
+    with pytest.raises(BudgetError, match=r"--jobs"):
+        export(deep_moe, tmp_path / "o", target="executorch", quant=QUANT, chunk_layers=2, jobs=3, verify=False)
+    assert not (tmp_path / "o").exists()

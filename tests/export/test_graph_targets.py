@@ -76,9 +76,11 @@ def test_executorch_quantized_experts_qwen2_moe(models, tmp_path):
 
 
 def test_executorch_chunks_streamed(models, tmp_path):
-    """One program per decoder layer (--chunk-layers 1), each lowered from its layer alone, run in sequence in
-    executorch.runtime (hidden states and each program's own cache passed along) and held to the fp32 gate."""
-    man = export(models["mixtral"], tmp_path / "et", target="executorch", quant="f32", chunk_layers=1)
+    """One program per decoder layer (--chunk-layers 1), each lowered from its layer alone (two processes at once),
+    run in sequence in executorch.runtime (hidden states and each program's own cache passed along) and held to the
+    fp32 gate."""
+    man = export(models["mixtral"], tmp_path / "et", target="executorch", quant="f32", chunk_layers=1, jobs=2)
+    assert man["jobs"] == 2
     assert man["programs"] == [
         {"file": "model_chunk00.pte", "layers": [0, 1]},
         {"file": "model_chunk01.pte", "layers": [1, 2]},
@@ -171,9 +173,11 @@ def test_tflite_mixed_precision_by_role(models, tmp_path):
 
 
 def test_coreml_chunks_streamed(models, tmp_path):
-    """One package per decoder layer (--chunk-layers 1): each converted from its layer alone, hidden states passed
-    from one to the next, the chain of wrappers checked against transformers as one model."""
-    man = export(models["mixtral"], tmp_path / "cm", target="coreml", quant=MIXED, chunk_layers=1)
+    """One package per decoder layer (--chunk-layers 1): each converted from its layer alone (two processes at
+    once), hidden states passed from one to the next, the chain of wrappers checked against transformers as one
+    model."""
+    man = export(models["mixtral"], tmp_path / "cm", target="coreml", quant=MIXED, chunk_layers=1, jobs=2)
+    assert man["jobs"] == 2
     chunks = man["chunks"]
     assert [c["file"] for c in chunks] == ["model_chunk00.mlpackage", "model_chunk01.mlpackage"]
     assert [c["layers"] for c in chunks] == [[0, 1], [1, 2]] and man["structure"] is None

@@ -11,6 +11,7 @@ from streamed_fixtures import live_tensor_bytes
 
 from moetool.api import export, plan_export
 from moetool.compute.upcast import float32_overhead
+from moetool.export.graph.chunk import ChunkPlan, chunked_memory
 from moetool.export.reference import VERIFY_OVERHEAD
 from moetool.export.tflite import exporter
 from moetool.io.budget import BudgetError
@@ -32,7 +33,8 @@ def test_converted_a_chunk_at_a_time_elsewhere_and_checked_in_the_interpreter(de
     ranges = [(0, 2), (2, 4), (4, 6), (6, 8)]
     held = params * 2 + float32_overhead(params, config) + VERIFY_OVERHEAD  # the bf16 reference held whole
     monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(held - 1))  # the held reference does not fit; the chunks do
-    assert exporter.tflite_need(plan, ranges, verify=True, output=tmp_path / "x").memory < held - 1
+    mem = chunked_memory(plan, ranges, multiple=exporter.CONVERT_MULTIPLE, runtime=exporter.RUNTIME, piece="model")
+    assert exporter.tflite_need(ChunkPlan(ranges, mem), verify=True, output=tmp_path / "x", disk=0).memory < held - 1
     before = live_tensor_bytes()  # what earlier tests (module fixtures, caches) left alive in this process
     seen, run_worker = [], exporter.run_worker
 
@@ -42,11 +44,11 @@ def test_converted_a_chunk_at_a_time_elsewhere_and_checked_in_the_interpreter(de
 
     monkeypatch.setattr(exporter, "run_worker", recorded)
     man = export(deep_moe, tmp_path / "tfl", target="tflite", quant=QUANT, chunk_layers=2)
-    # four conversions, then the check; this process holds none of the model meanwhile (up to 256 KiB of what else
-    # the run creates: loader and tokenizer caches)
+    # four conversions (one at a time: two processes do not fit the budget), then the check; this process holds none
+    # of the model meanwhile (up to 256 KiB of what else the run creates: loader and tokenizer caches)
     assert [m for m, _ in seen] == ["moetool.export.tflite.worker"] * 4 + ["moetool.export.tflite.chain_worker"]
     assert max(b for _, b in seen) <= 256 << 10, seen
-    assert [c["layers"] for c in man["chunks"]] == [[0, 2], [2, 4], [4, 6], [6, 8]]
+    assert [c["layers"] for c in man["chunks"]] == [[0, 2], [2, 4], [4, 6], [6, 8]] and man["jobs"] == 1
     assert set(man["files"]) == {f"model_chunk0{i}.tflite" for i in range(4)}
     assert man["quantized_roles"] == {"experts": "int4", "attention": "int8", "output": "int8"}
     assert man["moe_kernel"]["layers"] == 8 and man["cache_tensors"] == 16
@@ -54,11 +56,11 @@ def test_converted_a_chunk_at_a_time_elsewhere_and_checked_in_the_interpreter(de
     assert p["reference"] == "transformers float32, layer by layer streamed from disk over bfloat16 weights"
     # (a random narrow model at 4 bits: its figures are low; the fp32 chain is held to the gate in test_graph_targets)
     assert p["decode"]["steps"] == 8 and 0 < p["top1_agreement"] <= 1
-    # the model as one chunk, against the float32 model held whole: the same figures
+    # two chunks converted at once, checked against the float32 model held whole: the same figures
     monkeypatch.delenv("MOETOOL_MEMORY_BUDGET")
-    one = export(deep_moe, tmp_path / "held", target="tflite", quant=QUANT, chunk_layers=8)
-    assert set(one["files"]) == {"model.tflite"}
-    whole = one["parity"]
+    two = export(deep_moe, tmp_path / "held", target="tflite", quant=QUANT, chunk_layers=4, jobs=2)
+    assert set(two["files"]) == {"model_chunk00.tflite", "model_chunk01.tflite"} and two["jobs"] == 2
+    whole = two["parity"]
     assert whole["reference"] == "transformers float32"
     assert p["ppl_artifact"] == pytest.approx(whole["ppl_artifact"], rel=1e-5)
     assert p["max_abs_logit_diff"] == pytest.approx(whole["max_abs_logit_diff"], abs=1e-4)

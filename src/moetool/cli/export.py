@@ -25,6 +25,14 @@ ChunkLayersOpt = Annotated[
         "holds one.",
     ),
 ]
+JobsOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Core ML, ExecuTorch, TFLite: chunks converted at once, each in a process of its own with its share of "
+        "the cores (default: as many as the cores and the available memory allow).",
+    ),
+]
 MoeKernelOpt = Annotated[
     str | None,
     typer.Option(
@@ -90,6 +98,7 @@ def export_cmd(
     verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
     compute_units: ComputeUnitsOpt = None,
     chunk_layers: ChunkLayersOpt = None,
+    jobs: JobsOpt = None,
     moe_kernel: MoeKernelOpt = None,
     accuracy_level: AccuracyLevelOpt = None,
     imatrix: ImatrixOpt = None,
@@ -133,8 +142,8 @@ def export_cmd(
     job = api.plan_export(
         model, output, target=target, quant=quant, device=profile, force=force, verify=verify, eval_text=text,
         context=context, imatrix=imatrix, calibration=calib, imatrix_mode=imatrix_mode,
-        imatrix_min_tokens=imatrix_floor, compute_units=compute_units, chunk_layers=chunk_layers, moe_kernel=moe_kernel,
-        accuracy_level=accuracy_level,
+        imatrix_min_tokens=imatrix_floor, compute_units=compute_units, chunk_layers=chunk_layers, jobs=jobs,
+        moe_kernel=moe_kernel, accuracy_level=accuracy_level,
     )  # fmt: skip
     label = getattr(getattr(job.plan, "quant", None), "label", "")
     print_export_plan(job.exporter, job.plan, f"{job.exporter.name} plan '{label}' for {job.plan.name}")

@@ -80,6 +80,7 @@ MEANINGS: dict[str, Meaning] = {
     "--context": Meaning("context length for the memory estimate"),
     "--compute-units": Meaning("Core ML's compute units"),
     "--chunk-layers": Meaning("decoder layers per Core ML package, ExecuTorch program or TFLite model"),
+    "--jobs": Meaning("chunks converted at once, each in a process of its own"),
     "--moe-kernel": Meaning("ONNX's MoE operators: sparse or dense"),
     "--accuracy-level": Meaning("ONNX's 4- and 8-bit operators: int8 (4) or fp32 (0) activations"),
     "--imatrix": Meaning("an importance matrix for llama.cpp's quantizer: auto or a FILE"),

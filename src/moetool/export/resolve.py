@@ -85,6 +85,7 @@ def resolve_quant(
 TARGET_OPTIONS: dict[str, tuple[str, str]] = {
     "compute_units": ("--compute-units", "coreml"),
     "chunk_layers": ("--chunk-layers", "coreml executorch tflite"),
+    "jobs": ("--jobs", "coreml executorch tflite"),
     "moe_kernel": ("--moe-kernel", "onnx"),
     "accuracy_level": ("--accuracy-level", "onnx"),
 }
@@ -123,6 +124,7 @@ STANDARD_ONLY = {
     "--imatrix": ("imatrix", "calibration", "imatrix_mode", "imatrix_min_tokens"),
     "--compute-units": ("compute_units",),
     "--chunk-layers": ("chunk_layers",),
+    "--jobs": ("jobs",),
     "--moe-kernel": ("moe_kernel",),
     "--accuracy-level": ("accuracy_level",),
 }
@@ -156,6 +158,7 @@ class ExportOptions(TypedDict, total=False):
     imatrix_min_tokens: int | None  # routed mode's floor per expert (default 128)
     compute_units: str | None  # Core ML's compute units (coreml only)
     chunk_layers: int | None  # decoder layers per package, program or model (coreml, executorch, tflite)
+    jobs: int | None  # chunks converted at once, a process each (coreml, executorch, tflite); default: what fits
     moe_kernel: str | None  # ONNX's MoE operators, sparse or dense (onnx only)
     accuracy_level: int | None  # ONNX's 4/8-bit operators: 4 (int8 activations, the default) or 0 (fp32) (onnx only)
     options: dict[str, Any] | None  # a method exporter's own settings (hybrid: experts=False, the router only)

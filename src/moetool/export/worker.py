@@ -30,8 +30,11 @@ __all__ = ["SOURCE_ROOT", "run_worker", "worker_main"]
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_worker(module: str, request: dict[str, Any], *, python: str | None = None, what: str) -> dict[str, Any]:
-    """Run worker ``module`` on ``request`` in ``python`` (default: this interpreter); returns the result it printed.
+def run_worker(
+    module: str, request: dict[str, Any], *, python: str | None = None, what: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run worker ``module`` on ``request`` in ``python`` (default: this interpreter), with ``env`` added to this
+    process's environment; returns the result it printed.
 
     Raises:
         ExportError: ``"{what} failed in {python}:"`` and the last lines of the worker's stderr.
@@ -45,7 +48,7 @@ def run_worker(module: str, request: dict[str, Any], *, python: str | None = Non
             check=False,
             capture_output=True,
             text=True,
-            env=os.environ | ({"PYTHONPATH": str(SOURCE_ROOT)} if SOURCE_ROOT.name == "src" else {}),
+            env=os.environ | (env or {}) | ({"PYTHONPATH": str(SOURCE_ROOT)} if SOURCE_ROOT.name == "src" else {}),
         )
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-8:])

@@ -28,8 +28,9 @@ import torch
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.coreml.chunks import CHUNK_BYTES, chunk_batch, chunk_file
 from moetool.export.coreml.stateful import StatefulChunk
-from moetool.export.graph.chunk import chunk_layers, planned_chunks
+from moetool.export.graph.chunk import ChunkPlan, chunk_layers, plan_chunks
 from moetool.export.graph.common import GraphPlan
+from moetool.export.graph.jobs import run_chunks, worker_env
 from moetool.export.graph.model import causal_mask
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.parity import ParityRecord
@@ -160,15 +161,22 @@ CONVERT_MULTIPLE = 5.0
 RUNTIME = 768 << 20  # torch, coremltools and the traced graph
 
 
-def coreml_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
-    """Memory and disk of a Core ML export of ``plan`` in ``ranges``' chunks: converting holds what the largest chunk
-    converts (its layers, and the embedding or head of the first or last) :data:`CONVERT_MULTIPLE` times, beside the
-    weights outside the layer stack that the reader keeps; verification holds the transformers reference (held in
-    float32 or streamed, :func:`moetool.export.reference.graph_reference_need`) beside one chunk of the converted
-    wrappers."""
-    from moetool.export.graph.chunk import CHUNKED_WAY_OUT, chunked_memory
+def coreml_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
+    """The packages of ``plan`` and how many are converted at once (:func:`moetool.export.graph.chunk.plan_chunks`):
+    converting holds what the largest chunk converts (its layers, and the embedding or head of the first or last)
+    :data:`CONVERT_MULTIPLE` times, beside the weights outside the layer stack that the reader keeps."""
+    return plan_chunks(
+        req, plan, CHUNK_BYTES, multiple=CONVERT_MULTIPLE, runtime=RUNTIME, piece="chunk", in_child=IN_CHILD
+    )
 
-    mem = chunked_memory(plan, ranges, multiple=CONVERT_MULTIPLE, runtime=RUNTIME, piece="chunk")
+
+def coreml_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> Need:
+    """Memory and disk of a Core ML export in ``chunks`` (:func:`coreml_chunks`): ``jobs`` conversions at once;
+    verification holds the transformers reference (held in float32 or streamed,
+    :func:`moetool.export.reference.graph_reference_need`) beside one chunk of the converted wrappers."""
+    from moetool.export.graph.chunk import CHUNKED_WAY_OUT
+
+    mem = chunks.memory
     how = "held in float32" if mem.held else "streamed from disk, one float32 layer at a time"
     return Need(
         stage="coreml export",
@@ -176,7 +184,7 @@ def coreml_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool,
         memory_detail=f"converted in {mem.chunks} ({human(mem.converting)}); verified against the model {how}"
         if verify
         else f"converted in {mem.chunks}",
-        disk=plan.quant.total_bytes,
+        disk=disk,
         output=output,
         way_out=CHUNKED_WAY_OUT,
     )
@@ -188,13 +196,14 @@ def _package(src: StreamedExport, span: tuple[int, int], capacity: int, ends: tu
     return StatefulChunk(src.em, blocks, capacity, first=ends[0], last=ends[1]).eval()
 
 
-def _converted(model_dir: Path, job: ChunkJob) -> Converted:
-    """``job`` converted by ``python -m moetool.export.coreml.worker`` (:data:`IN_CHILD`)."""
+def _converted(model_dir: Path, job: ChunkJob, env: dict[str, str] | None = None) -> Converted:
+    """``job`` converted by ``python -m moetool.export.coreml.worker`` (:data:`IN_CHILD`), with ``env`` added to its
+    environment."""
     from moetool.export.worker import run_worker
 
     request = {"model_dir": str(model_dir), "layers": list(job.layers), "first": job.first, "last": job.last}
     request |= {"precisions": job.precisions, "capacity": job.capacity, "units": job.units, "path": str(job.path)}
-    result = run_worker("moetool.export.coreml.worker", request, what="Core ML conversion")
+    result = run_worker("moetool.export.coreml.worker", request, what="Core ML conversion", env=env)
     return Converted(dict(result["compressed"]), result["structure"])
 
 
@@ -277,7 +286,8 @@ class CoreMLExporter(GraphExporter):
         chunk_layers(req)
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
-        return coreml_need(plan, planned_chunks(req, plan, CHUNK_BYTES), verify=req.verify, output=req.output)
+        chunks = coreml_chunks(req, plan)
+        return coreml_need(chunks, verify=req.verify, output=req.output, disk=plan.quant.total_bytes)
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
         from moetool.export.graph.stream import streamed_export_model
@@ -288,26 +298,33 @@ class CoreMLExporter(GraphExporter):
         units = _compute_units(req)
         capacity = min(int(plan.config.get("max_position_embeddings", 2048)), plan.context)
         fp16 = True  # Core ML states are fp16 only, so the program computes in fp16; fp32 means "no compression"
-        ranges = planned_chunks(req, plan, CHUNK_BYTES)
+        chunks = coreml_chunks(req, plan)
+        ranges = chunks.ranges
         src = None if IN_CHILD else streamed_export_model(req.model_dir)
-        packages: list[JsonValue] = []
-        infos: list[JsonObject] = []
+        env = worker_env(chunks.jobs)
         applied: dict[str, str] = {}
         with atomic_dir(req.output, force=req.force) as tmp:
-            for c, span in enumerate(ranges):
+
+            def convert_one(c: int, span: tuple[int, int]) -> Converted:
                 how = " in a child process" if IN_CHILD else ""
                 step(
                     f"converting layers {span[0]}–{span[1] - 1} (chunk {c + 1} of {len(ranges)}) with coremltools{how}"
                 )
                 path = tmp / chunk_file(c, len(ranges))
                 job = ChunkJob(span, c == 0, c == len(ranges) - 1, plan.precisions(), capacity, units, path)
-                done = _converted(req.model_dir, job) if src is None else convert_chunk(src, job, fp16)
+                return _converted(req.model_dir, job, env) if src is None else convert_chunk(src, job, fp16)
+
+            if chunks.jobs > 1:
+                step(f"converting {len(ranges)} chunks, {chunks.jobs} at once")
+            converted = run_chunks(ranges, convert_one, chunks.jobs)
+            for done in converted:
                 applied |= done.compressed
-                info = done.structure
+            infos = [done.structure for done in converted]
+            packages: list[JsonValue] = []
+            for c, (span, info) in enumerate(zip(ranges, infos, strict=True)):
                 if info["states"] != ["k_cache", "v_cache"] or not info["ios18_or_later"]:
                     raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
-                packages.append({"file": path.name, "layers": [span[0], span[1]], "structure": info})
-                infos.append(info)
+                packages.append({"file": chunk_file(c, len(ranges)), "layers": [span[0], span[1]], "structure": info})
             parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
                 reader = src if src is not None else streamed_export_model(req.model_dir)
@@ -321,6 +338,7 @@ class CoreMLExporter(GraphExporter):
                 "compute_precision": "float16" if fp16 else "float32",
                 "capacity": capacity,
                 "chunks": packages,
+                "jobs": chunks.jobs,
                 "structure": infos[0] if len(infos) == 1 else None,  # each chunk's is under "chunks"
                 "compressed_weights": {k: v for k, v in sorted(applied.items())},
                 "moe_kernel": dense_moe_kernel("coreml", _moe_layers(plan)),

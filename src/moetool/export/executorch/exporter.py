@@ -29,8 +29,9 @@ import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
 from moetool.export.executorch.lowering import Bounds, bounds_for
-from moetool.export.graph.chunk import ChunkRunner, chain_calls, chunk_layers, planned_chunks
+from moetool.export.graph.chunk import ChunkPlan, ChunkRunner, chain_calls, chunk_layers, plan_chunks
 from moetool.export.graph.common import GraphPlan
+from moetool.export.graph.jobs import run_chunks
 from moetool.export.graph.model import ExportLM
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.parity import ParityRecord
@@ -87,21 +88,24 @@ IN_CHILD = True
 ChunkLowerer = Callable[[tuple[int, int], bool, bool, Path, str], dict[str, Any]]
 
 
-def _chunk_lowerer(model_dir: Path, precisions: dict[str, str], bounds: Bounds, step: Step) -> ChunkLowerer:
+def _chunk_lowerer(model_dir: Path, precisions: dict[str, str], bounds: Bounds, step: Step, jobs: int) -> ChunkLowerer:
     """How each chunk of the model in ``model_dir`` is lowered: in a child process (:data:`IN_CHILD`), which reads
-    its layers itself, or here, from one reader of the checkpoint that each chunk's layers are dropped from."""
+    its layers itself (``jobs`` such processes at once share the cores), or here, from one reader of the checkpoint
+    that each chunk's layers are dropped from."""
     from moetool.export.executorch import lowering
+    from moetool.export.graph.jobs import worker_env
     from moetool.export.graph.stream import streamed_export_model
     from moetool.export.worker import run_worker
 
     if IN_CHILD:
+        env = worker_env(jobs)
 
         def in_child(span: tuple[int, int], first: bool, last: bool, path: Path, where: str) -> dict[str, Any]:
             step(f"{where}torch.export and XNNPACK lowering, in a child process")
             request = {"model_dir": str(model_dir), "layers": list(span), "first": first, "last": last}
             request |= {"precisions": precisions, "path": str(path)}
             request |= {"prefill": bounds.prefill, "context": bounds.context}
-            return run_worker("moetool.export.executorch.lowering", request, what="ExecuTorch lowering")
+            return run_worker("moetool.export.executorch.lowering", request, what="ExecuTorch lowering", env=env)
 
         return in_child
     step(f"reading {model_dir} outside its decoder layers")
@@ -138,19 +142,26 @@ LOWER_MULTIPLE = 7.0
 RUNTIME = 768 << 20  # torch, torchao and executorch in the lowering process, torch in this one
 
 
-def executorch_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
-    """Memory and disk of an ExecuTorch export of ``plan`` in ``ranges``' chunks: a chunk's lowering (in a process of
-    its own) holds what the largest chunk converts up to :data:`LOWER_MULTIPLE` times, beside the weights outside the layer
-    stack that its reader keeps; verification holds the transformers reference (held in float32 or streamed) beside
-    one chunk's program."""
-    from moetool.export.graph.chunk import CHUNKED_WAY_OUT, chunked_memory
+def executorch_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
+    """The programs of ``plan`` and how many are lowered at once (:func:`moetool.export.graph.chunk.plan_chunks`): a
+    chunk's lowering (in a process of its own) holds what the largest chunk converts up to :data:`LOWER_MULTIPLE`
+    times, beside the weights outside the layer stack that its reader keeps."""
+    return plan_chunks(
+        req, plan, CHUNK_BYTES, multiple=LOWER_MULTIPLE, runtime=RUNTIME, piece="program", in_child=IN_CHILD
+    )
 
-    mem = chunked_memory(plan, ranges, multiple=LOWER_MULTIPLE, runtime=RUNTIME, piece="program")
+
+def executorch_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> Need:
+    """Memory and disk of an ExecuTorch export in ``chunks`` (:func:`executorch_chunks`): ``jobs`` lowerings at
+    once; verification holds the transformers reference (held in float32 or streamed) beside one chunk's program."""
+    from moetool.export.graph.chunk import CHUNKED_WAY_OUT
+
+    mem = chunks.memory
     return Need(
         stage="executorch export",
         memory=mem.peak(verify),
         memory_detail=f"lowered in {mem.chunks}, each in a process of its own ({human(mem.converting)})",
-        disk=plan.quant.total_bytes,
+        disk=disk,
         output=output,
         way_out=CHUNKED_WAY_OUT,
     )
@@ -167,30 +178,35 @@ class ExecuTorchExporter(GraphExporter):
         chunk_layers(req)
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
-        return executorch_need(plan, planned_chunks(req, plan, CHUNK_BYTES), verify=req.verify, output=req.output)
+        chunks = executorch_chunks(req, plan)
+        return executorch_need(chunks, verify=req.verify, output=req.output, disk=plan.quant.total_bytes)
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
         self.ready(req, plan)
         started = time.perf_counter()
         step = step_printer(console, started)
-        ranges = planned_chunks(req, plan, CHUNK_BYTES)
+        chunks = executorch_chunks(req, plan)
+        ranges = chunks.ranges
         counts = {"int8": 0, "int4": 0}
         notes: list[str] = []
         programs: list[JsonValue] = []
-        paths: list[Path] = []
         moe_layers = 0
         with atomic_dir(req.output, force=req.force) as tmp:
             bounds = bounds_for(plan.context, int(plan.config.get("max_position_embeddings", plan.context)))
-            lowered = _chunk_lowerer(req.model_dir, plan.precisions(), bounds, step)
-            for c, span in enumerate(ranges):
-                n = len(ranges)
-                path = tmp / program_file(c, n)
+            lowered = _chunk_lowerer(req.model_dir, plan.precisions(), bounds, step, chunks.jobs)
+            n = len(ranges)
+            paths = [tmp / program_file(c, n) for c in range(n)]
+
+            def lower_one(c: int, span: tuple[int, int]) -> dict[str, Any]:
                 where = f"layers {span[0]}–{span[1] - 1}, program {c + 1} of {n}: " if n > 1 else ""
-                result = lowered(span, c == 0, c == n - 1, path, where)
+                return lowered(span, c == 0, c == n - 1, paths[c], where)
+
+            if chunks.jobs > 1:
+                step(f"lowering {n} programs, {chunks.jobs} at once")
+            for span, path, result in zip(ranges, paths, run_chunks(ranges, lower_one, chunks.jobs), strict=True):
                 counts = {k: counts[k] + int(result["quantized_linears"][k]) for k in counts}
                 notes += result["notes"]
                 moe_layers += int(result["moe_layers"])
-                paths.append(path)
                 programs.append({"file": path.name, "layers": [span[0], span[1]]})
             parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
@@ -205,6 +221,7 @@ class ExecuTorchExporter(GraphExporter):
                 },
                 "bounds": {"prefill": bounds.prefill, "context": bounds.context},
                 "programs": programs,
+                "jobs": chunks.jobs,
                 "quantized_linears": {**counts},
                 "moe_kernel": dense_moe_kernel("executorch", moe_layers),
             }

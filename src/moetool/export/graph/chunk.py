@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNKED_WAY_OUT",
+    "ChunkPlan",
     "ChunkRunner",
     "ChunkedMemory",
     "ExportChunk",
@@ -42,6 +43,7 @@ __all__ = [
     "chunked_memory",
     "converted_bytes",
     "end_bytes",
+    "plan_chunks",
     "planned_chunks",
 ]
 
@@ -110,41 +112,86 @@ def chunk_layers(req: ExportRequest) -> int | None:
 
 @dataclass(frozen=True)
 class ChunkedMemory:
-    """The memory of a graph export converted chunk by chunk (:func:`chunked_memory`): ``converting`` (the largest
-    chunk's conversion), ``verifying`` (the reference beside one chunk), whether the reference is ``held`` in float32,
-    and ``chunks``, how the model is cut, in words."""
+    """The memory of a graph export converted chunk by chunk (:func:`chunked_memory`): ``converting`` (``jobs`` of
+    the largest chunk's conversion at once), ``verifying`` (the reference beside one chunk), whether the reference is
+    ``held`` in float32, and ``chunks``, how the model is cut, in words."""
 
     converting: int
     verifying: int
     held: bool
     chunks: str
+    jobs: int = 1
 
     def peak(self, verify: bool) -> int:
         return max(self.converting, self.verifying) if verify else self.converting
 
 
 # how a chunked export that does not fit gets out
-CHUNKED_WAY_OUT = "Export in smaller chunks (--chunk-layers), with --no-verify, or on a machine with more memory"
+CHUNKED_WAY_OUT = (
+    "Export in smaller chunks (--chunk-layers), fewer at once (--jobs), with --no-verify, or on a machine with more "
+    "memory"
+)
 
 
 def chunked_memory(
-    plan: GraphPlan, ranges: list[tuple[int, int]], *, multiple: float, runtime: int, piece: str
+    plan: GraphPlan, ranges: list[tuple[int, int]], *, multiple: float, runtime: int, piece: str, jobs: int = 1
 ) -> ChunkedMemory:
-    """Memory of exporting ``plan`` in ``ranges``' chunks: converting holds what the largest chunk converts (its
-    layers, and the embedding or head of the first or last, :func:`converted_bytes`) ``multiple`` times, beside the
-    weights outside the layer stack its reader keeps and ``runtime``; verifying holds the transformers reference (in
-    float32 or streamed, :func:`moetool.export.reference.graph_reference_need`, whose allowance covers the runtime)
-    beside one chunk. ``piece`` names a chunk's artifact (package, program, model)."""
+    """Memory of exporting ``plan`` in ``ranges``' chunks, ``jobs`` at once: each conversion holds what the largest
+    chunk converts (its layers, and the embedding or head of the first or last, :func:`converted_bytes`) ``multiple``
+    times, beside the weights outside the layer stack its reader keeps and ``runtime``; verifying holds the
+    transformers reference (in float32 or streamed, :func:`moetool.export.reference.graph_reference_need`, whose
+    allowance covers the runtime) beside one chunk. ``piece`` names a chunk's artifact (package, program, model)."""
     from moetool.compute.upcast import layer_bytes
     from moetool.export.reference import graph_reference_need
 
     params = plan.quant.total_params
     outside, layer = layer_bytes(plan.config, params)
     most = max(b - a for a, b in ranges)
-    converting = int(multiple * converted_bytes(ranges, layer, end_bytes(plan.config, params))) + outside + runtime
+    one = int(multiple * converted_bytes(ranges, layer, end_bytes(plan.config, params))) + outside + runtime
     reference, held = graph_reference_need(params, plan.config)
     chunks = f"{len(ranges)} {piece}{'s' * (len(ranges) > 1)} of up to {most} layers"
-    return ChunkedMemory(converting, reference + outside + most * layer, held, chunks)
+    chunks += f", {jobs} at once" if jobs > 1 else ""
+    return ChunkedMemory(jobs * one, reference + outside + most * layer, held, chunks, jobs)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How a chunked export runs: the chunks' layer ``ranges``, and its ``memory`` (whose ``jobs`` chunks are
+    converted at once)."""
+
+    ranges: list[tuple[int, int]]
+    memory: ChunkedMemory
+
+    @property
+    def jobs(self) -> int:
+        return self.memory.jobs
+
+
+def plan_chunks(
+    req: ExportRequest,
+    plan: GraphPlan,
+    chunk_bytes: int,
+    *,
+    multiple: float,
+    runtime: int,
+    piece: str,
+    in_child: bool = True,
+) -> ChunkPlan:
+    """The chunks of ``plan``'s model (:func:`planned_chunks`) and how many are converted at once: ``--jobs``, else as
+    many as the cores and the available memory allow (:func:`moetool.export.graph.jobs.planned_jobs`); one when the
+    chunks are not converted ``in_child`` processes.
+
+    Raises:
+        ExportError: ``--chunk-layers`` or ``--jobs`` below 1.
+    """
+    from moetool.export.graph.jobs import given_jobs, planned_jobs
+    from moetool.io.budget import available_memory
+
+    ranges = planned_chunks(req, plan, chunk_bytes)
+    one = chunked_memory(plan, ranges, multiple=multiple, runtime=runtime, piece=piece)
+    given_jobs(req)  # refuses --jobs below 1 whichever way the chunks run
+    jobs = planned_jobs(req, len(ranges), one.converting, available_memory()) if in_child else 1
+    return ChunkPlan(ranges, chunked_memory(plan, ranges, multiple=multiple, runtime=runtime, piece=piece, jobs=jobs))
 
 
 def planned_chunks(req: ExportRequest, plan: GraphPlan, chunk_bytes: int) -> list[tuple[int, int]]:

@@ -14,13 +14,14 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from moetool.export.base import ExportError, ExportRequest
-from moetool.export.graph.chunk import chunk_layers, planned_chunks
+from moetool.export.graph.chunk import ChunkPlan, chunk_layers, plan_chunks
 from moetool.export.graph.common import GraphPlan, plan_graph
+from moetool.export.graph.jobs import run_chunks, worker_env
 from moetool.export.graph.model import ExportLM
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.parity import NOT_VERIFIED, ParityRecord
@@ -61,19 +62,26 @@ def static_shape(plan: GraphPlan) -> tuple[int, int]:
     return capacity, min(128, capacity - 8)
 
 
-def tflite_need(plan: GraphPlan, ranges: list[tuple[int, int]], *, verify: bool, output: Path) -> Need:
-    """Memory and disk of a TFLite export of ``plan`` in ``ranges``' chunks: a conversion (in a process of its own)
-    holds what the largest chunk converts (its layers, and the embedding or head of the first or last)
-    :data:`CONVERT_MULTIPLE` times, beside the weights outside the layer stack that its reader keeps; verification
-    holds the transformers reference (in float32 or streamed) here beside one chunk in the interpreter."""
-    from moetool.export.graph.chunk import CHUNKED_WAY_OUT, chunked_memory
+def tflite_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
+    """The models of ``plan`` and how many are converted at once (:func:`moetool.export.graph.chunk.plan_chunks`): a
+    conversion (in a process of its own) holds what the largest chunk converts (its layers, and the embedding or head
+    of the first or last) :data:`CONVERT_MULTIPLE` times, beside the weights outside the layer stack that its reader
+    keeps."""
+    return plan_chunks(req, plan, CHUNK_BYTES, multiple=CONVERT_MULTIPLE, runtime=RUNTIME, piece="model")
 
-    mem = chunked_memory(plan, ranges, multiple=CONVERT_MULTIPLE, runtime=RUNTIME, piece="model")
+
+def tflite_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> Need:
+    """Memory and disk of a TFLite export in ``chunks`` (:func:`tflite_chunks`): ``jobs`` conversions at once;
+    verification holds the transformers reference (in float32 or streamed) here beside one chunk in the
+    interpreter."""
+    from moetool.export.graph.chunk import CHUNKED_WAY_OUT
+
+    mem = chunks.memory
     return Need(
         stage="tflite export",
         memory=mem.peak(verify),
         memory_detail=f"converted in {mem.chunks} ({human(mem.converting)})",
-        disk=plan.quant.total_bytes,
+        disk=disk,
         output=output,
         way_out=CHUNKED_WAY_OUT,
     )
@@ -98,34 +106,41 @@ class TFLiteExporter(GraphExporter):
         chunk_layers(req)
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
-        return tflite_need(plan, planned_chunks(req, plan, CHUNK_BYTES), verify=req.verify, output=req.output)
+        chunks = tflite_chunks(req, plan)
+        return tflite_need(chunks, verify=req.verify, output=req.output, disk=plan.quant.total_bytes)
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
         self.ready(req, plan)
         started = time.perf_counter()
         step = step_printer(console, started)
-        ranges = planned_chunks(req, plan, CHUNK_BYTES)
+        chunks = tflite_chunks(req, plan)
+        ranges = chunks.ranges
         capacity, prefill_len = static_shape(plan)
         roles: dict[str, JsonValue] = {}
         notes: list[str] = []
-        chunks: list[JsonValue] = []
-        paths: list[Path] = []
         moe_layers = 0
+        env = worker_env(chunks.jobs)
         with atomic_dir(req.output, force=req.force) as tmp:
-            for c, span in enumerate(ranges):
-                n = len(ranges)
-                path = tmp / chunk_file(c, n)
+            n = len(ranges)
+            paths = [tmp / chunk_file(c, n) for c in range(n)]
+
+            def convert_one(c: int, span: tuple[int, int]) -> dict[str, Any]:
                 where = f"layers {span[0]}–{span[1] - 1}, model {c + 1} of {n}: " if n > 1 else ""
                 step(f"{where}converting with litert-torch, in its own interpreter")
                 request = {"model_dir": str(req.model_dir), "layers": list(span), "first": c == 0, "last": c == n - 1}
-                request |= {"path": str(path), "precisions": plan.precisions()}
+                request |= {"path": str(paths[c]), "precisions": plan.precisions()}
                 request |= {"capacity": capacity, "prefill_len": prefill_len}
-                result = run_worker("moetool.export.tflite.worker", request)
+                return run_worker("moetool.export.tflite.worker", request, env=env)
+
+            if chunks.jobs > 1:
+                step(f"converting {n} models, {chunks.jobs} at once")
+            for result in run_chunks(ranges, convert_one, chunks.jobs):
                 roles |= result["quantized_roles"]
                 notes += [x for x in result["tflite_notes"] if x not in notes]
                 moe_layers += int(result["moe_layers"])
-                paths.append(path)
-                chunks.append({"file": path.name, "layers": [span[0], span[1]]})
+            models: list[JsonValue] = [
+                {"file": p.name, "layers": [a, b]} for p, (a, b) in zip(paths, ranges, strict=True)
+            ]
             parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
                 step("checking the models in the LiteRT interpreter against transformers")
@@ -139,7 +154,8 @@ class TFLiteExporter(GraphExporter):
                 "export": "streamed: converted one chunk of decoder layers at a time from the checkpoint",
                 "signatures": {"prefill": f"{prefill_len} tokens (right-padded)", "decode": "1 token"},
                 "kv_cache": f"explicit inputs/outputs, capacity {capacity}",
-                "chunks": chunks,
+                "chunks": models,
+                "jobs": chunks.jobs,
                 "quantized_roles": roles,
                 "capacity": capacity,
                 "prefill_len": prefill_len,

@@ -49,13 +49,16 @@ def litert_python() -> str:
     raise missing("litert-torch", "tflite", why="TFLite export")
 
 
-def run_worker(module: str, request: dict[str, Any], *, what: str = "TFLite conversion") -> dict[str, Any]:
-    """Run worker ``module`` on ``request`` in :func:`litert_python` (:func:`moetool.export.worker.run_worker`).
+def run_worker(
+    module: str, request: dict[str, Any], *, what: str = "TFLite conversion", env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run worker ``module`` on ``request`` in :func:`litert_python` (:func:`moetool.export.worker.run_worker`), with
+    ``env`` added to the environment.
 
     Raises:
         ExportError: ``"{what} failed in {python}:"`` and the last lines of the worker's stderr.
     """
-    return worker.run_worker(module, request, python=litert_python(), what=what)
+    return worker.run_worker(module, request, python=litert_python(), what=what, env=env)
 
 
 def padded_feeds(ids: Sequence[int], length: int, mask: np.ndarray) -> dict[str, np.ndarray]:

@@ -1,0 +1,99 @@
+"""How many chunks a chunked graph export (Core ML, ExecuTorch, TFLite) converts at once, and running them.
+
+Each chunk is converted in a process of its own (:mod:`moetool.export.worker`), and most of a conversion is
+single-threaded Python (``torch.export``, the lowering and serialising passes), so one conversion leaves the other
+cores idle: converting ``jobs`` chunks at once, each process given its share of the cores' threads, divides the wall
+time by up to ``jobs``. Each process holds its own chunk, so the memory estimate counts ``jobs`` of them, and the
+default is as many as the cores and the memory available allow (``--jobs`` sets it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, TypeVar, cast
+
+from moetool.export.base import ExportError
+
+if TYPE_CHECKING:
+    from moetool.export.base import ExportRequest
+
+__all__ = ["THREAD_VARS", "cores", "given_jobs", "planned_jobs", "run_chunks", "worker_env"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# the thread pools of torch (OpenMP), the BLAS libraries and TensorFlow Lite's converter read these at start
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def given_jobs(req: ExportRequest) -> int | None:
+    """``--jobs`` (None: not given).
+
+    Raises:
+        ExportError: below 1.
+    """
+    given = req.options.get("jobs")
+    if given is None:
+        return None
+    if int(given) < 1:
+        raise ExportError(f"--jobs {given}: at least one chunk is converted at a time")
+    return int(given)
+
+
+def planned_jobs(req: ExportRequest, chunks: int, per_job: int, available: int | None) -> int:
+    """Chunks converted at once: ``--jobs`` (at most ``chunks``), else as many as the cores, the ``chunks`` and the
+    ``available`` memory allow, each conversion holding ``per_job`` bytes (at least one: a single conversion that
+    does not fit is the memory check's to refuse)."""
+    given = given_jobs(req)
+    if given is not None:
+        return max(1, min(given, chunks))
+    fit = cores() if available is None else available // max(1, per_job)
+    return max(1, min(cores(), chunks, fit))
+
+
+def worker_env(jobs: int) -> dict[str, str]:
+    """The thread settings for each of ``jobs`` conversion processes: the cores shared out between them, so they do
+    not oversubscribe the machine; a setting of the user's own wins (empty: nothing to set)."""
+    if jobs <= 1:
+        return {}
+    share = str(max(1, cores() // jobs))
+    return {v: share for v in THREAD_VARS if v not in os.environ}
+
+
+def run_chunks(items: Sequence[T], convert: Callable[[int, T], R], jobs: int) -> list[R]:
+    """``convert(index, item)`` for every item, ``jobs`` at a time, in threads (each ``convert`` waits on a process
+    of its own); the results in the items' order. The first failure is raised once the conversions already running
+    have ended, and none is started after it."""
+    if jobs <= 1:
+        return [convert(i, item) for i, item in enumerate(items)]
+    failed = threading.Event()
+
+    def guarded(i: int, item: T) -> R | None:
+        if failed.is_set():  # a conversion failed: what has not started yet never does
+            return None
+        try:
+            return convert(i, item)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="moetool-chunk") as pool:
+        futures = [pool.submit(guarded, i, item) for i, item in enumerate(items)]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        if failed.is_set():
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise next(e for f in futures if not f.cancelled() and (e := f.exception()) is not None)
+        return [cast("R", f.result()) for f in futures]
