@@ -12,7 +12,8 @@ from moetool.api import export, plan_export
 from moetool.compute.upcast import float32_overhead, layer_bytes
 from moetool.export.coreml import exporter
 from moetool.export.coreml.chunks import CHUNK_BYTES
-from moetool.export.graph.chunk import ChunkPlan, chunk_ranges, chunked_memory
+from moetool.export.graph.chunk import chunk_ranges
+from moetool.export.graph.chunk_memory import ChunkPlan, chunked_memory
 from moetool.export.reference import VERIFY_OVERHEAD, streamed_need
 from moetool.io.budget import BudgetError
 from moetool.io.checkpoint import Checkpoint
@@ -37,7 +38,7 @@ def test_converted_a_chunk_at_a_time_and_checked_against_a_streamed_reference(de
     assert low < held
     monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str((low + held) // 2))
     ranges = chunk_ranges(8, layer, CHUNK_BYTES, 2)
-    mem = chunked_memory(plan, ranges, multiple=exporter.CONVERT_MULTIPLE, runtime=exporter.RUNTIME, piece="chunk")
+    mem = chunked_memory(plan, ranges, multiples=exporter.CONVERT_MULTIPLES, runtime=exporter.RUNTIME, piece="chunk")
     assert exporter.coreml_need(ChunkPlan(ranges, mem), verify=True, output=tmp_path / "x", disk=0).memory == low
     before = live_tensor_bytes()  # what earlier tests (module fixtures, caches) left alive in this process
     peak = [0]

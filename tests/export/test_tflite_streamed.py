@@ -11,7 +11,7 @@ from streamed_fixtures import live_tensor_bytes
 
 from moetool.api import export, plan_export
 from moetool.compute.upcast import float32_overhead
-from moetool.export.graph.chunk import ChunkPlan, chunked_memory
+from moetool.export.graph.chunk_memory import ChunkPlan, chunked_memory
 from moetool.export.reference import VERIFY_OVERHEAD
 from moetool.export.tflite import exporter
 from moetool.io.budget import BudgetError
@@ -33,7 +33,7 @@ def test_converted_a_chunk_at_a_time_elsewhere_and_checked_in_the_interpreter(de
     ranges = [(0, 2), (2, 4), (4, 6), (6, 8)]
     held = params * 2 + float32_overhead(params, config) + VERIFY_OVERHEAD  # the bf16 reference held whole
     monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(held - 1))  # the held reference does not fit; the chunks do
-    mem = chunked_memory(plan, ranges, multiple=exporter.CONVERT_MULTIPLE, runtime=exporter.RUNTIME, piece="model")
+    mem = chunked_memory(plan, ranges, multiples=exporter.CONVERT_MULTIPLES, runtime=exporter.RUNTIME, piece="model")
     assert exporter.tflite_need(ChunkPlan(ranges, mem), verify=True, output=tmp_path / "x", disk=0).memory < held - 1
     before = live_tensor_bytes()  # what earlier tests (module fixtures, caches) left alive in this process
     seen, run_worker = [], exporter.run_worker

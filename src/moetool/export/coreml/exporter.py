@@ -28,7 +28,8 @@ import torch
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.coreml.chunks import CHUNK_BYTES, chunk_batch, chunk_file
 from moetool.export.coreml.stateful import StatefulChunk
-from moetool.export.graph.chunk import ChunkPlan, chunk_layers, plan_chunks
+from moetool.export.graph.chunk import chunk_layers
+from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, plan_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.jobs import run_chunks, worker_env
 from moetool.export.graph.model import causal_mask
@@ -155,9 +156,13 @@ def _compute_units(req: ExportRequest) -> str:
     return units
 
 
-# coremltools holds what it converts about five times over its float32 weights (traced constants, MIL's float32 and
-# float16 copies, the compressed ones, the serialised blob): 6.5 GB for the 1.29 GB real MoE converted whole
-CONVERT_MULTIPLE = 5.0
+# peak RSS of one chunk's conversion (its own process) over the float32 bytes of each tensor it converts, above the
+# runtime and the weights outside the layers (traced constants, MIL's float32 and float16 copies, the compressed ones,
+# the serialised blob). Float: about five times, 6.5 GB for the 1.29 GB real MoE converted whole. Compressed, from the
+# 1.7B rung's one-layer packages at moe-q4 (2026-11-29): a middle one 2.90 GB (its layer 1.94x); the first 5.18 GB
+# and the last 5.62 GB, the embedding and the head (one 0.40 GB tensor each, compressed to int8 per channel) 5.7x and
+# 6.8x: a large tensor is copied whole at each step, where a layer's many small ones pass one at a time
+CONVERT_MULTIPLES = Multiples(5.0, 2.2, (("embed.weight", 6.5), ("lm_head.weight", 7.5)))
 RUNTIME = 768 << 20  # torch, coremltools and the traced graph
 
 
@@ -166,7 +171,7 @@ def coreml_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
     converting holds what the largest chunk converts (its layers, and the embedding or head of the first or last)
     :data:`CONVERT_MULTIPLE` times, beside the weights outside the layer stack that the reader keeps."""
     return plan_chunks(
-        req, plan, CHUNK_BYTES, multiple=CONVERT_MULTIPLE, runtime=RUNTIME, piece="chunk", in_child=IN_CHILD
+        req, plan, CHUNK_BYTES, multiples=CONVERT_MULTIPLES, runtime=RUNTIME, piece="chunk", in_child=IN_CHILD
     )
 
 
@@ -174,7 +179,7 @@ def coreml_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> 
     """Memory and disk of a Core ML export in ``chunks`` (:func:`coreml_chunks`): ``jobs`` conversions at once;
     verification holds the transformers reference (held in float32 or streamed,
     :func:`moetool.export.reference.graph_reference_need`) beside one chunk of the converted wrappers."""
-    from moetool.export.graph.chunk import CHUNKED_WAY_OUT
+    from moetool.export.graph.chunk_memory import CHUNKED_WAY_OUT
 
     mem = chunks.memory
     how = "held in float32" if mem.held else "streamed from disk, one float32 layer at a time"

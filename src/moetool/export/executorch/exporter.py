@@ -29,7 +29,8 @@ import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
 from moetool.export.executorch.lowering import Bounds, bounds_for
-from moetool.export.graph.chunk import ChunkPlan, ChunkRunner, chain_calls, chunk_layers, plan_chunks
+from moetool.export.graph.chunk import ChunkRunner, chain_calls, chunk_layers
+from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, plan_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.jobs import run_chunks
 from moetool.export.graph.model import ExportLM
@@ -134,11 +135,12 @@ def program_file(index: int, count: int) -> str:
 # decoder layers' float32 weights per program, by default: torchao's quantization, torch.export and XNNPACK's
 # lowering hold a chunk (and the embedding or head of the first and last) several times over
 CHUNK_BYTES = 256 << 20
-# peak RSS of one chunk's lowering (its own process) as a multiple of what it converts (its layers, and the embedding
-# or head of the first and last), above the runtime and the weights outside the layers: two middle layers of the
-# size ladder's 360M rung (256 MB of float32) peaked at 2.23 GB with float32 weights (6.6x) and 1.08 GB at moe-q4
-# (torchao's 4-bit weights replace the float ones before export: 2.1x)
-LOWER_MULTIPLE = 7.0
+# peak RSS of one chunk's lowering (its own process) over the float32 bytes of each tensor it converts, above the
+# runtime and the weights outside the layers. Float weights: two middle layers of the size ladder's 360M rung (256 MB
+# of float32) peaked at 2.23 GB (6.6x). Weights torchao rounds (it replaces the float ones before export), from the
+# 1.7B rung's one-layer programs at moe-q4 (2026-11-29): a middle one 2.12 GB, the last (+ the int8 head, 0.40 GB of
+# float32) 2.74 GB: 1.53x; the first (+ the embedding, a float lookup) 3.19 GB: 2.67x for the embedding
+LOWER_MULTIPLES = Multiples(7.0, 1.6, (("embed.weight", 2.8),))
 RUNTIME = 768 << 20  # torch, torchao and executorch in the lowering process, torch in this one
 
 
@@ -147,14 +149,14 @@ def executorch_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
     chunk's lowering (in a process of its own) holds what the largest chunk converts up to :data:`LOWER_MULTIPLE`
     times, beside the weights outside the layer stack that its reader keeps."""
     return plan_chunks(
-        req, plan, CHUNK_BYTES, multiple=LOWER_MULTIPLE, runtime=RUNTIME, piece="program", in_child=IN_CHILD
+        req, plan, CHUNK_BYTES, multiples=LOWER_MULTIPLES, runtime=RUNTIME, piece="program", in_child=IN_CHILD
     )
 
 
 def executorch_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> Need:
     """Memory and disk of an ExecuTorch export in ``chunks`` (:func:`executorch_chunks`): ``jobs`` lowerings at
     once; verification holds the transformers reference (held in float32 or streamed) beside one chunk's program."""
-    from moetool.export.graph.chunk import CHUNKED_WAY_OUT
+    from moetool.export.graph.chunk_memory import CHUNKED_WAY_OUT
 
     mem = chunks.memory
     return Need(

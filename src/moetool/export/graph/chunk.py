@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,19 +30,13 @@ if TYPE_CHECKING:
     from moetool.export.graph.parity import Call
 
 __all__ = [
-    "CHUNKED_WAY_OUT",
-    "ChunkPlan",
     "ChunkRunner",
-    "ChunkedMemory",
     "ExportChunk",
     "chain_calls",
     "chain_step",
     "chunk_layers",
     "chunk_ranges",
-    "chunked_memory",
-    "converted_bytes",
     "end_bytes",
-    "plan_chunks",
     "planned_chunks",
 ]
 
@@ -90,13 +83,6 @@ def end_bytes(config: dict[str, Any], params: int) -> int:
     return outside if c.get("tie_word_embeddings", True) else outside // 2
 
 
-def converted_bytes(ranges: list[tuple[int, int]], layer_bytes: int, end: int) -> int:
-    """The most float32 bytes one chunk of ``ranges`` converts: its layers, and ``end`` more for the first chunk and
-    for the last (:func:`end_bytes`)."""
-    n = len(ranges)
-    return max((b - a) * layer_bytes + end * ((i == 0) + (i == n - 1)) for i, (a, b) in enumerate(ranges))
-
-
 def chunk_layers(req: ExportRequest) -> int | None:
     """``--chunk-layers`` (None: not given).
 
@@ -108,90 +94,6 @@ def chunk_layers(req: ExportRequest) -> int | None:
         return None
     chunk_ranges(1, 1, 1, int(given))  # refuses a chunk of no layers
     return int(given)
-
-
-@dataclass(frozen=True)
-class ChunkedMemory:
-    """The memory of a graph export converted chunk by chunk (:func:`chunked_memory`): ``converting`` (``jobs`` of
-    the largest chunk's conversion at once), ``verifying`` (the reference beside one chunk), whether the reference is
-    ``held`` in float32, and ``chunks``, how the model is cut, in words."""
-
-    converting: int
-    verifying: int
-    held: bool
-    chunks: str
-    jobs: int = 1
-
-    def peak(self, verify: bool) -> int:
-        return max(self.converting, self.verifying) if verify else self.converting
-
-
-# how a chunked export that does not fit gets out
-CHUNKED_WAY_OUT = (
-    "Export in smaller chunks (--chunk-layers), fewer at once (--jobs), with --no-verify, or on a machine with more "
-    "memory"
-)
-
-
-def chunked_memory(
-    plan: GraphPlan, ranges: list[tuple[int, int]], *, multiple: float, runtime: int, piece: str, jobs: int = 1
-) -> ChunkedMemory:
-    """Memory of exporting ``plan`` in ``ranges``' chunks, ``jobs`` at once: each conversion holds what the largest
-    chunk converts (its layers, and the embedding or head of the first or last, :func:`converted_bytes`) ``multiple``
-    times, beside the weights outside the layer stack its reader keeps and ``runtime``; verifying holds the
-    transformers reference (in float32 or streamed, :func:`moetool.export.reference.graph_reference_need`, whose
-    allowance covers the runtime) beside one chunk. ``piece`` names a chunk's artifact (package, program, model)."""
-    from moetool.compute.upcast import layer_bytes
-    from moetool.export.reference import graph_reference_need
-
-    params = plan.quant.total_params
-    outside, layer = layer_bytes(plan.config, params)
-    most = max(b - a for a, b in ranges)
-    one = int(multiple * converted_bytes(ranges, layer, end_bytes(plan.config, params))) + outside + runtime
-    reference, held = graph_reference_need(params, plan.config)
-    chunks = f"{len(ranges)} {piece}{'s' * (len(ranges) > 1)} of up to {most} layers"
-    chunks += f", {jobs} at once" if jobs > 1 else ""
-    return ChunkedMemory(jobs * one, reference + outside + most * layer, held, chunks, jobs)
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """How a chunked export runs: the chunks' layer ``ranges``, and its ``memory`` (whose ``jobs`` chunks are
-    converted at once)."""
-
-    ranges: list[tuple[int, int]]
-    memory: ChunkedMemory
-
-    @property
-    def jobs(self) -> int:
-        return self.memory.jobs
-
-
-def plan_chunks(
-    req: ExportRequest,
-    plan: GraphPlan,
-    chunk_bytes: int,
-    *,
-    multiple: float,
-    runtime: int,
-    piece: str,
-    in_child: bool = True,
-) -> ChunkPlan:
-    """The chunks of ``plan``'s model (:func:`planned_chunks`) and how many are converted at once: ``--jobs``, else as
-    many as the cores and the available memory allow (:func:`moetool.export.graph.jobs.planned_jobs`); one when the
-    chunks are not converted ``in_child`` processes.
-
-    Raises:
-        ExportError: ``--chunk-layers`` or ``--jobs`` below 1.
-    """
-    from moetool.export.graph.jobs import given_jobs, planned_jobs
-    from moetool.io.budget import available_memory
-
-    ranges = planned_chunks(req, plan, chunk_bytes)
-    one = chunked_memory(plan, ranges, multiple=multiple, runtime=runtime, piece=piece)
-    given_jobs(req)  # refuses --jobs below 1 whichever way the chunks run
-    jobs = planned_jobs(req, len(ranges), one.converting, available_memory()) if in_child else 1
-    return ChunkPlan(ranges, chunked_memory(plan, ranges, multiple=multiple, runtime=runtime, piece=piece, jobs=jobs))
 
 
 def planned_chunks(req: ExportRequest, plan: GraphPlan, chunk_bytes: int) -> list[tuple[int, int]]:

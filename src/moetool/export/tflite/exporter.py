@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moetool.export.base import ExportError, ExportRequest
-from moetool.export.graph.chunk import ChunkPlan, chunk_layers, plan_chunks
+from moetool.export.graph.chunk import chunk_layers
+from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, plan_chunks
 from moetool.export.graph.common import GraphPlan, plan_graph
 from moetool.export.graph.jobs import run_chunks, worker_env
 from moetool.export.graph.model import ExportLM
@@ -42,11 +43,12 @@ __all__ = ["REPO", "TFLiteExporter", "litert_python"]  # REPO, litert_python: ke
 
 # decoder layers' float32 weights per model, by default (litert-torch's conversion holds a chunk several times over)
 CHUNK_BYTES = 256 << 20
-# peak RSS of one conversion (its own process) as a multiple of what it converts (its layers, and the embedding or
-# head of the first and last): 6.7× the float32 weights for the real MoE converted whole (8.6 GB for 1.29 GB); two
-# middle layers of the size ladder's 360M rung (256 MB of float32) peaked at 2.11 GB with the runtime, at any plan
-# (the quantizer rewrites the converted file)
-CONVERT_MULTIPLE = 6.7
+# peak RSS of one conversion (its own process) over the float32 bytes of each tensor it converts, above the runtime
+# and the weights outside the layers, at any plan (the quantizer rewrites the converted file): two middle layers of
+# the size ladder's 360M rung (256 MB of float32) peaked at 2.11 GB (4.4x); the 1.7B rung's one-layer models at
+# moe-q4 (2026-11-29) a middle one 5.20 GB (4.9x), the first 6.01 GB (the float32 embedding 2.0x), the last 6.41 GB
+# (the int8 head 3.0x)
+CONVERT_MULTIPLES = Multiples(5.8, None, (("embed.weight", 2.5), ("lm_head.weight", 3.5)))
 RUNTIME = 512 << 20  # torch and litert-torch in the converting process, torch in this one
 
 
@@ -67,14 +69,14 @@ def tflite_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
     conversion (in a process of its own) holds what the largest chunk converts (its layers, and the embedding or head
     of the first or last) :data:`CONVERT_MULTIPLE` times, beside the weights outside the layer stack that its reader
     keeps."""
-    return plan_chunks(req, plan, CHUNK_BYTES, multiple=CONVERT_MULTIPLE, runtime=RUNTIME, piece="model")
+    return plan_chunks(req, plan, CHUNK_BYTES, multiples=CONVERT_MULTIPLES, runtime=RUNTIME, piece="model")
 
 
 def tflite_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> Need:
     """Memory and disk of a TFLite export in ``chunks`` (:func:`tflite_chunks`): ``jobs`` conversions at once;
     verification holds the transformers reference (in float32 or streamed) here beside one chunk in the
     interpreter."""
-    from moetool.export.graph.chunk import CHUNKED_WAY_OUT
+    from moetool.export.graph.chunk_memory import CHUNKED_WAY_OUT
 
     mem = chunks.memory
     return Need(
