@@ -376,6 +376,8 @@ COMMANDS: list[Cmd] = [
     notrun("moetool export out/real/merged --quant moe-q4", REAL_DEFAULT),
     helponly(".venv/bin/python bench/sparse_decode.py --experts 4,8", BENCH),
     helponly(".venv/bin/python bench/sparse_decode.py --experts 8", BENCH),
+    notrun("moetool export MOE --target executorch --quant moe-q4", SYNOPSIS),
+    helponly(".venv/bin/python bench/chunk_jobs.py MODEL --targets tflite,executorch,coreml", BENCH),
     helponly(".venv/bin/python bench/tuning_dtypes.py --rung 360m --steps 3", BENCH),
     helponly(".venv/bin/python bench/sharded_tuning.py --rung 360m --processes 1,2,4 --ddp 2", BENCH),
     helponly(".venv/bin/python bench/seven_b.py --quant moe-q4", BENCH),
