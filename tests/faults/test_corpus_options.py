@@ -199,6 +199,8 @@ def _export_cases(env, t: dict[str, Path], bad_imatrix: Path) -> dict[str, tuple
             ["--target", "onnx", "--chunk-layers", "2"],
             ["--chunk-layers 2: only the coreml, executorch and tflite targets read it, not onnx"],
         ),
+        "jobs-gguf": (["--jobs", "2"], ["--jobs 2: only the coreml, executorch and tflite targets read it, not gguf"]),
+        "jobs-zero": (["--target", "tflite", "--jobs", "0"], ["--jobs", "greater than or equal to 1"]),
         "eval-text-without-verification": (
             ["--no-verify", "--eval-text", str(t["good"])],
             ["--eval-text", "--no-verify skips it"],
@@ -218,6 +220,8 @@ def _export_cases(env, t: dict[str, Path], bad_imatrix: Path) -> dict[str, tuple
         "accuracy-level-unknown",
         "compute-units-onnx",
         "chunk-layers-onnx",
+        "jobs-gguf",
+        "jobs-zero",
         "eval-text-without-verification",
         "base-of-a-model",
     ],
