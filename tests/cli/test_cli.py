@@ -65,3 +65,19 @@ def test_merge_then_inspect_json(tmp_path, tiny_models):
     res = runner.invoke(app, ["inspect", str(tmp_path / "o"), "--json"])
     info = json.loads(res.stdout)
     assert info["num_experts"] == 2 and info["experts_per_token"] == 1 and info["expert_names"] == ["a", "b"]
+
+
+def test_export_dry_run_prints_the_exports_own_need_and_whether_it_fits(tmp_path, tiny_models, monkeypatch):
+    """--dry-run writes nothing and says what the export itself needs of this machine (beyond the device's
+    figure), and that it would be refused under a budget it does not fit."""
+    base = tiny_models("llama")["base"]
+    args = ["export", str(base), "-o", str(tmp_path / "o"), "--target", "tflite", "--quant", "q8_0", "--dry-run"]
+    res = CliRunner().invoke(app, [*args, "--chunk-layers", "1", "--jobs", "2"])
+    assert res.exit_code == 0, res.output
+    assert "the export needs about" in res.output and "2 at once" in res.output
+    assert "would be refused" not in res.output
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", "1M")
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "it would be refused: tflite export needs about" in " ".join(res.output.split())
+    assert not (tmp_path / "o").exists()

@@ -120,7 +120,7 @@ def export_cmd(
     LoRA adapter directory, writes a GGUF adapter for llama.cpp's --lora, checked against the base with it merged.
     """
     from moetool import api
-    from moetool.cli.render import print_export_plan, print_manifest
+    from moetool.cli.render import print_export_need, print_export_plan, print_manifest
     from moetool.errors import MoetoolError
     from moetool.export.gguf.lora import is_adapter
     from moetool.io.safe import read_text
@@ -148,6 +148,7 @@ def export_cmd(
     label = getattr(getattr(job.plan, "quant", None), "label", "")
     print_export_plan(job.exporter, job.plan, f"{job.exporter.name} plan '{label}' for {job.plan.name}")
     if dry_run:
+        print_export_need(job.need())
         return
     with console.status(f"writing and verifying {job.exporter.name} …"):
         manifest = job.run(console)

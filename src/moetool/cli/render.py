@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the CLI imports this module at start-up; the export package
     from moetool.export.base import Manifest
     from moetool.export.gate import GateReport
     from moetool.export.parity import ParityRecord
+    from moetool.io.budget import Need
 
 
 def print_plan(plan: MergePlan) -> None:
@@ -210,6 +211,23 @@ def print_export_plan(exporter: Any, plan: Any, title: str) -> None:
         print_quant_plan(plan, title)
     else:
         out.print(f"{exporter.name} plan for {plan.name}: {plan.description}", highlight=False)
+
+
+def print_export_need(need: Need | None) -> None:
+    """What the export would need of this machine (``--dry-run``), and whether it fits."""
+    from moetool.errors import MoetoolError
+
+    if need is None:
+        return
+    out.print(
+        f"the export needs about {human(need.memory)} of memory ({need.memory_detail})"
+        + (f" and writes about {human(need.disk)}" if need.disk else ""),
+        highlight=False,
+    )
+    try:
+        need.check()
+    except MoetoolError as exc:
+        out.print(f"[red]it would be refused:[/] {escape(str(exc))}")
 
 
 def print_manifest(output: Path | str, manifest: Manifest) -> None:

@@ -19,6 +19,7 @@ from moetool.export.parity import (
     parity_of,
 )
 from moetool.io.atomic import check_output
+from moetool.io.budget import Need
 from moetool.io.files import weights_sha256
 from moetool.io.hashes import sha256_file
 from moetool.io.jsontypes import JsonObject, JsonValue
@@ -265,6 +266,14 @@ class ExportJob(NamedTuple, Generic[PlanT]):
     exporter: Exporter[PlanT]
     request: ExportRequest
     plan: PlanT
+
+    def need(self) -> Need | None:
+        """The memory and disk the export needs, estimated before anything is read.
+
+        None when the exporter (a method's own) makes no estimate.
+        """
+        need = getattr(self.exporter, "need", None)
+        return need(self.request, self.plan) if callable(need) else None
 
     def run(self, console: Console | None = None) -> Manifest:
         """Write, verify and describe the artifact; returns its manifest (also written beside it).

@@ -88,18 +88,23 @@ class GGUFExporter:
                 f"FILE.imatrix.gguf"
             )
 
+    def need(self, req: ExportRequest, plan: GGUFPlan) -> Need:
+        """The export's memory and disk need (:func:`gguf_need`); an importance matrix collected here loads the
+        model."""
+        return gguf_need(
+            plan,
+            verify=req.verify,
+            output=req.output,
+            collect=req.imatrix is not None and not isinstance(req.imatrix, Path),
+        )
+
     def export(self, req: ExportRequest, plan: GGUFPlan, console: Console | None = None) -> dict[str, Any]:
 
         self.check(req, plan)
         vocab = read_vocab(req.model_dir, int(plan.config["vocab_size"]))
         imatrix = load_imatrix(req.imatrix) if isinstance(req.imatrix, Path) else None
         fname = f"{plan.name}.{plan.quant.label}.gguf"
-        gguf_need(
-            plan,
-            verify=req.verify,
-            output=req.output,
-            collect=imatrix is None and req.imatrix is not None,
-        ).check()
+        self.need(req, plan).check()
         t0 = time.perf_counter()
         with atomic_dir(req.output, force=req.force) as tmp:
             target = tmp / fname

@@ -114,7 +114,7 @@ def chunked_memory(
     most = max(b - a for a, b in ranges)
     one = max(chunk_bytes(plan, ranges, multiples)) + outside + runtime
     reference, held = graph_reference_need(params, plan.config)
-    chunks = f"{len(ranges)} {piece}{'s' * (len(ranges) > 1)} of up to {most} layers"
+    chunks = f"{len(ranges)} {piece}{'s' * (len(ranges) > 1)} of up to {most} layer{'s' * (most > 1)}"
     chunks += f", {jobs} at once" if jobs > 1 else ""
     return ChunkedMemory(jobs * one, reference + outside + most * layer, held, chunks, jobs)
 
