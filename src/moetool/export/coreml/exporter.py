@@ -167,9 +167,9 @@ RUNTIME = 768 << 20  # torch, coremltools and the traced graph
 
 
 def coreml_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
-    """The packages of ``plan`` and how many are converted at once (:func:`moetool.export.graph.chunk.plan_chunks`):
-    converting holds what the largest chunk converts (its layers, and the embedding or head of the first or last)
-    :data:`CONVERT_MULTIPLE` times, beside the weights outside the layer stack that the reader keeps."""
+    """The packages of ``plan`` and how many are converted at once
+    (:func:`moetool.export.graph.chunk_memory.plan_chunks`): a conversion (in a process of its own) holds each tensor
+    it converts :data:`CONVERT_MULTIPLES` times, beside the weights outside the layer stack that the reader keeps."""
     return plan_chunks(
         req, plan, CHUNK_BYTES, multiples=CONVERT_MULTIPLES, runtime=RUNTIME, piece="chunk", in_child=IN_CHILD
     )

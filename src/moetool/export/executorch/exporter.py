@@ -145,9 +145,10 @@ RUNTIME = 768 << 20  # torch, torchao and executorch in the lowering process, to
 
 
 def executorch_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
-    """The programs of ``plan`` and how many are lowered at once (:func:`moetool.export.graph.chunk.plan_chunks`): a
-    chunk's lowering (in a process of its own) holds what the largest chunk converts up to :data:`LOWER_MULTIPLE`
-    times, beside the weights outside the layer stack that its reader keeps."""
+    """The programs of ``plan`` and how many are lowered at once
+    (:func:`moetool.export.graph.chunk_memory.plan_chunks`): a chunk's lowering (in a process of its own) holds each
+    tensor it converts :data:`LOWER_MULTIPLES` times, beside the weights outside the layer stack that its reader
+    keeps."""
     return plan_chunks(
         req, plan, CHUNK_BYTES, multiples=LOWER_MULTIPLES, runtime=RUNTIME, piece="program", in_child=IN_CHILD
     )

@@ -25,7 +25,7 @@ __all__ = ["THREAD_VARS", "cores", "given_jobs", "planned_jobs", "run_chunks", "
 T = TypeVar("T")
 R = TypeVar("R")
 
-# the thread pools of torch (OpenMP), the BLAS libraries and TensorFlow Lite's converter read these at start
+# the sizes of torch's (OpenMP's) and the BLAS libraries' thread pools, read when each process starts
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 

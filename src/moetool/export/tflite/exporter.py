@@ -65,10 +65,9 @@ def static_shape(plan: GraphPlan) -> tuple[int, int]:
 
 
 def tflite_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
-    """The models of ``plan`` and how many are converted at once (:func:`moetool.export.graph.chunk.plan_chunks`): a
-    conversion (in a process of its own) holds what the largest chunk converts (its layers, and the embedding or head
-    of the first or last) :data:`CONVERT_MULTIPLE` times, beside the weights outside the layer stack that its reader
-    keeps."""
+    """The models of ``plan`` and how many are converted at once
+    (:func:`moetool.export.graph.chunk_memory.plan_chunks`): a conversion (in a process of its own) holds each tensor
+    it converts :data:`CONVERT_MULTIPLES` times, beside the weights outside the layer stack that its reader keeps."""
     return plan_chunks(req, plan, CHUNK_BYTES, multiples=CONVERT_MULTIPLES, runtime=RUNTIME, piece="model")
 
 
