@@ -43,9 +43,9 @@ def test_converted_a_chunk_at_a_time_elsewhere_and_checked_in_the_interpreter(de
         return run_worker(module, request, **kw)
 
     monkeypatch.setattr(exporter, "run_worker", recorded)
-    man = export(deep_moe, tmp_path / "tfl", target="tflite", quant=QUANT, chunk_layers=2)
-    # four conversions (one at a time: two processes do not fit the budget), then the check; this process holds none
-    # of the model meanwhile (up to 256 KiB of what else the run creates: loader and tokenizer caches)
+    man = export(deep_moe, tmp_path / "tfl", target="tflite", quant=QUANT, chunk_layers=2, jobs=1)
+    # four conversions, one at a time, then the check; this process holds none of the model meanwhile (up to 256 KiB
+    # of what else the run creates: loader and tokenizer caches)
     assert [m for m, _ in seen] == ["moetool.export.tflite.worker"] * 4 + ["moetool.export.tflite.chain_worker"]
     assert max(b for _, b in seen) <= 256 << 10, seen
     assert [c["layers"] for c in man["chunks"]] == [[0, 2], [2, 4], [4, 6], [6, 8]] and man["jobs"] == 1
