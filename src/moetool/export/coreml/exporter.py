@@ -338,7 +338,8 @@ class CoreMLExporter(GraphExporter):
             fields: JsonObject = {
                 "file": chunk_file(0, len(ranges)),  # a package is a folder: its Manifest.json stands for it
                 "runtime": "Core ML (iOS 18 / macOS 15), stateful KV cache",
-                "export": "streamed: converted one chunk of decoder layers at a time from the checkpoint",
+                "export": "streamed: each chunk of decoder layers read from the checkpoint and converted"
+                + (" in a process of its own" if IN_CHILD else ", one at a time"),
                 "compute_units": units,
                 "compute_precision": "float16" if fp16 else "float32",
                 "capacity": capacity,

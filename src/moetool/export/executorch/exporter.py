@@ -217,7 +217,8 @@ class ExecuTorchExporter(GraphExporter):
                 parity = _verify(req, plan, paths)
             fields: JsonObject = {
                 "runtime": "executorch.runtime, XNNPACK delegate",
-                "export": "streamed: lowered one chunk of decoder layers at a time from the checkpoint",
+                "export": "streamed: each chunk of decoder layers read from the checkpoint and lowered"
+                + (" in a process of its own" if IN_CHILD else ", one at a time"),
                 "methods": {
                     "forward": f"prefill of 2 to {bounds.prefill} tokens from an empty cache",
                     "decode": f"one token with KV cache, up to position {bounds.context - 1}",

@@ -152,7 +152,8 @@ class TFLiteExporter(GraphExporter):
             )
             fields: JsonObject = {
                 "runtime": "LiteRT (ai_edge_litert interpreter, XNNPACK)",
-                "export": "streamed: converted one chunk of decoder layers at a time from the checkpoint",
+                "export": "streamed: each chunk of decoder layers read from the checkpoint and converted in a process "
+                "of its own",
                 "signatures": {"prefill": f"{prefill_len} tokens (right-padded)", "decode": "1 token"},
                 "kv_cache": f"explicit inputs/outputs, capacity {capacity}",
                 "chunks": models,
