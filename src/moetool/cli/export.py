@@ -135,10 +135,7 @@ def export_cmd(
     if is_adapter(Path(model)):
         if dry_run or imatrix or calibration:
             raise typer.BadParameter("--dry-run, --imatrix and --calibration are for models, not adapters")
-        with console.status("writing and verifying the GGUF adapter …"):
-            manifest = api.export(model, output, base=base, quant=quant, force=force, verify=verify, eval_text=text)
-        print_manifest(output, manifest)
-        return
+        return _export_adapter(model, output, base=base, quant=quant, force=force, verify=verify, text=text)
     job = api.plan_export(
         model, output, target=target, quant=quant, device=profile, force=force, verify=verify, eval_text=text,
         context=context, imatrix=imatrix, calibration=calib, imatrix_mode=imatrix_mode,
@@ -152,6 +149,18 @@ def export_cmd(
         return
     with console.status(f"writing and verifying {job.exporter.name} …"):
         manifest = job.run(console)
+    print_manifest(output, manifest)
+
+
+def _export_adapter(
+    model: str, output: Path, *, base: str | None, quant: str | None, force: bool, verify: bool, text: str | None
+) -> None:
+    """A PEFT LoRA adapter written as a GGUF adapter, checked against the base with it merged."""
+    from moetool import api
+    from moetool.cli.render import print_manifest
+
+    with console.status("writing and verifying the GGUF adapter …"):
+        manifest = api.export(model, output, base=base, quant=quant, force=force, verify=verify, eval_text=text)
     print_manifest(output, manifest)
 
 
