@@ -28,8 +28,7 @@ import torch
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.coreml.chunks import CHUNK_BYTES, chunk_batch, chunk_file
 from moetool.export.coreml.stateful import StatefulChunk
-from moetool.export.graph.chunk import chunk_layers
-from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, plan_chunks
+from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, plan_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.jobs import run_chunks, worker_env
 from moetool.export.graph.model import causal_mask
@@ -288,7 +287,7 @@ class CoreMLExporter(GraphExporter):
 
     def check(self, req: ExportRequest) -> None:
         _compute_units(req)
-        chunk_layers(req)
+        check_chunk_options(req)
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
         chunks = coreml_chunks(req, plan)
@@ -322,13 +321,12 @@ class CoreMLExporter(GraphExporter):
             if chunks.jobs > 1:
                 step(f"converting {len(ranges)} chunks, {chunks.jobs} at once")
             converted = run_chunks(ranges, convert_one, chunks.jobs)
-            for done in converted:
-                applied |= done.compressed
-            infos = [done.structure for done in converted]
             packages: list[JsonValue] = []
-            for c, (span, info) in enumerate(zip(ranges, infos, strict=True)):
+            for c, (span, done) in enumerate(zip(ranges, converted, strict=True)):
+                info = done.structure
                 if info["states"] != ["k_cache", "v_cache"] or not info["ios18_or_later"]:
                     raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
+                applied |= done.compressed
                 packages.append({"file": chunk_file(c, len(ranges)), "layers": [span[0], span[1]], "structure": info})
             parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
@@ -345,7 +343,7 @@ class CoreMLExporter(GraphExporter):
                 "capacity": capacity,
                 "chunks": packages,
                 "jobs": chunks.jobs,
-                "structure": infos[0] if len(infos) == 1 else None,  # each chunk's is under "chunks"
+                "structure": converted[0].structure if len(converted) == 1 else None,  # else each chunk's, in "chunks"
                 "compressed_weights": {k: v for k, v in sorted(applied.items())},
                 "moe_kernel": dense_moe_kernel("coreml", _moe_layers(plan)),
             }

@@ -29,8 +29,8 @@ import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportRequest
 from moetool.export.executorch.lowering import Bounds, bounds_for
-from moetool.export.graph.chunk import ChunkRunner, chain_calls, chunk_layers
-from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, plan_chunks
+from moetool.export.graph.chunk import ChunkRunner, chain_calls
+from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, plan_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.jobs import run_chunks
 from moetool.export.graph.model import ExportLM
@@ -178,7 +178,7 @@ class ExecuTorchExporter(GraphExporter):
     runtime_modules = ("executorch",)
 
     def check(self, req: ExportRequest) -> None:
-        chunk_layers(req)
+        check_chunk_options(req)
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
         chunks = executorch_chunks(req, plan)

@@ -36,6 +36,7 @@ __all__ = [
     "chain_step",
     "chunk_layers",
     "chunk_ranges",
+    "count_option",
     "end_bytes",
     "planned_chunks",
 ]
@@ -83,17 +84,27 @@ def end_bytes(config: dict[str, Any], params: int) -> int:
     return outside if c.get("tie_word_embeddings", True) else outside // 2
 
 
+def count_option(req: ExportRequest, key: str, flag: str, why: str) -> int | None:
+    """The count exporter option ``key`` gives (``flag`` on the command line; None: not given).
+
+    Raises:
+        ExportError: ``"{flag} N: {why}"`` when it is below 1.
+    """
+    given = req.options.get(key)
+    if given is None:
+        return None
+    if int(given) < 1:
+        raise ExportError(f"{flag} {given}: {why}")
+    return int(given)
+
+
 def chunk_layers(req: ExportRequest) -> int | None:
     """``--chunk-layers`` (None: not given).
 
     Raises:
         ExportError: below 1.
     """
-    given = req.options.get("chunk_layers")
-    if given is None:
-        return None
-    chunk_ranges(1, 1, 1, int(given))  # refuses a chunk of no layers
-    return int(given)
+    return count_option(req, "chunk_layers", "--chunk-layers", "a chunk holds at least one decoder layer")
 
 
 def planned_chunks(req: ExportRequest, plan: GraphPlan, chunk_bytes: int) -> list[tuple[int, int]]:

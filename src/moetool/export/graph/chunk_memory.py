@@ -11,10 +11,10 @@ process's reader keeps and the runtime, for ``jobs`` processes at once, and the 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from moetool.export.graph.chunk import planned_chunks
+from moetool.export.graph.chunk import chunk_layers, planned_chunks
 
 if TYPE_CHECKING:
     from moetool.export.base import ExportRequest
@@ -25,6 +25,7 @@ __all__ = [
     "ChunkPlan",
     "ChunkedMemory",
     "Multiples",
+    "check_chunk_options",
     "chunk_bytes",
     "chunked_memory",
     "plan_chunks",
@@ -84,6 +85,12 @@ class ChunkedMemory:
     def peak(self, verify: bool) -> int:
         return max(self.converting, self.verifying) if verify else self.converting
 
+    def at_once(self, jobs: int) -> ChunkedMemory:
+        """This memory, of one conversion at a time, with ``jobs`` conversions at once, each holding its chunk."""
+        if jobs <= 1:
+            return self
+        return replace(self, converting=jobs * self.converting, chunks=f"{self.chunks}, {jobs} at once", jobs=jobs)
+
 
 # how a chunked export that does not fit gets out
 CHUNKED_WAY_OUT = (
@@ -115,8 +122,7 @@ def chunked_memory(
     one = max(chunk_bytes(plan, ranges, multiples)) + outside + runtime
     reference, held = graph_reference_need(params, plan.config)
     chunks = f"{len(ranges)} {piece}{'s' * (len(ranges) > 1)} of up to {most} layer{'s' * (most > 1)}"
-    chunks += f", {jobs} at once" if jobs > 1 else ""
-    return ChunkedMemory(jobs * one, reference + outside + most * layer, held, chunks, jobs)
+    return ChunkedMemory(one, reference + outside + most * layer, held, chunks).at_once(jobs)
 
 
 @dataclass(frozen=True)
@@ -150,12 +156,22 @@ def plan_chunks(
     Raises:
         ExportError: ``--chunk-layers`` or ``--jobs`` below 1.
     """
-    from moetool.export.graph.jobs import given_jobs, planned_jobs
+    from moetool.export.graph.jobs import planned_jobs
     from moetool.io.budget import available_memory
 
     ranges = planned_chunks(req, plan, chunk_bytes_)
     one = chunked_memory(plan, ranges, multiples=multiples, runtime=runtime, piece=piece)
-    given_jobs(req)  # refuses --jobs below 1 whichever way the chunks run
     jobs = planned_jobs(req, len(ranges), one.converting, available_memory()) if in_child else 1
-    mem = chunked_memory(plan, ranges, multiples=multiples, runtime=runtime, piece=piece, jobs=jobs)
-    return ChunkPlan(ranges, mem)
+    return ChunkPlan(ranges, one.at_once(jobs))
+
+
+def check_chunk_options(req: ExportRequest) -> None:
+    """Refuse ``--chunk-layers`` or ``--jobs`` below 1 (a chunked exporter's ``check``, before anything is read).
+
+    Raises:
+        ExportError: naming the option.
+    """
+    from moetool.export.graph.jobs import given_jobs
+
+    chunk_layers(req)
+    given_jobs(req)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, TypeVar, cast
 
-from moetool.export.base import ExportError
+from moetool.export.graph.chunk import count_option
 
 if TYPE_CHECKING:
     from moetool.export.base import ExportRequest
@@ -43,12 +43,7 @@ def given_jobs(req: ExportRequest) -> int | None:
     Raises:
         ExportError: below 1.
     """
-    given = req.options.get("jobs")
-    if given is None:
-        return None
-    if int(given) < 1:
-        raise ExportError(f"--jobs {given}: at least one chunk is converted at a time")
-    return int(given)
+    return count_option(req, "jobs", "--jobs", "at least one chunk is converted at a time")
 
 
 def planned_jobs(req: ExportRequest, chunks: int, per_job: int, available: int | None) -> int:

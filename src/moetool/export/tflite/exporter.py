@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moetool.export.base import ExportError, ExportRequest
-from moetool.export.graph.chunk import chunk_layers
-from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, plan_chunks
+from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, plan_chunks
 from moetool.export.graph.common import GraphPlan, plan_graph
 from moetool.export.graph.jobs import run_chunks, worker_env
 from moetool.export.graph.model import ExportLM
@@ -104,7 +103,7 @@ class TFLiteExporter(GraphExporter):
 
     def check(self, req: ExportRequest) -> None:
         litert_python()  # no litert-torch: refuse before anything is written
-        chunk_layers(req)
+        check_chunk_options(req)
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
         chunks = tflite_chunks(req, plan)
