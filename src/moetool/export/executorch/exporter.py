@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetool.export.base import NOT_VERIFIED, ExportRequest
+from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.executorch.lowering import Bounds, bounds_for
-from moetool.export.graph.chunk import ChunkRunner, chain_calls
-from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, plan_chunks
+from moetool.export.graph.chunk import ChunkRunner, chain_calls, chunk_layers
+from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, chunked_memory, plan_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.jobs import run_chunks
 from moetool.export.graph.model import ExportLM
@@ -154,6 +154,19 @@ def executorch_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
     )
 
 
+# peak RSS of the runner program's lowering (one process, every layer) over the float32 bytes of each tensor: the
+# layers are read and rounded one at a time, so a rounded weight is held in its torchao form (int8 values and group
+# scales) and then XNNPACK's packed copy and the serialized one; a float one is held, exported and copied as in a chunk
+RUNNER_MULTIPLES = Multiples(7.0, 1.0, (("embed.weight", 2.8),))
+
+
+def runner_chunks(plan: GraphPlan) -> ChunkPlan:
+    """The runner program's plan: every layer in one lowering, in a process of its own, its memory estimated as a
+    chunk's (:func:`moetool.export.graph.chunk_memory.chunked_memory`) at :data:`RUNNER_MULTIPLES`."""
+    ranges = [(0, int(plan.config["num_hidden_layers"]))]
+    return ChunkPlan(ranges, chunked_memory(plan, ranges, multiples=RUNNER_MULTIPLES, runtime=RUNTIME, piece="program"))
+
+
 def executorch_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> Need:
     """Memory and disk of an ExecuTorch export in ``chunks`` (:func:`executorch_chunks`): ``jobs`` lowerings at
     once; verification holds the transformers reference (held in float32 or streamed) beside one chunk's program."""
@@ -171,7 +184,8 @@ def executorch_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int)
 
 
 class ExecuTorchExporter(GraphExporter):
-    """Streamed: lowered a chunk of decoder layers at a time from the checkpoint; the model is never held whole."""
+    """One program the platform's runner loads (:mod:`moetool.export.executorch.runner_model`), its layers read and
+    quantized one at a time; or, with ``--chunk-layers``, a chain of programs lowered a chunk of layers at a time."""
 
     name = "executorch"
     requires = "executorch"
@@ -179,13 +193,25 @@ class ExecuTorchExporter(GraphExporter):
 
     def check(self, req: ExportRequest) -> None:
         check_chunk_options(req)
+        if chunk_layers(req) is None and req.options.get("jobs") is not None:
+            raise ExportError(
+                "--jobs: ExecuTorch lowers one program unless --chunk-layers cuts the model into several (a chain of "
+                "programs that ExecuTorch's own LLM runner cannot load)"
+            )
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
-        chunks = executorch_chunks(req, plan)
+        chunks = executorch_chunks(req, plan) if chunk_layers(req) is not None else runner_chunks(plan)
         return executorch_need(chunks, verify=req.verify, output=req.output, disk=plan.quant.total_bytes)
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
         self.ready(req, plan)
+        if chunk_layers(req) is None:
+            from moetool.export.executorch.runner_export import export_runner_program
+
+            return export_runner_program(req, plan, console)
+        return self._export_chain(req, plan, console)
+
+    def _export_chain(self, req: ExportRequest, plan: GraphPlan, console: Console | None) -> JsonObject:
         started = time.perf_counter()
         step = step_printer(console, started)
         chunks = executorch_chunks(req, plan)

@@ -30,9 +30,20 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.export import ExportedProgram
 
+    from moetool.export.executorch.runner_model import RunnerLM
     from moetool.export.graph.stream import StreamedExport
 
-__all__ = ["PREFILL_MAX", "Bounds", "bounds_for", "export_programs", "lower", "lower_chunk", "quantize_modules"]
+__all__ = [
+    "PREFILL_MAX",
+    "Bounds",
+    "bounds_for",
+    "export_programs",
+    "lower",
+    "lower_chunk",
+    "lower_runner",
+    "quantize_modules",
+    "write_runner_program",
+]
 
 
 def _first_input(model: ExportLM | ExportChunk, t: int) -> torch.Tensor:
@@ -165,10 +176,101 @@ def lower_chunk(
     return {"quantized_linears": counts, "notes": notes, "moe_layers": moe_layers}
 
 
+def write_runner_program(
+    model: RunnerLM, bounds: Bounds, metadata: dict[str, Any], out_dir: Path, step: Step | None = None
+) -> tuple[Path, Path]:
+    """``model`` exported (``tokens`` dynamic up to ``bounds.prefill``, ``input_pos`` a static [1]), lowered to
+    XNNPACK with ``metadata`` as constant methods, and written as ``model.pte`` with every weight in ``model.ptd``
+    (program–data separation: the runner's ``data_path``). Returns both paths."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
+    from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
+
+    step = step or (lambda what: None)
+    tokens = torch.export.Dim("tokens", min=1, max=bounds.prefill)
+    example = (torch.zeros(1, 3, dtype=torch.long), torch.tensor([0]))
+    shapes = ({1: tokens}, None)
+    model.reset()
+    step("torch.export: forward(tokens, input_pos) with the KV cache inside")
+    with torch.no_grad():
+        # torchao's quantized weights flattened to plain tensors first, so the tagging below reaches them
+        ep = torch.export.export(model, example, dynamic_shapes=shapes, strict=False).run_decompositions({})
+        unlifted = ep.module()
+        delegate_external_constants_pass_unlifted(module=unlifted, gen_tag_fn=lambda node: "model")
+        ep = torch.export.export(unlifted, example, dynamic_shapes=shapes, strict=False)
+        del unlifted
+    step(f"lowering {len(ep.graph.nodes):,} graph nodes to XNNPACK (the slow step)")
+    edge = to_edge_transform_and_lower(
+        ep,
+        partitioner=[XnnpackPartitioner()],
+        compile_config=EdgeCompileConfig(_check_ir_validity=False),
+        constant_methods=metadata,
+    )
+    del ep
+    step("serializing the program and its weights")
+    program = edge.to_executorch(
+        ExecutorchBackendConfig(
+            extract_delegate_segments=True,
+            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+            # memory planned for the longest prefill, not for the example's 3 tokens
+            sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
+            external_constants=lambda node: "model",  # what XNNPACK does not take (the embedding, rope) too
+        )
+    )
+    del edge
+    pte = out_dir / "model.pte"
+    with pte.open("wb") as f:
+        program.write_to_file(f)
+    program.write_tensor_data_to_file(str(out_dir))
+    return pte, out_dir / "model.ptd"
+
+
+def lower_runner(
+    src: StreamedExport,
+    *,
+    precisions: dict[str, str],
+    out_dir: Path,
+    bounds: Bounds,
+    metadata: dict[str, Any],
+    step: Step | None = None,
+) -> dict[str, Any]:
+    """Every layer of ``src`` read, quantized per the plan and its float weights dropped one layer at a time (the
+    float model is never held), then the whole :class:`RunnerLM` lowered into ``out_dir`` (``model.pte`` and
+    ``model.ptd``); returns the result the module docstring names."""
+    from moetool.export.executorch.runner_model import RunnerLM
+
+    step = step or (lambda what: None)
+    model = RunnerLM(src.em, bounds.context).eval()
+    ends = {n: p for n, p in precisions.items() if not n.startswith("layers.")}
+    counts, notes = quantize_modules(model, ends)  # the head (the embedding is a lookup torchao leaves float)
+    step(f"reading and quantizing {src.n_layers} decoder layers, one at a time")
+    for i in range(src.n_layers):
+        model.add(i, src.block(i))
+        own = {n: p for n, p in precisions.items() if n.startswith(f"layers.{i}.")}
+        more, why = quantize_modules(model, own)
+        counts = {k: counts[k] + more[k] for k in counts}
+        notes += why
+        src.drop(i)  # the quantized weights replace the float ones, which can go now
+    moe_layers = sum(isinstance(getattr(b, "mlp", None), DenseMaskedMoE) for b in model.layers.values())
+    write_runner_program(model, bounds, metadata, out_dir, step)
+    return {"quantized_linears": counts, "notes": notes, "moe_layers": moe_layers}
+
+
 def _lowered(request: dict[str, Any]) -> dict[str, Any]:
-    """The worker: the request's chunk read from its checkpoint (only the weights it needs besides its layers)."""
+    """The worker: the request's chunk (or, with ``runner``, the whole runner program) read from its checkpoint
+    (only the weights it needs besides its layers)."""
     from moetool.export.graph.stream import streamed_export_model
 
+    if "runner" in request:
+        return lower_runner(
+            streamed_export_model(Path(request["model_dir"])),
+            precisions=request["precisions"],
+            out_dir=Path(request["out_dir"]),
+            bounds=Bounds(prefill=int(request["prefill"]), context=int(request["context"])),
+            metadata=request["runner"],
+        )
     start, stop = request["layers"]
     return lower_chunk(
         streamed_export_model(Path(request["model_dir"])),
