@@ -49,7 +49,7 @@ fi
 grep -v "is ignored: it is neither" "$log" || true
 .venv/bin/python -c "import torch, transformers, moetool; print('moetool', moetool.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
 if [ "$tflite" = 1 ]; then
-  bash scripts/side_venv.sh .venv-litert tflite "import litert_torch, ai_edge_litert, moetool; print('tflite venv: litert-torch ok')"
+  bash scripts/side_venv.sh .venv-litert tflite "import litert_torch, ai_edge_litert, litert_lm, litert_lm_builder, moetool; print('tflite venv: litert-torch and LiteRT-LM ok')"
 fi
 if [ "$comigs" = 1 ]; then
   bash scripts/setup_comigs.sh

@@ -4,7 +4,9 @@
 Streamed, in chunks: the model is never held whole. Each chunk of consecutive decoder layers is read from the
 checkpoint, converted and quantized in a process of its own, in litert-torch's interpreter
 (:mod:`moetool.export.tflite.worker`), and written as its own model; a model whose layers fit one chunk is one
-``model.tflite`` (``input_ids`` in, ``logits`` out), a larger one ``model_chunk00.tflite`` … run in sequence, hidden
+``model.tflite`` in LiteRT-LM's layout (``tokens`` in, ``logits`` out; :mod:`moetool.export.tflite.litertlm`) and
+the same model bundled as ``model.litertlm`` that LiteRT-LM generates from (checked against transformers'
+greedy text, :mod:`moetool.export.tflite.bundle`), a larger one ``model_chunk00.tflite`` … run in sequence, hidden
 states passed on, each chunk's KV cache its own inputs and outputs. The check runs the chunks one at a time in the
 LiteRT interpreter (:mod:`moetool.export.tflite.chain_worker`) against transformers here.
 """
@@ -26,6 +28,7 @@ from moetool.export.graph.model import ExportLM
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.parity import NOT_VERIFIED, ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
+from moetool.export.tflite.bundle import BUNDLE, NO_BUNDLE, RUNNER, bundle_tokens, litert_lm_missing, runner_check
 from moetool.export.tflite.runner import REPO, litert_python, run_worker
 from moetool.export.tflite.worker import role_precisions
 from moetool.io.atomic import atomic_dir
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from moetool.export.graph.parity import Batch, Call
+    from moetool.export.reference import GraphReference
 
 __all__ = ["REPO", "TFLiteExporter", "litert_python"]  # REPO, litert_python: kept importable here for older callers
 
@@ -107,7 +111,9 @@ class TFLiteExporter(GraphExporter):
 
     def need(self, req: ExportRequest, plan: GraphPlan) -> Need:
         chunks = tflite_chunks(req, plan)
-        return tflite_need(chunks, verify=req.verify, output=req.output, disk=plan.quant.total_bytes)
+        # a model of one chunk is written twice: model.tflite, and inside model.litertlm
+        disk = plan.quant.total_bytes * (2 if len(chunks.ranges) == 1 else 1)
+        return tflite_need(chunks, verify=req.verify, output=req.output, disk=disk)
 
     def export(self, req: ExportRequest, plan: GraphPlan, console: Console | None = None) -> JsonObject:
         self.ready(req, plan)
@@ -123,6 +129,7 @@ class TFLiteExporter(GraphExporter):
         with atomic_dir(req.output, force=req.force) as tmp:
             n = len(ranges)
             paths = [tmp / chunk_file(c, n) for c in range(n)]
+            bundle, litertlm = _bundle_plan(req, tmp, n, capacity)
 
             def convert_one(c: int, span: tuple[int, int]) -> dict[str, Any]:
                 where = f"layers {span[0]}–{span[1] - 1}, model {c + 1} of {n}: " if n > 1 else ""
@@ -130,6 +137,8 @@ class TFLiteExporter(GraphExporter):
                 request = {"model_dir": str(req.model_dir), "layers": list(span), "first": c == 0, "last": c == n - 1}
                 request |= {"path": str(paths[c]), "precisions": plan.precisions()}
                 request |= {"capacity": capacity, "prefill_len": prefill_len}
+                if n == 1:  # the whole model: in LiteRT-LM's layout, and bundled when it can be
+                    request |= {"litertlm": True} | ({"bundle": bundle} if bundle else {})
                 return run_worker("moetool.export.tflite.worker", request, env=env)
 
             if chunks.jobs > 1:
@@ -142,9 +151,16 @@ class TFLiteExporter(GraphExporter):
                 {"file": p.name, "layers": [a, b]} for p, (a, b) in zip(paths, ranges, strict=True)
             ]
             parity: ParityRecord | str = NOT_VERIFIED
+            runner: JsonValue = NOT_VERIFIED if bundle else litertlm["why"]
             if req.verify:
+                from moetool.export.reference import graph_reference
+
+                ref = graph_reference(req.model_dir, plan.quant.total_params, plan.config)
                 step("checking the models in the LiteRT interpreter against transformers")
-                parity = _verify(req, plan, paths, capacity, prefill_len)
+                parity = _verify(req, plan, paths, capacity, prefill_len, ref)
+                if bundle:
+                    step(f"generating from {BUNDLE} in LiteRT-LM against transformers")
+                    runner = runner_check(tmp / BUNDLE, req.model_dir, ref.model, capacity, judge=is_float_plan(plan))
             n_kv = int(plan.config.get("num_key_value_heads") or plan.config["num_attention_heads"])
             head_dim = int(
                 plan.config.get("head_dim") or plan.config["hidden_size"] // plan.config["num_attention_heads"]
@@ -153,7 +169,10 @@ class TFLiteExporter(GraphExporter):
                 "runtime": "LiteRT (ai_edge_litert interpreter, XNNPACK)",
                 "export": "streamed: each chunk of decoder layers read from the checkpoint and converted in a process "
                 "of its own",
-                "signatures": {"prefill": f"{prefill_len} tokens (right-padded)", "decode": "1 token"},
+                "signatures": {
+                    "prefill" if n > 1 else f"prefill_{prefill_len}": f"{prefill_len} tokens (right-padded)",
+                    "decode": "1 token",
+                },
                 "kv_cache": f"explicit inputs/outputs, capacity {capacity}",
                 "chunks": models,
                 "jobs": chunks.jobs,
@@ -164,8 +183,10 @@ class TFLiteExporter(GraphExporter):
                 "cache_shape": [1, n_kv, capacity, head_dim],
                 "cache_tensors": 2 * int(plan.config["num_hidden_layers"]),
                 "moe_kernel": dense_moe_kernel("tflite", moe_layers),
+                "litertlm": litertlm,
+                "runner": runner,
             }
-            files = {p.name: p for p in paths}
+            files = {p.name: p for p in paths} | ({BUNDLE: tmp / BUNDLE} if bundle else {})
             manifest = finish_graph_manifest(
                 tmp, "tflite", plan, files, paths[0].name, fields, parity=parity, started=started
             )
@@ -191,12 +212,31 @@ def interpreter_batch(paths: list[Path], capacity: int, prefill_len: int) -> Bat
     return run_all
 
 
-def _verify(req: ExportRequest, plan: GraphPlan, paths: list[Path], capacity: int, prefill_len: int) -> ParityRecord:
-    """The models run in sequence (:func:`interpreter_batch`) against transformers, held in float32 for a small model
-    (with the whole float ExportLM over its weights as the conversion's own figure), else streamed from disk."""
-    from moetool.export.reference import graph_reference
+def _bundle_plan(req: ExportRequest, tmp: Path, n: int, capacity: int) -> tuple[JsonObject | None, JsonObject]:
+    """(the worker's ``bundle`` request, or None; the manifest's ``litertlm`` record): a model of one chunk with a
+    ``tokenizer.json`` is bundled, anything else says why not."""
+    if n > 1:
+        return None, {"file": None, "why": NO_BUNDLE.format(n=n)}
+    lacking = litert_lm_missing()
+    if lacking:
+        why = f"not written: {', '.join(lacking)} not installed beside litert-torch (bash scripts/setup.sh --tflite)"
+        return None, {"file": None, "why": why}
+    tokenizer = req.model_dir / "tokenizer.json"
+    if not tokenizer.is_file():
+        return None, {"file": None, "why": f"not written: {req.model_dir} has no tokenizer.json (LiteRT-LM reads it)"}
+    start, stop = bundle_tokens(req.model_dir)
+    ids: JsonObject = {"start_ids": list[JsonValue](start), "stop_ids": list[JsonValue](stop)}
+    bundle: JsonObject = {"path": str(tmp / BUNDLE), "tokenizer": str(tokenizer), **ids}
+    record: JsonObject = {"file": BUNDLE, "runtime": RUNNER, "model": "model.tflite (PREFILL_DECODE)", **ids}
+    return bundle, record | {"max_num_tokens": capacity}
 
-    ref = graph_reference(req.model_dir, plan.quant.total_params, plan.config)
+
+def _verify(
+    req: ExportRequest, plan: GraphPlan, paths: list[Path], capacity: int, prefill_len: int, ref: GraphReference
+) -> ParityRecord:
+    """The models run in sequence (:func:`interpreter_batch`) against ``ref`` (transformers), held in float32 for a
+    small model (with the whole float ExportLM over its weights as the conversion's own figure), else streamed from
+    disk."""
     return runtime_parity(
         req,
         ref.model,

@@ -5,10 +5,13 @@ chunk, so nothing a conversion leaves allocated outlives it:
     python -m moetool.export.tflite.worker REQUEST.json
 
 REQUEST has model_dir, layers ``[start, stop)``, first and last (whether the chunk embeds the tokens and computes
-the logits), path (the ``.tflite`` to write), precisions (export name → fp32|int8|int4), capacity and prefill_len.
-The layers are read from the checkpoint alone (:mod:`moetool.export.graph.stream`), given a static cache
-(:class:`~moetool.export.graph.static.StaticCacheLM`), converted with two signatures, ``prefill`` and ``decode``, and
-quantized by role. Prints quantized_roles, tflite_notes and moe_layers as JSON on the last line.
+the logits), path (the ``.tflite`` to write), precisions (export name → fp32|int8|int4), capacity and prefill_len;
+for a whole model, optionally litertlm (true: LiteRT-LM's layout) and bundle (path, tokenizer, start_ids, stop_ids:
+the ``.litertlm`` to write around the quantized model). The layers are read from the checkpoint alone
+(:mod:`moetool.export.graph.stream`), given a static cache (:class:`~moetool.export.graph.static.StaticCacheLM`, or
+:class:`~moetool.export.tflite.litertlm.LiteRTLMModel`), converted with two signatures, ``prefill`` (LiteRT-LM:
+``prefill_<T>``) and ``decode``, and quantized by role. Prints quantized_roles, tflite_notes and moe_layers as JSON on
+the last line.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ ROLE_SCOPES: dict[str, str] = {
     "attention": r"^[^;]*Attention_attn/",
     "ffn": r"^[^;]*GatedMLP_mlp/",
     # the head's op is named after the logits it returns when they are a signature's output
-    "output": r"^[^;]*Linear_lm_head|^(prefill|decode)_output_0_output(;|$)",
+    # (``output_0`` in moetool's chunk layout, ``logits`` in LiteRT-LM's, whose prefill signatures are ``prefill_<T>``)
+    "output": r"^[^;]*Linear_lm_head|^(prefill\w*|decode)_(output_0|logits)_output(;|$)",
 }
 
 
@@ -98,6 +102,21 @@ def _notes(roles: dict[str, str], applied: dict[str, str]) -> list[str]:
     ]
 
 
+def _convert_litertlm(chunk: Any, capacity: int, prefill_len: int, path: Path) -> None:
+    """``chunk`` (every layer) converted to ``path`` in LiteRT-LM's layout
+    (:class:`~moetool.export.tflite.litertlm.LiteRTLMModel`): ``prefill_<prefill_len>`` and ``decode``."""
+    from moetool.export.tflite.litertlm import LiteRTLMModel, sample_inputs, stub_tensorflow_schema
+
+    stub_tensorflow_schema()  # before litert_torch.generative is imported (by the model's forward)
+    import litert_torch
+
+    model = LiteRTLMModel(chunk, capacity).eval()
+    pre, dec = sample_inputs(model, prefill_len), sample_inputs(model, 1, prefill_len)
+    conv = litert_torch.signature(f"prefill_{prefill_len}", model, sample_kwargs=pre)
+    edge = conv.signature("decode", model, sample_kwargs=dec).convert()
+    edge.export(str(path))
+
+
 def convert(req: dict[str, Any]) -> dict[str, Any]:
     """The request (module docstring) in, its ``.tflite`` written, the result out."""
     import litert_torch
@@ -112,23 +131,38 @@ def convert(req: dict[str, Any]) -> dict[str, Any]:
     blocks = {i: src.block(i) for i in range(start, stop)}
     chunk = ExportChunk(src.em, blocks, first=bool(req["first"]), last=bool(req["last"])).eval()
     cap, plen = int(req["capacity"]), int(req["prefill_len"])
-    model = StaticCacheLM(chunk, cap).eval()
-
-    def first_input(t: int) -> torch.Tensor:
-        return torch.zeros(1, t, dtype=torch.long) if chunk.first else torch.zeros(1, t, chunk.hidden_size)
-
-    pos = torch.arange(plen)[None]
-    pre_args = (first_input(plen), pos, static_mask(pos, cap), *model.empty_cache())
-    one = torch.tensor([[plen]])
-    dec_args = (first_input(1), one, static_mask(one, cap), *model.empty_cache())
-    edge = litert_torch.signature("prefill", model, pre_args).signature("decode", model, dec_args).convert()
     path = Path(req["path"])
-    edge.export(str(path))
-    del edge
+    if req.get("litertlm"):  # the whole model in one: LiteRT-LM's names and layout
+        _convert_litertlm(chunk, cap, plen, path)
+    else:
+        model = StaticCacheLM(chunk, cap).eval()
+
+        def first_input(t: int) -> torch.Tensor:
+            return torch.zeros(1, t, dtype=torch.long) if chunk.first else torch.zeros(1, t, chunk.hidden_size)
+
+        pos = torch.arange(plen)[None]
+        pre_args = (first_input(plen), pos, static_mask(pos, cap), *model.empty_cache())
+        one = torch.tensor([[plen]])
+        dec_args = (first_input(1), one, static_mask(one, cap), *model.empty_cache())
+        edge = litert_torch.signature("prefill", model, pre_args).signature("decode", model, dec_args).convert()
+        edge.export(str(path))
+        del edge
     held = {n for n, _ in chunk.named_parameters(remove_duplicate=False)}
     precisions = {n: p for n, p in req["precisions"].items() if n in held}  # this chunk's weights only
     roles = role_precisions(precisions)
     applied = quantize(path, roles, _blockwise(chunk, precisions))
+    bundle = req.get("bundle")
+    if bundle:
+        from moetool.export.tflite.litertlm import write_bundle
+
+        write_bundle(
+            Path(bundle["path"]),
+            path,
+            Path(bundle["tokenizer"]),
+            start_ids=list(bundle["start_ids"]),
+            stop_ids=list(bundle["stop_ids"]),
+            capacity=cap,
+        )
     return {
         "quantized_roles": applied,
         "tflite_notes": _notes(roles, applied),
