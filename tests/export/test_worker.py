@@ -28,3 +28,52 @@ def test_a_worker_result_comes_back(tmp_path):
 def test_a_worker_that_is_no_module_is_named(tmp_path):
     with pytest.raises(ExportError, match=r"(?s)the step failed in .*No module named moetool\.absent"):
         run_worker("moetool.absent", {}, what="the step")
+
+
+def test_a_worker_dies_with_the_process_that_started_it(tmp_path):
+    """A killed export leaves no orphaned worker: a parent started with run_worker's pre-exec hook is killed with
+    SIGKILL (no chance to clean up), and its child goes with it."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = (
+        "import subprocess, sys\n"
+        "from moetool.export.worker import die_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=die_with_parent)\n"
+        "print(child.pid, flush=True)\n"
+        "child.wait()\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{child}/stat") as f:  # a zombie (dead, not yet reaped by init) counts as gone
+            if f.read().split()[2] == "Z":
+                break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the worker outlived the process that started it")
+
+
+def test_run_worker_starts_its_worker_with_the_hook(tmp_path, monkeypatch):
+    import subprocess
+
+    from moetool.export import worker
+
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen.update(kw)
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"ok": true}\n', stderr="")
+
+    monkeypatch.setattr(worker.subprocess, "run", fake_run)
+    assert run_worker("moetool.anything", {}, what="the step") == {"ok": True}
+    assert seen["preexec_fn"] is worker.die_with_parent

@@ -8,6 +8,9 @@ Two reasons to run a step apart: its library lives in another interpreter (liter
 - Caller: :func:`run_worker` writes the request, runs the module and returns the object it printed; a failed worker
   is an :class:`ExportError` with the tail of its stderr.
 - Worker: :func:`worker_main` is the module's ``__main__``.
+
+A worker dies with the process that started it (Linux's parent-death signal): an export killed while a chunk is
+being converted leaves no orphaned worker to run on and write into the temporary folder the next run sweeps.
 """
 
 from __future__ import annotations
@@ -23,11 +26,24 @@ from typing import Any
 
 from moetool.export.base import ExportError
 
-__all__ = ["SOURCE_ROOT", "run_worker", "worker_main"]
+__all__ = ["SOURCE_ROOT", "die_with_parent", "run_worker", "worker_main"]
 
 # the folder holding this moetool package: a worker in another interpreter imports this same moetool from a
 # checkout's src/ (an installed moetool's folder is site-packages, which would shadow the other interpreter's own)
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec: ask the kernel to kill it when the thread that started it ends (a no-op
+    where ``prctl`` is not Linux's)."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
 
 
 def run_worker(
@@ -49,6 +65,7 @@ def run_worker(
             capture_output=True,
             text=True,
             env=os.environ | (env or {}) | ({"PYTHONPATH": str(SOURCE_ROOT)} if SOURCE_ROOT.name == "src" else {}),
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-8:])

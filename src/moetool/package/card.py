@@ -15,6 +15,7 @@ from moetool.io.jsontypes import JsonValue
 from moetool.io.safe import read_json
 from moetool.package.consumers import consumer_matrix, consumers_section
 from moetool.package.inputs import REPO_ID_PLACEHOLDER, Artifact
+from moetool.package.runners import runner_rows, runners_section
 
 
 def _size(n: float) -> str:
@@ -303,7 +304,7 @@ def render_card(
     elif plots:
         body += "## Plots\n\n" + "".join(f"![{Path(p).stem}]({p})\n\n" for p in plots)
     if artifacts:
-        body += _artifacts_section(artifacts)
+        body += _artifacts_section(artifacts) + runners_section(runner_rows(artifacts))
     config = model / "config.json"
     body += _usage_section(artifacts, transformers=config.is_file())
     if config.is_file():

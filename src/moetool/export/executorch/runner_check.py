@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from moetool.io.jsontypes import JsonObject
 
-__all__ = ["greedy_reference", "runner_check", "runner_generate"]
+__all__ = ["printed_piece", "runner_check", "runner_generate", "runner_prompt"]
 
 
 def _generate(request: dict[str, Any]) -> dict[str, Any]:
@@ -108,26 +108,6 @@ def _byte_chars() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
-def greedy_reference(
-    hf: nn.Module, prompt: list[int], new_tokens: int, stops: set[int], vocab: int | None = None
-) -> list[int]:
-    """transformers' greedy continuation of ``prompt``: the argmax after each prefix (over the first ``vocab`` ids: a
-    runner samples over its tokenizer's vocabulary, which a padded embedding may exceed), up to ``new_tokens`` or a
-    stop token (kept, as runners keep it). One full forward per token: a reference streamed from disk keeps no
-    cache."""
-    from moetool.export.heldout import reference_logits
-
-    ids = list(prompt)
-    out: list[int] = []
-    while len(out) < new_tokens:
-        nxt = int(reference_logits(hf, [ids])[0][-1][:vocab].argmax())
-        out.append(nxt)
-        ids.append(nxt)
-        if nxt in stops:
-            break
-    return out
-
-
 def runner_prompt(tok: Any) -> str:
     """The check's prompt: a question through the model's chat template where it has one (what an app sends)."""
     question = "What is the capital of France?"
@@ -147,11 +127,13 @@ def runner_check(
     tokens the runner's text begins with, and the runner's speed as it measured it."""
     from transformers import AutoTokenizer
 
+    from moetool.export.greedy import greedy_reference
+
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     prompt = runner_prompt(tok)
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     got = runner_generate(pte, ptd, tokenizer_dir, prompt, new_tokens)
-    want = greedy_reference(hf, ids, new_tokens, stops, len(tok))
+    want = greedy_reference(hf, ids, new_tokens, stops, vocab=len(tok))
     text: bytes = got["text"]
     # the runner prints each piece as it comes: its bytes begin with transformers' first k tokens' pieces (as the
     # runner would print them, :func:`printed_piece`) for the first k tokens to be the same

@@ -21,6 +21,7 @@ import torch
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.executorch.lowering import Bounds, bounds_for
 from moetool.export.graph.moe_kernel import dense_moe_kernel
+from moetool.export.greedy import stop_ids
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import finish_graph_manifest, is_float_plan, runtime_parity
 from moetool.io.atomic import atomic_dir
@@ -33,28 +34,10 @@ if TYPE_CHECKING:
     from moetool.export.graph.common import GraphPlan
     from moetool.export.graph.parity import Batch, Call
 
-__all__ = ["TOKENIZER_FILES", "export_runner_program", "runner_batch", "stop_ids"]
+__all__ = ["TOKENIZER_FILES", "export_runner_program", "runner_batch"]
 
 # what the runner's tokenizer loader reads from the folder (tokenizer.json, with tokenizer_config.json's bos/eos)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-
-
-def stop_ids(model_dir: Path) -> tuple[int | None, list[int]]:
-    """(bos, end-of-sequence ids) of the model in ``model_dir``: generation_config.json's ``eos_token_id`` (one or
-    several) and the tokenizer's own end token, which the program's ``get_eos_ids`` hands the runner."""
-    import json
-
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    eos: list[int] = []
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        given = json.loads(gen.read_text()).get("eos_token_id")
-        eos += given if isinstance(given, list) else [] if given is None else [given]
-    if tok.eos_token_id is not None:
-        eos.append(int(tok.eos_token_id))
-    return tok.bos_token_id, sorted({int(e) for e in eos})
 
 
 def runner_batch(pte: Path, ptd: Path) -> Batch:
@@ -96,7 +79,10 @@ def export_runner_program(req: ExportRequest, plan: GraphPlan, console: Console 
     step = step_printer(console, started)
     cfg = plan.config
     bounds = bounds_for(plan.context, int(cfg.get("max_position_embeddings", plan.context)))
-    bos, eos = stop_ids(req.model_dir)
+    from transformers import AutoTokenizer
+
+    bos = AutoTokenizer.from_pretrained(str(req.model_dir)).bos_token_id
+    eos = stop_ids(req.model_dir)
     n_layers = int(cfg["num_hidden_layers"])
     meta = runner_metadata(
         max_seq_len=bounds.prefill,

@@ -29,7 +29,9 @@ REASONS: dict[str, str] = {
         "shape, one decode token through two MoE blocks took 16.8 ms gathered against 16.5 ms dense-masked, both "
         "fp32 (bench/graph_moe_forms.py), while the dense form also takes int4 weights. ExecuTorch's fused MoE operator (llama::quantized_moe_ffn) has only its "
         "reference kernel off aarch64, which dequantizes each chosen expert to fp32 on every call: one decode token "
-        "at 8 experts, top-2, hidden 960 took 36.7 ms against 1.58 ms dense-masked at int4"
+        "at 8 experts, top-2, hidden 960 took 36.7 ms against 1.58 ms dense-masked at int4; and its weights must be "
+        "packed by torchao's MoE packing op, which torchao 0.18 (the release executorch 1.5.1 pins) lacks, so it is "
+        "not written for an aarch64 device either"
     ),
     "tflite": (
         "litert-torch has no lowering for torch.cond, and gathered expert weights (GATHER + BATCH_MATMUL) are copied "

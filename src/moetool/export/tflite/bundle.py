@@ -8,12 +8,12 @@ engine in litert-torch's interpreter; the bundle itself is written by the conver
 from __future__ import annotations
 
 import functools
-import json
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetool.export.base import ExportError
+from moetool.export.greedy import greedy_reference, stop_ids
 
 if TYPE_CHECKING:
     from torch import nn
@@ -55,28 +55,8 @@ def bundle_tokens(model_dir: Path) -> tuple[list[int], list[int]]:
     plain = list(tok(PROMPT, add_special_tokens=False)["input_ids"])
     full = list(tok(PROMPT)["input_ids"])
     start = full[: full.index(plain[0])] if plain and plain[0] in full else []
-    stop: list[int] = []
-    gen = model_dir / "generation_config.json"
-    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
-    for i in [*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id]:
-        if isinstance(i, int) and i not in stop:
-            stop.append(i)
+    stop = stop_ids(model_dir)
     return start, stop
-
-
-def _greedy(model: nn.Module, ids: list[int], new: int, stop: list[int]) -> list[int]:
-    """``new`` tokens of plain greedy decoding (argmax of the last position, the whole sequence recomputed each
-    step, no sampling and no cache: the simplest reference), ending early after a stop token (not returned)."""
-    import torch
-
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(new):
-            nxt = int(model(torch.tensor([seq])).logits[0, -1].argmax())
-            if nxt in stop:
-                break
-            seq.append(nxt)
-    return seq[len(ids) :]
 
 
 def _common_prefix(a: list[Any], b: list[Any]) -> int:
@@ -98,7 +78,7 @@ def runner_check(bundle: Path, model_dir: Path, reference: nn.Module, capacity: 
     got = run_worker("moetool.export.tflite.lm_worker", request, what="the LiteRT-LM check")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     _, stop = bundle_tokens(model_dir)
-    new = _greedy(reference, list(tok(PROMPT)["input_ids"]), NEW_TOKENS, stop)
+    new = greedy_reference(reference, list(tok(PROMPT)["input_ids"]), NEW_TOKENS, stop, keep_stop=False)
     ref_text = tok.decode(new)
     text = str(got["text"])
     # a random tiny model's tokens may end inside a UTF-8 character: both tokenizers decode such bytes to U+FFFD, so
