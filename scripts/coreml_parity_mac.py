@@ -2,9 +2,12 @@
 
     python scripts/coreml_parity_mac.py EXPORT_DIR MODEL_DIR [--text FILE]
 
-EXPORT_DIR is `moetool export --target coreml` output (model.mlpackage + manifest.json, or the chunks its manifest
-lists, run in sequence), MODEL_DIR the model it was exported from. Needs macOS 15+ with coremltools, torch and transformers. Prints max |Δlogit| for a prefill at two
-lengths and for 8 cached decode steps, top-1 agreement, and exits 1 if fp16 drift exceeds --tol (default 0.1).
+EXPORT_DIR is `moetool export --target coreml` output (one model.mlpackage + manifest.json, however many chunks it
+was converted and joined from), MODEL_DIR the model it was exported from. Needs macOS 15+ with coremltools, torch and
+transformers. The package is fed as an app feeds it: `inputIds` and `causalMask` (whose last axis gives the positions)
+with one state from `make_state()` per sequence (`keyCache`/`valueCache`), a prefill and then cached decode steps.
+Prints max |Δlogit| for a prefill at two lengths and for 8 cached decode steps, top-1 agreement, and exits 1 if fp16
+drift exceeds --tol (default 0.1).
 """
 
 from __future__ import annotations
@@ -15,37 +18,32 @@ from pathlib import Path
 
 import numpy as np
 
+INPUTS = ["inputIds", "causalMask"]
+STATES = ["keyCache", "valueCache"]
+
 
 def causal_mask(t: int, past: int) -> np.ndarray:
     m = np.triu(np.full((t, past + t), -1e4, dtype=np.float16), k=past + 1)  # fp16-safe "minus infinity"
     return m[None, None]
 
 
-class Chain:
-    """The export's packages as one model: the manifest's ``chunks`` run in order, each chunk's output hidden states
-    the next one's input, each with its own state (one package: itself)."""
+def load(export_dir: str):  # a coremltools MLModel
+    """The export's one package, after checking that it declares the names the feed below uses."""
+    import json
 
-    def __init__(self, export_dir: str) -> None:
-        import json
+    import coremltools as ct
 
-        import coremltools as ct
+    manifest = json.loads(Path(export_dir, "manifest.json").read_text())
+    structure = manifest.get("structure") or {}
+    if structure and (structure.get("inputs") != INPUTS or structure.get("states") != STATES):
+        raise SystemExit(f"{export_dir}: expected inputs {INPUTS} and states {STATES}, the manifest says {structure}")
+    return ct.models.MLModel(str(Path(export_dir, manifest.get("file", "model.mlpackage"))))
 
-        chunks = json.loads(Path(export_dir, "manifest.json").read_text()).get("chunks") or [
-            {"file": "model.mlpackage"}
-        ]
-        self.models = [ct.models.MLModel(str(Path(export_dir, c["file"]))) for c in chunks]
 
-    def make_state(self) -> list:
-        return [m.make_state() for m in self.models]
-
-    def predict(self, inputs: dict, state: list) -> dict:
-        x = {"input_ids": inputs["input_ids"]}
-        out: dict = {}
-        for m, s in zip(self.models, state, strict=True):
-            out = m.predict({**x, "position_ids": inputs["position_ids"], "mask": inputs["mask"]}, s)
-            if "next_hidden_states" in out:
-                x = {"hidden_states": out["next_hidden_states"]}
-        return out
+def step(ml, ids: list[int], past: int, state) -> np.ndarray:  # ml: an MLModel, state: its MLState
+    """Logits [T, V] of ``ids`` after ``past`` positions already in ``state``."""
+    feed = {"inputIds": np.array([ids], np.int32), "causalMask": causal_mask(len(ids), past)}
+    return np.asarray(ml.predict(feed, state)["logits"])[0]
 
 
 def main() -> int:
@@ -58,7 +56,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ml = Chain(args.export_dir)
+    ml = load(args.export_dir)
     hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     text = Path(args.text).read_text() if args.text else "def main():\n    return 42\n" * 40
@@ -66,15 +64,7 @@ def main() -> int:
     worst = 0.0
     agree = total = 0
     for n in (32, len(ids)):
-        state = ml.make_state()
-        out = ml.predict(
-            {
-                "input_ids": np.array([ids[:n]], np.int32),
-                "position_ids": np.arange(n, dtype=np.int32)[None],
-                "mask": causal_mask(n, 0),
-            },
-            state,
-        )["logits"][0]
+        out = step(ml, ids[:n], 0, ml.make_state())  # a new sequence: a new state
         with torch.no_grad():
             ref = hf(torch.tensor([ids[:n]])).logits[0].numpy()
         d = float(np.abs(out - ref).max())
@@ -84,25 +74,11 @@ def main() -> int:
         print(f"prefill {n}: max |Δlogit| {d:.3e}")
     state = ml.make_state()
     n0 = len(ids) - 8
-    ml.predict(
-        {
-            "input_ids": np.array([ids[:n0]], np.int32),
-            "position_ids": np.arange(n0, dtype=np.int32)[None],
-            "mask": causal_mask(n0, 0),
-        },
-        state,
-    )
+    step(ml, ids[:n0], 0, state)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     for t in range(n0, len(ids)):
-        out = ml.predict(
-            {
-                "input_ids": np.array([[ids[t]]], np.int32),
-                "position_ids": np.array([[t]], np.int32),
-                "mask": causal_mask(1, t),
-            },
-            state,
-        )["logits"][0, -1]
+        out = step(ml, [ids[t]], t, state)[-1]  # one token; the state holds the t before it
         worst = max(worst, float(np.abs(out - ref[t]).max()))
     print(f"decode 8 steps with states: max |Δlogit| so far {worst:.3e}; top-1 agreement {agree / total:.4f}")
     return 0 if worst <= args.tol else 1

@@ -76,34 +76,46 @@ def test_refused_up_front_when_one_chunk_does_not_fit(deep_moe, tmp_path, monkey
 
 
 class _TorchPackage:
-    """Stands in for ``coremltools.models.MLModel`` on Linux (no ``predict`` here): the package's layers, read again
-    from the checkpoint into the wrapper that was converted, fed by the names its recorded structure declares."""
+    """Stands in for ``coremltools.models.MLModel`` on Linux (no ``predict`` here): the joined package's chunks, read
+    again from the checkpoint into the wrappers that were converted and run in turn, fed by the names the package
+    declares (its recorded structure)."""
 
-    def __init__(self, src, chunk, n_chunks, index):
+    def __init__(self, src, manifest):
         from moetool.export.coreml.stateful import StatefulChunk
 
-        start, stop = chunk["layers"]
-        blocks = {i: src.block(i) for i in range(start, stop)}
-        self.wrapper = StatefulChunk(src.em, blocks, 256, first=index == 0, last=index == n_chunks - 1).eval()
-        self.inputs, self.outputs = chunk["structure"]["inputs"], chunk["structure"]["outputs"]
+        chunks = manifest["chunks"]
+        self.wrappers = []
+        for index, chunk in enumerate(chunks):
+            start, stop = chunk["layers"]
+            blocks = {i: src.block(i) for i in range(start, stop)}
+            last = index == len(chunks) - 1
+            self.wrappers.append(
+                StatefulChunk(src.em, blocks, manifest["capacity"], first=index == 0, last=last).eval()
+            )
+        self.inputs, self.outputs = manifest["structure"]["inputs"], manifest["structure"]["outputs"]
 
     def make_state(self):
-        return self.wrapper
+        for w in self.wrappers:  # one state for the whole package: a new sequence empties every chunk's slots
+            w.reset()
+        return self.wrappers
 
     def predict(self, feed, state):
         import numpy as np
         import torch
 
         assert list(feed) == self.inputs, (list(feed), self.inputs)  # the names the package takes, in its order
-        x, pos, mask = (torch.from_numpy(np.asarray(feed[n])) for n in self.inputs)
+        x, mask = (torch.from_numpy(np.asarray(feed[n])) for n in self.inputs)
+        x = x.long()
         with torch.no_grad():
-            y = state(x.long() if self.wrapper.first else x.float(), pos.long(), mask.float())
-        return {self.outputs[0]: y.numpy()}
+            for w in state:
+                x = w(x, mask.float())
+        return {self.outputs[0]: x.numpy()}
 
 
-def test_the_mac_script_runs_the_chunks_in_sequence(deep_moe, tmp_path, monkeypatch, capsys):
-    """scripts/coreml_parity_mac.py feeds a chunked export as the manifest lists it: names from each package's
-    structure, one state per package, hidden states passed on (Core ML itself replaced by the converted wrappers)."""
+def test_the_mac_script_runs_the_one_package(deep_moe, tmp_path, monkeypatch, capsys):
+    """scripts/coreml_parity_mac.py feeds the one package a chunked export joined, as an app does: the names its
+    manifest records, one state per sequence, prefill then decode (Core ML itself replaced by the converted wrappers,
+    run in turn as the joined program runs them)."""
     import importlib.util
     import json
     import sys
@@ -114,14 +126,17 @@ def test_the_mac_script_runs_the_chunks_in_sequence(deep_moe, tmp_path, monkeypa
 
     out = tmp_path / "cm"
     man = export(deep_moe, out, target="coreml", quant="f32", chunk_layers=3, verify=False)
-    chunks = json.loads((out / "manifest.json").read_text())["chunks"]
-    assert [c["layers"] for c in chunks] == [[0, 3], [3, 5], [5, 8]] and man["parity"].startswith("not verified")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [c["layers"] for c in manifest["chunks"]] == [[0, 3], [3, 5], [5, 8]] and man["parity"].startswith(
+        "not verified"
+    )
+    assert manifest["file"] == "model.mlpackage" and manifest["join"]["chunks"] == 3
+    assert not any(p.name.startswith("model_chunk") for p in out.iterdir())  # joined, then removed
     src = streamed_export_model(deep_moe)
-    files = [c["file"] for c in chunks]
 
     def package(path):
-        i = files.index(Path(path).name)
-        return _TorchPackage(src, chunks[i], len(chunks), i)
+        assert Path(path) == out / "model.mlpackage"
+        return _TorchPackage(src, manifest)
 
     fake = types.ModuleType("coremltools")
     fake.models = types.SimpleNamespace(MLModel=package)

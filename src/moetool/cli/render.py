@@ -237,7 +237,9 @@ def print_manifest(output: Path | str, manifest: Manifest) -> None:
     where = Path(output) / manifest.file if manifest.file else Path(output)
     size = manifest.artifact_bytes
     pieces = manifest.get("chunks") or manifest.get("programs")  # Core ML, ExecuTorch converted in chunks
-    if isinstance(pieces, list) and len(pieces) > 1:
+    if isinstance(pieces, list) and len(pieces) > 1 and manifest.get("join"):  # Core ML: one package joined from them
+        size_text = f" (one package joined from {len(pieces)} chunks{', ' + human(size) if size else ''})"
+    elif isinstance(pieces, list) and len(pieces) > 1:
         where = Path(output)
         size_text = f" ({len(pieces)} chunks run in sequence, {human(size)})" if size else ""
     else:

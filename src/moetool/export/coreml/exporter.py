@@ -1,17 +1,20 @@
-"""``moetool export --target coreml``: stateful ML Programs (iOS 18) with the KV cache as Core ML states and
-per-weight compression from the plan, converted from the checkpoint a chunk of decoder layers at a time.
+"""``moetool export --target coreml``: ONE stateful ML Program (iOS 18), ``model.mlpackage``, with the KV cache as
+Core ML states and per-weight compression from the plan, converted from the checkpoint a chunk of decoder layers at a
+time and joined.
 
 The model is never held whole (:mod:`moetool.export.graph.stream`): each chunk's layers
-(:mod:`moetool.export.coreml.chunks`) are read, traced, converted, compressed and saved as one ``.mlpackage`` in a
-process of their own (:mod:`moetool.export.coreml.worker`), which exits before the next chunk is read. A model whose layers fit one chunk is one
-``model.mlpackage`` (``input_ids`` in, ``logits`` out); a larger one is ``model_chunk00.mlpackage`` … run in
-sequence, hidden states passed from one to the next, each with its own cache.
+(:mod:`moetool.export.coreml.chunks`) are read, traced, converted, compressed and saved as a package of its own in a
+process of their own (:mod:`moetool.export.coreml.worker`), which exits before the next chunk is read. Every chunk
+declares the model-wide states and the conventional names (Apple's stateful Llama, swift-transformers'
+``LanguageModel``): ``inputIds`` and ``causalMask`` in, ``logits`` out, states ``keyCache``/``valueCache``; the
+chunks are then joined at the protobuf level into one program (:mod:`moetool.export.coreml.join`: their weights
+copied, never loaded) and removed. A model whose layers fit one chunk is converted straight to ``model.mlpackage``.
 
 On Linux Core ML cannot run (``predict`` needs macOS), so the proof is split: the *exact torch wrappers that were
 converted* (:class:`StatefulChunk`, run in sequence) are compared with transformers (prefill at two lengths, then
-cached decode), and each converted program is checked structurally — spec version, states, inputs and outputs, op
-histogram, and which weights were compressed to what. ``scripts/coreml_parity_mac.py`` runs the numeric check on a
-Mac.
+cached decode), and the package written is read back and checked structurally — spec version, states, inputs and
+outputs, the program loaded into coremltools' MIL (which type-checks every op), its weight blobs against the chunks'
+and which weights were compressed to what. ``scripts/coreml_parity_mac.py`` runs the numeric check on a Mac.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import numpy as np
 import torch
 
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
-from moetool.export.coreml.chunks import CHUNK_BYTES, chunk_batch, chunk_file
-from moetool.export.coreml.stateful import StatefulChunk
+from moetool.export.coreml.chunks import CHUNK_BYTES, MODEL_FILE, cache_bytes, chunk_batch, chunk_file
+from moetool.export.coreml.join import CHAIN, Joined
+from moetool.export.coreml.stateful import STATES, StatefulChunk
 from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, plan_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.jobs import run_chunks, worker_env
@@ -52,8 +56,11 @@ COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
 
 
 def convert(chunk: StatefulChunk, fp16: bool, compute_units: str) -> MLModel:
-    """``chunk`` traced and converted: ``input_ids`` (the first chunk) or ``hidden_states`` [1, T, D] in,
-    ``logits`` (the last) or ``next_hidden_states`` out, ``position_ids`` and ``mask`` beside; T up to its capacity."""
+    """``chunk`` traced and converted: ``inputIds`` [1, T] (the first chunk) or ``hiddenStates`` [1, T, D] in with
+    ``causalMask`` [1, 1, T, E] beside, ``logits`` (the last) or ``nextHiddenStates`` out, states ``keyCache`` and
+    ``valueCache``; T up to its capacity, a range (swift-transformers reads the context length from it). The mask is
+    float16 as in Apple's stateful Llama (float32 for a float32 program); its query axis is T, not broadcast: the
+    attention stacks GQA's query heads along it."""
     import coremltools as ct
 
     capacity = chunk.capacity
@@ -61,25 +68,21 @@ def convert(chunk: StatefulChunk, fp16: bool, compute_units: str) -> MLModel:
     seq = ct.RangeDim(1, capacity)
     if chunk.first:
         x = torch.zeros(1, 8, dtype=torch.long)
-        first = ct.TensorType(name="input_ids", shape=(1, seq), dtype=np.int32)
+        first = ct.TensorType(name="inputIds", shape=(1, seq), dtype=np.int32)
     else:
         hidden = chunk.hidden_size
         x = torch.zeros(1, 8, hidden)
-        first = ct.TensorType(name="hidden_states", shape=(1, seq, hidden), dtype=dt)
-    example = (x, torch.arange(8)[None], causal_mask(8, 0))
+        first = ct.TensorType(name=CHAIN[0], shape=(1, seq, hidden), dtype=dt)
+    example = (x, causal_mask(8, 0))
     with torch.no_grad():
         traced = torch.jit.trace(chunk, example)
-    return ct.convert(
+    ml = ct.convert(
         traced,
-        inputs=[
-            first,
-            ct.TensorType(name="position_ids", shape=(1, seq), dtype=np.int32),
-            ct.TensorType(name="mask", shape=(1, 1, seq, ct.RangeDim(1, capacity)), dtype=dt),
-        ],
-        outputs=[ct.TensorType(name="logits" if chunk.last else "next_hidden_states", dtype=dt)],
+        inputs=[first, ct.TensorType(name="causalMask", shape=(1, 1, seq, ct.RangeDim(1, capacity)), dtype=dt)],
+        outputs=[ct.TensorType(name="logits" if chunk.last else CHAIN[1], dtype=dt)],
         states=[
-            ct.StateType(wrapped_type=ct.TensorType(shape=tuple(chunk.k_cache.shape), dtype=dt), name=n)
-            for n in ("k_cache", "v_cache")
+            ct.StateType(wrapped_type=ct.TensorType(shape=tuple(chunk.keyCache.shape), dtype=dt), name=n)
+            for n in STATES
         ],
         minimum_deployment_target=ct.target.iOS18,
         convert_to="mlprogram",
@@ -87,6 +90,7 @@ def convert(chunk: StatefulChunk, fp16: bool, compute_units: str) -> MLModel:
         compute_units=getattr(ct.ComputeUnit, compute_units),
         skip_model_load=True,
     )
+    return ml
 
 
 def weight_op_name(export_name: str, fp16: bool) -> str:
@@ -131,6 +135,7 @@ def compress(ml: MLModel, precisions: dict[str, str], fp16: bool) -> tuple[MLMod
 
 
 def structure(ml: MLModel, path: Path) -> JsonObject:
+    """A converted chunk's program as the worker saved it: spec version, states, names, op histogram."""
     import coremltools as ct
 
     spec = ml.get_spec()
@@ -145,6 +150,63 @@ def structure(ml: MLModel, path: Path) -> JsonObject:
         "reloads": reloaded.get_spec().specificationVersion == spec.specificationVersion,
         "ops": {**dict(ops.most_common())},
         "compressed_weight_ops": {k: v for k, v in ops.items() if k.startswith("constexpr_")},
+    }
+
+
+def _feature(f: Any) -> str:
+    """A spec feature as ``dtype [dims]``, a flexible dimension as ``lo..hi``."""
+    from coremltools.proto import FeatureTypes_pb2
+
+    kind = f.type.WhichOneof("Type")
+    arr = f.type.stateType.arrayType if kind == "stateType" else f.type.multiArrayType
+    dtype = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(arr.dataType).lower()
+    ranges = arr.shapeRange.sizeRanges
+    dims = [
+        f"{r.lowerBound}..{r.upperBound}" if r.lowerBound != r.upperBound else str(r.lowerBound) for r in ranges
+    ] or [str(d) for d in arr.shape]
+    return f"{dtype} [{', '.join(dims)}]" if dims else f"{dtype} (shape set at run time)"  # e.g. the outputs
+
+
+def package_structure(path: Path, blobs: int | None = None) -> JsonObject:
+    """The package written, read back as an app's loader would read it: the spec (``ct.utils.load_spec`` and
+    ``MLModel(skip_model_load=True)``, which must agree), its states, inputs and outputs with their types, the
+    program loaded into coremltools' MIL (its loader type-checks every op) with its op histogram, and its weight
+    blobs: the count in the blob file's header, the program's references to it, whether each lands on a blob, and
+    (``blobs``) whether the count is the chunks' sum. Memory: the package's weights, loaded by the MIL loader."""
+    import coremltools as ct
+    from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+
+    from moetool.export.coreml.join import blob_count, blob_offsets, blobs_land, weights_file
+
+    spec = ct.utils.load_spec(str(path))
+    same = ct.models.MLModel(str(path), skip_model_load=True).get_spec() == spec
+    wfile = weights_file(path)
+    prog = milproto_load(spec, spec.specificationVersion, str(wfile.parent))
+    ops = Counter(op.op_type for op in prog.functions["main"].operations)
+    del prog
+    offsets = blob_offsets(spec.mlProgram)
+    count = blob_count(wfile) if wfile.is_file() else 0
+    meta = spec.description.metadata
+    return {
+        "spec_version": spec.specificationVersion,
+        "ios18_or_later": spec.specificationVersion >= 9,
+        "type": str(spec.WhichOneof("Type")),
+        "functions": list(spec.mlProgram.functions.keys()),
+        "states": [s.name for s in spec.description.state],
+        "inputs": [i.name for i in spec.description.input],
+        "outputs": [o.name for o in spec.description.output],
+        "io": {
+            f.name: _feature(f) for f in [*spec.description.input, *spec.description.output, *spec.description.state]
+        },
+        "reloads": same,
+        "mil_loads": True,  # milproto_load raised otherwise
+        "ops": {**dict(ops.most_common())},
+        "compressed_weight_ops": {k: v for k, v in ops.items() if k.startswith("constexpr_")},
+        "weight_blobs": count,
+        "weight_references": len(offsets),
+        "weight_references_land": blobs_land(wfile, offsets) if offsets else True,
+        "blobs_match_chunks": None if blobs is None else count == blobs,
+        "metadata": {k: meta.userDefined[k] for k in sorted(meta.userDefined) if k.startswith("co.huggingface")},
     }
 
 
@@ -165,26 +227,36 @@ CONVERT_MULTIPLES = Multiples(5.0, 2.2, (("embed.weight", 6.5), ("lm_head.weight
 RUNTIME = 768 << 20  # torch, coremltools and the traced graph
 
 
+def capacity_of(plan: GraphPlan) -> int:
+    """The cache's positions: the plan's context, at most the model's."""
+    return min(int(plan.config.get("max_position_embeddings", 2048)), plan.context)
+
+
 def coreml_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
-    """The packages of ``plan`` and how many are converted at once
+    """The chunks of ``plan`` and how many are converted at once
     (:func:`moetool.export.graph.chunk_memory.plan_chunks`): a conversion (in a process of its own) holds each tensor
-    it converts :data:`CONVERT_MULTIPLES` times, beside the weights outside the layer stack that the reader keeps."""
+    it converts :data:`CONVERT_MULTIPLES` times, beside the weights outside the layer stack that the reader keeps and
+    the model-wide cache buffers every chunk's wrapper declares (:func:`cache_bytes`)."""
+    runtime = RUNTIME + cache_bytes(plan.config, capacity_of(plan))
     return plan_chunks(
-        req, plan, CHUNK_BYTES, multiples=CONVERT_MULTIPLES, runtime=RUNTIME, piece="chunk", in_child=IN_CHILD
+        req, plan, CHUNK_BYTES, multiples=CONVERT_MULTIPLES, runtime=runtime, piece="chunk", in_child=IN_CHILD
     )
 
 
 def coreml_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> Need:
     """Memory and disk of a Core ML export in ``chunks`` (:func:`coreml_chunks`): ``jobs`` conversions at once;
     verification holds the transformers reference (held in float32 or streamed,
-    :func:`moetool.export.reference.graph_reference_need`) beside one chunk of the converted wrappers."""
+    :func:`moetool.export.reference.graph_reference_need`) beside one chunk of the converted wrappers. The join holds
+    no weight, but the structural check's MIL loader holds the package's (``disk``, the planned bytes), after the
+    conversions: the larger of the two. Disk: the chunks and the joined package overlap by one chunk (the join removes
+    each once copied)."""
     from moetool.export.graph.chunk_memory import CHUNKED_WAY_OUT
 
     mem = chunks.memory
     how = "held in float32" if mem.held else "streamed from disk, one float32 layer at a time"
     return Need(
         stage="coreml export",
-        memory=mem.peak(verify),
+        memory=max(mem.peak(verify), RUNTIME + disk),
         memory_detail=f"converted in {mem.chunks} ({human(mem.converting)}); verified against the model {how}"
         if verify
         else f"converted in {mem.chunks}",
@@ -207,6 +279,7 @@ def _converted(model_dir: Path, job: ChunkJob, env: dict[str, str] | None = None
 
     request = {"model_dir": str(model_dir), "layers": list(job.layers), "first": job.first, "last": job.last}
     request |= {"precisions": job.precisions, "capacity": job.capacity, "units": job.units, "path": str(job.path)}
+    request |= {"metadata": job.metadata}
     result = run_worker("moetool.export.coreml.worker", request, what="Core ML conversion", env=env)
     return Converted(dict(result["compressed"]), result["structure"])
 
@@ -214,7 +287,8 @@ def _converted(model_dir: Path, job: ChunkJob, env: dict[str, str] | None = None
 @dataclass(frozen=True)
 class ChunkJob:
     """One package to convert: layers ``[start, stop)``, whether it is the first or last chunk, and how (the plan's
-    precisions, the cache capacity, the compute units) into ``path``."""
+    precisions, the cache capacity, the compute units) into ``path``, with ``metadata`` (user-defined; the join
+    keeps the first chunk's)."""
 
     layers: tuple[int, int]
     first: bool
@@ -223,6 +297,7 @@ class ChunkJob:
     capacity: int
     units: str
     path: Path
+    metadata: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -242,6 +317,8 @@ def convert_chunk(src: StreamedExport, job: ChunkJob, fp16: bool = True) -> Conv
     for i in range(*job.layers):
         src.drop(i)
     ml, done = compress(ml, job.precisions, fp16)
+    for k, v in job.metadata.items():
+        ml.user_defined_metadata[k] = v
     ml.save(str(job.path))
     return Converted(done, structure(ml, job.path))
 
@@ -259,6 +336,7 @@ def converted_in_child(request: dict[str, Any]) -> JsonObject:
         capacity=int(request["capacity"]),
         units=str(request["units"]),
         path=Path(request["path"]),
+        metadata={str(k): str(v) for k, v in request.get("metadata", {}).items()},
     )
     done = convert_chunk(streamed_export_model(Path(request["model_dir"])), job)
     return {"compressed": {**done.compressed}, "structure": done.structure}
@@ -268,6 +346,52 @@ def converted_in_child(request: dict[str, Any]) -> JsonObject:
 # model's chunks (the 360M rung's last chunk peaked at 2.33 GB alone, 3.14 GB after 16 others in one process). False
 # converts them all here, from one reader: what tests that watch the tensors alive at each conversion use
 IN_CHILD = True
+
+
+def hf_metadata(plan: GraphPlan, precision: str) -> dict[str, str]:
+    """The user-defined metadata huggingface/exporters writes (``co.huggingface.exporters.*``): swift-transformers
+    reads ``name`` as the Hub repo whose tokenizer and config it fetches, so it is the model's name here (set it to
+    the repo id when the package is pushed elsewhere)."""
+    archs = plan.config.get("architectures") or [str(plan.config.get("model_type", ""))]
+    return {
+        "co.huggingface.exporters.name": plan.name,
+        "co.huggingface.exporters.task": "text-generation",
+        "co.huggingface.exporters.architecture": str(archs[0]),
+        "co.huggingface.exporters.framework": "pytorch",
+        "co.huggingface.exporters.precision": precision,
+    }
+
+
+def _description(plan: GraphPlan) -> str:
+    return f"{plan.name}: stateful decoder (moetool), weights {plan.quant.label}"
+
+
+def _peak_rss() -> int | None:
+    """This process's peak resident memory in bytes, when the chunks were converted in processes of their own (else
+    the conversions' peak, not the join's: None)."""
+    if not IN_CHILD:
+        return None
+    import resource
+    import sys
+
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kilobytes on Linux
+
+
+def _check_package(info: JsonObject, joined: Joined | None) -> None:
+    """Refuse a package whose structure is not the one an app expects.
+
+    Raises:
+        ExportError: not one iOS 18 ML Program with ``inputIds``/``causalMask`` in, ``logits`` out and the two
+            states; or its weight blobs are not the chunks' (count, or a reference that lands off a blob).
+    """
+    want = (["inputIds", "causalMask"], ["logits"], list(STATES), ["main"])
+    got = (info["inputs"], info["outputs"], info["states"], info["functions"])
+    if got != want or not info["ios18_or_later"] or not info["reloads"]:
+        raise ExportError(f"{MODEL_FILE}: expected inputs, outputs, states, functions {want}, found {got}")
+    if not info["weight_references_land"] or info["blobs_match_chunks"] is False:
+        n = None if joined is None else joined.blobs
+        raise ExportError(f"{MODEL_FILE}: {info['weight_blobs']} weight blobs where the chunks had {n}")
 
 
 def _moe_layers(plan: GraphPlan) -> int:
@@ -300,54 +424,77 @@ class CoreMLExporter(GraphExporter):
         started = time.perf_counter()
         step = step_printer(console, started)
         units = _compute_units(req)
-        capacity = min(int(plan.config.get("max_position_embeddings", 2048)), plan.context)
+        capacity = capacity_of(plan)
         fp16 = True  # Core ML states are fp16 only, so the program computes in fp16; fp32 means "no compression"
         chunks = coreml_chunks(req, plan)
         ranges = chunks.ranges
         src = None if IN_CHILD else streamed_export_model(req.model_dir)
         env = worker_env(chunks.jobs)
+        metadata = hf_metadata(plan, "float16" if fp16 else "float32")
         applied: dict[str, str] = {}
         with atomic_dir(req.output, force=req.force) as tmp:
+            # the chunks are converted beside the package they are joined into, then removed (one chunk: straight
+            # to the package)
+            where = tmp if len(ranges) == 1 else tmp / "chunks"
+            where.mkdir(exist_ok=True)
 
             def convert_one(c: int, span: tuple[int, int]) -> Converted:
                 how = " in a child process" if IN_CHILD else ""
                 step(
                     f"converting layers {span[0]}–{span[1] - 1} (chunk {c + 1} of {len(ranges)}) with coremltools{how}"
                 )
-                path = tmp / chunk_file(c, len(ranges))
-                job = ChunkJob(span, c == 0, c == len(ranges) - 1, plan.precisions(), capacity, units, path)
+                path = where / chunk_file(c, len(ranges))
+                last = c == len(ranges) - 1
+                job = ChunkJob(span, c == 0, last, plan.precisions(), capacity, units, path, metadata)
                 return _converted(req.model_dir, job, env) if src is None else convert_chunk(src, job, fp16)
 
             if chunks.jobs > 1:
                 step(f"converting {len(ranges)} chunks, {chunks.jobs} at once")
             converted = run_chunks(ranges, convert_one, chunks.jobs)
-            packages: list[JsonValue] = []
-            for c, (span, done) in enumerate(zip(ranges, converted, strict=True)):
+            records: list[JsonValue] = []
+            for span, done in zip(ranges, converted, strict=True):
                 info = done.structure
-                if info["states"] != ["k_cache", "v_cache"] or not info["ios18_or_later"]:
+                if info["states"] != list(STATES) or not info["ios18_or_later"]:
                     raise ExportError(f"Core ML program lacks the KV-cache states or iOS 18 spec: {info['states']}")
                 applied |= done.compressed
-                packages.append({"file": chunk_file(c, len(ranges)), "layers": [span[0], span[1]], "structure": info})
+                records.append({"layers": [span[0], span[1]], "structure": info})
+            joined: Joined | None = None
+            join_peak = None
+            if len(ranges) > 1:
+                from moetool.export.coreml.join import join_packages
+
+                step(f"joining the {len(ranges)} chunks into one {MODEL_FILE} (weights copied, never loaded)")
+                parts = [where / chunk_file(c, len(ranges)) for c in range(len(ranges))]
+                joined = join_packages(parts, tmp / MODEL_FILE, description=_description(plan), consume=True)
+                where.rmdir()
+                join_peak = _peak_rss()
+            step(f"reading {MODEL_FILE} back: spec, states, names, its program in coremltools' MIL, its weight blobs")
+            info = package_structure(tmp / MODEL_FILE, None if joined is None else joined.blobs)
+            _check_package(info, joined)
             parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
                 reader = src if src is not None else streamed_export_model(req.model_dir)
                 parity = self._verify(req, plan, reader, ranges, capacity, step)
             files = {p.relative_to(tmp).as_posix(): p for p in sorted(tmp.rglob("*")) if p.is_file()}
             fields: JsonObject = {
-                "file": chunk_file(0, len(ranges)),  # a package is a folder: its Manifest.json stands for it
+                "file": MODEL_FILE,  # a package is a folder: its Manifest.json stands for it
                 "runtime": "Core ML (iOS 18 / macOS 15), stateful KV cache",
                 "export": "streamed: each chunk of decoder layers read from the checkpoint and converted"
-                + (" in a process of its own" if IN_CHILD else ", one at a time"),
+                + (" in a process of its own" if IN_CHILD else ", one at a time")
+                + (f", the {len(ranges)} chunks joined into one program" if joined is not None else ""),
                 "compute_units": units,
                 "compute_precision": "float16" if fp16 else "float32",
                 "capacity": capacity,
-                "chunks": packages,
+                "structure": info,
+                "chunks": records,  # what the package was converted from: each chunk's layers and program
+                # this process's peak so far: with the conversions in child processes, what the join (and the
+                # planning before it) held; nothing here had read a weight yet
+                "join": None if joined is None else {**joined.record(), "process_peak_bytes": join_peak},
                 "jobs": chunks.jobs,
-                "structure": converted[0].structure if len(converted) == 1 else None,  # else each chunk's, in "chunks"
                 "compressed_weights": {k: v for k, v in sorted(applied.items())},
                 "moe_kernel": dense_moe_kernel("coreml", _moe_layers(plan)),
             }
-            main = f"{chunk_file(0, len(ranges))}/Manifest.json"
+            main = f"{MODEL_FILE}/Manifest.json"
             manifest = finish_graph_manifest(tmp, "coreml", plan, files, main, fields, parity=parity, started=started)
         return manifest
 

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moetool.export.base import ExportError, ExportRequest
-from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, plan_chunks
+from moetool.export.graph.chunk import chunk_layers
+from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, chunked_memory, plan_chunks
 from moetool.export.graph.common import GraphPlan, plan_graph
 from moetool.export.graph.jobs import run_chunks, worker_env
 from moetool.export.graph.model import ExportLM
@@ -68,9 +69,18 @@ def static_shape(plan: GraphPlan) -> tuple[int, int]:
 
 
 def tflite_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
-    """The models of ``plan`` and how many are converted at once
-    (:func:`moetool.export.graph.chunk_memory.plan_chunks`): a conversion (in a process of its own) holds each tensor
-    it converts :data:`CONVERT_MULTIPLES` times, beside the weights outside the layer stack that its reader keeps."""
+    """The models of ``plan`` and how many are converted at once: without ``--chunk-layers``, one model when its one
+    conversion fits the available memory (the only form LiteRT-LM runs: one decoder model), else
+    :func:`moetool.export.graph.chunk_memory.plan_chunks`'s chunks. A conversion (in a process of its own) holds each
+    tensor it converts :data:`CONVERT_MULTIPLES` times, beside the weights outside the layer stack its reader keeps."""
+    from moetool.io.budget import available_memory
+
+    if chunk_layers(req) is None:
+        whole = [(0, int(plan.config["num_hidden_layers"]))]
+        one = chunked_memory(plan, whole, multiples=CONVERT_MULTIPLES, runtime=RUNTIME, piece="model")
+        mem = available_memory()
+        if mem is None or one.peak(req.verify) <= mem:
+            return ChunkPlan(whole, one)
     return plan_chunks(req, plan, CHUNK_BYTES, multiples=CONVERT_MULTIPLES, runtime=RUNTIME, piece="model")
 
 
