@@ -171,3 +171,21 @@ def test_the_cli_prints_the_verdict_and_the_gate(capsys):
     printed = capsys.readouterr().out
     assert "parity (llama-cpp-python vs transformers float32, zoo text): pass (margin gate, q8_0 plan)" in printed
     assert "gate (q8_0 plan): pass: top-1 0.9950 on 400 of 508 decisive tokens" in printed
+
+
+def test_the_float32_gate_scales_with_the_reference_logits():
+    """A float32 artifact is held to 1e-4 per unit of the reference's largest |logit|: the real 30-layer MoE (logits
+    up to about 20) differs by 2.8e-4 in LiteRT's float32 kernels, within its gate; a tiny model's logits (under one
+    unit) keep 1e-4 itself, and the record keeps the scale it was judged at."""
+    from moetool.export import ExportError
+    from moetool.export.graph.parity import judge
+
+    real = ParityRecord(max_abs_logit_diff={"32": 2.8e-4, "128": 2.1e-4}, reference_max_logit=20.3)
+    held = judge(real, "TFLite (fp32)")
+    assert held.verdict == "pass" and held.tolerance == pytest.approx(2.03e-3)
+    assert ParityRecord.from_json(held.to_json()).reference_max_logit == 20.3
+    tiny = ParityRecord(max_abs_logit_diff={"32": 2.8e-4}, reference_max_logit=0.4)
+    with pytest.raises(ExportError, match=r"max \|Δlogit\| 0.00028 > 0.0001$"):
+        judge(tiny, "TFLite (fp32)")
+    with pytest.raises(ExportError, match=r"> 0.00203 \(0.0001 per unit of the reference's largest \|logit\|, 20.3\)"):
+        judge(ParityRecord(max_abs_logit_diff={"32": 3e-3}, reference_max_logit=20.3), "TFLite (fp32)")

@@ -119,6 +119,8 @@ class ParityRecord:
         tokens_scored: next-token predictions the perplexities are over.
         windows / tokens / requests: how much a method's check ran (GEM's windows and tokens, hybrid's requests).
         tolerance: the max |Δlogit| the artifact was held to (None: not held to one).
+        reference_max_logit: the largest |logit| of the reference over the probes (graph targets): what a float32
+            gate scales with (:func:`moetool.export.graph.parity.judge`).
         verdict: as recorded (None in manifests written before it was; :attr:`outcome` derives one).
         decode: the KV-cache decode run (graph targets, MLX).
         wrapper: the torch wrapper that was converted against transformers, per length
@@ -148,6 +150,7 @@ class ParityRecord:
     tokens: int | None = None
     requests: int | None = None
     tolerance: float | None = None
+    reference_max_logit: float | None = None
     verdict: Verdict | None = None
     decode: DecodeCheck | None = None
     wrapper: dict[str, float] | None = None
@@ -224,6 +227,7 @@ class ParityRecord:
         put(doc, "gate", self.gate.to_json() if self.gate is not None else None)
         put(doc, "core_ml_runtime", self.runtime_not_run)
         put(doc, "text", self.text)
+        put(doc, "reference_max_logit", self.reference_max_logit)
         put(doc, "tolerance", self.tolerance)
         put(doc, "verdict", self.verdict)
         if self.bundle is not None:
@@ -258,6 +262,7 @@ class ParityRecord:
             tokens=as_int(doc.get("tokens")),
             requests=as_int(doc.get("requests")),
             tolerance=as_float(doc.get("tolerance")),
+            reference_max_logit=as_float(doc.get("reference_max_logit")),
             verdict=_verdict(doc.get("verdict")),
             decode=DecodeCheck.from_json(doc.get("decode")),
             wrapper=as_floats(doc.get("export_model_vs_transformers")),
@@ -276,6 +281,7 @@ class ParityRecord:
 _KNOWN = {
     "runtime", "reference", "text", "seq_lens", "max_abs_logit_diff", "top1_agreement", "ppl_reference",
     "ppl_artifact", "ppl_change", "tokens_scored", "windows", "tokens", "requests", "tolerance", "verdict", "decode",
+    "reference_max_logit",
     "export_model_vs_transformers", "conversion", "gate", "tokenizer_match", "tokenizer_probes",
     "tokenizer_mismatches", "weights", "core_ml_runtime", *ROUTE_KEYS.values(),
 }  # fmt: skip
