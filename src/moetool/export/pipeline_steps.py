@@ -29,8 +29,9 @@ from moetool.progress import Step, step_printer
 
 if TYPE_CHECKING:
     from moetool.export.graph.model import ExportLM
+    from moetool.export.reference import GraphReference
 
-__all__ = ["GraphExporter", "finish_graph_manifest", "is_float_plan", "runtime_parity"]
+__all__ = ["GraphExporter", "finish_graph_manifest", "is_float_plan", "reference_parity", "runtime_parity"]
 
 
 class GraphExporter:
@@ -125,6 +126,27 @@ def runtime_parity(
     )
     record = replace(measured, text=src)
     return judge(record, gate_as) if gate_as is not None else record.judged(None)
+
+
+def reference_parity(
+    req: ExportRequest,
+    ref: GraphReference,
+    batch: Batch,
+    *,
+    runtime: str,
+    gate_as: str | None,
+    seq_lens: tuple[int, ...] | None = None,
+) -> ParityRecord:
+    """:func:`runtime_parity` of a chunked or streamed graph target: every call through ``batch`` against the
+    transformers reference ``ref`` (:func:`moetool.export.reference.graph_reference`), and, where ``ref`` is held in
+    float32, the whole float ExportLM over its weights as the conversion's own figure."""
+    from moetool.export.graph.model import ExportLM
+
+    wrapper = ExportLM(ref.model).eval() if ref.held else None
+    return runtime_parity(
+        req, ref.model, wrapper, None, None, runtime=runtime, gate_as=gate_as, seq_lens=seq_lens,
+        reference=ref.label, batch=batch,
+    )  # fmt: skip
 
 
 def finish_graph_manifest(

@@ -38,7 +38,7 @@ from moetool.export.graph.jobs import run_chunks, worker_env
 from moetool.export.graph.model import causal_mask
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.parity import ParityRecord
-from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, runtime_parity
+from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, reference_parity
 from moetool.io.atomic import atomic_dir
 from moetool.io.budget import Need, human
 from moetool.io.jsontypes import JsonObject, JsonValue
@@ -509,21 +509,16 @@ class CoreMLExporter(GraphExporter):
     ) -> ParityRecord:
         """The converted wrappers, run chunk by chunk (:func:`chunk_batch`), against transformers (held in float32
         for a small model, with the whole ExportLM over its weights as the conversion's own figure; else streamed)."""
-        from moetool.export.graph.model import ExportLM
         from moetool.export.reference import graph_reference
 
         ref = graph_reference(req.model_dir, plan.quant.total_params, plan.config)
         step(f"checking the converted wrappers against {ref.label} (Core ML predicts only on macOS)")
-        parity = runtime_parity(
+        parity = reference_parity(
             req,
-            ref.model,
-            ExportLM(ref.model).eval() if ref.held else None,
-            None,
-            None,
+            ref,
+            chunk_batch(src, ranges, capacity),
             runtime="torch: the StatefulChunk wrappers that were converted, in sequence",
             gate_as="Core ML wrapper",
             seq_lens=(32, min(128, capacity)),
-            reference=ref.label,
-            batch=chunk_batch(src, ranges, capacity),
         )
         return replace(parity, runtime_not_run="not run: Core ML prediction needs macOS (scripts/coreml_parity_mac.py)")

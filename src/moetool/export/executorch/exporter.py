@@ -33,10 +33,9 @@ from moetool.export.graph.chunk import ChunkRunner, chain_calls, chunk_layers
 from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, chunked_memory, plan_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.jobs import run_chunks
-from moetool.export.graph.model import ExportLM
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.parity import ParityRecord
-from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
+from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, reference_parity
 from moetool.io.atomic import atomic_dir
 from moetool.io.budget import Need, human
 from moetool.io.jsontypes import JsonObject, JsonValue
@@ -271,14 +270,4 @@ def _verify(req: ExportRequest, plan: GraphPlan, paths: list[Path]) -> ParityRec
 
     ref = graph_reference(req.model_dir, plan.quant.total_params, plan.config)
     gate_as = "ExecuTorch (fp32)" if is_float_plan(plan) else None
-    return runtime_parity(
-        req,
-        ref.model,
-        ExportLM(ref.model).eval() if ref.held else None,
-        None,
-        None,
-        runtime="executorch (XNNPACK)",
-        gate_as=gate_as,
-        reference=ref.label,
-        batch=program_batch(paths),
-    )
+    return reference_parity(req, ref, program_batch(paths), runtime="executorch (XNNPACK)", gate_as=gate_as)

@@ -23,7 +23,7 @@ from moetool.export.executorch.lowering import Bounds, bounds_for
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.greedy import stop_ids
 from moetool.export.parity import ParityRecord
-from moetool.export.pipeline_steps import finish_graph_manifest, is_float_plan, runtime_parity
+from moetool.export.pipeline_steps import finish_graph_manifest, is_float_plan, reference_parity
 from moetool.io.atomic import atomic_dir
 from moetool.io.jsontypes import JsonObject
 from moetool.progress import step_printer
@@ -143,22 +143,12 @@ def _verify(
         ExportError: a float plan misses the parity gate, or its runner's tokens are not transformers'.
     """
     from moetool.export.executorch.runner_check import runner_check
-    from moetool.export.graph.model import ExportLM
     from moetool.export.reference import graph_reference
 
     ref = graph_reference(req.model_dir, plan.quant.total_params, plan.config)
     float_plan = is_float_plan(plan)
-    parity = runtime_parity(
-        req,
-        ref.model,
-        ExportLM(ref.model).eval() if ref.held else None,
-        None,
-        None,
-        runtime="executorch (XNNPACK)",
-        gate_as="ExecuTorch (fp32)" if float_plan else None,
-        reference=ref.label,
-        batch=runner_batch(pte, ptd),
-    )
+    gate_as = "ExecuTorch (fp32)" if float_plan else None
+    parity = reference_parity(req, ref, runner_batch(pte, ptd), runtime="executorch (XNNPACK)", gate_as=gate_as)
     runner = runner_check(pte, ptd, pte.parent, ref.model, stops)
     if float_plan and not runner["tokens_equal"]:
         raise ExportError(

@@ -25,10 +25,9 @@ from moetool.export.graph.chunk import chunk_layers
 from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, chunked_memory, plan_chunks
 from moetool.export.graph.common import GraphPlan, plan_graph
 from moetool.export.graph.jobs import run_chunks, worker_env
-from moetool.export.graph.model import ExportLM
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.parity import NOT_VERIFIED, ParityRecord
-from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, runtime_parity
+from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, is_float_plan, reference_parity
 from moetool.export.tflite.bundle import BUNDLE, NO_BUNDLE, RUNNER, bundle_tokens, litert_lm_missing, runner_check
 from moetool.export.tflite.runner import REPO, litert_python, run_worker
 from moetool.export.tflite.worker import role_precisions
@@ -247,15 +246,8 @@ def _verify(
     """The models run in sequence (:func:`interpreter_batch`) against ``ref`` (transformers), held in float32 for a
     small model (with the whole float ExportLM over its weights as the conversion's own figure), else streamed from
     disk."""
-    return runtime_parity(
-        req,
-        ref.model,
-        ExportLM(ref.model).eval() if ref.held else None,
-        None,
-        None,
-        runtime="ai_edge_litert interpreter",
-        gate_as="TFLite (fp32)" if is_float_plan(plan) else None,
-        seq_lens=(32, prefill_len),
-        reference=ref.label,
-        batch=interpreter_batch(paths, capacity, prefill_len),
+    batch = interpreter_batch(paths, capacity, prefill_len)
+    gate_as = "TFLite (fp32)" if is_float_plan(plan) else None
+    return reference_parity(
+        req, ref, batch, runtime="ai_edge_litert interpreter", gate_as=gate_as, seq_lens=(32, prefill_len)
     )
