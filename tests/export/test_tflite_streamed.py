@@ -95,3 +95,21 @@ def test_the_checks_files_lie_in_the_outputs_temporary_folder(tmp_path, monkeypa
     assert logits[0].shape == (1, 2, 5)
     assert Path(seen["calls"]).parent.parent == folder and Path(seen["out"]).parent.parent == folder
     assert list(folder.iterdir()) == [model]
+
+
+def test_one_model_by_default_when_its_conversion_fits(deep_moe, tmp_path, monkeypatch):
+    """LiteRT-LM runs one decoder model: without --chunk-layers the model is converted as one whenever that one
+    conversion fits the available memory (bundled), and in chunks only when it does not."""
+    from dataclasses import replace
+
+    _, req, plan = plan_export(deep_moe, tmp_path / "o", target="tflite", quant=QUANT)
+    whole = chunked_memory(plan, [(0, 8)], multiples=exporter.CONVERT_MULTIPLES, runtime=exporter.RUNTIME, piece="m")
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(whole.peak(True)))
+    assert exporter.tflite_chunks(req, plan).ranges == [(0, 8)]
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(whole.peak(True) - 1))
+    monkeypatch.setattr(exporter, "CHUNK_BYTES", 1)  # chunks of one layer where the model does not go as one
+    assert len(exporter.tflite_chunks(req, plan).ranges) == 8
+    monkeypatch.delenv("MOETOOL_MEMORY_BUDGET")  # what --chunk-layers asks for is kept
+    assert exporter.tflite_chunks(replace(req, options={**req.options, "chunk_layers": 2}), plan).ranges == [
+        (0, 2), (2, 4), (4, 6), (6, 8)
+    ]  # fmt: skip
