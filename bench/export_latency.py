@@ -75,10 +75,27 @@ def _chain(runners: list, ids: np.ndarray) -> tuple[float, float]:  # type: igno
 
 
 def bench_executorch(d: Path, ids: np.ndarray) -> tuple[float, float]:
-    """The programs in order (``programs`` in the manifest: one per chunk of layers), all loaded."""
+    """The runner program (its ``forward(tokens, input_pos)``, the cache inside, as TextLLMRunner calls it), or a
+    chain's programs in order (``programs`` in the manifest: one per chunk of layers), all loaded."""
+    import torch
+
     from moetool.export.executorch.exporter import program_runner
 
     man = json.loads((d / "manifest.json").read_text())
+    first = man["programs"][0]
+    if "data" in first:
+        from executorch.runtime import Runtime
+
+        program = Runtime.get().load_program(str(d / first["file"]), data_path=str(d / first["data"]))
+        forward = program.load_method("forward")
+
+        def prefill(x):  # type: ignore[no-untyped-def]
+            return forward.execute([torch.from_numpy(x), torch.tensor([0])]), None
+
+        def decode(x, pos, past):  # type: ignore[no-untyped-def]
+            return forward.execute([torch.from_numpy(x), torch.tensor([pos])]), None
+
+        return _prefill_decode(prefill, decode, ids)
     return _chain([program_runner(d / c["file"]) for c in man["programs"]], ids)
 
 
