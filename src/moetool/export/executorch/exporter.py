@@ -156,16 +156,22 @@ def executorch_chunks(req: ExportRequest, plan: GraphPlan) -> ChunkPlan:
 # peak RSS of the runner program's lowering (one process, every layer) over the float32 bytes of each tensor: the
 # layers are read and rounded one at a time, but XNNPACK's lowering of the whole graph then holds about 0.8x the
 # rounded layers' float32 bytes more (four layers of the 360M rung at moe-q4: 0.93 → 1.36 GB across the lowering), so
-# a rounded weight costs as in a chunk; at the 360M rung the lowering peaked at 6.94 GB (2026-12-06) against 8.3 GB
-# estimated at these multiples
+# a rounded weight costs as in a chunk; and the graph itself costs memory by its size, not its weights' (the real
+# SmolLM2 MoE's 30 narrow layers at moe-q4 peaked at 4.37 GB, the 360M rung's 32 wider ones at 6.94 GB,
+# 2026-12-06), counted as RUNNER_LAYER per decoder layer: 4.9 and 10.3 GB estimated for those two
 RUNNER_MULTIPLES = Multiples(7.0, 1.6, (("embed.weight", 2.8),))
+RUNNER_LAYER = 60 << 20
 
 
 def runner_chunks(plan: GraphPlan) -> ChunkPlan:
     """The runner program's plan: every layer in one lowering, in a process of its own, its memory estimated as a
-    chunk's (:func:`moetool.export.graph.chunk_memory.chunked_memory`) at :data:`RUNNER_MULTIPLES`."""
-    ranges = [(0, int(plan.config["num_hidden_layers"]))]
-    return ChunkPlan(ranges, chunked_memory(plan, ranges, multiples=RUNNER_MULTIPLES, runtime=RUNTIME, piece="program"))
+    chunk's (:func:`moetool.export.graph.chunk_memory.chunked_memory`) at :data:`RUNNER_MULTIPLES`, plus
+    :data:`RUNNER_LAYER` per decoder layer."""
+    from dataclasses import replace
+
+    n = int(plan.config["num_hidden_layers"])
+    mem = chunked_memory(plan, [(0, n)], multiples=RUNNER_MULTIPLES, runtime=RUNTIME, piece="program")
+    return ChunkPlan([(0, n)], replace(mem, converting=mem.converting + n * RUNNER_LAYER))
 
 
 def executorch_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> Need:
