@@ -1,12 +1,15 @@
-"""One ExecuTorch program from some decoder layers: quantized by torchao per the plan, both methods exported with
-``torch.export`` and lowered to XNNPACK. The exporter runs each chunk here in a process of its own:
+"""ExecuTorch programs lowered to XNNPACK after torchao quantizes their weights per the plan: the runner program
+(:func:`lower_runner`: every layer, ``forward(tokens, input_pos)`` with the cache inside, the weights in
+``model.ptd``) or one chunk of a chain (:func:`lower_chunk`: some decoder layers, methods ``forward`` and ``decode``).
+The exporter runs each here in a process of its own:
 
     python -m moetool.export.executorch.lowering REQUEST.json
 
-REQUEST has ``model_dir``, ``layers`` ``[start, stop)``, ``first`` and ``last`` (whether the chunk embeds the tokens
-and computes the logits), ``precisions`` (export name → fp32|int8|int4), ``prefill`` and ``context``
-(:class:`Bounds`) and ``path`` (the program to write). The
-result printed: ``quantized_linears`` (counts), ``notes`` and ``moe_layers`` (MoE blocks in the chunk).
+REQUEST has ``model_dir``, ``precisions`` (export name → fp32|int8|int4), ``prefill`` and ``context``
+(:class:`Bounds`); for the runner program ``runner`` (its metadata methods) and ``out_dir``; for a chunk ``layers``
+``[start, stop)``, ``first`` and ``last`` (whether the chunk embeds the tokens and computes the logits) and ``path``
+(the program to write). The result printed: ``quantized_linears`` (counts), ``notes`` and ``moe_layers`` (MoE
+blocks lowered).
 
 Why a process per chunk: ``torch.export`` and the lowering leave state allocated after the program is written (FX
 graph modules torch keeps reachable: 274 alive after three chunks; neither ``gc``, ``malloc_trim`` nor
