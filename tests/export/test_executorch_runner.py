@@ -122,3 +122,15 @@ def test_the_layers_are_rounded_one_at_a_time(tmp_path, monkeypatch):
     # outside the layers and one layer being read; never the float model
     assert peak[0] <= outside + layer + 8 * layer // 2, (peak[0], outside, layer)
     assert peak[0] < plan.quant.total_params * 4 / 2
+
+
+def test_a_model_without_tokenizer_json_is_refused_before_lowering(mixtral, tmp_path):
+    """The runner reads tokenizer.json: a model folder without one is refused before minutes of lowering."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(mixtral, bare)
+    (bare / "tokenizer.json").unlink()
+    with pytest.raises(ExportError, match="no tokenizer.json, which ExecuTorch's runner reads"):
+        export(bare, tmp_path / "o", target="executorch", quant="f32")
+    assert not (tmp_path / "o").exists()

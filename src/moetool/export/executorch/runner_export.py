@@ -70,17 +70,19 @@ def export_runner_program(req: ExportRequest, plan: GraphPlan, console: Console 
     off, and return the manifest.
 
     Raises:
-        ExportError: the lowering failed, or a float plan's program misses the parity gate or generates other tokens
-            than transformers in the runner.
+        ExportError: the model has no ``tokenizer.json`` (before anything is done), the lowering failed, or a float
+            plan's program misses the parity gate or generates other tokens than transformers in the runner.
     """
+    from transformers import AutoTokenizer
+
     from moetool.export.executorch.runner_model import runner_metadata
 
+    if not (req.model_dir / "tokenizer.json").is_file():  # before minutes of lowering
+        raise ExportError(f"{req.model_dir}: no tokenizer.json, which ExecuTorch's runner reads")
     started = time.perf_counter()
     step = step_printer(console, started)
     cfg = plan.config
     bounds = bounds_for(plan.context, int(cfg.get("max_position_embeddings", plan.context)))
-    from transformers import AutoTokenizer
-
     bos = AutoTokenizer.from_pretrained(str(req.model_dir)).bos_token_id
     eos = stop_ids(req.model_dir)
     n_layers = int(cfg["num_hidden_layers"])
@@ -99,8 +101,6 @@ def export_runner_program(req: ExportRequest, plan: GraphPlan, console: Console 
         for name in TOKENIZER_FILES:
             if (req.model_dir / name).is_file():
                 shutil.copy2(req.model_dir / name, tmp / name)
-        if not (tmp / "tokenizer.json").is_file():
-            raise ExportError(f"{req.model_dir}: no tokenizer.json, which ExecuTorch's runner reads")
         parity: ParityRecord | str = NOT_VERIFIED
         runner: JsonObject | str = NOT_VERIFIED
         if req.verify:
@@ -117,7 +117,7 @@ def export_runner_program(req: ExportRequest, plan: GraphPlan, console: Console 
                 "forward": f"tokens [1, 1 to {bounds.prefill}] and the first position [1] → logits [1, T, V]; the KV "
                 f"cache inside the program ({bounds.context} positions)",
             },
-            "metadata": {k: v for k, v in meta.items()},
+            "metadata": dict(meta),
             "bounds": {"prefill": bounds.prefill, "context": bounds.context},
             "programs": [{"file": "model.pte", "data": "model.ptd", "layers": [0, n_layers]}],
             "run_with": "TextLLMRunner('model.pte', 'tokenizer.json', 'model.ptd'), or the C++ llama runner / demo "
