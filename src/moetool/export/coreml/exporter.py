@@ -20,22 +20,19 @@ and which weights were compressed to what. ``scripts/coreml_parity_mac.py`` runs
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from moetool.export.base import NOT_VERIFIED, ExportError, ExportRequest
 from moetool.export.coreml.chunks import CHUNK_BYTES, MODEL_FILE, cache_bytes, chunk_batch, chunk_file
-from moetool.export.coreml.join import CHAIN, Joined
+from moetool.export.coreml.convert import compress, convert
+from moetool.export.coreml.join import Joined
+from moetool.export.coreml.package import check_package, description, hf_metadata, package_structure, structure
 from moetool.export.coreml.stateful import STATES, StatefulChunk
 from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, plan_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.jobs import run_chunks, worker_env
-from moetool.export.graph.model import causal_mask
 from moetool.export.graph.moe_kernel import dense_moe_kernel
 from moetool.export.parity import ParityRecord
 from moetool.export.pipeline_steps import GraphExporter, finish_graph_manifest, reference_parity
@@ -45,169 +42,11 @@ from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.progress import Step, step_printer
 
 if TYPE_CHECKING:
-    from coremltools.models import MLModel
-    from coremltools.optimize.coreml import OpLinearQuantizerConfig
     from rich.console import Console
 
     from moetool.export.graph.stream import StreamedExport
 
-BLOCK = 32
 COMPUTE_UNITS = ("ALL", "CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE")
-
-
-def convert(chunk: StatefulChunk, fp16: bool, compute_units: str) -> MLModel:
-    """``chunk`` traced and converted: ``inputIds`` [1, T] (the first chunk) or ``hiddenStates`` [1, T, D] in with
-    ``causalMask`` [1, 1, T, E] beside, ``logits`` (the last) or ``nextHiddenStates`` out, states ``keyCache`` and
-    ``valueCache``; T up to its capacity, a range (swift-transformers reads the context length from it). The mask is
-    float16 as in Apple's stateful Llama (float32 for a float32 program); its query axis is T, not broadcast: the
-    attention stacks GQA's query heads along it."""
-    import coremltools as ct
-
-    capacity = chunk.capacity
-    dt = np.float16 if fp16 else np.float32
-    seq = ct.RangeDim(1, capacity)
-    if chunk.first:
-        x = torch.zeros(1, 8, dtype=torch.long)
-        first = ct.TensorType(name="inputIds", shape=(1, seq), dtype=np.int32)
-    else:
-        hidden = chunk.hidden_size
-        x = torch.zeros(1, 8, hidden)
-        first = ct.TensorType(name=CHAIN[0], shape=(1, seq, hidden), dtype=dt)
-    example = (x, causal_mask(8, 0))
-    with torch.no_grad():
-        traced = torch.jit.trace(chunk, example)
-    ml = ct.convert(
-        traced,
-        inputs=[first, ct.TensorType(name="causalMask", shape=(1, 1, seq, ct.RangeDim(1, capacity)), dtype=dt)],
-        outputs=[ct.TensorType(name="logits" if chunk.last else CHAIN[1], dtype=dt)],
-        states=[
-            ct.StateType(wrapped_type=ct.TensorType(shape=tuple(chunk.keyCache.shape), dtype=dt), name=n)
-            for n in STATES
-        ],
-        minimum_deployment_target=ct.target.iOS18,
-        convert_to="mlprogram",
-        compute_precision=ct.precision.FLOAT16 if fp16 else ct.precision.FLOAT32,
-        compute_units=getattr(ct.ComputeUnit, compute_units),
-        skip_model_load=True,
-    )
-    return ml
-
-
-def weight_op_name(export_name: str, fp16: bool) -> str:
-    """The const op Core ML names after a wrapper parameter (``model.`` prefix, dots → underscores)."""
-    base = "model_" + export_name.replace(".", "_")
-    return base + ("_to_fp16" if fp16 else "")
-
-
-def compress(ml: MLModel, precisions: dict[str, str], fp16: bool) -> tuple[MLModel, dict[str, str]]:
-    """int4 per-block (32) or int8 per-channel linear quantization by weight name; others untouched."""
-    import coremltools.optimize.coreml as cto
-
-    meta = cto.get_weights_metadata(ml, weight_threshold=64)  # lower thresholds trip on list consts
-    configs: dict[str, OpLinearQuantizerConfig] = {}
-    applied: dict[str, str] = {}
-    for name, p in precisions.items():
-        op = weight_op_name(name, fp16)
-        if op not in meta or p == "fp32":
-            continue
-        if p == "int4":
-            # blocks run along the input axis; an input width 32 does not divide takes the largest block that does
-            k = int(meta[op].val.shape[-1])
-            block = next((b for b in (BLOCK, 16, 8, 4) if k % b == 0), None)
-            if block is None:
-                configs[op] = cto.OpLinearQuantizerConfig(
-                    mode="linear_symmetric", dtype="int4", granularity="per_channel", weight_threshold=1
-                )
-                applied[name] = "int4 per channel"
-                continue
-            configs[op] = cto.OpLinearQuantizerConfig(
-                mode="linear_symmetric", dtype="int4", granularity="per_block", block_size=block, weight_threshold=1
-            )
-            applied[name] = f"int4 block {block}"
-            continue
-        configs[op] = cto.OpLinearQuantizerConfig(
-            mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=1
-        )
-        applied[name] = "int8 per channel"
-    if not configs:
-        return ml, applied
-    return cto.linear_quantize_weights(ml, cto.OptimizationConfig(op_name_configs=configs)), applied
-
-
-def structure(ml: MLModel, path: Path) -> JsonObject:
-    """A converted chunk's program as the worker saved it: spec version, states, names, op histogram."""
-    import coremltools as ct
-
-    spec = ml.get_spec()
-    ops = Counter(op.op_type for op in ml._mil_program.functions["main"].operations)
-    reloaded = ct.models.MLModel(str(path), skip_model_load=True)
-    return {
-        "spec_version": spec.specificationVersion,
-        "ios18_or_later": spec.specificationVersion >= 9,
-        "states": [s.name for s in spec.description.state],
-        "inputs": [i.name for i in spec.description.input],
-        "outputs": [o.name for o in spec.description.output],
-        "reloads": reloaded.get_spec().specificationVersion == spec.specificationVersion,
-        "ops": {**dict(ops.most_common())},
-        "compressed_weight_ops": {k: v for k, v in ops.items() if k.startswith("constexpr_")},
-    }
-
-
-def _feature(f: Any) -> str:
-    """A spec feature as ``dtype [dims]``, a flexible dimension as ``lo..hi``."""
-    from coremltools.proto import FeatureTypes_pb2
-
-    kind = f.type.WhichOneof("Type")
-    arr = f.type.stateType.arrayType if kind == "stateType" else f.type.multiArrayType
-    dtype = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(arr.dataType).lower()
-    ranges = arr.shapeRange.sizeRanges
-    dims = [
-        f"{r.lowerBound}..{r.upperBound}" if r.lowerBound != r.upperBound else str(r.lowerBound) for r in ranges
-    ] or [str(d) for d in arr.shape]
-    return f"{dtype} [{', '.join(dims)}]" if dims else f"{dtype} (shape set at run time)"  # e.g. the outputs
-
-
-def package_structure(path: Path, blobs: int | None = None) -> JsonObject:
-    """The package written, read back as an app's loader would read it: the spec (``ct.utils.load_spec`` and
-    ``MLModel(skip_model_load=True)``, which must agree), its states, inputs and outputs with their types, the
-    program loaded into coremltools' MIL (its loader type-checks every op) with its op histogram, and its weight
-    blobs: the count in the blob file's header, the program's references to it, whether each lands on a blob, and
-    (``blobs``) whether the count is the chunks' sum. Memory: the package's weights, loaded by the MIL loader."""
-    import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
-
-    from moetool.export.coreml.join import blob_count, blob_offsets, blobs_land, weights_file
-
-    spec = ct.utils.load_spec(str(path))
-    same = ct.models.MLModel(str(path), skip_model_load=True).get_spec() == spec
-    wfile = weights_file(path)
-    prog = milproto_load(spec, spec.specificationVersion, str(wfile.parent))
-    ops = Counter(op.op_type for op in prog.functions["main"].operations)
-    del prog
-    offsets = blob_offsets(spec.mlProgram)
-    count = blob_count(wfile) if wfile.is_file() else 0
-    meta = spec.description.metadata
-    return {
-        "spec_version": spec.specificationVersion,
-        "ios18_or_later": spec.specificationVersion >= 9,
-        "type": str(spec.WhichOneof("Type")),
-        "functions": list(spec.mlProgram.functions.keys()),
-        "states": [s.name for s in spec.description.state],
-        "inputs": [i.name for i in spec.description.input],
-        "outputs": [o.name for o in spec.description.output],
-        "io": {
-            f.name: _feature(f) for f in [*spec.description.input, *spec.description.output, *spec.description.state]
-        },
-        "reloads": same,
-        "mil_loads": True,  # milproto_load raised otherwise
-        "ops": {**dict(ops.most_common())},
-        "compressed_weight_ops": {k: v for k, v in ops.items() if k.startswith("constexpr_")},
-        "weight_blobs": count,
-        "weight_references": len(offsets),
-        "weight_references_land": blobs_land(wfile, offsets) if offsets else True,
-        "blobs_match_chunks": None if blobs is None else count == blobs,
-        "metadata": {k: meta.userDefined[k] for k in sorted(meta.userDefined) if k.startswith("co.huggingface")},
-    }
 
 
 def _compute_units(req: ExportRequest) -> str:
@@ -348,24 +187,6 @@ def converted_in_child(request: dict[str, Any]) -> JsonObject:
 IN_CHILD = True
 
 
-def hf_metadata(plan: GraphPlan, precision: str) -> dict[str, str]:
-    """The user-defined metadata huggingface/exporters writes (``co.huggingface.exporters.*``): swift-transformers
-    reads ``name`` as the Hub repo whose tokenizer and config it fetches, so it is the model's name here (set it to
-    the repo id when the package is pushed elsewhere)."""
-    archs = plan.config.get("architectures") or [str(plan.config.get("model_type", ""))]
-    return {
-        "co.huggingface.exporters.name": plan.name,
-        "co.huggingface.exporters.task": "text-generation",
-        "co.huggingface.exporters.architecture": str(archs[0]),
-        "co.huggingface.exporters.framework": "pytorch",
-        "co.huggingface.exporters.precision": precision,
-    }
-
-
-def _description(plan: GraphPlan) -> str:
-    return f"{plan.name}: stateful decoder (moetool), weights {plan.quant.label}"
-
-
 def _peak_rss() -> int | None:
     """This process's peak resident memory in bytes, when the chunks were converted in processes of their own (else
     the conversions' peak, not the join's: None)."""
@@ -376,22 +197,6 @@ def _peak_rss() -> int | None:
 
     peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kilobytes on Linux
-
-
-def _check_package(info: JsonObject, joined: Joined | None) -> None:
-    """Refuse a package whose structure is not the one an app expects.
-
-    Raises:
-        ExportError: not one iOS 18 ML Program with ``inputIds``/``causalMask`` in, ``logits`` out and the two
-            states; or its weight blobs are not the chunks' (count, or a reference that lands off a blob).
-    """
-    want = (["inputIds", "causalMask"], ["logits"], list(STATES), ["main"])
-    got = (info["inputs"], info["outputs"], info["states"], info["functions"])
-    if got != want or not info["ios18_or_later"] or not info["reloads"]:
-        raise ExportError(f"{MODEL_FILE}: expected inputs, outputs, states, functions {want}, found {got}")
-    if not info["weight_references_land"] or info["blobs_match_chunks"] is False:
-        n = None if joined is None else joined.blobs
-        raise ExportError(f"{MODEL_FILE}: {info['weight_blobs']} weight blobs where the chunks had {n}")
 
 
 def _moe_layers(plan: GraphPlan) -> int:
@@ -465,12 +270,12 @@ class CoreMLExporter(GraphExporter):
 
                 step(f"joining the {len(ranges)} chunks into one {MODEL_FILE} (weights copied, never loaded)")
                 parts = [where / chunk_file(c, len(ranges)) for c in range(len(ranges))]
-                joined = join_packages(parts, tmp / MODEL_FILE, description=_description(plan), consume=True)
+                joined = join_packages(parts, tmp / MODEL_FILE, description=description(plan), consume=True)
                 where.rmdir()
                 join_peak = _peak_rss()
             step(f"reading {MODEL_FILE} back: spec, states, names, its program in coremltools' MIL, its weight blobs")
             info = package_structure(tmp / MODEL_FILE, None if joined is None else joined.blobs)
-            _check_package(info, joined)
+            check_package(info, joined)
             parity: ParityRecord | str = NOT_VERIFIED
             if req.verify:
                 reader = src if src is not None else streamed_export_model(req.model_dir)

@@ -6,7 +6,7 @@ or the trace leaves allocated outlives it (:data:`moetool.export.coreml.exporter
 REQUEST has ``model_dir``, ``layers`` ``[start, stop)``, ``first`` and ``last`` (whether the chunk embeds the tokens
 and computes the logits), ``precisions`` (export name → fp32|int8|int4), ``capacity`` (the cache's positions),
 ``units`` (the compute units) and ``path`` (the package to write). Prints ``compressed`` (weight → what it became)
-and ``structure`` (:func:`moetool.export.coreml.exporter.structure`).
+and ``structure`` (:func:`moetool.export.coreml.package.structure`).
 """
 
 from __future__ import annotations
