@@ -6,8 +6,8 @@ The runner runs in a process of its own (:func:`runner_generate`):
     python -m moetool.export.executorch.runner_check REQUEST.json
 
 REQUEST has ``pte``, ``ptd``, ``tokenizer`` (the folder with ``tokenizer.json``), ``prompt`` (text) and
-``new_tokens``. The result: ``text`` (what it generated), ``prompt_tokens``, ``new_tokens`` and its own ``stats``
-(prefill and decode tokens per second, time to first token, load time).
+``new_tokens``. The result: ``raw`` (the bytes it printed, carried as latin-1 text) and its own ``stats`` (prompt
+and generated tokens, prefill and decode tokens per second, the times of load, first token and end).
 
 Why its own process, and why the text is read from its standard output: the runner prints every piece it generates
 to the C library's stdout (which would land in the middle of moetool's output), and the bindings hand a Python
@@ -18,8 +18,10 @@ while the runner generates and reads the bytes back.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,15 +47,15 @@ def _generate(request: dict[str, Any]) -> dict[str, Any]:
     # temperature 0 is greedy (the bindings' default is 0.8); nothing added around the prompt: it is given whole
     cfg = GenerationConfig(echo=False, max_new_tokens=int(request["new_tokens"]), temperature=0.0)
     cfg.num_bos, cfg.num_eos = 0, 0
+    libc = ctypes.CDLL(None)
     with tempfile.TemporaryFile() as captured:
-        import sys
-
         sys.stdout.flush()
         saved = os.dup(1)
         os.dup2(captured.fileno(), 1)
         try:
             runner.generate(request["prompt"], cfg, None, on_stats)
         finally:
+            libc.fflush(None)  # what the C library still buffers belongs to the capture, not to moetool's output
             os.dup2(saved, 1)
             os.close(saved)
         captured.seek(0)
