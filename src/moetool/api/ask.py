@@ -8,6 +8,7 @@ from typing import Any
 
 from moetool.eval.answers import Answer
 from moetool.eval.answers import ask as ask_transformers
+from moetool.export.greedy import common_prefix
 from moetool.io.sources import resolve_source
 
 __all__ = ["AskedQuestion", "GgufAnswer", "ask"]
@@ -50,15 +51,6 @@ class AskedQuestion:
         return self.answer.to_json() | {"gguf": {k: v.to_json() for k, v in self.gguf.items()}}
 
 
-def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def ask(
     model: str | Path,
     questions: dict[str, str],
@@ -93,7 +85,7 @@ def ask(
         try:
             for q in answers:
                 ids, speed = gen.greedy(q.answer.prompt_ids, max_new_tokens, stop)
-                same = _prefix(ids, q.answer.ids)
+                same = common_prefix(ids, q.answer.ids)
                 matches = same == len(ids) == len(q.answer.ids)
                 text = str(tok.decode(ids, skip_special_tokens=True)).strip()
                 q.gguf[name] = GgufAnswer(text, ids, same, matches, speed)

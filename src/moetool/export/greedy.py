@@ -5,13 +5,14 @@ continuation of the same prompt, and the tokens that end a generation. Shared by
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["greedy_reference", "stop_ids"]
+__all__ = ["common_prefix", "greedy_reference", "stop_ids"]
 
 
 def stop_ids(model_dir: Path) -> list[int]:
@@ -56,3 +57,8 @@ def greedy_reference(
         if nxt in stops:
             break
     return out
+
+
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items ``a`` and ``b`` share (where a runner's generation and transformers' part)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -16,7 +16,6 @@ Parameters keep the ExportLM's names (``layers.5.attn.q.weight``), so the plan's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,9 +45,6 @@ class RunnerLM(nn.Module):
         shape = (1, self.n_kv, self.context, self.head_dim)
         self.register_buffer(f"k_cache_{index}", torch.zeros(shape), persistent=False)
         self.register_buffer(f"v_cache_{index}", torch.zeros(shape), persistent=False)
-
-    def blocks(self) -> Mapping[str, nn.Module]:
-        return dict(self.layers.items())
 
     def reset(self) -> None:
         """An empty cache (what an exported program starts from)."""

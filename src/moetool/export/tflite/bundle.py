@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetool.export.base import ExportError
-from moetool.export.greedy import greedy_reference, stop_ids
+from moetool.export.greedy import common_prefix, greedy_reference, stop_ids
 
 if TYPE_CHECKING:
     from torch import nn
@@ -59,10 +59,6 @@ def bundle_tokens(model_dir: Path) -> tuple[list[int], list[int]]:
     return start, stop
 
 
-def _common_prefix(a: list[Any], b: list[Any]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
 def runner_check(bundle: Path, model_dir: Path, reference: nn.Module, capacity: int, *, judge: bool) -> dict[str, Any]:
     """The ``runner`` record: ``bundle`` loaded in LiteRT-LM, :data:`PROMPT` prefilled and :data:`NEW_TOKENS`
     decoded greedily, against ``reference`` (transformers) decoding the same prompt greedily.
@@ -77,8 +73,8 @@ def runner_check(bundle: Path, model_dir: Path, reference: nn.Module, capacity: 
     request = {"bundle": str(bundle), "prompt": PROMPT, "max_new": NEW_TOKENS, "capacity": capacity}
     got = run_worker("moetool.export.tflite.lm_worker", request, what="the LiteRT-LM check")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    _, stop = bundle_tokens(model_dir)
-    new = greedy_reference(reference, list(tok(PROMPT)["input_ids"]), NEW_TOKENS, stop, keep_stop=False)
+    prompt = list(tok(PROMPT)["input_ids"])
+    new = greedy_reference(reference, prompt, NEW_TOKENS, stop_ids(model_dir), keep_stop=False)
     ref_text = tok.decode(new)
     text = str(got["text"])
     # a random tiny model's tokens may end inside a UTF-8 character: both tokenizers decode such bytes to U+FFFD, so
@@ -92,9 +88,9 @@ def runner_check(bundle: Path, model_dir: Path, reference: nn.Module, capacity: 
         "text": text,
         "reference_text": ref_text,
         "same_text": text == ref_text,
-        "same_prefix_tokens": _common_prefix(ours, theirs),
+        "same_prefix_tokens": common_prefix(ours, theirs),
         "reference_tokens": len(theirs),
-        "reference_prompt_tokens": len(tok(PROMPT)["input_ids"]),
+        "reference_prompt_tokens": len(prompt),
     } | {k: got[k] for k in ("prompt_tokens", "new_tokens", "prefill_tok_s", "decode_tok_s", "ttft_s")}
     record["judged"] = judge
     if judge and not record["same_text"]:
