@@ -13,14 +13,14 @@ __all__ = ["check_precision", "check_unread_data"]
 def check_precision(model: Path, dtype: str | None, device: str | None, *, runs: bool = True, why: str = "") -> None:
     """Refuse, before any work, a ``dtype`` or ``device`` that train and eval refuse, or one nothing would read.
 
-    The values go through the same checks as train's and eval's (:func:`moetool.train.precision.resolve_dtype`
+    The values go through the same checks as train's and eval's (:func:`moetool.compute.dtypes.resolve_dtype`
     and ``resolve_device``); where ``runs`` is False the edit runs no model, and ``why`` says so.
 
     Raises:
         MoetoolError: an unknown dtype or device, or CUDA where there is none (naming the option and its values).
         EditError: a dtype or device given where ``runs`` is False.
     """
-    from moetool.train.precision import resolve_device, resolve_dtype
+    from moetool.compute.dtypes import resolve_device, resolve_dtype
 
     for option, value in (("--dtype", dtype), ("--device", device)):
         if value in (None, "auto"):

@@ -84,9 +84,9 @@ def logits(
     """
     from transformers import AutoModelForCausalLM
 
+    from moetool.compute.dtypes import resolve_device, resolve_dtype
     from moetool.compute.stream import streamed_causal_lm
     from moetool.compute.upcast import float32_layer_by_layer
-    from moetool.train.precision import resolve_device, resolve_dtype
 
     storage = resolve_dtype("auto", Path(path))
     # the eager expert loop on both sides: a grouped kernel's blocking depends on the expert count

@@ -81,7 +81,7 @@ def task_scores(
     names = [t if isinstance(t, str) else str(t["task"]) for t in tasks]
     with _quiet_offline():
         # the loaded model's own device and dtype (the evaluation's), not a fixed float32 CPU
-        from moetool.train.precision import dtype_name
+        from moetool.compute.dtypes import dtype_name
 
         dtype = dtype_name(model.dtype)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device), dtype=dtype)

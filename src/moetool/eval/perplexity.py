@@ -222,9 +222,9 @@ def load_causal_lm(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from moetool.compute.dtypes import resolve_device, resolve_dtype
     from moetool.compute.stream import streamed_causal_lm
     from moetool.compute.upcast import float32_layer_by_layer, native_matmul
-    from moetool.train.precision import resolve_device, resolve_dtype
 
     registry.load_all_methods()  # a moetool output (moetool_gem, …) loads through the Auto classes only once registered
     storage, where = resolve_dtype(dtype, Path(path)), resolve_device(device)

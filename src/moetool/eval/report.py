@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from moetool.compute.dtypes import dtype_name
 from moetool.compute.upcast import precision_of
 from moetool.errors import MoetoolError
 from moetool.eval.gem import gem_metrics
@@ -17,7 +18,6 @@ from moetool.eval.perplexity import NonFiniteModel, load_causal_lm, nonfinite_we
 from moetool.eval.residency import Residency
 from moetool.io.safe import read_json
 from moetool.routing.tap import RouterTap, has_moe_layers
-from moetool.train.precision import dtype_name
 
 MAX_MEAN_NLL = 700.0  # nats per token: math.exp overflows a float64 just past 709
 

@@ -52,10 +52,10 @@ def eval_need(path: Path, *, dtype: str | None, seq_len: int, batch_size: int = 
     Raises:
         MoetoolError: an unknown dtype.
     """
+    from moetool.compute.dtypes import resolve_dtype
     from moetool.compute.rows import FF_ROWS
     from moetool.compute.upcast import float32_overhead, native_matmul
     from moetool.io.checkpoint import Checkpoint
-    from moetool.train.precision import resolve_dtype
 
     ck = Checkpoint(Path(path))
     cfg = ck.config

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from moetool.card import put_section
+from moetool.compute.dtypes import dtype_name
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir
 from moetool.io.checkpoint import SAFETENSORS_DTYPES, Checkpoint
@@ -25,7 +26,6 @@ from moetool.recipe.kept import KEPT_RECIPE
 from moetool.recipe.mofe import MoFERecipe
 from moetool.recipe.train import TrainSpec, TuningRecipe
 from moetool.train.freeze import FreezeReport
-from moetool.train.precision import dtype_name
 from moetool.train.sharded import full
 
 SHARD_BYTES = 2 << 30

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from moetool.compute.dtypes import dtype_name, resolve_device, resolve_dtype
 from moetool.errors import MoetoolError
 from moetool.io.atomic import check_output
 from moetool.progress import silent, task
@@ -40,15 +41,7 @@ from moetool.train.distributed import (
 )
 from moetool.train.freeze import FreezeReport, apply_freeze
 from moetool.train.output import tuned_tensors, write_output
-from moetool.train.precision import (
-    Arithmetic,
-    arithmetic_for,
-    dtype_name,
-    keep_trainable_float32,
-    resolve_device,
-    resolve_dtype,
-    tuning_need,
-)
+from moetool.train.precision import Arithmetic, arithmetic_for, keep_trainable_float32, tuning_need
 from moetool.train.sharded import any_process, fsdp_requested, is_sharded, load_sharded
 
 __all__ = ["TrainResult", "checkpoint_dir", "make_optimizer", "train_router"]

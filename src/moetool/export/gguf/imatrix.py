@@ -234,8 +234,8 @@ def _residency(model_dir: Path, calib: Calibration, device: str | None) -> Resid
     Raises:
         BudgetError: neither fits.
     """
+    from moetool.compute.dtypes import resolve_device
     from moetool.eval.residency import Residency, eval_residency
-    from moetool.train.precision import resolve_device
 
     if resolve_device(device or "auto").type != "cpu":
         return Residency(streamed=False, batch_size=1)

@@ -58,8 +58,8 @@ class MoFEPlugin(MethodPlugin[MoFERecipe, MergePlan]):
     ) -> Path:
         from dataclasses import replace
 
+        from moetool.compute.dtypes import resolve_device
         from moetool.methods.mofe.execute import execute
-        from moetool.train.precision import resolve_device
 
         resolve_device(device)  # an unusable --device is refused before any work
         plan = replace(self.describe(recipe, allow_pickle=allow_pickle), device=device or "auto")

@@ -15,6 +15,7 @@ from rich.console import Console
 from moetool.arch.outputs import NULL_SHARED_GATE
 from moetool.arch.released import released_config
 from moetool.card import limits_section, model_card, provenance, source_hashes
+from moetool.compute.dtypes import resolve_device
 from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.files import copy_tokenizer
@@ -25,7 +26,6 @@ from moetool.progress import silent, task
 from moetool.recipe.kept import write_kept_recipe
 from moetool.recipe.mofe import MoFERecipe
 from moetool.routing import init as rinit
-from moetool.train.precision import resolve_device
 
 Routers = tuple[torch.Tensor, torch.Tensor | None]
 

@@ -10,9 +10,9 @@ from typing import Any, Literal
 import torch
 
 from moetool.arch.outputs import MoEArch
+from moetool.compute.dtypes import DTYPES  # the dtype names every stage reads
 from moetool.io.sources import ResolvedSource
 from moetool.recipe.mofe import MoFERecipe
-from moetool.train.precision import DTYPES  # the dtype names every stage reads
 
 OpKind = Literal["copy", "expert", "shared", "router", "shared_gate", "zeros", "stacked", "null_gate"]
 # a stacked op's sources: per expert, the (source label, tensor) pairs concatenated along dim 0, then stacked
