@@ -68,3 +68,36 @@ def test_shipped_recipes_use_no_old_spelling(path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", MoetoolDeprecationWarning)
         load_recipe(path)
+
+
+def test_a_target_its_profile_does_not_run_is_refused_by_field_and_file():
+    with pytest.raises(
+        RecipeError,
+        match=r"r.yaml:7: targets\.0\.target: the deployment profile mac-16gb runs mlx, gguf, not onnx; give one of "
+        r"those, leave `target` out \(the profile's first, mlx\)",
+    ):
+        parse_recipe(MOFE + "  - {for: mac-16gb, target: onnx}\n", Path("r.yaml"))
+
+
+def test_validate_and_build_refuse_a_target_its_profile_does_not_run_before_any_work(tmp_path, monkeypatch):
+    """`moetool validate` said ok, and `moetool build` merged and tuned before its export refused the pair."""
+    from typer.testing import CliRunner
+
+    from moetool import api
+    from moetool.api import pipeline
+    from moetool.cli import app
+
+    def merged(*args: object, **kw: object) -> None:
+        raise AssertionError("the build merged before refusing")
+
+    monkeypatch.setattr(pipeline, "assemble", merged)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(MOFE + "  - {for: laptop}\n  - {for: mac-16gb, target: onnx}\n")
+    said = "targets.1.target: the deployment profile mac-16gb runs mlx, gguf, not onnx"
+    r = CliRunner().invoke(app, ["validate", str(recipe)])
+    assert r.exit_code == 2 and said in " ".join(r.output.split()) and str(recipe) in r.output, r.output
+    r = CliRunner().invoke(app, ["build", str(recipe), "-o", str(tmp_path / "run")])
+    assert r.exit_code == 2 and said in " ".join(r.output.split()), r.output
+    with pytest.raises(RecipeError, match=said):
+        api.build(recipe, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

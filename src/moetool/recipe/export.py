@@ -22,7 +22,9 @@ class TargetSpec(StrictModel):
     for_: str | None = Field(
         default=None, alias="for", description="A deployment profile (`moetool devices`), as `moetool export --for`."
     )
-    target: Target | None = Field(default=None, description="Format; default: the profile's first available one.")
+    target: Target | None = Field(
+        default=None, description="Format, with `for` one the profile runs; default: the profile's first available one."
+    )
     quant: str | None = Field(default=None, description="--quant syntax; default: the recipe's quantization section.")
     name: str | None = Field(
         default=None,
@@ -63,6 +65,18 @@ class TargetSpec(StrictModel):
     def _some(self) -> TargetSpec:
         if self.for_ is None and self.target is None:
             raise ValueError("a target entry needs `for` (a deployment profile), a target, or both")
+        if self.for_ is not None and self.target is not None:
+            # the fact export.resolve.resolve_target refuses by at export time: checked here, so `moetool validate`
+            # says it and `moetool build` stops before the merge and tuning instead of after them
+            from moetool.quant.devices import get_device
+
+            formats = get_device(self.for_).formats
+            if self.target not in formats:
+                raise ValueError(
+                    f"target: the deployment profile {self.for_} runs {', '.join(formats)}, not {self.target}; give "
+                    f"one of those, leave `target` out (the profile's first, {formats[0]}), or choose another "
+                    "profile (`moetool devices`)"
+                )
         return self
 
     @property
