@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import torch
 from safetensors import SafetensorError
@@ -21,6 +21,25 @@ from moetool.io.safe import read_json
 from moetool.train.sharded import full, place
 
 CHECKPOINT_FORMAT = 1
+
+
+class StepRecord(TypedDict):
+    """One logged optimizer step of router tuning: the ``history`` a checkpoint, ``moetool.json`` and the result keep.
+
+    Losses and rates are means over the step's global batch; ``tokens`` its size. A step that observed the routing
+    (every ``log_every``-th and the last) also has the routing entropy, the experts' loads and the throughput.
+    """
+
+    step: int
+    loss: float
+    ce: float
+    lb: float
+    z: float
+    lr: float
+    tokens: int
+    entropy: NotRequired[float]
+    load: NotRequired[list[float]]
+    tokens_per_s: NotRequired[float]
 
 
 def model_content_key(model_dir: Path) -> str:
@@ -55,7 +74,7 @@ def save_checkpoint(
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     sched: torch.optim.lr_scheduler.LRScheduler,
-    history: list[dict[str, Any]],
+    history: list[StepRecord],
     fingerprint: str,
     *,
     write: bool = True,
@@ -94,7 +113,7 @@ def load_checkpoint(
     opt: torch.optim.Optimizer,
     sched: torch.optim.lr_scheduler.LRScheduler,
     fingerprint: str,
-) -> tuple[int, list[dict[str, Any]]]:
+) -> tuple[int, list[StepRecord]]:
     """Restore tensors, moments and schedule in place; returns (step, history).
 
     Raises:

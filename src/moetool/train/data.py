@@ -10,7 +10,6 @@ if TYPE_CHECKING:
 import json
 import random
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -61,7 +60,7 @@ def load_source(name: str, src: DataSource, *, base_dir: Path | None, fraction: 
         except ImportError:
             raise MoetoolError(f"{where}: hf_dataset needs the `datasets` package (pip install datasets)") from None
         try:
-            ds: Any = datasets.load_dataset(src.hf_dataset, src.hf_config, split=src.split, download_mode=None)
+            ds = datasets.load_dataset(src.hf_dataset, src.hf_config, split=src.split, download_mode=None)
         except Exception as exc:
             raise MoetoolError(f"{where}: {src.hf_dataset!r} is not usable from the local HF cache: {exc}") from None
         docs = [str(x) for x in ds[src.field] if str(x).strip()]

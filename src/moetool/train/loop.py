@@ -13,7 +13,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -70,11 +69,13 @@ def sample_windows(
     return torch.cat([bos, body], dim=1)
 
 
-def decay_groups(params: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+def decay_groups(
+    params: list[tuple[str, torch.nn.Parameter]], weight_decay: float
+) -> list[dict[str, list[torch.nn.Parameter] | float]]:
     """AdamW groups: matrices decay, embeddings, norms and biases do not."""
     decay = [p for n, p in params if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and "embed" not in n)]
-    groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": weight_decay}]
+    groups: list[dict[str, list[torch.nn.Parameter] | float]] = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups

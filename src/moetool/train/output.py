@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,13 +26,17 @@ from moetool.io.writer import ShardedWriter
 from moetool.recipe.kept import KEPT_RECIPE
 from moetool.recipe.mofe import MoFERecipe
 from moetool.recipe.train import TrainSpec, TuningRecipe
+from moetool.train.checkpoint import StepRecord
 from moetool.train.freeze import FreezeReport
 from moetool.train.sharded import full
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 SHARD_BYTES = 2 << 30
 
 
-def tuned_tensors(model: Any, dtype: torch.dtype, *, keep: bool = True) -> dict[str, torch.Tensor]:
+def tuned_tensors(model: PreTrainedModel, dtype: torch.dtype, *, keep: bool = True) -> dict[str, torch.Tensor]:
     """The trainable tensors of ``model`` (unwrapped; sharded or not) in ``dtype``, under the checkpoint's names
     (transformers' conversions reverted: ``mlp.gate`` → ``block_sparse_moe.gate``), a tied weight under each of its
     names. Every process calls this (a sharded tensor is gathered from all); only one with ``keep`` holds the result
@@ -80,12 +85,10 @@ def write_weights(model_dir: Path, out: Path, tuned: dict[str, torch.Tensor], dt
         ck.close()
 
 
-def card_section(
-    recipe: MoFERecipe | TuningRecipe, report: FreezeReport, history: list[dict[str, Any]], steps: int
-) -> str:
+def card_section(recipe: MoFERecipe | TuningRecipe, report: FreezeReport, history: list[StepRecord], steps: int) -> str:
     """The model card's "Router tuning" section."""
     spec: TrainSpec = recipe.train
-    last = history[-1] if history else {}
+    final = history[-1]["loss"] if history else float("nan")
     return (
         "## Router tuning\n\n"
         f"Tuned with `moetool train` for {steps} steps (lr {spec.learning_rate}, {spec.schedule} schedule, batch "
@@ -93,23 +96,23 @@ def card_section(
         f"{', '.join(spec.data)}; freeze preset `{recipe.freeze.preset}`: {report.trainable_params:,} trainable and "
         f"{report.frozen_params:,} frozen parameters. Losses: LM + {spec.load_balancing_coef}·load-balancing + "
         f"{spec.z_loss_coef}·z-loss (router jitter {spec.router_jitter}). "
-        f"Final training loss {last.get('loss', float('nan')):.4f}.\n\n"
+        f"Final training loss {final:.4f}.\n\n"
     )
 
 
 def write_output(
     tuned: dict[str, torch.Tensor],
-    config: Any,
+    config: PretrainedConfig,
     model_dir: Path,
     output: Path,
     recipe: MoFERecipe | TuningRecipe,
     report: FreezeReport,
-    history: list[dict[str, Any]],
+    history: list[StepRecord],
     seconds: float,
     force: bool,
     *,
     dtype: torch.dtype,
-    processes: dict[str, Any],
+    processes: Mapping[str, object],
 ) -> None:
     """Write the tuned model to ``output`` atomically, in the same format as ``moetool merge``: the input's tensors
     with ``tuned`` (:func:`tuned_tensors`) in place, all in ``dtype``; ``config`` the model's (a transformers

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -29,7 +29,7 @@ from moetool.recipe.mofe import MoFERecipe
 from moetool.recipe.train import TrainSpec, TuningRecipe
 from moetool.routing.losses import expert_load, routing_entropy, routing_losses
 from moetool.routing.tap import RouterTap
-from moetool.train.checkpoint import checkpoint_dir, load_checkpoint, model_content_key, save_checkpoint
+from moetool.train.checkpoint import StepRecord, checkpoint_dir, load_checkpoint, model_content_key, save_checkpoint
 from moetool.train.data import load_source, sample_batch, tokenize_stream
 from moetool.train.distributed import (
     launch_of,
@@ -42,7 +42,11 @@ from moetool.train.distributed import (
 from moetool.train.freeze import FreezeReport, apply_freeze
 from moetool.train.output import tuned_tensors, write_output
 from moetool.train.precision import Arithmetic, arithmetic_for, keep_trainable_float32, tuning_need
-from moetool.train.sharded import any_process, fsdp_requested, is_sharded, load_sharded
+from moetool.train.sharded import any_process, fsdp_requested, load_sharded
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedModel
 
 __all__ = ["TrainResult", "checkpoint_dir", "make_optimizer", "train_router"]
 
@@ -52,7 +56,7 @@ class TrainResult:
     output: Path
     steps: int
     freeze: FreezeReport
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[StepRecord] = field(default_factory=list)
     seconds: float = 0.0
     resumed_from: int = 0
     main_process: bool = True  # False in the other processes of a multi-process launch (they write nothing)
@@ -87,8 +91,8 @@ def make_optimizer(model: torch.nn.Module, spec: TrainSpec) -> torch.optim.AdamW
 class _Run:
     """Everything one tuning run holds: model, data, optimizer, this process's micro-batches and where it resumes."""
 
-    accelerator: Any
-    model: Any
+    accelerator: Accelerator
+    model: PreTrainedModel
     opt: torch.optim.AdamW
     sched: torch.optim.lr_scheduler.LambdaLR
     tap: RouterTap
@@ -101,12 +105,12 @@ class _Run:
     arithmetic: Arithmetic  # the frozen weights' dtype and how the forward computes over them
     sharded: bool = False  # FSDP2: every process holds a slice of each weight (moetool.train.sharded)
     start: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[StepRecord] = field(default_factory=list)
 
 
 def _load(
-    recipe: MoFERecipe | TuningRecipe, model_dir: Path, accelerator: Any, dtype: torch.dtype, sharded: bool
-) -> tuple[Any, FreezeReport, Arithmetic]:
+    recipe: MoFERecipe | TuningRecipe, model_dir: Path, accelerator: Accelerator, dtype: torch.dtype, sharded: bool
+) -> tuple[PreTrainedModel, FreezeReport, Arithmetic]:
     """The MoE in ``dtype`` with the freeze spec applied (trainable weights float32), whole or sharded."""
     from transformers import AutoModelForCausalLM
 
@@ -126,7 +130,7 @@ def _load(
 def _setup(
     recipe: MoFERecipe | TuningRecipe,
     model_dir: Path,
-    accelerator: Any,
+    accelerator: Accelerator,
     console: Console,
     dtype: torch.dtype,
     sharded: bool = False,
@@ -179,7 +183,9 @@ def _setup(
     )
 
 
-def _step(run: _Run, model: Any, opt: Any, spec: TrainSpec, step: int, observe: bool) -> torch.Tensor:
+def _step(
+    run: _Run, model: torch.nn.Module, opt: torch.optim.Optimizer, spec: TrainSpec, step: int, observe: bool
+) -> torch.Tensor:
     """One optimizer step; this process runs its micro-batches of the step's ``grad_accum``.
 
     Returns this process's share of the step's figures, ``[5 + E]``: mean ce, lb, z (each summed here over its
@@ -219,10 +225,10 @@ def _step(run: _Run, model: Any, opt: Any, spec: TrainSpec, step: int, observe: 
     return figures
 
 
-def _metrics(figures: torch.Tensor, spec: TrainSpec, done: int, lr: float, observe: bool) -> dict[str, Any]:
+def _metrics(figures: torch.Tensor, spec: TrainSpec, done: int, lr: float, observe: bool) -> StepRecord:
     """A step's log record from its figures summed over processes (:func:`_step`)."""
     ce, lb, z = (float(x) for x in figures[:3])
-    metrics: dict[str, Any] = {
+    metrics: StepRecord = {
         "step": done,
         "loss": ce + spec.load_balancing_coef * lb + spec.z_loss_coef * z,
         "ce": ce,
@@ -237,13 +243,17 @@ def _metrics(figures: torch.Tensor, spec: TrainSpec, done: int, lr: float, obser
     return metrics
 
 
-def _check_finite(run: _Run, spec: TrainSpec, metrics: dict[str, Any], done: int, ckpt: Path) -> None:
+def _check_finite(run: _Run, spec: TrainSpec, metrics: StepRecord, done: int, ckpt: Path) -> None:
     """Stop on a non-finite loss or trainable weight: nothing is written, and the last good checkpoint stays.
 
     Raises:
         MoetoolError: naming the step, the loss, the learning rates and the way out.
     """
-    trainable = ((n, p.to_local() if is_sharded(p) else p) for n, p in run.model.named_parameters() if p.requires_grad)
+    from torch.distributed.tensor import DTensor
+
+    trainable = (
+        (n, p.to_local() if isinstance(p, DTensor) else p) for n, p in run.model.named_parameters() if p.requires_grad
+    )
     bad = next((n for n, p in trainable if not bool(torch.isfinite(p).all())), None)
     # a sharded weight is checked slice by slice: every process learns whether any slice went bad, and all stop
     weights_bad = any_process(bad is not None, run.accelerator.device)
@@ -266,8 +276,8 @@ def _loop(
     spec: TrainSpec,
     ckpt: Path,
     console: Console,
-    callback: Callable[[int, dict[str, Any]], None] | None,
-) -> tuple[Any, float]:
+    callback: Callable[[int, StepRecord], None] | None,
+) -> tuple[torch.nn.Module, float]:
     """Steps from ``run.start`` to ``spec.steps``: metrics every ``log_every``, checkpoints every ``checkpoint_every``."""
     acc = run.accelerator
     # a sharded model is FSDP's already; a whole one is wrapped for DDP (a no-op on one process)
@@ -306,7 +316,7 @@ def train_router(
     force: bool = False,
     resume: bool = True,
     console: Console | None = None,
-    callback: Callable[[int, dict[str, Any]], None] | None = None,
+    callback: Callable[[int, StepRecord], None] | None = None,
     preset: str | None = None,
     dtype: str | None = None,
     device: str | None = None,
