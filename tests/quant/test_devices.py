@@ -49,16 +49,16 @@ def test_device_picks_best_fitting_plan_or_refuses(tiny_models, tmp_path, monkey
         context=256,
     )
     monkeypatch.setitem(devices.DEVICES, "tiny-board", dev)
-    _, _, plan = plan_export(base, tmp_path / "x", device="tiny-board")
+    _, _, plan = plan_export(base, tmp_path / "x", for_="tiny-board")
     assert plan.quant.label == "q4_0" and [c[2] for c in plan.candidates] == [False, False, True]
     monkeypatch.setitem(devices.DEVICES, "tiny-board", dataclasses.replace(dev, budget=sizes["q4_0"] - 1))
     with pytest.raises(ExportError, match=r"no plan fits tiny-board .*f16: .* GB; q8_0: .*q4_0"):
-        plan_export(base, tmp_path / "x", device="tiny-board")
+        plan_export(base, tmp_path / "x", for_="tiny-board")
     # a device's preferred format is chosen: pixel-6 → tflite, iphone-13 → coreml, raspberry-pi-4 → gguf
     for dev, fmt in (("pixel-6", "tflite"), ("iphone-13", "coreml"), ("raspberry-pi-4", "gguf"), ("laptop", "gguf")):
-        assert plan_export(base, tmp_path / "x", device=dev)[0].name == fmt
+        assert plan_export(base, tmp_path / "x", for_=dev)[0].name == fmt
     with pytest.raises(ExportError, match="runs gguf, not onnx"):
-        plan_export(base, tmp_path / "x", device="raspberry-pi-4", target="onnx")
+        plan_export(base, tmp_path / "x", for_="raspberry-pi-4", target="onnx")
 
 
 def test_cli_dry_run_prints_plan_and_writes_nothing(tiny_models, tmp_path):

@@ -8,7 +8,7 @@ the CLI only parses arguments and prints.
     recipe = api.load("recipes/demo-mofe.yaml")
     merged = api.assemble(recipe, "out/merged")
     tuned = api.train(recipe, "out/tuned", model=merged).output
-    manifest = api.export(tuned, "out/gguf", device="raspberry-pi-4")
+    manifest = api.export(tuned, "out/gguf", for_="raspberry-pi-4")
 """
 
 from moetool.api import experts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def build(
     tune: bool | None = None,
     presets: list[str] | None = None,
     compare: list[str] | None = None,
-    devices: list[str] | None = None,
+    profiles: list[str] | None = None,
     max_tokens: int | None = None,
     tasks: list[str] | None = None,
     task_limit: int | None = None,
@@ -62,6 +63,7 @@ def build(
     verify: bool = True,
     console: Console | None = None,
     on_stage: Stage | None = None,
+    devices: list[str] | None = None,
 ) -> BuildResult:
     """Run the recipe's whole pipeline: assemble → tune → evaluate → export → package.
 
@@ -69,7 +71,7 @@ def build(
     merged and tuned models beside ``compare`` on ``max_tokens`` held-out tokens per domain (default 8192; lm-eval
     ``tasks`` too, ``task_limit`` documents each, optional: a failure is recorded in ``BuildResult.failed`` and the
     build goes on); every ``targets:`` entry (or only those ``for:`` one of
-    ``devices``, deployment profiles) is exported; the recipe's ``questions:`` are asked of the final model and of each GGUF written
+    ``profiles``, deployment profiles; ``devices`` is its old keyword) is exported; the recipe's ``questions:`` are asked of the final model and of each GGUF written
     (``answers.json``). ``on_stage(name, result_so_far)`` is called after each stage (the CLI prints its figures).
 
     Another method runs the stages it has (:func:`build_method`).
@@ -79,6 +81,7 @@ def build(
             write, named before any work.
         OutputExistsError: ``output`` exists and ``force`` is not given.
     """
+    profiles = _profiles(profiles, devices)
     r = load(recipe)
     out, console = Path(output), console or silent()
     stage: Stage = on_stage or (lambda name, value: None)
@@ -86,7 +89,7 @@ def build(
         # evaluation's options by their CLI names: another method's build has no evaluation stage to read them
         asked = {"presets": presets, "compare": compare, "tasks": tasks, "max-tokens": max_tokens,
                  "task-limit": task_limit}  # fmt: skip
-        return build_method(r, out, tune=tune, devices=devices, asked=asked, force=force, verify=verify,
+        return build_method(r, out, tune=tune, profiles=profiles, asked=asked, force=force, verify=verify,
                             console=console, stage=stage)  # fmt: skip
     check_output(out, force=force)
     console.rule("merge")
@@ -102,7 +105,7 @@ def build(
             stage("trained", (preset, outcome))
     tasks_ = (tasks, task_limit)
     result.report = _build_eval(r, out, result, compare or [], max_tokens or 8192, tasks_, console, stage)
-    _build_exports(r, out, result, devices, force=force, verify=verify, console=console, stage=stage)
+    _build_exports(r, out, result, profiles, force=force, verify=verify, console=console, stage=stage)
     _build_answers(r, out, result, console, stage)
     console.rule("Hugging Face repo folder")
     has_report = result.report is not None
@@ -118,6 +121,25 @@ def build(
     return result
 
 
+def _profiles(profiles: list[str] | None, devices: list[str] | None) -> list[str] | None:
+    """``profiles``, or ``devices``, its old keyword, with a DeprecationWarning.
+
+    Raises:
+        MoetoolError: both keywords given.
+    """
+    if devices is None:
+        return profiles
+    if profiles is not None:
+        raise MoetoolError("devices= is the old keyword of profiles= (deployment profiles), which is also given")
+    warnings.warn(
+        "build(devices=...) is the old keyword: write profiles=... (deployment profiles, as `for:` and "
+        "`moetool export --for`; read in this release, not in the next)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return devices
+
+
 def has_stage(p: MethodPlugin[Any, Any], name: str) -> bool:
     """Whether method plugin ``p`` implements stage ``name`` (``train``) rather than inheriting the refusal."""
     return getattr(type(p), name) is not getattr(MethodPlugin, name)
@@ -128,7 +150,7 @@ def build_method(
     out: Path,
     *,
     tune: bool | None,
-    devices: list[str] | None,
+    profiles: list[str] | None,
     asked: dict[str, Any],
     force: bool,
     verify: bool,
@@ -141,7 +163,7 @@ def build_method(
     Face repo folder (when the final output is one model folder or a bundle).
 
     Raises:
-        MoetoolError: a stage or option the method does not have (``tune``, ``devices``, evaluation's ``compare``,
+        MoetoolError: a stage or option the method does not have (``tune``, ``profiles``, evaluation's ``compare``,
             ``tasks``, ``max-tokens`` and ``task-limit``, mofe's freeze ``presets``), named before any work.
         RecipeError: a ``targets:`` entry the method's output cannot be exported as (a target it cannot write, a key
             its exporter would not read), named before any work.
@@ -151,8 +173,8 @@ def build_method(
     missing = [f"--{k}" for k, v in asked.items() if v is not None and v != []]
     if tune and not has_stage(p, "train"):
         missing.append("--train (its models train inside `moetool merge`)")
-    if devices is not None:
-        missing.append("devices (its targets: name targets, not deployment profiles)")
+    if profiles is not None:
+        missing.append("profiles (its targets: name targets, not deployment profiles)")
     if missing:
         raise MoetoolError(
             f"{r.path or r.name}: method {r.method} has no stage for {', '.join(missing)}; `moetool build` runs its "
@@ -188,16 +210,16 @@ def _build_exports(
     r: MoFERecipe,
     out: Path,
     result: BuildResult,
-    devices: list[str] | None,
+    profiles: list[str] | None,
     *,
     force: bool,
     verify: bool,
     console: Console,
     stage: Stage,
 ) -> None:
-    """Export every ``targets:`` entry of the recipe (or only those for ``devices``) into ``out/exports``."""
+    """Export every ``targets:`` entry of the recipe (or only those for ``profiles``) into ``out/exports``."""
     for t in r.targets:
-        if devices is None or t.for_ in devices:
+        if profiles is None or t.for_ in profiles:
             _export_one(r, t, out, result, force=force, verify=verify, console=console, stage=stage)
 
 
@@ -223,7 +245,7 @@ def _export_one(
         out / "exports" / t.dir_name,
         target=t.target,
         quant=t.quant,
-        device=t.for_,
+        for_=t.for_,
         context=t.context,
         force=force,
         verify=verify,

@@ -14,8 +14,10 @@ import typer
 from moetool import registry
 from moetool.cli import build, eval, experts, export, merge, package, train, zoo
 from moetool.cli.console import set_verbosity, show_deprecations
+from moetool.cli.options import CheckedGroup
 
 app = typer.Typer(
+    cls=CheckedGroup,  # the checks every command's options share (an empty value refused by name)
     no_args_is_help=True,
     add_completion=False,
     help="Turn domain experts into one Mixture-of-Experts model: merge, tune, evaluate, export, package.",

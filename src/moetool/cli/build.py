@@ -122,7 +122,7 @@ def demo(
         console.print(f"[yellow]lm-eval is not installed ({escape(install_hint('eval'))}): no task accuracy[/]")
     res = api.build(
         r, output, presets=["mofe"] if real else ["router_only", "mofe"],
-        compare=[r.base_model, *[e.source for e in r.experts]], devices=["raspberry-pi-4"],
+        compare=[r.base_model, *[e.source for e in r.experts]], profiles=["raspberry-pi-4"],
         max_tokens=max_tokens or (4096 if real else 16384), tasks=tasks,
         task_limit=task_limit or (50 if real else None), force=True, verify=verify, console=console,
         on_stage=_printer,

@@ -10,7 +10,7 @@ import os
 import warnings
 from collections.abc import Callable
 from functools import wraps
-from typing import Any, TypeVar
+from typing import NoReturn, ParamSpec, TextIO, TypeVar
 
 import typer
 from rich.markup import escape
@@ -21,31 +21,34 @@ from moetool.progress import cli_console
 console = cli_console(stderr=True)  # progress, stage rules, warnings
 out = cli_console(stderr=False)  # results: tables, "wrote …", labelled figures
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def friendly(fn: F) -> F:
+def fail(message: str) -> NoReturn:
+    """End the command with one red ``error:`` line (never wrapped) and exit code 2: a user error, no traceback."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def friendly(fn: Callable[P, R]) -> Callable[P, R]:
     """Turn user errors into one red message and exit code 2 (no traceback)."""
 
     @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except MoetoolError as exc:
-            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            fail(str(exc))
         except Exception as exc:
             if not _disk_full(exc):
                 raise
-            console.print(
-                f"[bold red]error:[/] the disk filled up while writing ({escape(str(exc))}); the unfinished output "
-                "was removed and nothing else changed. Free space or write to another filesystem (-o)",
-                highlight=False,
-                soft_wrap=True,
+            fail(
+                f"the disk filled up while writing ({exc}); the unfinished output was removed and nothing else "
+                "changed. Free space or write to another filesystem (-o)"
             )
-            raise typer.Exit(2) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def _disk_full(exc: BaseException) -> bool:
@@ -55,24 +58,37 @@ def _disk_full(exc: BaseException) -> bool:
     return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
 
 
+N = TypeVar("N", int, float)
+
+
+def _numbers(option: str, text: str, parse: Callable[[str], N], what: str) -> list[tuple[str, N]]:
+    """Each non-empty comma-separated item of ``text`` with its value (``parse``: ``int`` or ``float``).
+
+    Raises:
+        MoetoolError: an item ``parse`` refuses, naming the option and ``what`` the list holds.
+    """
+    values = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            values.append((item, parse(item)))
+        except ValueError:
+            raise MoetoolError(f"{option}: {text!r} is not a comma-separated list of {what}") from None
+    return values
+
+
 def float_list(option: str, text: str, *, positive: bool = False) -> list[float]:
     """``"1e-3,3e-3"`` → finite numbers (above 0 with ``positive``): a comma-separated option's values.
 
     Raises:
         MoetoolError: a value that is not a number, ``nan``/``inf`` (``float()`` takes both), or not above 0.
     """
-    values = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        try:
-            value = float(item)
-        except ValueError:
-            raise MoetoolError(f"{option}: {text!r} is not a comma-separated list of numbers") from None
+    values = _numbers(option, text, float, "numbers")
+    for item, value in values:
         if not math.isfinite(value) or (positive and value <= 0):
             raise MoetoolError(f"{option}: {item!r} is not a finite number{' above 0' if positive else ''}")
-        values.append(value)
     if not values:
         raise MoetoolError(f"{option}: give at least one number")
-    return values
+    return [value for _, value in values]
 
 
 def int_list(option: str, text: str, *, minimum: int = 1, distinct: int = 1) -> list[int]:
@@ -81,15 +97,10 @@ def int_list(option: str, text: str, *, minimum: int = 1, distinct: int = 1) -> 
     Raises:
         MoetoolError: a value that is not an integer or below ``minimum``, or too few different values.
     """
-    values = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        try:
-            value = int(item)
-        except ValueError:
-            raise MoetoolError(f"{option}: {text!r} is not a comma-separated list of integers") from None
+    values = [value for _, value in _numbers(option, text, int, "integers")]
+    for value in values:
         if value < minimum:
             raise MoetoolError(f"{option}: {value} is below {minimum}")
-        values.append(value)
     if len(set(values)) < max(1, distinct):
         raise MoetoolError(f"{option}: {text!r}: give at least {distinct} different values")
     return values
@@ -148,11 +159,18 @@ def show_deprecations() -> None:
     if getattr(shown, "moetool", False):
         return
 
-    def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
         if issubclass(category, MoetoolDeprecationWarning):
             console.print(f"[yellow]deprecated:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
         else:
-            shown(message, category, *args, **kwargs)
+            shown(message, category, filename, lineno, file, line)
 
     show.moetool = True  # type: ignore[attr-defined]
     warnings.showwarning = show

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, TypedDict
 
 import typer
+from rich.console import Console
 
 from moetool.cli.console import console, friendly, out
+from moetool.cli.options import JsonOpt, VerifyOpt, old_spelling
 
 if TYPE_CHECKING:
     from moetool.edit.run import EditResult
@@ -28,7 +30,7 @@ TuneSteps = Annotated[
 RouterLR = Annotated[float, typer.Option("--router-lr", min=0.0, help="Recalibration learning rate of the routers.")]
 TopK = Annotated[int | None, typer.Option("--top-k", min=1, help="New experts-per-token (default: kept).")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print what the edit would write; write nothing.")]
-NoCheck = Annotated[bool, typer.Option("--no-check", help="Skip the parity check against the input (large models).")]
+OldNoCheck = Annotated[bool, typer.Option("--no-check", hidden=True, help="The old spelling of --no-verify.")]
 Dtype = Annotated[str, typer.Option(help="auto (the checkpoint's own), float32, bfloat16 or float16.")]
 Device = Annotated[str, typer.Option(help="auto (a GPU when there is one), cpu, cuda or cuda:N.")]
 
@@ -45,10 +47,38 @@ def _data(items: list[str] | None) -> dict[str, str]:
     return pairs
 
 
-def _tune(steps: int, lr: float, seed: int = 0) -> Recalibration:
+class _Write(TypedDict):
+    """What every edit takes: how it writes and checks its output."""
+
+    force: bool
+    verify: bool
+    dry_run: bool
+    console: Console
+
+
+class _Tuned(_Write):
+    """What the edits that recalibrate the routers take besides: the data and where they compute."""
+
+    tune: Recalibration
+    data: dict[str, str]
+    dtype: str
+    device: str
+
+
+def _write(command: str, verify: bool, old_no_check: bool, dry_run: bool, force: bool) -> _Write:
+    """The output options of ``moetool experts COMMAND`` (``--no-check``: the old spelling of ``--no-verify``)."""
+    skip = old_spelling(f"experts {command}", "--no-check", True if old_no_check else None, None if verify else True)
+    return _Write(force=force, verify=not skip, dry_run=dry_run, console=console)
+
+
+def _tuned(
+    write: _Write, data: list[str] | None, steps: int, lr: float, dtype: str, device: str, seed: int = 0
+) -> _Tuned:
+    """``write`` and the recalibration options of an edit that tunes the routers after."""
     from moetool.edit.tune import Recalibration
 
-    return Recalibration(steps=steps, router_learning_rate=lr, seed=seed)
+    tune = Recalibration(steps=steps, router_learning_rate=lr, seed=seed)
+    return _Tuned(**write, tune=tune, data=_data(data), dtype=dtype, device=device)
 
 
 def _report(result: EditResult, dry_run: bool = False) -> None:
@@ -73,20 +103,29 @@ def list_cmd(
     moe: Annotated[Path, typer.Argument(help="MoE folder.")],
     data: Data = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="Calibration tokens per --data text.")] = 8192,
-    json_file: Annotated[Path | None, typer.Option("--json", help="Write the listing as JSON.")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write the listing as JSON to this file.")
+    ] = None,
+    as_json: JsonOpt = False,
     dtype: Dtype = "auto",
     device: Device = "auto",
 ) -> None:
     """The experts (index, name) and, with --data, each one's routing share and REAP saliency per layer."""
+    import json
+    import sys
+
     from moetool import api
     from moetool.cli.render import experts_table
 
     report = api.experts.listing(
-        moe, _data(data), max_tokens=max_tokens, dtype=dtype, device=device, console=console, json_file=json_file
+        moe, _data(data), max_tokens=max_tokens, dtype=dtype, device=device, console=console, json_file=output
     )
-    experts_table(out, report)
-    if json_file is not None:
-        out.print(f"wrote {json_file}")
+    if as_json:  # stdout carries the JSON only
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        experts_table(out, report)
+    if output is not None:
+        (console if as_json else out).print(f"wrote {output}")
 
 
 @app.command("remove")
@@ -99,7 +138,8 @@ def remove_cmd(
     data: Data = None,
     tune_steps: TuneSteps = 0,
     router_lr: RouterLR = 0.05,
-    no_check: NoCheck = False,
+    verify: VerifyOpt = True,
+    old_no_check: OldNoCheck = False,
     dry_run: DryRun = False,
     force: Force = False,
     dtype: Dtype = "auto",
@@ -108,23 +148,9 @@ def remove_cmd(
     """Remove experts from every MoE layer; every other tensor is kept bit for bit."""
     from moetool import api
 
-    _report(
-        api.experts.remove(
-            moe,
-            experts,
-            output,
-            top_k=top_k,
-            tune=_tune(tune_steps, router_lr),
-            data=_data(data),
-            force=force,
-            verify=not no_check,
-            dry_run=dry_run,
-            console=console,
-            dtype=dtype,
-            device=device,
-        ),
-        dry_run,
-    )
+    write = _write("remove", verify, old_no_check, dry_run, force)
+    tuned = _tuned(write, data, tune_steps, router_lr, dtype, device)
+    _report(api.experts.remove(moe, experts, output, top_k=top_k, **tuned), dry_run)
 
 
 @app.command("prune")
@@ -144,7 +170,8 @@ def prune_cmd(
     max_tokens: Annotated[int, typer.Option(min=1, help="Calibration tokens per --data text.")] = 8192,
     tune_steps: TuneSteps = 0,
     router_lr: RouterLR = 0.05,
-    no_check: NoCheck = False,
+    verify: VerifyOpt = True,
+    old_no_check: OldNoCheck = False,
     dry_run: DryRun = False,
     force: Force = False,
     dtype: Dtype = "auto",
@@ -158,19 +185,14 @@ def prune_cmd(
         output,
         keep=keep,
         by=by,
-        data=_data(data),
         per_layer=per_layer,
         power_of_two=power_of_two,
         top_k=top_k,
         seed=seed,
         max_tokens=max_tokens,
-        tune=_tune(tune_steps, router_lr, seed),
-        force=force,
-        verify=not no_check,
-        dry_run=dry_run,
-        console=console,
-        dtype=dtype,
-        device=device,
+        **_tuned(
+            _write("prune", verify, old_no_check, dry_run, force), data, tune_steps, router_lr, dtype, device, seed
+        ),
     )
     for row in result.plan.record["layers"]:
         scores = ", ".join(f"{n} {s:.3g}" for n, s in row["scores"].items())
@@ -199,7 +221,8 @@ def add_cmd(
     data: Data = None,
     tune_steps: TuneSteps = 0,
     router_lr: RouterLR = 0.05,
-    no_check: NoCheck = False,
+    verify: VerifyOpt = True,
+    old_no_check: OldNoCheck = False,
     dry_run: DryRun = False,
     force: Force = False,
     dtype: Dtype = "auto",
@@ -208,27 +231,12 @@ def add_cmd(
     """Add a dense expert (or a baked LoRA adapter) as one more expert in every MoE layer; top-k is kept."""
     from moetool import api
 
-    _report(
-        api.experts.add(
-            moe,
-            source,
-            output,
-            name=name,
-            prompts=prompt,
-            negative=negative_prompt,
-            base=base,
-            chat_template=chat_template,
-            tune=_tune(tune_steps, router_lr),
-            data=_data(data),
-            force=force,
-            verify=not no_check,
-            dry_run=dry_run,
-            console=console,
-            dtype=dtype,
-            device=device,
-        ),
-        dry_run,
-    )
+    tuned = _tuned(_write("add", verify, old_no_check, dry_run, force), data, tune_steps, router_lr, dtype, device)
+    result = api.experts.add(
+        moe, source, output, name=name, prompts=prompt, negative=negative_prompt, base=base,
+        chat_template=chat_template, **tuned,
+    )  # fmt: skip
+    _report(result, dry_run)
 
 
 @app.command("extract")
@@ -237,20 +245,19 @@ def extract_cmd(
     moe: Annotated[Path, typer.Argument(help="MoE folder.")],
     expert: Annotated[str, typer.Argument(help="Expert name, index, or 'shared'.")],
     output: Output,
-    no_check: NoCheck = False,
+    verify: VerifyOpt = True,
+    old_no_check: OldNoCheck = False,
     dry_run: DryRun = False,
     force: Force = False,
 ) -> None:
     """One expert as a dense model of the base family (a moetool-built MoE gives back the source, bit for bit)."""
     from moetool import api
 
-    _report(
-        api.experts.extract(moe, expert, output, force=force, verify=not no_check, dry_run=dry_run, console=console)
-    )
+    _report(api.experts.extract(moe, expert, output, **_write("extract", verify, old_no_check, dry_run, force)))
 
 
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="experts")
 
 
-__all__: list[Any] = ["app", "register"]
+__all__: list[str] = ["app", "register"]

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from moetool.cli.console import console, friendly, human, out
-from moetool.cli.options import ForOpt, OldDeviceOpt, old_spelling
+from moetool.cli.options import TARGETS, ForOpt, JsonOpt, OldDeviceOpt, VerifyOpt, old_spelling
 
 ComputeUnitsOpt = Annotated[
     str | None, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE (the default).")
@@ -78,8 +78,8 @@ def export_cmd(
     target: Annotated[
         str | None,
         typer.Option(
-            help="gguf, onnx, tflite, coreml or executorch (default: the --for profile's first format, else gguf; "
-            "a method's output: its own default)."
+            help=f"The export format: {TARGETS} (default: the --for profile's first format, else gguf; a method's "
+            "output: its own default)."
         ),
     ] = None,
     quant: Annotated[
@@ -95,7 +95,7 @@ def export_cmd(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan and memory estimate; write nothing.")
     ] = False,
-    verify: Annotated[bool, typer.Option(help="Check the artifact in its runtime against transformers.")] = True,
+    verify: VerifyOpt = True,
     compute_units: ComputeUnitsOpt = None,
     chunk_layers: ChunkLayersOpt = None,
     jobs: JobsOpt = None,
@@ -120,7 +120,7 @@ def export_cmd(
     LoRA adapter directory, writes a GGUF adapter for llama.cpp's --lora, checked against the base with it merged.
     """
     from moetool import api
-    from moetool.cli.render import print_export_need, print_export_plan, print_manifest
+    from moetool.cli.render import print_export_need, print_export_plan, print_manifest, print_output_check
     from moetool.errors import MoetoolError
     from moetool.export.gguf.lora import is_adapter
     from moetool.io.safe import read_text
@@ -137,7 +137,7 @@ def export_cmd(
             raise typer.BadParameter("--dry-run, --imatrix and --calibration are for models, not adapters")
         return _export_adapter(model, output, base=base, quant=quant, force=force, verify=verify, text=text)
     job = api.plan_export(
-        model, output, target=target, quant=quant, device=profile, force=force, verify=verify, eval_text=text,
+        model, output, target=target, quant=quant, for_=profile, force=force, verify=verify, eval_text=text,
         context=context, imatrix=imatrix, calibration=calib, imatrix_mode=imatrix_mode,
         imatrix_min_tokens=imatrix_floor, compute_units=compute_units, chunk_layers=chunk_layers, jobs=jobs,
         moe_kernel=moe_kernel, accuracy_level=accuracy_level,
@@ -146,6 +146,7 @@ def export_cmd(
     print_export_plan(job.exporter, job.plan, f"{job.exporter.name} plan '{label}' for {job.plan.name}")
     if dry_run:
         print_export_need(job.need())
+        print_output_check(output, force)
         return
     with console.status(f"writing and verifying {job.exporter.name} …"):
         manifest = job.run(console)
@@ -164,7 +165,7 @@ def _export_adapter(
     print_manifest(output, manifest)
 
 
-def devices(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+def devices(as_json: JsonOpt = False) -> None:
     """Device profiles: memory budget, formats in order of preference, precisions, plans tried."""
     from dataclasses import asdict
 

@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from moetool.cli.console import console, friendly, human, out
+from moetool.cli.options import JsonOpt
 from moetool.errors import MoetoolError
 
 
@@ -72,7 +73,7 @@ def merge(
 @friendly
 def inspect(
     model: Annotated[Path, typer.Argument(help="Checkpoint directory.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Architecture, experts, routers, total and active parameters, size on disk."""
     from moetool.inspect import inspect_model
@@ -83,9 +84,9 @@ def inspect(
         return
     t = Table(title=str(model), show_header=False)
     for k, v in info.items():
-        if k in ("total_params", "active_params_per_token"):
+        if k in ("total_params", "active_params_per_token") and isinstance(v, int):
             shown = f"{v:,}"
-        elif k == "size_on_disk_bytes":
+        elif k == "size_on_disk_bytes" and isinstance(v, int):
             shown = human(v)
         else:
             shown = str(v)

@@ -230,6 +230,22 @@ def print_export_need(need: Need | None) -> None:
         out.print(f"[red]it would be refused:[/] {escape(str(exc))}")
 
 
+def print_output_check(output: Path, force: bool) -> None:
+    """``--dry-run``: whether the real run would be refused because ``output`` exists (and what allows it), or that
+    it replaces it (``--force``). Reads the folder only: a dry run writes (and sweeps) nothing."""
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return
+    if force:
+        out.print(f"--force: the real run replaces {escape(str(output))}", highlight=False)
+        return
+    out.print(
+        f"[red]the real run would be refused:[/] {escape(str(output))} exists and is not empty; pass --force to "
+        "replace it, or write to another -o",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def print_manifest(output: Path | str, manifest: Manifest) -> None:
     """What an export wrote and its parity figures (standard exporters and methods' own alike)."""
     from pathlib import Path

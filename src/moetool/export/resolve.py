@@ -6,6 +6,7 @@ hybrid expert) through the standard exporters.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 
 from moetool.export.base import TARGETS, ExportError, ExportJob, ExportRequest, get_exporter
 from moetool.export.planning import ArtifactPlan
+from moetool.io.mlx_folder import check_not_mlx_folder
 from moetool.quant.devices import get_device
 from moetool.quant.imatrix import MODES, Calibration
 from moetool.quant.plan import QuantSpec, parse_quant
@@ -120,7 +122,7 @@ def target_options(target: str, opts: ExportOptions) -> dict[str, Any]:
 
 # what a method's own exporter never reads (it picks its own format and precision), by the flag that sets it
 STANDARD_ONLY = {
-    "--for (a deployment profile)": ("device",),
+    "--for (a deployment profile)": ("for_", "device"),
     "--imatrix": ("imatrix", "calibration", "imatrix_mode", "imatrix_min_tokens"),
     "--compute-units": ("compute_units",),
     "--chunk-layers": ("chunk_layers",),
@@ -138,7 +140,7 @@ def check_method_options(model_dir: Path, method: str, opts: ExportOptions) -> N
     """
     for flag, keys in STANDARD_ONLY.items():
         if any(opts.get(k) is not None for k in keys):
-            target = "; use --target" if keys == ("device",) else ""
+            target = "; use --target" if "for_" in keys else ""
             raise ExportError(f"{model_dir} is a {method} model: {flag} applies to standard MoE models{target}")
 
 
@@ -147,7 +149,8 @@ class ExportOptions(TypedDict, total=False):
 
     target: str | None  # gguf, onnx, …; default: the device's first available format, else gguf
     quant: QuantSpec | str | None  # a QuantSpec or --quant text; default: the model's recipe section, else the target's
-    device: str | None  # a device profile: its format and the best plan that fits its budget
+    for_: str | None  # a deployment profile (`moetool devices`): its format and the best plan that fits its budget
+    device: str | None  # the old keyword of for_ (read with a DeprecationWarning in this release only)
     force: bool  # replace an existing output
     verify: bool  # check the artifact in its runtime (default True)
     eval_text: str | None  # held-out text for the parity check
@@ -165,6 +168,28 @@ class ExportOptions(TypedDict, total=False):
     recipe: RecipeBase | None  # the recipe the model was built from (default: the one its folder keeps)
 
 
+def deployment_profile(opts: ExportOptions) -> str | None:
+    """The deployment profile of ``opts``: ``for_``, or ``device``, its old keyword, with a DeprecationWarning.
+
+    Raises:
+        ExportError: both keywords given.
+    """
+    old = opts.get("device")
+    if old is None:
+        return opts.get("for_")
+    if opts.get("for_") is not None:
+        raise ExportError(
+            "device= is the old keyword of for_= (the deployment profile), which is also given; keep for_="
+        )
+    warnings.warn(
+        f"device={old!r} is the old keyword of the deployment profile: write for_={old!r} (as `moetool export --for`; "
+        "device names the torch device everywhere else, and is read here in this release, not in the next)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return old
+
+
 def plan_standard_export(model_dir: Path, output: str | Path, **opts: Unpack[ExportOptions]) -> ExportJob[ArtifactPlan]:
     """The planned export (exporter, request, plan) of a standard transformers model in ``model_dir``; writes
     nothing. :meth:`ExportJob.run` writes it.
@@ -172,8 +197,10 @@ def plan_standard_export(model_dir: Path, output: str | Path, **opts: Unpack[Exp
     Raises:
         ExportError: an unknown target or device, a target the device does not run, a bad ``quant``, a plan that
             does not fit the device, or a model the target cannot take.
+        SourceError: ``model_dir`` is an MLX export (mlx-lm's layout), which no target reads.
     """
-    device = opts.get("device")
+    pass  # check_not_mlx_folder(Path(model_dir))
+    device = deployment_profile(opts)
     target, _ = resolve_target(device, opts.get("target"))
     exporter = get_exporter(target)
     options = target_options(target, opts)

@@ -13,8 +13,9 @@ from typing import Annotated, Any
 
 import typer
 
-from moetool.cli.console import friendly, out
+from moetool.cli.console import console, friendly, out
 from moetool.cli.export import register_alias
+from moetool.cli.options import JsonOpt
 
 app = typer.Typer(no_args_is_help=True, help="GEM models: evaluation (GG/CDTR/DSI), export, routing logs.")
 register_alias(app, "GEM models and bundles")
@@ -72,7 +73,10 @@ def _print_report(report: dict[str, Any]) -> None:
 @friendly
 def eval_cmd(
     model: Annotated[Path, typer.Argument(help="A GEM model or bundle written by `moetool merge`.")],
-    json_file: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write the report as JSON to this file.")
+    ] = None,
+    as_json: JsonOpt = False,
     seq_len: Annotated[int, typer.Option(min=2, help="Window length in tokens.")] = 256,
     max_tokens: Annotated[int, typer.Option(min=1, help="Held-out tokens per domain.")] = 8192,
 ) -> None:
@@ -89,12 +93,15 @@ def eval_cmd(
     r = built_recipe(model)
     experts = {d.name: resolve_source(d.source).path for d in r.domains}
     general = resolve_source(r.general).path
-    api.check_report_outputs(json_file, None, [model, general, *experts.values()])  # before minutes of evaluation
+    api.check_report_outputs(output, None, [model, general, *experts.values()])  # before minutes of evaluation
     texts = domain_held_out(model)
     report = gem_report(model, general, experts, texts, seq_len=seq_len, max_tokens=max_tokens)
-    _print_report(report)
-    for path in api.write_report(report, json_file, None):
-        out.print(f"wrote {path}")
+    if as_json:  # stdout carries the JSON only
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        _print_report(report)
+    for path in api.write_report(report, output, None):
+        (console if as_json else out).print(f"wrote {path}")
 
 
 @app.command("route")
