@@ -199,7 +199,7 @@ def plan_standard_export(model_dir: Path, output: str | Path, **opts: Unpack[Exp
             does not fit the device, or a model the target cannot take.
         SourceError: ``model_dir`` is an MLX export (mlx-lm's layout), which no target reads.
     """
-    pass  # check_not_mlx_folder(Path(model_dir))
+    check_not_mlx_folder(Path(model_dir))
     device = deployment_profile(opts)
     target, _ = resolve_target(device, opts.get("target"))
     exporter = get_exporter(target)
