@@ -136,3 +136,14 @@ def test_every_registered_target_is_a_recipe_target():
     from moetool.registry import TARGETS
 
     assert set(get_args(Target)) == set(TARGETS)
+
+
+def test_a_qwen2_moe_that_renormalises_its_top_k_is_refused_before_any_work(tmp_path):
+    """mlx-lm's Qwen2-MoE never renormalises the top-k weights: with `norm_topk_prob: true` the folder computes
+    another function, which the f32 gate would only report after writing and loading it."""
+    moe = merge(tmp_path, _wide(tmp_path, "qwen2"), "qwen2_moe", "norm_topk_prob: true\n")
+    req = ExportRequest(model_dir=moe, output=tmp_path / "out", quant=parse_quant("f32"))
+    with pytest.raises(ExportError, match=r"norm_topk_prob: true, but mlx-lm .* never renormalises .*"
+                       r"`norm_topk_prob: false` in the recipe"):  # fmt: skip
+        get_exporter("mlx").plan(req)
+    assert not (tmp_path / "out").exists()

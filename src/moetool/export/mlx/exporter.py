@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
 
-from moetool.arch.outputs import output_arch
+from moetool.arch.consumers import MLX_LM, differing
+from moetool.arch.outputs import expert_count, output_arch
 from moetool.arch.records import model_record
 from moetool.arch.released import released_config
 from moetool.export.base import NOT_VERIFIED, ArtifactPlan, ExportError, ExportRequest, write_manifest
@@ -36,6 +38,29 @@ from moetool.quant.plan import TensorEntry
 F32_GATE = 1e-3
 # the config keys mlx-lm reads that a folder merged before the released form (arch.released) may lack
 _RELEASED_KEYS = ("rope_theta", "rope_scaling", "num_experts", "num_local_experts")
+
+
+def check_topk(cfg: Mapping[str, object]) -> None:
+    """Refuse a model whose top-k routing weights mlx-lm's class for its type weights otherwise (Qwen2-MoE's never
+    renormalises, whatever ``norm_topk_prob`` says: ``arch.consumers.MLX_LM``): the folder would compute another
+    function, and the f32 parity gate would say so only after the whole export.
+
+    Raises:
+        ExportError: naming ``norm_topk_prob``, what mlx-lm does, and the recipe setting it computes.
+    """
+    rec = model_record(cfg.get("model_type"))
+    n, k = expert_count(cfg), cfg.get("num_experts_per_tok")
+    if rec is None or not isinstance(k, int) or k >= n:  # all experts chosen: renormalising changes nothing
+        return
+    norm = rec.normalises_topk(cfg)
+    if MLX_LM not in differing(cfg, norm):
+        return
+    fix = f"merge it with `norm_topk_prob: {str(not norm).lower()}` in the recipe, or " if rec.topk == "config" else ""
+    raise ExportError(
+        f"--target mlx: this {rec.model_type} has norm_topk_prob: {str(norm).lower()}, but mlx-lm "
+        f"({MLX_LM.checked}) {'never' if norm else 'always'} renormalises its top-k routing weights: the MLX folder "
+        f"would compute another function. Nothing was written; {fix}export it to another target (onnx)"
+    )
 
 
 class MLXPlan(ArtifactPlan):
@@ -65,6 +90,7 @@ class MLXExporter:
                 "the Llama, Mistral, Qwen and Granite families and their MoEs (export a method's model with its own "
                 "targets)"
             )
+        check_topk(cfg)
         entries = [TensorEntry(n, tuple(info.shape)) for n, info in ck.tensors.items()]
         # no GGUF block fallback: mlx quantizes any row that a group of 64 or 32 divides (runtime.write_folder)
         c = choose_plan(req, entries, cfg, "mlx", precision_of=mlx_precision, fit_rows=False)
