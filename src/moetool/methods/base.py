@@ -21,23 +21,33 @@ from moetool.io.jsontypes import JsonObject
 from moetool.io.safe import read_json
 from moetool.recipe.base import RecipeBase
 
-if TYPE_CHECKING:  # the mofe plan imports torch; the CLI imports this module at start-up
-    pass
+if TYPE_CHECKING:  # torch and transformers are slow to import; the CLI imports this module at start-up
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # what ``api.build`` reports after each stage: (stage name, its result)
-Stage = Callable[[str, Any], None]
+Stage = Callable[[str, object], None]
 
 RecipeT = TypeVar("RecipeT", bound=RecipeBase)  # a method's recipe model
 PlanT = TypeVar("PlanT")  # what a method's ``describe`` returns (mofe: MergePlan; the others: a MethodPlan)
 RecipeT_contra = TypeVar("RecipeT_contra", bound=RecipeBase, contravariant=True)
 
 
-def register_causal_lm(config_cls: Any, model_cls: Any) -> None:
+def register_causal_lm(config_cls: type[PretrainedConfig], model_cls: type[PreTrainedModel]) -> None:
     """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load checkpoints of ``config_cls.model_type`` (idempotent)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
     AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
+class DenseMLP(Protocol):
+    """A llama-family dense MLP, ``down(act(gate(x)) * up(x))``: what a method reads of a base model's MLP."""
+
+    gate_proj: torch.nn.Linear
+    up_proj: torch.nn.Linear
+    down_proj: torch.nn.Linear
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
 
 
 # why a method's export reads no such key of a ``targets:`` entry (:meth:`MethodPlugin.check_targets`)
@@ -74,12 +84,12 @@ class MethodPlan:
         """The dry run's text: the description lines, then one ``warning:`` line per warning."""
         return "\n".join([*self.lines, *(f"warning: {w}" for w in self.warnings)])
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "method": self.method,
             "name": self.name,
-            "inputs": self.inputs,
-            "parameters": self.parameters,
+            "inputs": dict(self.inputs),
+            "parameters": dict(self.parameters),
             "lines": list(self.lines),
             "warnings": list(self.warnings),
         }
@@ -127,13 +137,24 @@ class TrainOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class MergeOptions:
+    """How to run a method's merge (:meth:`MethodPlugin.assemble`'s keywords): replace an existing output, allow
+    pickled checkpoints, where to print, and the device a merge that runs a model uses (None: auto)."""
+
+    force: bool
+    allow_pickle: bool
+    console: Console
+    device: str | None
+
+
 @dataclass
 class TrainOutcome:
     """What a method's training wrote: the output and labelled figures for the CLI to print."""
 
     output: Path
     figures: dict[str, str] = field(default_factory=dict)
-    detail: Any = None
+    detail: object = None
 
 
 def config_model_type(model_dir: Path) -> str | None:
@@ -190,7 +211,15 @@ class MethodPlugin(Generic[RecipeT, PlanT]):
         """Build the model into ``output`` atomically (refusing an existing one without ``force``); returns it.
 
         ``device``: where the merge runs a model, if it does (mofe's hidden-state routers); None or ``auto``: a GPU
-        when there is one.
+        when there is one. A method implements :meth:`merge`, which gets these options as one :class:`MergeOptions`.
+
+        Raises:
+            NotImplementedError: the method has no merge stage.
+        """
+        return self.merge(recipe, output, MergeOptions(force, allow_pickle, console, device))
+
+    def merge(self, recipe: RecipeT, output: Path, options: MergeOptions) -> Path:
+        """:meth:`assemble`'s work, which each method with a merge stage provides.
 
         Raises:
             NotImplementedError: the method has no merge stage.
@@ -316,18 +345,9 @@ class AssemblerPlugin(MethodPlugin[RecipeT, MethodPlan]):
     def describe(self, recipe: RecipeT, *, allow_pickle: bool = False) -> MethodPlan:
         return self._assembler().describe(recipe, recipe_dir=recipe.recipe_dir)
 
-    def assemble(
-        self,
-        recipe: RecipeT,
-        output: Path,
-        *,
-        force: bool = False,
-        allow_pickle: bool = False,
-        console: Console,
-        device: str | None = None,
-    ) -> Path:
-        self.refuse_device(device)
+    def merge(self, recipe: RecipeT, output: Path, options: MergeOptions) -> Path:
+        self.refuse_device(options.device)
         built = self._assembler().assemble(
-            recipe, recipe_dir=recipe.recipe_dir, output=output, force=force, console=console
+            recipe, recipe_dir=recipe.recipe_dir, output=output, force=options.force, console=options.console
         )
         return Path(built)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -36,11 +36,11 @@ def resolve_base(recipe: ComigsRecipe, recipe_dir: Path | None) -> Path:
         raise PreflightError(f"base_model: {exc}") from None
 
 
-def base_config(recipe: ComigsRecipe, recipe_dir: Path | None) -> Any:
+def base_config(recipe: ComigsRecipe, recipe_dir: Path | None) -> PretrainedConfig:
     """The dense base's config, checked to be a llama-family decoder with a bias-free gate/up/down MLP."""
     path = resolve_base(recipe, recipe_dir)
     try:
-        cfg = AutoConfig.from_pretrained(str(path))
+        cfg: PretrainedConfig = AutoConfig.from_pretrained(str(path))
     except Exception as exc:
         raise PreflightError(f"base_model: cannot read config of {path}: {exc}") from None
     if cfg.model_type not in DENSE_FAMILIES:
@@ -113,7 +113,7 @@ def _load_adapter(
 
 
 def build_user_model(
-    recipe: ComigsRecipe, user: UserSpec, dense: Any, recipe_dir: Path | None = None
+    recipe: ComigsRecipe, user: UserSpec, dense: PreTrainedModel, recipe_dir: Path | None = None
 ) -> ComigsForCausalLM:
     """The user's CoMiGS model over the loaded dense base (weights copied, LoRA seeded by expert name)."""
     cfg = user_config(recipe, user, dense.config)
@@ -157,18 +157,35 @@ def shared_names(model: ComigsForCausalLM, recipe: ComigsRecipe) -> list[str]:
     return out
 
 
-def load_dense(recipe: ComigsRecipe, recipe_dir: Path | None) -> tuple[Any, Any, Path]:
+def load_dense(recipe: ComigsRecipe, recipe_dir: Path | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Path]:
     """(dense base in float32, its tokenizer, its path)."""
     from transformers import AutoTokenizer
 
     base_config(recipe, recipe_dir)
     path = resolve_base(recipe, recipe_dir)
-    dense = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(path))
+    dense: PreTrainedModel = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
     return dense, tok, path
 
 
-def count_params(recipe: ComigsRecipe, base_cfg: PretrainedConfig) -> dict[str, Any]:
+class UserCounts(TypedDict):
+    """One user's model: its experts, routed top-k, router parameters and the parameters one upload carries."""
+
+    experts: int
+    top_k: int
+    router: int
+    upload: int
+
+
+class ParamCounts(TypedDict):
+    """Parameters per LoRA expert and per attention LoRA, and each user's :class:`UserCounts`."""
+
+    expert_lora: int
+    attention_lora: int
+    users: dict[str, UserCounts]
+
+
+def count_params(recipe: ComigsRecipe, base_cfg: PretrainedConfig) -> ParamCounts:
     """Per user: experts, router and LoRA parameter counts, and what one upload carries (no weights read)."""
     d, inter, layers = base_cfg.hidden_size, base_cfg.intermediate_size, base_cfg.num_hidden_layers
     r = recipe.lora.rank
@@ -185,7 +202,7 @@ def count_params(recipe: ComigsRecipe, base_cfg: PretrainedConfig) -> dict[str, 
     }
     ar = recipe.lora.attention_rank
     attn = layers * sum(ar * (i + o) for p, (i, o) in attn_shape.items() if p in recipe.lora.attention_targets)
-    out: dict[str, Any] = {"expert_lora": expert, "attention_lora": attn, "users": {}}
+    out: ParamCounts = {"expert_lora": expert, "attention_lora": attn, "users": {}}
     for user in recipe.users:
         n = len(recipe.generalists) + len(user.specialists)
         router = layers * d * n if recipe.routing == "learned" and n > 1 else 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -22,6 +22,9 @@ from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_dir
 from moetool.io.files import copy_tokenizer
 from moetool.methods.comigs.model import ComigsForCausalLM, LoRAExpert, LoRALinear, register
+
+if TYPE_CHECKING:
+    from transformers import MixtralForCausalLM
 
 PARITY_TOL = 1e-5
 FLOAT32_TOL = 1e-3  # float32 evaluation of merged vs unmerged weights: summation order only
@@ -56,7 +59,7 @@ def merged_expert(model: ComigsForCausalLM, layer: int, j: int) -> dict[str, tor
     return out
 
 
-def to_mixtral(model: ComigsForCausalLM) -> Any:
+def to_mixtral(model: ComigsForCausalLM) -> MixtralForCausalLM:
     """An in-memory ``MixtralForCausalLM`` computing the same function as ``model``."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -70,7 +73,8 @@ def to_mixtral(model: ComigsForCausalLM) -> Any:
         )
     n, k = cfg.n_experts, cfg.experts_per_token
     mix_cfg = MixtralConfig.from_dict(MIXTRAL.make_config(dense, n_experts=n, top_k=k, shared_intermediate=None))
-    mix = MixtralForCausalLM(mix_cfg).float().eval()
+    mix = MixtralForCausalLM(mix_cfg)
+    mix.float().eval()  # in place
     src = model.lm
     with torch.no_grad():
         mix.model.embed_tokens.weight.copy_(src.model.embed_tokens.weight)

@@ -18,9 +18,16 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO, TypeVar
+
+if TYPE_CHECKING:  # a typing alias only: the launcher imports nothing outside the standard library
+    from moetool.io.jsontypes import JsonObject, JsonValue
+
+T = TypeVar("T")
+ConfigValue = str | int | float | bool  # a value of Flower's run config or node config
 
 HOST = "127.0.0.1"
 CONNECTION = "comigs-local"  # the SuperLink connection's name in this deployment's own FLWR_HOME
@@ -33,7 +40,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _toml_value(value: Any) -> str:
+def _toml_value(value: ConfigValue) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
@@ -41,7 +48,7 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value))  # a TOML basic string is a JSON string for these values
 
 
-def run_config_arg(config: dict[str, Any]) -> str:
+def run_config_arg(config: Mapping[str, ConfigValue]) -> str:
     """``flwr run --run-config`` text: space-separated TOML key=value pairs."""
     return " ".join(f"{k}={_toml_value(v)}" for k, v in config.items())
 
@@ -57,7 +64,19 @@ class RunResult:
         return self.status == "finished:completed"
 
 
-def _json(text: str) -> dict[str, Any]:
+def _int(value: JsonValue, what: str) -> int:
+    """A number Flower printed in its JSON (a node or run id)."""
+    if isinstance(value, int | float | str):
+        return int(value)
+    raise RuntimeError(f"flwr printed {what} {value!r}, not a number")
+
+
+def _objects(value: JsonValue) -> list[JsonObject]:
+    """The objects of a JSON array Flower printed (its nodes, its runs); [] for anything else."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _json(text: str) -> JsonObject:
     """The JSON object a ``flwr ... --format json`` command printed (after any plain lines), or {}."""
     start = text.find("{")
     try:
@@ -76,7 +95,7 @@ class LocalDeployment:
     n_nodes: int
     bin: Path
     secure: bool = True
-    node_config: dict[int, dict[str, Any]] = field(default_factory=dict)  # extra --node-config per partition
+    node_config: dict[int, dict[str, ConfigValue]] = field(default_factory=dict)  # extra --node-config per partition
     start_timeout: float = 120.0
     port: int = 0
     node_ids: list[int] = field(default_factory=list)
@@ -154,7 +173,7 @@ class LocalDeployment:
         text = f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n' + "\n".join(conn) + "\n"
         (home / "config.toml").write_text(text, encoding="utf-8")
 
-    def _wait(self, what: str, ready: Any, timeout: float) -> Any:
+    def _wait(self, what: str, ready: Callable[[], T], timeout: float) -> T:
         deadline = time.monotonic() + timeout
         while True:
             for name, proc in self._procs.items():
@@ -168,9 +187,9 @@ class LocalDeployment:
                 raise TimeoutError(f"{what}: not within {timeout:g} s (logs: {self.workdir / 'logs'})")
             time.sleep(0.5)
 
-    def _nodes(self) -> list[dict[str, Any]]:
+    def _nodes(self) -> list[JsonObject]:
         res = self.flwr("supernode", "ls", CONNECTION, "--format", "json", timeout=30)
-        return list(_json(res.stdout).get("nodes", [])) if res.returncode == 0 else []
+        return _objects(_json(res.stdout).get("nodes", [])) if res.returncode == 0 else []
 
     def _superlink_up(self) -> bool:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -218,12 +237,16 @@ class LocalDeployment:
         data = _json(res.stdout)
         if res.returncode != 0 or "node-id" not in data:
             raise RuntimeError(f"flwr supernode register node{i} failed ({res.returncode}): {res.stdout}{res.stderr}")
-        return int(data["node-id"])
+        return _int(data["node-id"], "node-id")
 
     def start_node(self, i: int, *, key: str | None = None) -> subprocess.Popen[bytes]:
         """Start (or restart, with the same key and so the same node id) the SuperNode of partition ``i``. ``key``:
         sign in with ``keys/<key>.key`` instead, as it is, never registered (to see the SuperLink refuse it)."""
-        config = {"partition-id": i, "num-partitions": self.n_nodes, "state-dir": str(self.state_dir(i))}
+        config: dict[str, ConfigValue] = {
+            "partition-id": i,
+            "num-partitions": self.n_nodes,
+            "state-dir": str(self.state_dir(i)),
+        }
         config |= self.node_config.get(i, {})
         argv = ["flower-supernode", "--superlink", f"{HOST}:{self.port}", "--node-config", run_config_arg(config)]
         argv += ["--host", HOST, "--port", str(free_port())]  # its Runtime API, for its own SuperExec
@@ -243,7 +266,10 @@ class LocalDeployment:
     def node_status(self, i: int) -> str:
         """The SuperLink's view of SuperNode ``i``: "online", "offline", "registered", ... ("" when not listed)."""
         ids = self.node_ids[i] if self.secure else None
-        return next((str(n.get("status")) for n in self._nodes() if ids is not None and int(n["node-id"]) == ids), "")
+        return next(
+            (str(n.get("status")) for n in self._nodes() if ids is not None and _int(n["node-id"], "node-id") == ids),
+            "",
+        )
 
     def restart_node(self, i: int, timeout: float = 180) -> None:
         """Start SuperNode ``i`` again after a crash. The SuperLink lets its key back in only once it has marked the
@@ -255,7 +281,7 @@ class LocalDeployment:
         self._wait(f"SuperNode {i} online again", lambda: self.node_status(i) == "online", timeout)
 
     # ------------------------------------------------------------------------------------------------------ runs
-    def run_argv(self, app: Path, run_config: dict[str, Any]) -> list[str]:
+    def run_argv(self, app: Path, run_config: Mapping[str, ConfigValue]) -> list[str]:
         return [
             str(self.bin / "flwr"),
             "run",
@@ -266,7 +292,9 @@ class LocalDeployment:
             run_config_arg(run_config),
         ]
 
-    def submit(self, app: Path, run_config: dict[str, Any], log_name: str = "flwr-run") -> subprocess.Popen[bytes]:
+    def submit(
+        self, app: Path, run_config: Mapping[str, ConfigValue], log_name: str = "flwr-run"
+    ) -> subprocess.Popen[bytes]:
         """Start ``flwr run --stream`` without waiting (its output goes to logs/<log_name>.log)."""
         self.log(log_name).parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log(log_name), "w", encoding="utf-8")  # noqa: SIM115 (closed in stop())
@@ -298,10 +326,11 @@ class LocalDeployment:
         if found is None:
             return RunResult(None, f"not started (flwr run exit {proc.returncode})", log)
         run_id = int(found.group(1))
-        runs = _json(self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json").stdout).get("runs", [])
+        listed = _json(self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json").stdout)
+        runs = _objects(listed.get("runs", []))
         return RunResult(run_id, str(runs[0].get("status", "unknown")) if runs else "unknown", log)
 
-    def run(self, app: Path, run_config: dict[str, Any], timeout: float = 600) -> RunResult:
+    def run(self, app: Path, run_config: Mapping[str, ConfigValue], timeout: float = 600) -> RunResult:
         """``flwr run`` to its end."""
         return self.finish(self.submit(app, run_config), timeout=timeout)
 

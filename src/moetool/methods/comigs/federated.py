@@ -6,15 +6,14 @@ a Flower ClientApp/ServerApp, and :func:`run_inprocess` runs them in one process
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -95,6 +94,13 @@ def load_user_data(
     return UserData(train=train, valid=valid, test=test)
 
 
+class RoundRecord(TypedDict):
+    """One round of the report's history: each user's mean losses of its local round (``train_ce``, …)."""
+
+    round: int
+    users: dict[str, dict[str, float]]
+
+
 @dataclass
 class Federation:
     """Everything one run needs: the recipe, the base, and one trainer per user (in recipe order)."""
@@ -103,13 +109,13 @@ class Federation:
     tokenizer: PreTrainedTokenizerBase
     base_path: Path
     clients: list[ClientTrainer]
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[RoundRecord] = field(default_factory=list)
 
 
 def make_client(
     recipe: ComigsRecipe,
     index: int,
-    dense: Any,
+    dense: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     recipe_dir: Path | None,
     data: UserData | None = None,

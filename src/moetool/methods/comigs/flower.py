@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache, partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -24,13 +24,18 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from moetool.io.atomic import atomic_write_text
+from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.methods.comigs.assemble import build_user_model, load_dense, shared_names
 from moetool.methods.comigs.bilevel import ClientTrainer, UserData
 from moetool.methods.comigs.device_state import DeviceState, load_state, save_state
 from moetool.methods.comigs.federated import average, load_user_data, make_client, variant_recipe
+from moetool.methods.comigs.flower_replies import RunSettings, Setting
 from moetool.methods.comigs.flower_replies import collect as _collect
 from moetool.methods.comigs.flower_replies import wait_for_nodes as _wait_for_nodes
 from moetool.recipe.comigs import ComigsRecipe
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 PRIVATE = "comigs.private"
 REPLY_ARRAYS = "comigs.reply.arrays"  # the last train reply, sent again if the server asks for that round again
@@ -38,7 +43,7 @@ REPLY_METRICS = "comigs.reply.metrics"
 COUNTERS = "comigs.counters"
 
 
-def _settings(context: Context, defaults: dict[str, Any]) -> dict[str, Any]:
+def _settings(context: Context, defaults: RunSettings) -> RunSettings:
     """Run settings: the factory's defaults, overridden by ``flwr run --run-config`` / pyproject values."""
     out = dict(defaults)
     for key in ("recipe", "variant", "output", "rounds", "round-timeout", "on-missing", "connect-timeout"):
@@ -60,7 +65,7 @@ def _recipe(path: str, variant: str) -> ComigsRecipe:
 
 
 @lru_cache(maxsize=2)
-def _dense(path: str, variant: str) -> tuple[Any, Any, Path]:
+def _dense(path: str, variant: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Path]:
     return load_dense(_recipe(path, variant), Path(path).parent)
 
 
@@ -77,7 +82,7 @@ def _state_dir(context: Context) -> Path | None:
     return Path(str(value)) if value else None
 
 
-def _trainer(context: Context, s: dict[str, Any], rnd: int) -> tuple[ClientTrainer, int]:
+def _trainer(context: Context, s: RunSettings, rnd: int) -> tuple[ClientTrainer, int]:
     """This device's trainer for round ``rnd``, restored from its node state after the first round, or, on a
     SuperNode restarted within the same run, from the state file of round ``rnd - 1``."""
     path, variant = str(s["recipe"]), str(s["variant"])
@@ -144,7 +149,7 @@ def _round(msg: Message) -> int:
     return int(cfg.get("round", 1))  # type: ignore[call-overload]
 
 
-def client_train(msg: Message, context: Context, defaults: dict[str, Any]) -> Message:
+def client_train(msg: Message, context: Context, defaults: RunSettings) -> Message:
     """One round on a device: load the server's generalists, run the local bi-level loop, reply with the shared
     tensors only."""
     s = _settings(context, defaults)
@@ -172,7 +177,7 @@ def client_train(msg: Message, context: Context, defaults: dict[str, Any]) -> Me
     return Message(content, reply_to=msg)
 
 
-def client_evaluate(msg: Message, context: Context, defaults: dict[str, Any]) -> Message:
+def client_evaluate(msg: Message, context: Context, defaults: RunSettings) -> Message:
     """Load the final generalists, report test perplexity, and (with ``save-dir``) save this user's model there."""
     s = _settings(context, defaults)
     trainer, index = _trainer(context, s, _round(msg))
@@ -196,9 +201,10 @@ def client_evaluate(msg: Message, context: Context, defaults: dict[str, Any]) ->
     return Message(content, reply_to=msg)
 
 
-def make_client_app(**defaults: Any) -> ClientApp:
+def make_client_app(**defaults: Setting) -> ClientApp:
     """A ClientApp; ``defaults`` (recipe, variant) are overridden by the run config in deployment mode."""
-    defaults = {"recipe": "", "variant": "comigs"} | defaults
+    settings: RunSettings = {"recipe": "", "variant": "comigs"}
+    defaults = settings | defaults
     app = ClientApp()
 
     @app.train()
@@ -212,7 +218,7 @@ def make_client_app(**defaults: Any) -> ClientApp:
     return app
 
 
-def _initial_shared(recipe: ComigsRecipe, recipe_dir: Path, dense: Any) -> dict[str, torch.Tensor]:
+def _initial_shared(recipe: ComigsRecipe, recipe_dir: Path, dense: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The server's starting generalists: the seeded initialisation every device also starts from."""
     model = build_user_model(recipe, recipe.users[0], dense, recipe_dir)
     named = dict(model.named_parameters())
@@ -220,7 +226,7 @@ def _initial_shared(recipe: ComigsRecipe, recipe_dir: Path, dense: Any) -> dict[
 
 
 def _send(
-    nodes: list[int], arrays: dict[str, torch.Tensor], config: dict[str, Any], kind: str, group: str
+    nodes: list[int], arrays: dict[str, torch.Tensor], config: RunSettings, kind: str, group: str
 ) -> list[Message]:
     return [
         Message(
@@ -233,12 +239,24 @@ def _send(
     ]
 
 
+class Rounds(TypedDict):
+    """What the federated rounds add to the report: the history, the upload size, the users dropped (each with
+    the round it did not answer) and which user each SuperNode runs."""
+
+    history: list[JsonValue]
+    upload_bytes_per_round: int
+    dropped: dict[str, JsonValue]
+    users: dict[int, str]
+
+
 def _train_rounds(
-    grid: Grid, s: dict[str, Any], recipe: ComigsRecipe, nodes: list[int], server: dict[str, torch.Tensor], rounds: int
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    grid: Grid, s: RunSettings, recipe: ComigsRecipe, nodes: list[int], server: dict[str, torch.Tensor], rounds: int
+) -> tuple[dict[str, torch.Tensor], Rounds]:
     """The federated rounds. Returns the final generalists and the report's history, upload size and drops."""
     users: dict[int, str] = {}
-    history, dropped, upload_bytes = [], {}, 0
+    history: list[JsonValue] = []
+    dropped: dict[str, JsonValue] = {}
+    upload_bytes = 0
     for r in range(1, rounds + 1):
         make = partial(_send, arrays=server, config={"round": r}, kind=MessageType.TRAIN, group=str(r))
         replies = _collect(grid, make, nodes, s, f"round {r}", users)
@@ -254,12 +272,12 @@ def _train_rounds(
         upload_bytes = sum(t.numel() * t.element_size() for u in uploads for t in u.values())
         if server:
             server = average(uploads)
-        ce = {i: float(m["train_ce"]) for i, m in zip(ids, metrics, strict=True)}  # type: ignore[index,arg-type]
+        ce: dict[str, JsonValue] = {str(i): float(m["train_ce"]) for i, m in zip(ids, metrics, strict=True)}  # type: ignore[index,arg-type]
         history.append({"round": r, "train_ce": ce})
     return server, {"history": history, "upload_bytes_per_round": upload_bytes, "dropped": dropped, "users": users}
 
 
-def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[str, Any]:
+def server_main(grid: Grid, context: Context, defaults: RunSettings) -> JsonObject:
     """Rounds of: send the averaged generalists to every user, collect their uploads, average uniformly. Then an
     evaluation round. Writes ``<output>/comigs-report.json`` when an output is set; returns the report."""
     s = _settings(context, defaults)
@@ -271,16 +289,16 @@ def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[
     nodes = _wait_for_nodes(grid, len(recipe.users), float(s.get("connect-timeout") or 600))
     server, done = _train_rounds(grid, s, recipe, nodes, server, rounds)
     out = str(s.get("output") or "")
-    config = {"round": rounds + 1, "save-dir": out}
+    config: RunSettings = {"round": rounds + 1, "save-dir": out}
     make = partial(_send, arrays=server, config=config, kind=MessageType.EVALUATE, group="final")
-    users = {}
+    users: dict[str, JsonValue] = {}
     for rep in _collect(grid, make, nodes, s, "evaluation", done["users"]):
         m = rep.content["metrics"]
         users[recipe.users[int(m["partition-id"])].name] = {  # type: ignore[index,call-overload]
             "test_ppl": float(m["test_ppl"]),  # type: ignore[index,arg-type]
             "train_tokens": int(m["train_tokens"]),  # type: ignore[index,call-overload]
         }
-    report = {
+    report: JsonObject = {
         "recipe": recipe.name,
         "variant": variant,
         "engine": "flower",
@@ -297,8 +315,9 @@ def server_main(grid: Grid, context: Context, defaults: dict[str, Any]) -> dict[
     return report
 
 
-def make_server_app(**defaults: Any) -> ServerApp:
-    defaults = {"recipe": "", "variant": "comigs", "output": "", "rounds": 0} | defaults
+def make_server_app(**defaults: Setting) -> ServerApp:
+    settings: RunSettings = {"recipe": "", "variant": "comigs", "output": "", "rounds": 0}
+    defaults = settings | defaults
     app = ServerApp()
 
     @app.main()
@@ -315,13 +334,13 @@ server_app = make_server_app()
 
 def simulate(
     recipe_path: Path, output: Path, *, variant: str = "comigs", rounds: int | None = None, verbose: bool = False
-) -> dict[str, Any]:
+) -> JsonObject:
     """Run the federation in Flower's simulation engine (one virtual SuperNode per user, ray backend, one CPU
     each); writes the user models and ``comigs-report.json`` into ``output`` (a fresh directory)."""
     from flwr.simulation import run_simulation
 
     recipe = _recipe(str(recipe_path), variant)
-    defaults = {
+    defaults: RunSettings = {
         "recipe": str(Path(recipe_path).resolve()),
         "variant": variant,
         "output": str(Path(output).resolve()),
@@ -340,5 +359,5 @@ def simulate(
     report_path = Path(output) / "comigs-report.json"
     if not report_path.is_file():
         raise RuntimeError(f"the Flower simulation ended without writing {report_path}")
-    report: dict[str, Any] = json.loads(report_path.read_text(encoding="utf-8"))
+    report: JsonObject = json.loads(report_path.read_text(encoding="utf-8"))
     return report

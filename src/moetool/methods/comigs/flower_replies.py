@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from flwr.app import Message
 from flwr.serverapp import Grid
 
 MakeMessages = Callable[[list[int]], list[Message]]  # one message per destination node
+Setting = str | int | float | bool  # a run-config value (Flower's UserConfigValue)
+RunSettings = dict[str, Setting]  # the run's settings: the app factory's defaults and ``flwr run --run-config``
 
 
 def wait_for_nodes(grid: Grid, n_users: int, timeout: float) -> list[int]:
@@ -32,7 +33,7 @@ def _ask(grid: Grid, make: MakeMessages, nodes: list[int], timeout: float | None
 
 
 def collect(
-    grid: Grid, make: MakeMessages, nodes: list[int], s: dict[str, Any], label: str, users: dict[int, str]
+    grid: Grid, make: MakeMessages, nodes: list[int], s: RunSettings, label: str, users: dict[int, str]
 ) -> list[Message]:
     """The good replies to ``make(nodes)``. A device that does not answer (its SuperNode died, or it missed
     ``round-timeout``) or answers with an error fails the run. With ``on-missing = "drop"`` it is left out of this

@@ -22,7 +22,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from moetool.methods.base import register_causal_lm
+from moetool.io.jsontypes import JsonObject
+from moetool.methods.base import DenseMLP, register_causal_lm
 
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -47,7 +48,7 @@ class ComigsConfig(PretrainedConfig):
 
     def __init__(
         self,
-        base_config: dict[str, Any] | None = None,
+        base_config: JsonObject | None = None,
         expert_names: list[str] | None = None,
         n_generalists: int = 1,
         routing: str = "learned",
@@ -56,7 +57,7 @@ class ComigsConfig(PretrainedConfig):
         mlp_targets: list[str] | None = None,
         attn_rank: int = 0,
         attn_targets: list[str] | None = None,
-        **kwargs: Any,
+        **kwargs: Any,  # PretrainedConfig's own settings, each with its own type
     ) -> None:
         self.base_config = base_config or {}
         self.expert_names = list(expert_names or ["generalist", "specialist"])
@@ -86,7 +87,7 @@ class ComigsConfig(PretrainedConfig):
 
     def dense_config(self) -> PretrainedConfig:
         cfg = dict(self.base_config)
-        return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        return AutoConfig.for_model(str(cfg.pop("model_type")), **cfg)
 
 
 def rs_scaling(alpha: float, rank: int) -> float:
@@ -104,7 +105,7 @@ def _fresh_lora(rank: int, fan_in: int, fan_out: int) -> tuple[nn.Parameter, nn.
 class LoRAExpert(nn.Module):
     """One expert's LoRA factors: ``<proj>_A [r, in]`` and ``<proj>_B [out, r]`` per MLP target."""
 
-    def __init__(self, base_mlp: nn.Module, targets: list[str], rank: int) -> None:
+    def __init__(self, base_mlp: DenseMLP, targets: list[str], rank: int) -> None:
         super().__init__()
         for proj in targets:
             lin: nn.Linear = getattr(base_mlp, proj)
@@ -143,9 +144,9 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 class ComigsMoE(nn.Module):
     """Replaces a dense MLP: ``x [B, T, D]`` → ``Σ_{j ∈ topk} w_j · expert_j(x)`` ``[B, T, D]``."""
 
-    def __init__(self, base_mlp: Any, config: ComigsConfig) -> None:
+    def __init__(self, base_mlp: DenseMLP, config: ComigsConfig) -> None:
         super().__init__()
-        self.base: Any = base_mlp  # the dense MLP (frozen gate/up/down_proj and act_fn)
+        self.base: DenseMLP = base_mlp  # the dense MLP (frozen gate/up/down_proj and act_fn)
         self.targets = list(config.mlp_targets)
         self.scaling = rs_scaling(config.lora_alpha, config.lora_rank)
         self.top_k = config.experts_per_token
@@ -257,7 +258,7 @@ class ComigsForCausalLM(PreTrainedModel, GenerationMixin):
         """``[T, n]`` per layer from the last forward (empty without routers)."""
         return [m.last_logits for m in self.moe_layers if m.last_logits is not None]
 
-    def forward(self, input_ids: torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+    def forward(self, input_ids: torch.Tensor | None = None, **kwargs: object) -> CausalLMOutputWithPast:
         out: CausalLMOutputWithPast = self.lm(input_ids=input_ids, **kwargs)
         return out
 

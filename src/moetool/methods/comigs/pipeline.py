@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 from rich.console import Console
@@ -16,7 +17,7 @@ from moetool.io.files import copy_tokenizer
 from moetool.methods.base import MethodPlan
 from moetool.methods.comigs.assemble import PARITY_TOL, base_config, build_user_model, count_params, load_dense
 from moetool.methods.comigs.bilevel import ClientTrainer
-from moetool.methods.comigs.federated import Federation, prepare, run_inprocess, variant_recipe
+from moetool.methods.comigs.federated import Federation, RoundRecord, prepare, run_inprocess, variant_recipe
 from moetool.recipe.comigs import ComigsRecipe
 from moetool.recipe.kept import write_kept_recipe
 
@@ -101,6 +102,28 @@ def assemble(
     return Path(output)
 
 
+class UserResult(TypedDict):
+    """One user's line of ``comigs-report.json``."""
+
+    test_ppl_before: float
+    test_ppl: float
+    experts: list[str]
+    train_tokens: int
+    reload_max_abs_logit_diff: float
+
+
+class TrainReport(TypedDict):
+    """``comigs-report.json`` of an in-process run."""
+
+    recipe: str
+    variant: str
+    engine: str
+    seconds: float
+    upload_bytes_per_round: int
+    users: dict[str, UserResult]
+    history: list[RoundRecord]
+
+
 def _comm_bytes(fed: Federation) -> int:
     return sum(sum(t.numel() * t.element_size() for t in c.shared_state().values()) for c in fed.clients)
 
@@ -112,8 +135,8 @@ def train(
     *,
     variant: str = "comigs",
     force: bool = False,
-    log: Any = None,
-) -> dict[str, Any]:
+    log: Callable[[str], None] | None = None,
+) -> TrainReport:
     """Federated training in one process; writes ``output/<user>`` models and ``output/comigs-report.json``."""
 
     check_output(Path(output), force=force)
@@ -123,19 +146,20 @@ def train(
     t0 = time.perf_counter()
     run_inprocess(fed, log=log)
     seconds = time.perf_counter() - t0
-    report: dict[str, Any] = {
+    users: dict[str, UserResult] = {}
+    report: TrainReport = {
         "recipe": r.name,
         "variant": variant,
         "engine": "inprocess",
         "seconds": seconds,
         "upload_bytes_per_round": _comm_bytes(fed),
-        "users": {},
+        "users": users,
         "history": fed.history,
     }
     with atomic_dir(Path(output), force=force) as tmp:
         for u, c in zip(r.users, fed.clients, strict=True):
             diff = save_user(c, tmp / u.name, fed.base_path)
-            report["users"][u.name] = {
+            users[u.name] = {
                 "test_ppl_before": before[u.name],
                 "test_ppl": c.perplexity(),
                 "experts": c.model.config.expert_names,
@@ -145,3 +169,15 @@ def train(
         write_kept_recipe(tmp, r)
         (tmp / "comigs-report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+class ComigsAssembler:
+    """The comigs :class:`~moetool.methods.base.Assembler`: :func:`describe` and :func:`assemble` for its plugin."""
+
+    def describe(self, recipe: ComigsRecipe, *, recipe_dir: Path) -> MethodPlan:
+        return describe(recipe, recipe_dir)
+
+    def assemble(
+        self, recipe: ComigsRecipe, *, recipe_dir: Path, output: Path, force: bool = False, console: Console | None
+    ) -> Path:
+        return assemble(recipe, recipe_dir, output, force=force, console=console)

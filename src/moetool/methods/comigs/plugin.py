@@ -15,7 +15,7 @@ from moetool.export.base import Exporter, ExportJob, ExportRequest, Origin, get_
 from moetool.export.parity import ParityRecord
 from moetool.io.atomic import scratch_dir
 from moetool.io.jsontypes import JsonObject
-from moetool.methods.base import MethodExportPlan, MethodPlan, MethodPlugin, TrainOptions, TrainOutcome
+from moetool.methods.base import AssemblerPlugin, MethodExportPlan, TrainOptions, TrainOutcome
 from moetool.recipe.comigs import ComigsRecipe
 
 if TYPE_CHECKING:
@@ -64,32 +64,12 @@ def export_baked(req: ExportRequest, target: str, console: Console) -> JsonObjec
         return ExportJob(exporter, sub, exporter.plan(sub)).run(console)
 
 
-class ComigsPlugin(MethodPlugin[ComigsRecipe, MethodPlan]):
+class ComigsPlugin(AssemblerPlugin[ComigsRecipe]):
     name = "comigs"
+    assembler = "moetool.methods.comigs.pipeline:ComigsAssembler"
     model_types = ("moetool_comigs",)
     model_modules = ("moetool.methods.comigs.model",)
     export_targets = tuple(registry.TARGETS)
-
-    def describe(self, recipe: ComigsRecipe, *, allow_pickle: bool = False) -> MethodPlan:
-        from moetool.methods.comigs.pipeline import describe
-
-        return describe(recipe, recipe.recipe_dir)
-
-    def assemble(
-        self,
-        recipe: ComigsRecipe,
-        output: Path,
-        *,
-        force: bool = False,
-        allow_pickle: bool = False,
-        console: Console,
-        device: str | None = None,
-    ) -> Path:
-        from moetool.methods.comigs.pipeline import assemble
-
-        self.refuse_device(device)
-
-        return assemble(recipe, recipe.recipe_dir, output, force=force, console=console)
 
     def train(
         self, recipe: ComigsRecipe, model: Path | None, output: Path, options: TrainOptions, console: Console

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from moetool.methods.base import MethodPlugin, TrainOptions, TrainOutcome
+from moetool.methods.base import MergeOptions, MethodPlugin, TrainOptions, TrainOutcome
 from moetool.methods.mofe.plan import MergePlan, TensorOp
 from moetool.recipe.mofe import MoFERecipe
 
@@ -46,24 +46,15 @@ class MoFEPlugin(MethodPlugin[MoFERecipe, MergePlan]):
 
         return plan_mofe(recipe, allow_pickle=allow_pickle)
 
-    def assemble(
-        self,
-        recipe: MoFERecipe,
-        output: Path,
-        *,
-        force: bool = False,
-        allow_pickle: bool = False,
-        console: Console,
-        device: str | None = None,
-    ) -> Path:
+    def merge(self, recipe: MoFERecipe, output: Path, options: MergeOptions) -> Path:
         from dataclasses import replace
 
         from moetool.compute.dtypes import resolve_device
         from moetool.methods.mofe.execute import execute
 
-        resolve_device(device)  # an unusable --device is refused before any work
-        plan = replace(self.describe(recipe, allow_pickle=allow_pickle), device=device or "auto")
-        return execute(plan, output, force=force, console=console)
+        resolve_device(options.device)  # an unusable --device is refused before any work
+        plan = replace(self.describe(recipe, allow_pickle=options.allow_pickle), device=options.device or "auto")
+        return execute(plan, output, force=options.force, console=options.console)
 
     def train(
         self, recipe: MoFERecipe, model: Path | None, output: Path, options: TrainOptions, console: Console
