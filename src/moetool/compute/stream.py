@@ -305,7 +305,7 @@ def streamed_causal_lm(
     tensors: TensorSource | None = None,
     ff_rows: int | None = FF_ROWS,
     **model_kwargs: str,
-) -> nn.Module:
+) -> PreTrainedModel:
     """The causal LM in ``path`` (a ``save_pretrained`` folder of safetensors) with its decoder layers streamed from
     disk in float32, on the CPU, in eval mode; its weights read from ``tensors`` instead of the folder's safetensors
     where given (the folder still gives the config). ``storage`` is the dtype the checkpoint holds (for the reports);

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from moetool.routing.tap import RouterTap
-
 import gc
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +15,15 @@ from rich.table import Table
 from moetool import registry
 from moetool.compute.stream import NonFiniteModel, stream_of
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from moetool.routing.tap import RouterTap
+
 __all__ = [
+    "LogitsModel",
     "NonFiniteModel",
+    "Windowing",
     "load_causal_lm",
     "nonfinite_weight",
     "perplexity",
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-def nonfinite_weight(model: Any) -> str | None:
+def nonfinite_weight(model: torch.nn.Module) -> str | None:
     """The name of the first floating-point parameter of ``model`` holding a NaN or an Inf, or None.
 
     One reduction per tensor in its own dtype (finite extremes prove every element finite; NaN propagates into
@@ -48,18 +48,29 @@ def nonfinite_weight(model: Any) -> str | None:
     return None
 
 
-ModelSpec = str | Path | tuple[Any, Any]
+LogitsModel = torch.nn.Module | Callable[..., torch.Tensor]
+"""What is scored: a causal LM called as ``model(input_ids=[B, T])`` giving ``.logits`` ``[B, T, V]`` (a transformers
+model's output), or a callable giving the logits themselves."""
+
+ModelSpec = str | Path | tuple[LogitsModel, "PreTrainedTokenizerBase"]
 
 
-def _model_device(model: Any) -> torch.device:
-    try:
-        result: torch.device = next(model.parameters()).device
-        return result
-    except (AttributeError, StopIteration, TypeError):
-        return torch.device("cpu")
+class Windowing(TypedDict, total=False):
+    """How a text is scored (:func:`token_nll`), each left out at its default."""
+
+    seq_len: int  # model inputs per window, BOS included
+    max_tokens: int | None  # score at most this many text tokens (None: all)
+    batch_size: int  # windows per forward pass
 
 
-def _is_transformers(model: Any) -> bool:
+def _model_device(model: LogitsModel) -> torch.device:
+    if isinstance(model, torch.nn.Module):
+        for p in model.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _is_transformers(model: LogitsModel) -> bool:
     """True for a transformers model (which takes ``use_cache``), not a wrapper scored through its own call."""
     from transformers import PreTrainedModel
 
@@ -115,7 +126,7 @@ def _batches(windows: list[list[int]], batch_size: int, *, pad: bool) -> list[li
 
 @torch.inference_mode()
 def token_nll(
-    model: Any,
+    model: LogitsModel,
     tokenizer: PreTrainedTokenizerBase,
     text: str,
     *,
@@ -142,16 +153,17 @@ def token_nll(
         raise ValueError("text is too short to score: it needs at least two tokens (or one with a BOS token)")
 
     device = _model_device(model)
-    was_training = bool(getattr(model, "training", False))
-    if hasattr(model, "eval"):
-        model.eval()
+    module = model if isinstance(model, torch.nn.Module) else None
+    was_training = module is not None and module.training
+    if module is not None:
+        module.eval()
     total_nll = 0.0
     total_tokens = 0
     # a transformers model keeps a KV cache of every layer through its forward unless told not to (at Mistral-7B's
     # shape 0.26 MB per position: 1.07 GB over 4,096 tokens); scoring never reads it
     scoring = {"use_cache": False} if _is_transformers(model) else {}
     try:
-        for batch in _batches(windows, batch_size, pad=stream_of(model) is not None):
+        for batch in _batches(windows, batch_size, pad=module is not None and stream_of(module) is not None):
             input_ids = torch.tensor([w + w[-1:] * (n - len(w)) for w, n in batch], dtype=torch.long, device=device)
             if tap is not None:
                 tap.keep = torch.tensor([i < len(w) for w, n in batch for i in range(n)], device=device)
@@ -172,19 +184,13 @@ def token_nll(
     finally:
         if tap is not None:
             tap.keep = None
-        if was_training and hasattr(model, "train"):
-            model.train()
+        if module is not None and was_training:
+            module.train()
     return total_nll, total_tokens
 
 
 def perplexity(
-    model: Any,
-    tokenizer: PreTrainedTokenizerBase,
-    text: str,
-    *,
-    seq_len: int = 256,
-    max_tokens: int | None = 32768,
-    batch_size: int = 8,
+    model: LogitsModel, tokenizer: PreTrainedTokenizerBase, text: str, **windowing: Unpack[Windowing]
 ) -> float:
     """Perplexity ``exp(mean token NLL)`` of ``model`` on ``text``.
 
@@ -197,17 +203,16 @@ def perplexity(
         model: a causal LM called as ``model(input_ids=[B, T]) -> .logits [B, T, V]`` (or returning the logits).
         tokenizer: a ``transformers`` tokenizer (``bos_token_id`` is used when set).
         text: the text to score.
-        seq_len: model inputs per window, BOS included.
-        max_tokens: score at most this many text tokens.
-        batch_size: windows per forward pass.
+        windowing: ``seq_len``, ``max_tokens`` and ``batch_size`` (:class:`Windowing`), as :func:`token_nll` takes
+            them and with its defaults.
     """
-    nll, n = token_nll(model, tokenizer, text, seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
+    nll, n = token_nll(model, tokenizer, text, **windowing)
     return math.exp(nll / n)
 
 
 def load_causal_lm(
     path: str | Path, *, dtype: str | None = "float32", device: str | None = "cpu", streamed: bool = False
-) -> tuple[Any, Any]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory in eval mode.
 
     ``dtype``: float32, bfloat16, float16, or ``auto`` (the checkpoint's own); ``device``: cpu, cuda[:N] or
@@ -231,8 +236,9 @@ def load_causal_lm(
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if streamed:
         return streamed_causal_lm(Path(path), storage=storage), tokenizer
-    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=storage)
-    model = model.to(where)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=storage)
+    module: torch.nn.Module = model  # transformers types its own ``to`` (functools.wraps of Module's) as unbound
+    module.to(where)  # in place
     model.eval()
     if not native_matmul(storage, where):
         float32_layer_by_layer(model)
@@ -242,7 +248,7 @@ def load_causal_lm(
 def perplexity_matrix(
     models: Mapping[str, ModelSpec],
     texts: Mapping[str, str],
-    **kw: Any,
+    **windowing: Unpack[Windowing],
 ) -> dict[str, dict[str, float]]:
     """Perplexity of every model on every text: ``matrix[model_name][text_name]``.
 
@@ -250,14 +256,14 @@ def perplexity_matrix(
         models: name -> a ``save_pretrained`` directory (loaded once with ``AutoModelForCausalLM`` in float32
             and ``AutoTokenizer``) or an already loaded ``(model, tokenizer)`` pair.
         texts: name -> text (e.g. each domain's held-out split).
-        **kw: passed to :func:`perplexity` (``seq_len``, ``max_tokens``, ``batch_size``).
+        **windowing: passed to :func:`perplexity` (``seq_len``, ``max_tokens``, ``batch_size``).
     """
     matrix: dict[str, dict[str, float]] = {}
     for name, spec in models.items():
         loaded = isinstance(spec, str | Path)
         model, tokenizer = load_causal_lm(spec) if isinstance(spec, str | Path) else spec
         try:
-            matrix[name] = {t: perplexity(model, tokenizer, text, **kw) for t, text in texts.items()}
+            matrix[name] = {t: perplexity(model, tokenizer, text, **windowing) for t, text in texts.items()}
         finally:
             if loaded:
                 del model, tokenizer
