@@ -17,11 +17,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from collections.abc import Callable
+
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from moetool.io.sources import ResolvedSource
+    from moetool.methods.embedding.model import RoutedEmbeddingForCausalLM
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -32,7 +36,7 @@ from moetool.io.atomic import atomic_dir, check_output
 from moetool.io.files import copy_tokenizer
 from moetool.io.sources import resolve_source
 from moetool.methods.base import MethodPlan
-from moetool.methods.embedding.retrofit import TrainSettings, retrofit, svd_seed, train_embedding
+from moetool.methods.embedding.retrofit import TrainSettings, retrofit, svd_seed, table_of, train_embedding
 from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import EmbeddingConfig, embedding_args, measured_counts, param_counts
 from moetool.recipe.embedding import EmbeddingRecipe
@@ -42,7 +46,9 @@ from moetool.train.data import load_source, sample_batch, tokenize_stream
 EVAL_TOKENS = 4096  # held-out tokens per domain for the build's own perplexity figures
 
 
-def load_source_model(ref: str, recipe_dir: Path | None) -> tuple[Any, Any, Any]:
+def load_source_model(
+    ref: str, recipe_dir: Path | None
+) -> tuple[ResolvedSource, PreTrainedModel, PreTrainedTokenizerBase]:
     """(resolved source, transformers model in fp32, tokenizer); errors name the ``model`` field."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,11 +57,11 @@ def load_source_model(ref: str, recipe_dir: Path | None) -> tuple[Any, Any, Any]
     except MoetoolError as exc:
         raise PreflightError(f"model: {exc}") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32).eval()
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32).eval()
     except Exception as exc:
         raise PreflightError(f"model: cannot load {src.path} as a causal LM: {exc}") from None
     try:
-        tok = AutoTokenizer.from_pretrained(str(src.path))
+        tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(src.path))
     except Exception as exc:
         raise PreflightError(f"model: {src.path} has no usable tokenizer: {exc}") from None
     if model.get_input_embeddings() is None or model.get_output_embeddings() is None:
@@ -63,7 +69,7 @@ def load_source_model(ref: str, recipe_dir: Path | None) -> tuple[Any, Any, Any]
     return src, model, tok
 
 
-def step0_check(model: Any, old: torch.Tensor, ids: torch.Tensor) -> dict[str, float]:
+def step0_check(model: RoutedEmbeddingForCausalLM, old: torch.Tensor, ids: torch.Tensor) -> dict[str, float]:
     """Max |h - E_r[x]| of the retrofitted embedding against the rank-r SVD approximation, and against E itself."""
 
     cfg = model.embed.cfg
@@ -86,7 +92,7 @@ def step0_check(model: Any, old: torch.Tensor, ids: torch.Tensor) -> dict[str, f
 CACHE_TOLERANCE = 1e-5
 
 
-def cache_check(model: Any, ids: torch.Tensor, prefill: int) -> tuple[float, float]:
+def cache_check(model: RoutedEmbeddingForCausalLM, ids: torch.Tensor, prefill: int) -> tuple[float, float]:
     """(max |Δlogit| between cached decoding (prefill, then one token at a time) and one whole-sequence forward,
     max |logit| of the full forward)."""
     with torch.no_grad():
@@ -101,7 +107,7 @@ def cache_check(model: Any, ids: torch.Tensor, prefill: int) -> tuple[float, flo
 
 def batches_for(
     recipe: EmbeddingRecipe, tok: PreTrainedTokenizerBase, recipe_dir: Path | None
-) -> tuple[Any, dict[str, str]]:
+) -> tuple[Callable[[int], torch.Tensor], dict[str, str]]:
     """(step → ids [B, T], held-out text per domain)."""
 
     spec = recipe.train
@@ -168,7 +174,7 @@ class EmbeddingAssembler:
         torch.manual_seed(recipe.train.seed)
         log = (console.print) if console is not None else None
         src, source, tok = load_source_model(recipe.model, recipe_dir)
-        old = source.get_input_embeddings().weight.detach().float().clone()
+        old = table_of(source.get_input_embeddings()).clone()
         try:
             model = retrofit(source, embedding_args(recipe.embedding.module_kwargs()), head=recipe.head)
         except ValueError as exc:
@@ -182,7 +188,7 @@ class EmbeddingAssembler:
                 f"retrofit check failed: step-0 embedding is {step0['max_abs_vs_svd']:.3g} from the SVD approximation"
             )
         t = recipe.train
-        s = _settings(recipe)
+        s = TrainSettings.of(recipe.train)
         seconds = train_embedding(model, old, batch, s, log)
         cached, scale = cache_check(model, probe, prefill=16)
         if cached > CACHE_TOLERANCE * max(scale, 1.0):
@@ -202,7 +208,6 @@ class EmbeddingAssembler:
         }
         for name, row in ppl.items():
             say(f"held-out perplexity {name}: original {row['original']:.2f} → retrofitted {row['retrofitted']:.2f}")
-        meta = _meta(recipe, src, model, old, step0, cached, ppl, seconds, s.history)
         with atomic_dir(output, force=force) as tmp:
             model.save_pretrained(str(tmp))
             copy_tokenizer(src.path, tmp)
@@ -212,43 +217,25 @@ class EmbeddingAssembler:
                 raise MoetoolError(
                     f"reload check failed: the saved model differs by {reload:.3g} (logits up to {scale:.3g})"
                 )
-            meta["embedding"]["reload_max_abs_logit_diff"] = reload
+            meta = _meta(recipe, src, model, old, step0, (cached, reload), ppl, seconds, s.history)
             (tmp / "moetool.json").write_text(json.dumps(meta, indent=2))
         say(f"reload check: saved vs in-memory, max |Δlogit| {reload:.2e}")
         return output
 
 
-def _settings(recipe: EmbeddingRecipe) -> Any:
-
-    t = recipe.train
-    return TrainSettings(
-        steps=t.steps,
-        learning_rate=t.learning_rate,
-        batch_size=t.batch_size,
-        seq_len=t.seq_len,
-        warmup_steps=t.warmup_steps,
-        lm_weight=t.lm_weight,
-        distill_weight=t.distill_weight,
-        unfreeze_steps=t.unfreeze_steps,
-        unfreeze_learning_rate=t.unfreeze_learning_rate,
-        max_grad_norm=t.max_grad_norm,
-        weight_decay=t.weight_decay,
-        seed=t.seed,
-    )
-
-
 def _meta(
     recipe: EmbeddingRecipe,
-    src: Any,
-    model: Any,
+    src: ResolvedSource,
+    model: RoutedEmbeddingForCausalLM,
     old: torch.Tensor,
     step0: dict[str, float],
-    cached: float,
-    ppl: dict[str, Any],
+    diffs: tuple[float, float],
+    ppl: dict[str, dict[str, float]],
     seconds: float,
-    history: list[Any],
-) -> dict[str, Any]:
-    """moetool.json: provenance, parameter counts and every check's figure."""
+    history: list[dict[str, float]],
+) -> dict[str, object]:
+    """moetool.json: provenance, parameter counts and every check's figure (``diffs``: the max |Δlogit| of the
+    cache check and of the reload check)."""
 
     v, d = old.shape
     return {
@@ -264,15 +251,16 @@ def _meta(
                 "head": v * d if recipe.head == "keep" else 0,
             },
             "step0": step0,
-            "cached_vs_full_max_abs_logit_diff": cached,
+            "cached_vs_full_max_abs_logit_diff": diffs[0],
             "heldout_perplexity": ppl,
             "eval_tokens_per_domain": EVAL_TOKENS,
             "training": {"seconds": round(seconds, 1), "history": history},
+            "reload_max_abs_logit_diff": diffs[1],
         },
     }
 
 
-def reload_check(path: Path, model: Any, ids: torch.Tensor) -> float:
+def reload_check(path: Path, model: RoutedEmbeddingForCausalLM, ids: torch.Tensor) -> float:
     from transformers import AutoModelForCausalLM
 
     again = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from moetool.methods.base import register_causal_lm
@@ -37,8 +38,8 @@ class RoutedEmbeddingConfig(PretrainedConfig):
 
     def __init__(
         self,
-        body: dict[str, Any] | None = None,
-        embedding: dict[str, Any] | None = None,
+        body: dict[str, Any] | None = None,  # splatted into AutoConfig.for_model
+        embedding: dict[str, Any] | None = None,  # splatted into EmbeddingConfig
         head: str = "keep",
         **kwargs: Any,
     ) -> None:
@@ -58,7 +59,7 @@ class RoutedEmbeddingConfig(PretrainedConfig):
 class DecodeState:
     """Caches of one running generation: the body's transformers cache and the router's tensors."""
 
-    body: Any
+    body: Cache
     router: tuple[torch.Tensor, ...]
     length: int
 

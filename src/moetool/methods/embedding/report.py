@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING
 from moetool.errors import MoetoolError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import torch
 
 from moetool.methods.embedding.assemble import load_source_model
-from moetool.methods.embedding.retrofit import TrainSettings, retrofit, train_embedding
+from moetool.methods.embedding.retrofit import TrainSettings, retrofit, table_of, train_embedding
 from moetool.methods.embedding.variants import (
     EmbeddingArgs,
     EmbeddingConfig,
@@ -142,7 +142,7 @@ def windows_of(ids: torch.Tensor, seq_len: int, bos: int | None, limit: int) -> 
 
 
 @torch.no_grad()
-def window_perplexity(model: Any, windows: torch.Tensor, batch: int = 16) -> float:
+def window_perplexity(model: PreTrainedModel, windows: torch.Tensor, batch: int = 16) -> float:
     """exp(mean next-token NLL) over every content token of ``windows`` [N, T]."""
     model.eval()
     nll, n = 0.0, 0
@@ -158,7 +158,7 @@ def window_perplexity(model: Any, windows: torch.Tensor, batch: int = 16) -> flo
     return math.exp(nll / n)
 
 
-def domain_perplexity(model: Any, split: dict[str, torch.Tensor]) -> dict[str, float]:
+def domain_perplexity(model: PreTrainedModel, split: dict[str, torch.Tensor]) -> dict[str, float]:
     """Perplexity per domain of ``split`` (domain → windows [N, T]) and their geometric mean as ``mean``."""
     per = {dm: window_perplexity(model, w) for dm, w in split.items()}
     per["mean"] = math.exp(sum(math.log(p) for p in per.values()) / len(per))
@@ -192,7 +192,7 @@ def _zoo_corpus(tok: PreTrainedTokenizerBase, *, batch_size: int, seq_len: int, 
     return _Corpus(batches, select, test)
 
 
-def _model_facts(model_ref: str, source: Any) -> Report:
+def _model_facts(model_ref: str, source: PreTrainedModel) -> Report:
     """The report's header: what the arms replace (the input table) and keep (the body and the frozen head)."""
     cfg = source.config
     v, d = int(cfg.vocab_size), int(cfg.hidden_size)
@@ -214,7 +214,7 @@ def _model_facts(model_ref: str, source: Any) -> Report:
 def _run_arm(
     name: str,
     embedding: EmbeddingArgs,
-    source: Any,
+    source: PreTrainedModel,
     teacher: torch.Tensor,
     corpus: _Corpus,
     learning_rates: tuple[float, ...],
@@ -275,7 +275,7 @@ def run_report(
     cfg = source.config
     max_positions = int(getattr(cfg, "max_position_embeddings", 512))
     arms = arms or default_arms(int(cfg.vocab_size), int(cfg.hidden_size), max_positions=max_positions)
-    teacher = source.get_input_embeddings().weight.detach().float().clone()  # taken before any arm touches the body
+    teacher = table_of(source.get_input_embeddings()).clone()  # taken before any arm touches the body
     corpus = _zoo_corpus(tok, batch_size=batch_size, seq_len=seq_len, eval_tokens=eval_tokens, seed=seed)
     out = _model_facts(model_ref, source)
     out["settings"] = Settings(

@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +31,11 @@ from moetool.methods.embedding.model import RoutedEmbeddingConfig, RoutedEmbeddi
 from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import EmbeddingArgs, EmbeddingConfig
 from moetool.train.loop import optimise
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from moetool.recipe.embedding import RetrofitTrainSpec
 
 
 def svd_seed(
@@ -66,7 +71,14 @@ def svd_seed(
     return table.float(), proj.float(), r
 
 
-def retrofit(source: Any, embedding: EmbeddingArgs, *, head: str = "keep") -> RoutedEmbeddingForCausalLM:
+def table_of(embedding: torch.nn.Module) -> torch.Tensor:
+    """The weight ``[V, D]`` of an input embedding or output head, detached, in float32 (not a copy when it is)."""
+    weight = embedding.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.detach().float()
+
+
+def retrofit(source: PreTrainedModel, embedding: EmbeddingArgs, *, head: str = "keep") -> RoutedEmbeddingForCausalLM:
     """A routed-embedding model around ``source``'s body (a loaded transformers causal LM), initialised from its
     embedding as the module docstring says. ``embedding``: :class:`EmbeddingConfig` fields except vocab/d_model."""
     cfg = source.config
@@ -80,9 +92,9 @@ def retrofit(source: Any, embedding: EmbeddingArgs, *, head: str = "keep") -> Ro
     missing, unexpected = model.body.load_state_dict(body_state, strict=False)
     if missing or unexpected:
         raise ValueError(f"body weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    old = source.get_input_embeddings().weight.detach().float()
+    old = table_of(source.get_input_embeddings())
     if model.lm_head is not None:
-        model.lm_head.weight.data.copy_(source.get_output_embeddings().weight.detach().float())
+        model.lm_head.weight.data.copy_(table_of(source.get_output_embeddings()))
     init_from_embedding(model, old)
     return model
 
@@ -117,6 +129,11 @@ class TrainSettings:
     seed: int = 0
     log_every: int = 50
     history: list[dict[str, float]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, spec: RetrofitTrainSpec) -> TrainSettings:
+        """The settings a recipe's ``train:`` section gives: every field of the same name (not the logging)."""
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(cls) if f.name not in ("log_every", "history")})
 
 
 def _schedule(steps: int, warmup: int) -> Callable[[int], float]:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, TypedDict
+from typing import Literal, TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetool.io.jsontypes import JsonObject
 from moetool.methods.embedding.router import CausalRouter, RouterConfig, causal_mask, diversity_loss, router_param_count
 from moetool.routing.losses import load_balancing_loss, router_z_loss
 
@@ -116,8 +117,9 @@ class EmbeddingConfig:
     remix_diag: float = 8.0  # remix init: logit bias on the diagonal, so S_k starts near the identity
     aux: dict[str, float] = field(default_factory=lambda: {"balance": 0.01, "z": 0.001, "diversity": 0.01})
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self) -> JsonObject:
+        fields: JsonObject = asdict(self)
+        return fields
 
     def router_config(self) -> RouterConfig | None:
         r = dict(self.router)
