@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 TopkRule = Literal["always", "never", "config"]
 
@@ -53,27 +53,27 @@ VLLM = Consumer(
 OTHER_CONSUMERS: tuple[Consumer, ...] = (MLX_LM, VLLM)
 
 
-def renormalises(rule: TopkRule, cfg: Mapping[str, Any]) -> bool:
+def renormalises(rule: TopkRule, cfg: Mapping[str, object]) -> bool:
     """Whether a consumer with ``rule`` renormalises the top-k weights of a model of config dict ``cfg``."""
     if rule == "config":
         return bool(cfg.get("norm_topk_prob", True))
     return rule == "always"
 
 
-def differing(cfg: Mapping[str, Any], norm: bool) -> list[Consumer]:
+def differing(cfg: Mapping[str, object], norm: bool) -> list[Consumer]:
     """The consumers (llama.cpp's aside) whose top-k rule for config dict ``cfg`` is not ``norm``."""
     model_type = str(cfg.get("model_type"))
     return [c for c in OTHER_CONSUMERS if model_type in c.topk and renormalises(c.topk[model_type], cfg) != norm]
 
 
-def rope_scaling_type(cfg: Mapping[str, Any]) -> str | None:
+def rope_scaling_type(cfg: Mapping[str, object]) -> str | None:
     """The scaled rope's type of config dict ``cfg`` (``llama3``, ``yarn``, …), or None for the plain rope."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else "default"
     return None if kind in (None, "default") else str(kind)
 
 
-def ignoring_rope_scaling(cfg: Mapping[str, Any]) -> list[Consumer]:
+def ignoring_rope_scaling(cfg: Mapping[str, object]) -> list[Consumer]:
     """The consumers that load a model of config dict ``cfg`` with its rope unscaled (empty for the plain rope)."""
     model_type = str(cfg.get("model_type"))
     if rope_scaling_type(cfg) is None:

@@ -68,7 +68,21 @@ GraphTarget = Literal["onnx", "tflite", "executorch", "coreml"]
 GRAPH_TARGETS: tuple[GraphTarget, ...] = ("onnx", "tflite", "executorch", "coreml")
 
 
-def config_value(cfg: Mapping[str, Any] | object, key: str, default: Any = None) -> Any:
+def config_int(cfg: Mapping[str, object], *keys: str) -> int:
+    """The first of ``keys`` set in config dict ``cfg`` (a width or count; a numeric string too) as an int.
+
+    0 where none is set (or each is 0).
+
+    Raises:
+        TypeError: the value is no number (an array, an object).
+    """
+    value = next((v for v in map(cfg.get, keys) if v), 0)
+    if isinstance(value, int | float | str):
+        return int(value)
+    raise TypeError(f"config {' / '.join(keys)} is {value!r}, not a number")
+
+
+def config_value(cfg: object, key: str, default: object = None) -> Any:
     """``key`` of a config given as a dict (config.json) or as a transformers config object."""
     if isinstance(cfg, Mapping):
         return cfg.get(key, default)
@@ -114,7 +128,7 @@ class ModelFacts:
         """Whether the architecture can hold a shared (always-on) expert."""
         return False
 
-    def normalises_topk(self, cfg: Mapping[str, Any] | object) -> bool:
+    def normalises_topk(self, cfg: object) -> bool:
         """Whether a model of config ``cfg`` (dict or transformers config) renormalises its top-k weights.
 
         A missing ``norm_topk_prob`` counts as True: every MoE moetool writes sets the key.

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-from moetool.arch.facts import ModelFacts
+    from moetool.io.jsontypes import JsonObject, JsonValue
+
+from moetool.arch.facts import ModelFacts, config_int
 from moetool.arch.families import COMMON_CONFIG_KEYS, FAMILIES
 from moetool.errors import UnsupportedArchitecture
 
@@ -36,26 +38,26 @@ NULL_SHARED_GATE = 2.0**-8
 NULL_SHARED_KEY = "moetool_null_shared_expert"
 
 
-def shared_expert_width(cfg: Mapping[str, Any]) -> int:
+def shared_expert_width(cfg: Mapping[str, object]) -> int:
     """Width of a config dict's shared expert: 0 without one, and for the null one moetool writes in its place."""
     if cfg.get(NULL_SHARED_KEY):
         return 0
-    return int(cfg.get("shared_expert_intermediate_size") or 0)
+    return config_int(cfg, "shared_expert_intermediate_size")
 
 
-def expert_count(cfg: Mapping[str, Any]) -> int:
+def expert_count(cfg: Mapping[str, object]) -> int:
     """Routed experts per MoE layer of a config dict; 0 for a dense model.
 
     ``num_local_experts`` (Mixtral, GraniteMoE) or ``num_experts`` (Qwen MoE).
     """
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    return config_int(cfg, "num_local_experts", "num_experts")
 
 
 # the config key that holds the routed expert count, by architecture family of keys
 COUNT_KEYS = ("num_local_experts", "num_experts")
 
 
-def with_expert_count(cfg: Mapping[str, Any], n_experts: int, top_k: int | None = None) -> dict[str, Any]:
+def with_expert_count(cfg: Mapping[str, JsonValue], n_experts: int, top_k: int | None = None) -> JsonObject:
     """A copy of config dict ``cfg`` holding ``n_experts`` routed experts (and ``top_k`` per token when given)."""
     out = dict(cfg)
     key = next((k for k in COUNT_KEYS if k in out), COUNT_KEYS[0])
@@ -65,7 +67,7 @@ def with_expert_count(cfg: Mapping[str, Any], n_experts: int, top_k: int | None 
     return out
 
 
-def _common(base: PretrainedConfig) -> dict[str, Any]:
+def _common(base: PretrainedConfig) -> dict[str, object]:
     return {k: getattr(base, k) for k in COMMON_CONFIG_KEYS if getattr(base, k, None) is not None}
 
 
@@ -102,7 +104,7 @@ class MoEArch(ModelFacts):
     router: str
     expert: str
     proj_map: dict[str, str]
-    config_extra: Callable[[PretrainedConfig, int, int, int | None], dict[str, Any]]
+    config_extra: Callable[[PretrainedConfig, int, int, int | None], dict[str, object]]
     shared: str | None = None
     shared_gate: str | None = None
     zero_attn_bias: tuple[str, ...] = ()
@@ -127,7 +129,7 @@ class MoEArch(ModelFacts):
 
     def make_config(
         self, base: PretrainedConfig, *, n_experts: int, top_k: int, shared_intermediate: int | None
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         """The output config.json as a dict, validated by the transformers config class."""
         import transformers
 
@@ -135,7 +137,7 @@ class MoEArch(ModelFacts):
         cls = getattr(transformers, self.config_class)
         cfg = cls(**kwargs)
         cfg.architectures = [self.class_name]
-        out: dict[str, Any] = cfg.to_dict()
+        out: JsonObject = cfg.to_dict()
         return out
 
     @property
@@ -151,7 +153,7 @@ class MoEArch(ModelFacts):
         """Dense projection ``proj`` (gate_proj, up_proj, down_proj) of ``expert`` in ``layer``."""
         return self.expert.format(layer=layer, expert=expert, proj=self.proj_map[proj])
 
-    def dense_family(self, cfg: Mapping[str, Any]) -> str:
+    def dense_family(self, cfg: Mapping[str, object]) -> str:
         """The dense family one expert of MoE config dict ``cfg`` is extracted as.
 
         The family native to this architecture (a Mixtral with a sliding window: mistral).
@@ -183,7 +185,7 @@ def _no_attn_bias(base: PretrainedConfig) -> str | None:
     return None
 
 
-def _mixtral_extra(base: PretrainedConfig, n: int, k: int, _shared: int | None) -> dict[str, Any]:
+def _mixtral_extra(base: PretrainedConfig, n: int, k: int, _shared: int | None) -> dict[str, object]:
     return {
         "intermediate_size": base.intermediate_size,
         "num_local_experts": n,
@@ -193,8 +195,8 @@ def _mixtral_extra(base: PretrainedConfig, n: int, k: int, _shared: int | None) 
     }
 
 
-def _qwen_moe_extra(base: PretrainedConfig, n: int, k: int, shared: int | None) -> dict[str, Any]:
-    extra: dict[str, Any] = {
+def _qwen_moe_extra(base: PretrainedConfig, n: int, k: int, shared: int | None) -> dict[str, object]:
+    extra: dict[str, object] = {
         "intermediate_size": base.intermediate_size,
         "moe_intermediate_size": base.intermediate_size,
         "num_experts": n,
@@ -283,7 +285,7 @@ QWEN3_MOE = MoEArch(
 )
 
 
-def _granite_extra(base: PretrainedConfig, n: int, k: int, _shared: int | None) -> dict[str, Any]:
+def _granite_extra(base: PretrainedConfig, n: int, k: int, _shared: int | None) -> dict[str, object]:
     # GraniteMoE's router softmaxes the top-k logits (renormalised top-k, as Mixtral); the scales carry over
     keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "attention_bias")
     return {

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
 
 from moetool.arch.consumers import differing, ignoring_rope_scaling, rope_scaling_type
-from moetool.arch.facts import GraphTarget, ModelFacts
+from moetool.arch.facts import GraphTarget, ModelFacts, config_int
 from moetool.arch.families import FAMILIES, MLP_PROJS
 from moetool.arch.outputs import OUTPUT_ARCHS, MoEArch, expert_count, shared_expert_width
 from moetool.errors import UnsupportedArchitecture
@@ -113,7 +112,7 @@ def _gguf_maps() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[st
 GGUF_TENSOR_MAP, GGUF_SPLIT_MAP = _gguf_maps()
 
 
-def converter_caveat(cfg: Mapping[str, Any]) -> str | None:
+def converter_caveat(cfg: Mapping[str, object]) -> str | None:
     """Why a consumer other than transformers would compute another function from a model of config ``cfg``.
 
     ``cfg`` is config.json as a dict. None when every consumer moetool knows (llama.cpp's ``convert_hf_to_gguf.py``,
@@ -122,7 +121,7 @@ def converter_caveat(cfg: Mapping[str, Any]) -> str | None:
     model's; the others have a class per model type with its own rule.
     """
     rec = model_record(cfg.get("model_type"))
-    n, k = expert_count(cfg), int(cfg.get("num_experts_per_tok") or 0)
+    n, k = expert_count(cfg), config_int(cfg, "num_experts_per_tok")
     if rec is None or not n or k >= n or rec.gguf.renormalises_topk is None:
         return None
     norm = rec.normalises_topk(cfg)
@@ -157,7 +156,7 @@ def converter_caveat(cfg: Mapping[str, Any]) -> str | None:
     return ". ".join(parts) or None
 
 
-def rope_caveat(cfg: Mapping[str, Any]) -> str | None:
+def rope_caveat(cfg: Mapping[str, object]) -> str | None:
     """Why a consumer would load a model of config dict ``cfg`` with another rope (None when every one scales it).
 
     mlx-lm's Mixtral and Qwen MoE classes ignore ``rope_scaling``.
@@ -173,6 +172,6 @@ def rope_caveat(cfg: Mapping[str, Any]) -> str | None:
     )
 
 
-def consumer_caveats(cfg: Mapping[str, Any]) -> list[str]:
+def consumer_caveats(cfg: Mapping[str, object]) -> list[str]:
     """Every reason a consumer other than transformers computes another function from a model of config ``cfg``."""
     return [c for c in (converter_caveat(cfg), rope_caveat(cfg)) if c]

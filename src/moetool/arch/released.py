@@ -11,12 +11,15 @@ vLLM read the same keys. transformers 5 loads both forms alike, so writing both 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from moetool.arch.outputs import COUNT_KEYS, expert_count, output_arch
 
+if TYPE_CHECKING:
+    from moetool.io.jsontypes import JsonObject, JsonValue
 
-def released_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+
+def released_config(cfg: Mapping[str, JsonValue]) -> JsonObject:
     """A copy of config dict ``cfg`` with the keys the family's released checkpoints carry.
 
     Beside transformers 5's ``rope_parameters``: top-level ``rope_theta``, and ``rope_scaling`` (the parameters

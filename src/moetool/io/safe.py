@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 import yaml
 
 from moetool.errors import CheckpointError, InputFileError, MoetoolError
+from moetool.io.jsontypes import JsonObject, JsonValue
 
 MAX_JSON_BYTES = 512 * 1024 * 1024  # a tokenizer.json of a 250k vocabulary is ~30 MB; this only stops the absurd
 MAX_YAML_DEPTH = 64  # recipes nest < 8 deep; pure-Python YAML composing recurses 3 frames a level
@@ -121,8 +122,8 @@ class _DuplicateKey(ValueError):
         self.key = key
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _no_duplicates(pairs: list[tuple[str, JsonValue]]) -> JsonObject:
+    out: JsonObject = {}
     for k, v in pairs:
         if k in out:
             raise _DuplicateKey(k)
@@ -206,7 +207,7 @@ class BudgetLoader(yaml.SafeLoader):
         self._depth = 0
         self._aliases = 0
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
             self._aliases += 1
             if self._aliases > MAX_YAML_ALIASES:
@@ -262,7 +263,7 @@ def _walk(node: yaml.Node, loader: BudgetLoader, path: Path, error: type[Moetool
         n, loc = todo.pop()
         lines.setdefault(loc, n.start_mark.line + 1)
         if isinstance(n, yaml.MappingNode):
-            seen: dict[Any, yaml.Node] = {}
+            seen: dict[object, yaml.Node] = {}
             for key, value in n.value:
                 if key.tag == _MERGE:
                     merged = value.value if isinstance(value, yaml.SequenceNode) else [value]
@@ -294,7 +295,7 @@ def _children(n: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def _key(key: yaml.Node, loader: BudgetLoader) -> Any:
+def _key(key: yaml.Node, loader: BudgetLoader) -> object:
     """A mapping key's value, for duplicate detection (None for a key that is not a plain scalar)."""
     if not isinstance(key, yaml.ScalarNode):
         return None

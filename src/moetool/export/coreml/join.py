@@ -28,12 +28,16 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, BinaryIO, cast
 
 from moetool.export.base import ExportError
+from moetool.io.jsontypes import JsonObject
+
+if TYPE_CHECKING:
+    from coremltools.proto import MIL_pb2, Model_pb2
 
 __all__ = [
     "CHAIN",
@@ -67,11 +71,11 @@ class Joined:
     spec_bytes: int
     seconds: float
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> JsonObject:
         """The manifest's ``join`` entry."""
         return {
             "chunks": len(self.chunk_blobs),
-            "blobs_per_chunk": self.chunk_blobs,
+            "blobs_per_chunk": [*self.chunk_blobs],
             "blobs": self.blobs,
             "weight_bytes": self.weight_bytes,
             "seconds": round(self.seconds, 2),
@@ -89,7 +93,7 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _header(f: Any, where: Path) -> int:
+def _header(f: BinaryIO, where: Path) -> int:
     """The blob count of an open blob file, after checking its version."""
     count, version = struct.unpack("<II", f.read(8))
     if version != _VERSION:
@@ -97,7 +101,7 @@ def _header(f: Any, where: Path) -> int:
     return int(count)
 
 
-def _append(src: Path, out: Any) -> tuple[int, int]:
+def _append(src: Path, out: BinaryIO) -> tuple[int, int]:
     """``src``'s blobs appended to the open file ``out`` at the next aligned offset; returns (delta, count): each of
     its offsets moves by delta. Its metadata's data offsets are rewritten in place in ``out``."""
     base = _aligned(out.tell())
@@ -121,7 +125,7 @@ def _append(src: Path, out: Any) -> tuple[int, int]:
     return delta, count
 
 
-def _walk_values(msg: Any, fn: Callable[[Any], None]) -> None:
+def _walk_values(msg: object, fn: Callable[[MIL_pb2.Value], None]) -> None:
     """``fn`` on every MIL ``Value`` reachable from ``msg`` (protobuf's upb containers have no ``__iter__`` attribute
     to test for, so repeated fields are told apart by ``__len__``)."""
     from coremltools.proto import MIL_pb2
@@ -134,23 +138,23 @@ def _walk_values(msg: Any, fn: Callable[[Any], None]) -> None:
     elif hasattr(msg, "values") and callable(msg.values) and not hasattr(msg, "append"):  # a map
         for v in msg.values():
             _walk_values(v, fn)
-    elif hasattr(msg, "__len__") and not isinstance(msg, str | bytes):
-        for v in msg:
+    elif hasattr(msg, "__len__") and not isinstance(msg, str | bytes):  # a repeated field: a sequence
+        for v in cast("Sequence[object]", msg):
             _walk_values(v, fn)
 
 
-def blob_offsets(msg: Any) -> list[int]:
+def blob_offsets(msg: object) -> list[int]:
     """The weight.bin offset of every ``blobFileValue`` in a program (a spec or a block)."""
     found: list[int] = []
     _walk_values(msg, lambda v: found.append(int(v.blobFileValue.offset)) if _is_blob(v) else None)
     return found
 
 
-def _is_blob(v: Any) -> bool:
+def _is_blob(v: MIL_pb2.Value) -> bool:
     return bool(v.WhichOneof("value") == "blobFileValue")
 
 
-def _rename_block(block: Any, rn: Callable[[str], str]) -> None:
+def _rename_block(block: MIL_pb2.Block, rn: Callable[[str], str]) -> None:
     """Every SSA name in a MIL block, nested blocks included, through ``rn``; op names too, so they stay unique."""
     for nv in block.inputs:
         nv.name = rn(nv.name)
@@ -171,7 +175,7 @@ def _rename_block(block: Any, rn: Callable[[str], str]) -> None:
             _rename_block(sub, rn)
 
 
-def _specs(chunks: list[Path]) -> tuple[list[Any], str, int]:
+def _specs(chunks: list[Path]) -> tuple[list[Model_pb2.Model], str, int]:
     """Each chunk's spec (the program only), their opset and the bytes read."""
     import coremltools as ct
 
@@ -188,10 +192,10 @@ def _specs(chunks: list[Path]) -> tuple[list[Any], str, int]:
 
 def _bind(
     i: int,
-    spec: Any,
-    fn: Any,
-    declared: dict[str, Any],
-    features: tuple[list[Any], list[Any]],
+    spec: Model_pb2.Model,
+    fn: MIL_pb2.Function,
+    declared: dict[str, MIL_pb2.NamedValueType],
+    features: tuple[list[Model_pb2.FeatureDescription], list[Model_pb2.FeatureDescription]],
     chained: str,
     previous: str | None,
 ) -> dict[str, str]:
@@ -218,7 +222,7 @@ def _bind(
     return bound
 
 
-def _program(specs: list[Any], opset: str, deltas: list[int], chain: tuple[str, str]) -> Any:
+def _program(specs: list[Model_pb2.Model], opset: str, deltas: list[int], chain: tuple[str, str]) -> Model_pb2.Model:
     """The joined spec: one ``main`` function of every chunk's ops (see the module docstring)."""
     from coremltools.proto import MIL_pb2, Model_pb2
 
@@ -230,9 +234,9 @@ def _program(specs: list[Any], opset: str, deltas: list[int], chain: tuple[str, 
     fn = out.mlProgram.functions["main"]
     fn.opset = opset
     blk = fn.block_specializations[opset]
-    declared: dict[str, Any] = {}  # function input or state → its NamedValueType
-    inputs: list[Any] = []  # model-level descriptions, in first-declared order
-    states: list[Any] = []
+    declared: dict[str, MIL_pb2.NamedValueType] = {}  # function input or state → its NamedValueType
+    inputs: list[Model_pb2.FeatureDescription] = []  # model-level descriptions, in first-declared order
+    states: list[Model_pb2.FeatureDescription] = []
     previous: str | None = None  # the renamed output var of the chunk before
     for i, s in enumerate(specs):
         block = MIL_pb2.Block()
@@ -252,7 +256,7 @@ def _program(specs: list[Any], opset: str, deltas: list[int], chain: tuple[str, 
         delta = deltas[i]
         if delta:
 
-            def moved(v: Any, delta: int = delta) -> None:
+            def moved(v: MIL_pb2.Value, delta: int = delta) -> None:
                 if _is_blob(v):
                     v.blobFileValue.offset += delta
 
