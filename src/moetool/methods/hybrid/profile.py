@@ -18,6 +18,7 @@ import json
 import platform
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Unpack
@@ -103,18 +104,11 @@ def _expert_entry(lengths: list[int], seconds: list[float]) -> ExpertTimes:
     return {"lengths": list(lengths), "seconds": seconds, "fit": fit_latency(list(lengths), seconds)}
 
 
-def time_profile(
-    experts: Mapping[str, ForwardModel],
-    *,
-    device: str,
-    lengths: list[int],
-    repeats: int = 5,
-    threads: int = 1,
-    vocab: int,
-    clock_name: str = "cpu",
-) -> LatencyProfile:
+def time_profile(experts: Mapping[str, ForwardModel], **how: Unpack[HowTimed]) -> LatencyProfile:
     """Time each model in ``experts`` (name → transformers causal LM) at each length on this machine."""
-    now = clock(clock_name)
+    t = Timing.of(how)
+    lengths, repeats, threads, vocab = t.lengths, t.repeats, t.threads, t.vocab
+    now = clock(t.clock_name)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -131,13 +125,10 @@ def time_profile(
     finally:
         torch.set_num_threads(before)
     return _profile(
-        device,
+        t,
         f"transformers {_transformers_version()} / torch {torch.__version__}, float32, batch 1",
         "one forward pass over a request of L tokens (prefill / scoring), fastest of repeats after a warm-up",
-        threads=threads,
-        clock_name=clock_name,
-        repeats=repeats,
-        experts=out,
+        out,
     )
 
 
@@ -172,21 +163,14 @@ def warm_llama(llm: Llama, vocab: int, length: int, seconds: float = 4.0) -> Non
         runs += 1
 
 
-def time_gguf_profile(
-    files: dict[str, Path],
-    *,
-    device: str,
-    lengths: list[int],
-    repeats: int = 5,
-    threads: int = 1,
-    vocab: int,
-    clock_name: str = "cpu",
-) -> LatencyProfile:
+def time_gguf_profile(files: dict[str, Path], **how: Unpack[HowTimed]) -> LatencyProfile:
     """Time each expert's GGUF in llama.cpp (llama-cpp-python): prefill of L tokens, fresh state each run."""
     import llama_cpp
 
+    t = Timing.of(how)
+    lengths, repeats, threads, vocab = t.lengths, t.repeats, t.threads, t.vocab
     g = torch.Generator().manual_seed(0)
-    now = clock(clock_name)
+    now = clock(t.clock_name)
     out: dict[str, ExpertTimes] = {}
     for name, path in files.items():
         llm = timing_llama(path, max(lengths), threads)
@@ -208,35 +192,40 @@ def time_gguf_profile(
         out[name] = _expert_entry(lengths, secs)
         out[name]["file"] = str(path)
     return _profile(
-        device,
+        t,
         f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), GGUF as exported, batch 1",
         "prefill of a request of L tokens (fresh state), fastest of repeats after a warm-up",
-        threads=threads,
-        clock_name=clock_name,
-        repeats=repeats,
-        experts=out,
+        out,
     )
 
 
-def _profile(
-    device: str,
-    runtime: str,
-    operation: str,
-    *,
-    threads: int,
-    clock_name: str,
-    repeats: int,
-    experts: dict[str, ExpertTimes],
-) -> LatencyProfile:
+@dataclass(frozen=True)
+class Timing:
+    """:class:`HowTimed` with its defaults filled in: the device's name, the request lengths, the vocabulary the
+    random requests draw from, the runs per length, the threads and the clock."""
+
+    device: str
+    lengths: list[int]
+    vocab: int
+    repeats: int = 5
+    threads: int = 1
+    clock_name: str = "cpu"
+
+    @classmethod
+    def of(cls, how: HowTimed) -> Timing:
+        return cls(**how)
+
+
+def _profile(t: Timing, runtime: str, operation: str, experts: dict[str, ExpertTimes]) -> LatencyProfile:
     """A measured profile: what was timed, how, on which machine, and each expert's times and fit."""
     return {
         "format": PROFILE_FORMAT,
-        "device": device,
+        "device": t.device,
         "runtime": runtime,
         "operation": operation,
-        "threads": threads,
-        "clock": clock_name,
-        "repeats": repeats,
+        "threads": t.threads,
+        "clock": t.clock_name,
+        "repeats": t.repeats,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "experts": experts,
