@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from moetool.compute.upcast import layer_bytes
 from moetool.errors import MoetoolError
@@ -33,7 +33,7 @@ class HeldBytes:
         return self.outside + max(self.layer + self.transient, self.head)
 
 
-def streamed_weight_bytes(config: dict[str, Any], params: int, path: Path | None = None) -> int:
+def streamed_weight_bytes(config: Mapping[str, object], params: int, path: Path | None = None) -> int:
     """Bytes of weights a streamed model holds at its peak: those outside the layer stack and one decoder layer, plus
     what reading or computing a layer adds.
 

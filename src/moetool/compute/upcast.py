@@ -15,11 +15,16 @@ logits equal a whole float32 model's, with memory for the 16-bit model plus one 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from torch import nn
+
+from moetool.arch.facts import config_int
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "Float32Arithmetic",
@@ -32,6 +37,8 @@ __all__ = [
 ]
 
 _SIXTEEN = (torch.bfloat16, torch.float16)
+# what autograd keeps of a view of an upcast: its 16-bit source and the view's shape, stride and storage offset
+_SavedView: TypeAlias = tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], int | torch.SymInt]
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -121,7 +128,7 @@ class Float32Arithmetic:
         self.layers = decoder_layers(model)
         self._live: dict[int, torch.Tensor] = {}  # storage of a live float32 upcast → its 16-bit source
         self._swapped: dict[int, list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._buffers = _Buffers()
         in_layers = {id(t) for t in self.layers.parameters()} | {id(t) for t in self.layers.buffers()}
         for module in model.modules():
@@ -137,7 +144,7 @@ class Float32Arithmetic:
             self._handles.append(layer.register_forward_hook(self._down))
         model._moetool_float32_arithmetic = True  # type: ignore[assignment]  # read by precision_of
 
-    def _up(self, layer: nn.Module, args: Any) -> None:
+    def _up(self, layer: nn.Module, args: tuple[object, ...]) -> None:
         swapped = []
         for module in layer.modules():
             for name, t in [*module._parameters.items(), *module._buffers.items()]:
@@ -158,7 +165,7 @@ class Float32Arithmetic:
                     module._buffers[name] = wide
         self._swapped[id(layer)] = swapped
 
-    def _down(self, layer: nn.Module, args: Any, output: Any) -> None:
+    def _down(self, layer: nn.Module, args: tuple[object, ...], output: object) -> None:
         for module, name, narrow, is_param in self._swapped.pop(id(layer), []):
             current = module._parameters[name] if is_param else module._buffers[name]
             assert current is not None
@@ -168,18 +175,17 @@ class Float32Arithmetic:
             else:
                 module._buffers[name] = narrow
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | _SavedView:
         source = self._live.get(_storage(t)) if t.layout == torch.strided else None
         if source is None:
             return t
         # the upcast is contiguous like its source, so the saved view's geometry indexes the source alike
         return (source, tuple(t.shape), t.stride(), t.storage_offset())
 
-    def _unpack(self, saved: Any) -> torch.Tensor:
+    def _unpack(self, saved: torch.Tensor | _SavedView) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
-        source: torch.Tensor = saved[0]
-        shape, stride, offset = saved[1:]
+        source, shape, stride, offset = saved
         # the same view of a float32 copy laid out as the upcast was (so the backward's kernels see the strides a
         # float32 model's would); only the region the backward pass reads is upcast again
         wide = self._buffers.like(source).as_strided(shape, stride, offset)
@@ -225,17 +231,18 @@ def float32_layer_by_layer(model: nn.Module) -> nn.Module:
     return model
 
 
-def layer_bytes(config: dict[str, Any], params: int) -> tuple[int, int]:
+def layer_bytes(config: Mapping[str, object], params: int) -> tuple[int, int]:
     """``(outside, one layer)`` in float32 bytes for a model of ``params`` parameters, from its ``config.json``: the
     embeddings (and an untied head) outside the layer stack, and one decoder layer's share of the rest."""
-    c = config.get("text_config") or config
-    embed = int(c.get("vocab_size") or 0) * int(c.get("hidden_size") or 0)
+    text = config.get("text_config")
+    c: Mapping[str, object] = text if isinstance(text, Mapping) and text else config
+    embed = config_int(c, "vocab_size") * config_int(c, "hidden_size")
     outside = min(params, embed * (1 if c.get("tie_word_embeddings", True) else 2))
-    layer = (params - outside) // max(1, int(c.get("num_hidden_layers") or 1))
+    layer = (params - outside) // max(1, config_int(c, "num_hidden_layers"))
     return outside * 4, layer * 4
 
 
-def float32_overhead(params: int, config: dict[str, Any]) -> int:
+def float32_overhead(params: int, config: Mapping[str, object]) -> int:
     """Bytes that :func:`float32_layer_by_layer` adds to a 16-bit model of ``params`` parameters: the embeddings and
     head in float32 instead of 16 bits, and one decoder layer's float32 copy while it runs (:func:`layer_bytes`)."""
     outside, layer = layer_bytes(config, params)

@@ -4,9 +4,10 @@ memory available. Every exporter that verifies against transformers (GGUF, ONNX)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -30,13 +31,13 @@ __all__ = [
 ]
 
 
-def stored_dtype(config: dict[str, Any]) -> str:
+def stored_dtype(config: Mapping[str, object]) -> str:
     """The dtype ``config.json`` says the weights are stored in (``dtype``, or the older ``torch_dtype``; float32
     when it says none)."""
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
-def reference_dtype(params: int, config: dict[str, Any]) -> str:
+def reference_dtype(params: int, config: Mapping[str, object]) -> str:
     """The dtype the transformers reference holds its weights in: float32 when that takes at most half the available
     memory, else the checkpoint's own 16-bit dtype (a bf16 MoE of 5B parameters is 21 GB in float32). Either way it
     computes in float32 (:func:`reference_model`) and its figures are the same; the 16-bit copy is slower by the
@@ -57,7 +58,7 @@ def reference_dtype(params: int, config: dict[str, Any]) -> str:
 VERIFY_OVERHEAD = 1 << 30  # activations of the probe windows, the tokenizer, the runtime
 
 
-def stream_reference(params: int, config: dict[str, Any]) -> bool:
+def stream_reference(params: int, config: Mapping[str, object]) -> bool:
     """Whether the transformers reference must stream its layers from disk: when even its copy in the checkpoint's
     own dtype (with one float32 layer, :func:`reference_dtype`) would not fit in the available memory.
 
@@ -73,7 +74,7 @@ def stream_reference(params: int, config: dict[str, Any]) -> bool:
     return mem is not None and held + VERIFY_OVERHEAD > mem
 
 
-def streamed_need(params: int, config: dict[str, Any]) -> int:
+def streamed_need(params: int, config: Mapping[str, object]) -> int:
     """Bytes a streamed reference holds: the weights outside the layer stack and one layer in float32
     (:func:`moetool.compute.stream.streamed_weight_bytes`) and the verification's activations
     (:data:`VERIFY_OVERHEAD`)."""
@@ -85,7 +86,7 @@ def streamed_need(params: int, config: dict[str, Any]) -> int:
 HELD_REFERENCE_LIMIT = 1 << 30  # float32 bytes under which a graph target holds its reference (and checks its wrapper)
 
 
-def held_reference(params: int, config: dict[str, Any]) -> bool:
+def held_reference(params: int, config: Mapping[str, object]) -> bool:
     """Whether a graph target's verification holds the transformers reference in float32 (and checks the torch
     export model over its weights): only for a model under :data:`HELD_REFERENCE_LIMIT` in float32 that fits.
     Larger ones are streamed from disk one layer at a time, the same figures for one layer's memory, so the export's
@@ -93,7 +94,7 @@ def held_reference(params: int, config: dict[str, Any]) -> bool:
     return params * 4 <= HELD_REFERENCE_LIMIT and not stream_reference(params, config)
 
 
-def graph_reference_need(params: int, config: dict[str, Any]) -> tuple[int, bool]:
+def graph_reference_need(params: int, config: Mapping[str, object]) -> tuple[int, bool]:
     """(bytes, held) of a graph target's reference (:func:`graph_reference`): the float32 model and the
     verification's allowance when :func:`held_reference`, else a streamed reference's (:func:`streamed_need`)."""
     held = held_reference(params, config)
@@ -110,7 +111,7 @@ class GraphReference:
     held: bool
 
 
-def graph_reference(path: Path, params: int, config: dict[str, Any]) -> GraphReference:
+def graph_reference(path: Path, params: int, config: Mapping[str, object]) -> GraphReference:
     """The reference of a graph target's check (ONNX, Core ML, ExecuTorch): held in float32 for a small model
     (:func:`held_reference`), else streamed from disk one layer at a time over the checkpoint's own dtype."""
     import torch
