@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -18,6 +18,7 @@ from moetool.export.gguf.lora import export_adapter, is_adapter
 from moetool.export.resolve import ExportOptions, check_method_options, plan_standard_export
 from moetool.io.atomic import atomic_write_text
 from moetool.io.checks import check_finished_model_dir, check_output_path, check_report_path, is_moetool_temp
+from moetool.io.jsontypes import JsonObject, JsonValue
 from moetool.io.safe import read_json, read_text
 from moetool.io.sources import resolve_source
 from moetool.methods import get_plugin, plugin_for_model
@@ -31,6 +32,8 @@ from moetool.recipe.load import load_recipe
 from moetool.zoo import split_zoo_name, zoo_domain_text
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from moetool.methods.mofe.plan import MergePlan
 
 RecipeLike = RecipeBase | str | Path
@@ -103,7 +106,7 @@ def train(
     resume: bool = True,
     preset: str | None = None,
     console: Console | None = None,
-    **options: Any,
+    **options: object,
 ) -> TrainOutcome:
     """The method's training (mofe: router tuning of the merged ``model``, resumable; comigs: the federation)."""
     r = load(recipe)
@@ -156,7 +159,7 @@ def evaluate(
     scores: dict[str, dict[str, dict[str, float]]] = {}
     failures: dict[str, str] = {}
 
-    def tasks_of(name: str, model: Any, tok: Any) -> None:
+    def tasks_of(name: str, model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> None:
         from moetool.eval.harness import TaskError, task_scores
 
         if on_model is not None:
@@ -230,11 +233,11 @@ def eval_domains(domains: list[str] | None, data: dict[str, Path]) -> list[str]:
     return domains
 
 
-def _task_name(task: str | dict[str, Any]) -> str:
+def _task_name(task: str | JsonObject) -> str:
     return task if isinstance(task, str) else str(task["task"])
 
 
-def _task_configs(tasks: list[str], texts: dict[str, str], files: dict[str, Path]) -> list[str | dict[str, Any]]:
+def _task_configs(tasks: list[str], texts: dict[str, str], files: dict[str, Path]) -> list[str | JsonObject]:
     """lm-eval task names as they are; ``local`` and ``moetool_cont_DOMAIN`` as task configs over held-out text."""
     from moetool.eval.tasks import local_domain, min_words, task_name, write_local_tasks
     from moetool.paths import cache_dir
@@ -276,15 +279,17 @@ def check_report_outputs(json_file: Path | None, plots: Path | None, inputs: lis
         check_report_path(plots, inputs, option="--plots", folder=True)
 
 
-def nonfinite_figures(report: dict[str, Any]) -> list[str]:
+def nonfinite_figures(report: Mapping[str, JsonValue]) -> list[str]:
     """The ``model on domain`` pairs whose perplexity is not a finite number (NaN weights, an overflow)."""
+    table = report.get("perplexity")
     bad = []
-    for model, row in report.get("perplexity", {}).items():
-        bad += [f"{model} on {domain}" for domain, v in row.items() if not math.isfinite(float(v))]
+    for model, row in table.items() if isinstance(table, dict) else ():
+        numbers = row.items() if isinstance(row, dict) else ()
+        bad += [f"{model} on {domain}" for domain, v in numbers if isinstance(v, float) and not math.isfinite(v)]
     return bad
 
 
-def write_report(report: dict[str, Any], json_file: Path | None, plots: Path | None) -> list[Path]:
+def write_report(report: Mapping[str, JsonValue], json_file: Path | None, plots: Path | None) -> list[Path]:
     """The evaluation report as JSON and PNG plots; returns the files written."""
     written = []
     if json_file is not None:
@@ -350,7 +355,7 @@ def export(
     *,
     console: Console | None = None,
     base: str | Path | None = None,
-    **kw: Any,
+    **kw: Unpack[ExportOptions],
 ) -> Manifest:
     """Plan, write, verify and describe one artifact; returns its manifest (also written next to it).
 

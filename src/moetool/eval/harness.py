@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from moetool.errors import MoetoolError
 from moetool.extras import require
+from moetool.io.jsontypes import JsonObject
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # what each task reports, in order; the "_stderr" of each is kept beside it
 METRICS = ("acc", "acc_norm", "exact_match", "f1", "mcc")
@@ -24,7 +28,7 @@ class TaskError(MoetoolError):
 
 
 @contextmanager
-def _quiet_offline() -> Any:
+def _quiet_offline() -> Iterator[None]:
     """No Hub access (datasets come from the local cache) and lm-eval's per-request INFO lines silenced."""
     saved = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
     os.environ.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
@@ -44,7 +48,7 @@ def _quiet_offline() -> Any:
             logging.getLogger(n).setLevel(lvl)
 
 
-def _scores(results: Mapping[str, Any]) -> dict[str, float]:
+def _scores(results: Mapping[str, object]) -> dict[str, float]:
     """``{"acc": 0.5, "acc_stderr": 0.1, …}`` from one task's lm-eval results (keys like ``acc,none``)."""
     out: dict[str, float] = {}
     for key, value in results.items():
@@ -56,9 +60,9 @@ def _scores(results: Mapping[str, Any]) -> dict[str, float]:
 
 
 def task_scores(
-    model: Any,
-    tokenizer: Any,
-    tasks: list[str | dict[str, Any]],
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: list[str | JsonObject],
     *,
     limit: int | None = None,
     num_fewshot: int | None = None,

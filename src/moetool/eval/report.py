@@ -6,7 +6,7 @@ import gc
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import torch
 
@@ -19,6 +19,9 @@ from moetool.eval.residency import Residency
 from moetool.io.safe import read_json
 from moetool.routing.tap import RouterTap, has_moe_layers
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 MAX_MEAN_NLL = 700.0  # nats per token: math.exp overflows a float64 just past 709
 
 
@@ -29,9 +32,29 @@ def expert_names(path: str | Path) -> list[str] | None:
     return [str(x) for x in names] if isinstance(names, list) else None
 
 
-def _routing_stats(logits_per_layer: list[list[torch.Tensor]], top_k: int) -> dict[str, list[Any]]:
+class RoutingStats(TypedDict):
+    """A model's routing on one text, per layer: each expert's share of the top-k choices, mean router entropy (nats)."""
+
+    expert_share: list[list[float]]
+    entropy: list[float]
+
+
+class ModelRecord(TypedDict):
+    """What the report says of a model (:func:`_model_record`)."""
+
+    path: str
+    moe: bool
+    own_domain: str | None
+    dtype: str
+    arithmetic: str
+    device: str
+    streamed: NotRequired[str]  # why its layers were streamed from disk, where they were
+
+
+def _routing_stats(logits_per_layer: list[list[torch.Tensor]], top_k: int) -> RoutingStats:
     """Per layer: share of top-k assignments per expert and mean router entropy (nats)."""
-    share, entropy = [], []
+    share: list[list[float]] = []
+    entropy: list[float] = []
     for chunks in logits_per_layer:
         x = torch.cat(chunks).float()  # [T, E]
         chosen = x.topk(top_k, dim=-1).indices.reshape(-1)
@@ -41,12 +64,12 @@ def _routing_stats(logits_per_layer: list[list[torch.Tensor]], top_k: int) -> di
     return {"expert_share": share, "entropy": entropy}
 
 
-def _model_record(path: Path, model: Any, own_domain: str | None, held: Residency) -> dict[str, Any]:
+def _model_record(path: Path, model: PreTrainedModel, own_domain: str | None, held: Residency) -> ModelRecord:
     """What the report says of a model: its path, whether it is an MoE, its own domain, the dtype it is held in and
     the one it computes in (float32 over 16-bit weights where the device has no native 16-bit matmul), its device,
     and, where it did not fit in memory, that its layers were streamed from disk and why."""
     storage, arithmetic = precision_of(model)
-    record = {
+    record: ModelRecord = {
         "path": str(path),
         "moe": has_moe_layers(model),
         "own_domain": own_domain,
@@ -54,7 +77,9 @@ def _model_record(path: Path, model: Any, own_domain: str | None, held: Residenc
         "arithmetic": dtype_name(arithmetic),
         "device": str(model.device),
     }
-    return record | ({"streamed": held.reason} if held.streamed else {})
+    if held.streamed:
+        record["streamed"] = held.reason
+    return record
 
 
 def evaluate(
@@ -65,7 +90,7 @@ def evaluate(
     seq_len: int = 256,
     max_tokens: int | None = 32768,
     batch_size: int = 8,
-    also: Callable[[str, Any, Any], None] | None = None,
+    also: Callable[[str, PreTrainedModel, PreTrainedTokenizerBase], None] | None = None,
     dtype: str = "auto",
     device: str = "auto",
     residency: Mapping[str, Residency] | None = None,
@@ -99,8 +124,9 @@ def evaluate(
                 f"{name}: weight {bad} holds NaN or Inf values; the checkpoint at {path} is corrupt or its training "
                 "diverged, so nothing is evaluated"
             )
-        out["models"][name] = _model_record(path, model, own_domains.get(name), held)
-        tap = RouterTap(model) if out["models"][name]["moe"] else None
+        record = _model_record(path, model, own_domains.get(name), held)
+        out["models"][name] = record
+        tap = RouterTap(model) if record["moe"] else None
         ppl, routing = {}, {}
         try:
             for domain, text in texts.items():

@@ -15,10 +15,10 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from moetool.errors import MoetoolError
 from moetool.io.atomic import atomic_write_text
+from moetool.io.jsontypes import JsonObject
 
 PREFIX = "moetool_cont_"
 # a passage is CONTEXT_WORDS of context then CHOICE_WORDS of continuation (about 60 tokens a request: each choice is
@@ -39,8 +39,8 @@ class ContinuationItem:
     choices: list[str]
     gold: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {"context": self.context, "choices": self.choices, "gold": self.gold}
+    def to_json(self) -> JsonObject:
+        return {"context": self.context, "choices": list(self.choices), "gold": self.gold}
 
 
 def task_name(domain: str) -> str:
@@ -97,7 +97,7 @@ def continuation_items(text: str, *, seed: int = 0, max_items: int = MAX_ITEMS) 
     return items
 
 
-def task_config(domain: str, data_file: Path) -> dict[str, Any]:
+def task_config(domain: str, data_file: Path) -> JsonObject:
     """The lm-eval task config (what a task YAML holds) of a domain's items in ``data_file`` (JSON lines)."""
     return {
         "task": task_name(domain),
@@ -120,7 +120,7 @@ def task_config(domain: str, data_file: Path) -> dict[str, Any]:
     }
 
 
-def write_local_tasks(texts: Mapping[str, str], cache: Path, *, seed: int = 0) -> dict[str, dict[str, Any]]:
+def write_local_tasks(texts: Mapping[str, str], cache: Path, *, seed: int = 0) -> dict[str, JsonObject]:
     """Write each domain's items under ``cache`` (named by a hash of the text and seed) and return the task configs.
 
     Returns:
