@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from moetool.errors import MoetoolError
 
@@ -76,7 +77,7 @@ class UnknownPluginError(MoetoolError):
     """A method, target or scheme name that is not registered."""
 
 
-def did_you_mean(name: object, known: list[str] | tuple[str, ...] | Any) -> str:
+def did_you_mean(name: object, known: Iterable[str]) -> str:
     """``" (did you mean 'gguf'?)"`` for a close registered name, else the list of known names."""
     names = sorted(known)
     close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
@@ -91,15 +92,27 @@ def load(spec: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+EntryT = TypeVar("EntryT")
+
+
+def _registered(table: Mapping[str, EntryT], name: object, refusal: Callable[[str], str]) -> EntryT:
+    """``table[name]``.
+
+    Raises:
+        UnknownPluginError: ``name`` is not in ``table``, saying ``refusal`` of the "did you mean" hint.
+    """
+    if not isinstance(name, str) or name not in table:
+        raise UnknownPluginError(refusal(did_you_mean(name, table)))
+    return table[name]
+
+
 def method_entry(name: object) -> MethodEntry:
     """The registry entry of method ``name``.
 
     Raises:
         UnknownPluginError: not a registered method (with "did you mean").
     """
-    if not isinstance(name, str) or name not in METHODS:
-        raise UnknownPluginError(f"method: {name!r} is not a known method ({did_you_mean(name, METHODS)})")
-    return METHODS[name]
+    return _registered(METHODS, name, lambda hint: f"method: {name!r} is not a known method ({hint})")
 
 
 def target_spec(target: object) -> str:
@@ -108,9 +121,7 @@ def target_spec(target: object) -> str:
     Raises:
         UnknownPluginError: not a registered target (with "did you mean").
     """
-    if not isinstance(target, str) or target not in TARGETS:
-        raise UnknownPluginError(f"unknown target {target!r} ({did_you_mean(target, TARGETS)})")
-    return TARGETS[target]
+    return _registered(TARGETS, target, lambda hint: f"unknown target {target!r} ({hint})")
 
 
 def load_all_methods() -> None:
