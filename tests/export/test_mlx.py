@@ -11,7 +11,7 @@ import pytest
 from consumer_fixtures import merge
 
 from conftest import save_dense
-from moetool.api import export
+from moetool.api import export, plan_export
 from moetool.arch.outputs import OUTPUT_ARCHS
 from moetool.export import ExportError
 from moetool.export.base import ExportRequest, get_exporter
@@ -146,4 +146,28 @@ def test_a_qwen2_moe_that_renormalises_its_top_k_is_refused_before_any_work(tmp_
     with pytest.raises(ExportError, match=r"norm_topk_prob: true, but mlx-lm .* never renormalises .*"
                        r"`norm_topk_prob: false` in the recipe"):  # fmt: skip
         get_exporter("mlx").plan(req)
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_prints_the_mlx_exports_need_and_a_run_that_does_not_fit_is_refused_up_front(
+    tmp_path, tiny_models, monkeypatch
+):
+    from typer.testing import CliRunner
+
+    from moetool.cli import app
+    from moetool.io.budget import BudgetError
+
+    moe = merge(tmp_path, tiny_models("llama"), "mixtral")
+    args = ["export", str(moe), "-o", str(tmp_path / "out"), "--target", "mlx", "--dry-run"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "the export needs about" in res.output and "written by mlx-lm" in res.output
+    assert "would be refused" not in res.output and not (tmp_path / "out").exists()
+    job = plan_export(moe, tmp_path / "out", target="mlx", quant="f32")
+    assert job.need().disk == job.plan.quant.total_bytes  # the artifact: the float32 weights
+    assert job.need().memory > plan_export(moe, tmp_path / "out", target="mlx", verify=False).need().memory
+    monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", "1M")
+    assert "would be refused" in CliRunner().invoke(app, args).output
+    with pytest.raises(BudgetError, match=r"MLX export \(moe-q4\) needs about .* nothing was written"):
+        export(moe, tmp_path / "out", target="mlx")
     assert not (tmp_path / "out").exists()

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
 
 from rich.console import Console
 
@@ -28,8 +28,10 @@ from moetool.export.mlx.names import mlx_precision, module_paths, module_precisi
 from moetool.export.parity import ParityRecord
 from moetool.export.planning import choose_plan, manifest_base
 from moetool.io.atomic import atomic_dir
+from moetool.io.budget import Need, human
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.files import copy_tokenizer
+from moetool.io.jsontypes import JsonObject
 from moetool.progress import step_printer
 from moetool.quant.plan import TensorEntry
 
@@ -60,6 +62,42 @@ def check_topk(cfg: Mapping[str, object]) -> None:
         f"--target mlx: this {rec.model_type} has norm_topk_prob: {str(norm).lower()}, but mlx-lm "
         f"({MLX_LM.checked}) {'never' if norm else 'always'} renormalises its top-k routing weights: the MLX folder "
         f"would compute another function. Nothing was written; {fix}export it to another target (onnx)"
+    )
+
+
+# Peak RSS of `moetool export --target mlx` (bench/size_ladder.measured: the process tree sampled, and wait4; the
+# 360m verification's peak read from the process's VmHWM), 2026-12-06, mlx 0.32.4 CPU build, a loaded machine:
+#   tiny Mixtral (214K params):  moe-q4 written 0.30 GB, verified 0.48 GB; f32 verified 0.48 GB
+#   size ladder 360m (1.07B parameters, bf16 2.14 GB; the artifact 0.67 GB at moe-q4, 4.28 GB at f32):
+#     moe-q4 written 1.21 GB, f32 written 6.87 GB; moe-q4 verified 10.31 GB
+# Writing: mlx-lm loads the model lazily and evaluates the artifact's arrays as it saves them, so the peak follows the
+# artifact, not the source: the overhead + 1.6 x the artifact (1.40 and 7.18 GB estimated for the two 360m figures).
+WRITE_OVERHEAD = 320 << 20  # python, mlx and mlx-lm: the tiny model's 0.30 GB
+WRITE_MULTIPLE = 1.6
+# Verifying: transformers loads the model in float32 (from bf16: both copies for a moment) beside mlx-lm's copy of
+# the artifact: 2.0 x the float32 weights + the artifact + VERIFY_OVERHEAD is the 360m figure (10.30 GB); 2.2 leaves
+# room for the probe windows' activations (11.2 GB estimated)
+VERIFY_MULTIPLE = 2.2
+
+
+def mlx_need(plan: MLXPlan, *, verify: bool, output: Path) -> Need:
+    """Memory and disk of writing (and verifying) ``plan``'s MLX folder, from the plan alone (the fitted figures
+    above): the artifact is the disk; writing holds about 1.6 x the artifact, verification the float32 model beside
+    it."""
+    from moetool.export.reference import VERIFY_OVERHEAD
+
+    params, artifact = plan.quant.total_params, plan.quant.total_bytes
+    writing = WRITE_OVERHEAD + int(artifact * WRITE_MULTIPLE)
+    verifying = int(params * 4 * VERIFY_MULTIPLE) + artifact + VERIFY_OVERHEAD
+    return Need(
+        stage=f"MLX export ({plan.quant.label})",
+        memory=max(writing, verifying) if verify else writing,
+        memory_detail=f"written by mlx-lm ({human(writing)}); verified against the model held in float32"
+        if verify
+        else "written by mlx-lm",
+        disk=artifact,
+        output=output,
+        way_out="Export with --no-verify (the folder is not checked), or on a machine with more memory",
     )
 
 
@@ -101,10 +139,15 @@ class MLXExporter:
             raise ExportError(f"plan {c.quant.label!r} for mlx: {exc}") from None
         return plan
 
-    def export(self, req: ExportRequest, plan: MLXPlan, console: Console | None = None) -> dict[str, Any]:
+    def need(self, req: ExportRequest, plan: MLXPlan) -> Need:
+        """The export's memory and disk need (:func:`mlx_need`)."""
+        return mlx_need(plan, verify=req.verify, output=req.output)
+
+    def export(self, req: ExportRequest, plan: MLXPlan, console: Console | None = None) -> JsonObject:
         from moetool.export.mlx import runtime
 
         runtime.versions()  # no mlx-lm: refuse before anything is written
+        self.need(req, plan).check()
         started = time.perf_counter()
         step = step_printer(console, started)
         released = released_config(plan.config)

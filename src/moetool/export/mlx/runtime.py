@@ -13,7 +13,8 @@ import re
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,12 +23,19 @@ from moetool.export.heldout import agreement, windows
 from moetool.export.mlx.names import FLOAT_TYPES, GROUP_SIZES, bits_of
 from moetool.export.parity import DecodeCheck, ParityRecord, RoundingCheck, TokenizerCheck
 from moetool.extras import require
+from moetool.io.jsontypes import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    from mlx.nn import Module
+
+    from moetool.io.checkpoint import Checkpoint
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 MODE = "affine"  # scale and bias per group: what mlx-community's 4- and 8-bit models use
 
 
-def _mlx() -> tuple[Any, Any]:
+def _mlx() -> tuple[ModuleType, ModuleType]:
+    """``mlx.core`` and ``mlx_lm.utils``, or the install command of the extra that brings them."""
     mx = require("mlx.core", "mlx", why="--target mlx")
     utils = require("mlx_lm.utils", "mlx", why="--target mlx")
     return mx, utils
@@ -42,8 +50,8 @@ def versions() -> str:
 
 
 def write_folder(
-    model_dir: Path, out: Path, precisions: Mapping[str, str], overrides: Mapping[str, Any]
-) -> tuple[dict[str, Any], list[str]]:
+    model_dir: Path, out: Path, precisions: Mapping[str, str], overrides: Mapping[str, JsonValue]
+) -> tuple[JsonObject, list[str]]:
     """Write ``model_dir`` as an mlx-lm folder in ``out``: each module's weight at its precision (``N-bit``: affine
     groups of 64, else 32, where the row length allows; a float: cast), mlx-lm's ``config.json`` with its
     ``quantization`` map, ``model.safetensors`` and the tokenizer files.
@@ -61,7 +69,7 @@ def write_folder(
     model, config = utils.load_model(Path(model_dir), lazy=True, model_config=dict(overrides))
     notes: list[str] = []
 
-    def predicate(path: str, module: Any) -> bool | dict[str, Any]:
+    def predicate(path: str, module: Module) -> bool | dict[str, int | str]:
         bits = bits_of(precisions.get(path, "f32"))
         if bits is None:
             return False
@@ -80,10 +88,10 @@ def write_folder(
             )
         _top_level_default(config)
     dtypes = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
-    flat: Any = tree_flatten(model.parameters())
+    flat = dict(tree_flatten(model.parameters()))
     casts = [
         (name, value.astype(dtypes[precisions[name.removesuffix(".weight")]]))
-        for name, value in flat
+        for name, value in flat.items()
         if precisions.get(name.removesuffix(".weight")) in FLOAT_TYPES
     ]
     if casts:
@@ -93,7 +101,7 @@ def write_folder(
     return config, notes
 
 
-def _top_level_default(config: dict[str, Any]) -> None:
+def _top_level_default(config: JsonObject) -> None:
     """Set ``quantization``'s top-level group size and bits to the most common module's: every quantized module has
     its own entry (what mlx-lm's loader reads), but tools that show one figure read the top level."""
     q = config.get("quantization")
@@ -103,14 +111,14 @@ def _top_level_default(config: dict[str, Any]) -> None:
         q["group_size"], q["bits"] = common
 
 
-def mlx_logits(model: Any, ids: list[int]) -> np.ndarray:
+def mlx_logits(model: Module, ids: list[int]) -> np.ndarray:
     """An mlx-lm model's float32 logits ``[T, V]`` for one sequence."""
     mx, _ = _mlx()
     out: np.ndarray = np.array(model(mx.array([ids]))[0].astype(mx.float32))
     return out
 
 
-def _decode(model: Any, ids: list[int], ref: np.ndarray, steps: int) -> DecodeCheck:
+def _decode(model: Module, ids: list[int], ref: np.ndarray, steps: int) -> DecodeCheck:
     """Prefill all but ``steps`` tokens, then one token at a time through mlx-lm's KV cache, against ``ref``."""
     mx, _ = _mlx()
     from mlx_lm.models.cache import make_prompt_cache
@@ -124,7 +132,7 @@ def _decode(model: Any, ids: list[int], ref: np.ndarray, steps: int) -> DecodeCh
     return DecodeCheck(prefill_tokens=n0, steps=steps, max_abs_logit_diff=worst)
 
 
-def _source(ck: Any, path: str, names: list[str]) -> np.ndarray:
+def _source(ck: Checkpoint, path: str, names: list[str]) -> np.ndarray:
     """The float32 source of module ``path`` from the Hugging Face tensors ``names``: one tensor; a layer's experts
     stacked by expert index; or GraniteMoE's [gate; up] stack, its half for ``gate_proj``/``up_proj``."""
 
