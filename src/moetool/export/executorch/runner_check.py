@@ -24,28 +24,52 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, TypedDict
+
+from moetool.export.jsonnum import integer, number
 
 if TYPE_CHECKING:
-    from torch import nn
+    from collections.abc import Mapping
 
-    from moetool.io.jsontypes import JsonObject
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
+
+    from moetool.io.jsontypes import JsonObject, JsonValue
 
 __all__ = ["printed_piece", "runner_check", "runner_generate", "runner_prompt"]
 
+_STATS = "ExecuTorch runner's stats"
 
-def _generate(request: dict[str, Any]) -> dict[str, Any]:
+
+class _Stats(Protocol):
+    """The runner's figures as its stats callback gets them."""
+
+    def to_json_string(self) -> str: ...
+
+
+class RunnerOutput(TypedDict):
+    """What the runner printed (its stats line cut off) and its own figures."""
+
+    text: bytes
+    stats: JsonObject
+
+
+def _generate(request: Mapping[str, JsonValue]) -> JsonObject:
     """The worker: one greedy generation in TextLLMRunner, its stdout captured (the module docstring says why)."""
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
     runner = TextLLMRunner(request["pte"], request["tokenizer"], request["ptd"])
-    stats: dict[str, Any] = {}
+    stats: JsonObject = {}
 
-    def on_stats(s: Any) -> None:
+    def on_stats(s: _Stats) -> None:
         stats.update(json.loads(s.to_json_string()))
 
     # temperature 0 is greedy (the bindings' default is 0.8); nothing added around the prompt: it is given whole
-    cfg = GenerationConfig(echo=False, max_new_tokens=int(request["new_tokens"]), temperature=0.0)
+    cfg = GenerationConfig(
+        echo=False,
+        max_new_tokens=integer(request["new_tokens"], "new_tokens", "the runner check's request"),
+        temperature=0.0,
+    )
     cfg.num_bos, cfg.num_eos = 0, 0
     libc = ctypes.CDLL(None)
     with tempfile.TemporaryFile() as captured:
@@ -63,7 +87,7 @@ def _generate(request: dict[str, Any]) -> dict[str, Any]:
     return {"raw": raw.decode("latin-1"), "stats": stats}
 
 
-def runner_generate(pte: Path, ptd: Path, tokenizer: Path, prompt: str, new_tokens: int) -> dict[str, Any]:
+def runner_generate(pte: Path, ptd: Path, tokenizer: Path, prompt: str, new_tokens: int) -> RunnerOutput:
     """``new_tokens`` greedy tokens after ``prompt`` from TextLLMRunner over the program ``pte`` and its weights
     ``ptd``: ``{"text": the bytes it printed, "stats": its own figures}``."""
     from moetool.export.worker import run_worker
@@ -83,7 +107,7 @@ def runner_generate(pte: Path, ptd: Path, tokenizer: Path, prompt: str, new_toke
 _PRINTED_BYTES = frozenset(range(0x20, 0x7F)) | frozenset(b" \t\n\v\f\r")
 
 
-def printed_piece(tok: Any, token: int) -> bytes:
+def printed_piece(tok: PreTrainedTokenizerBase, token: int) -> bytes:
     """The bytes the runner prints for ``token``: its piece as the tokenizer decodes it alone (byte-level BPE: the
     token's bytes, through GPT-2's byte-to-character table), a lone unprintable byte dropped as the runner drops it."""
     backend = getattr(tok, "backend_tokenizer", None)
@@ -91,9 +115,12 @@ def printed_piece(tok: Any, token: int) -> bytes:
     if backend is not None and type(backend.decoder).__name__ == "ByteLevel":
         chars = _byte_chars()
         name = tok.convert_ids_to_tokens(token)
+        assert isinstance(name, str)  # one id, one token
         piece = bytes(chars[c] for c in name) if all(c in chars for c in name) else name.encode()
     else:
-        piece = tok.decode([token]).encode()
+        decoded = tok.decode([token])
+        assert isinstance(decoded, str)  # one sequence of ids, one text
+        piece = decoded.encode()
     return b"" if len(piece) == 1 and piece[0] not in _PRINTED_BYTES else piece
 
 
@@ -110,13 +137,14 @@ def _byte_chars() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
-def runner_prompt(tok: Any) -> str:
+def runner_prompt(tok: PreTrainedTokenizerBase) -> str:
     """The check's prompt: a question through the model's chat template where it has one (what an app sends)."""
     question = "What is the capital of France?"
     if getattr(tok, "chat_template", None):
-        text: str = tok.apply_chat_template(
+        text = tok.apply_chat_template(
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
+        assert isinstance(text, str)  # tokenize=False: the text
         return text
     return "The capital of France is"
 
@@ -136,7 +164,7 @@ def runner_check(
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     got = runner_generate(pte, ptd, tokenizer_dir, prompt, new_tokens)
     want = greedy_reference(hf, ids, new_tokens, stops, vocab=len(tok))
-    text: bytes = got["text"]
+    text = got["text"]
     # the runner prints each piece as it comes: its bytes begin with transformers' first k tokens' pieces (as the
     # runner would print them, :func:`printed_piece`) for the first k tokens to be the same
     pieces = [printed_piece(tok, t) for t in want]
@@ -147,7 +175,7 @@ def runner_check(
     return {
         "runner": "ExecuTorch TextLLMRunner (executorch.extension.llm.runner)",
         "prompt": prompt,
-        "prompt_tokens": int(stats.get("prompt_tokens", 0)),
+        "prompt_tokens": integer(stats.get("prompt_tokens", 0), "prompt_tokens", _STATS),
         "reference_prompt_tokens": len(ids),
         "new_tokens": len(want),
         "text": text.decode("utf-8", errors="replace"),
@@ -161,13 +189,13 @@ def runner_check(
     }
 
 
-def _span(stats: dict[str, Any], start: str, end: str) -> float | None:
+def _span(stats: Mapping[str, JsonValue], start: str, end: str) -> float | None:
     if start in stats and end in stats:
-        return float(stats[end]) - float(stats[start])
+        return number(stats[end], end, _STATS) - number(stats[start], start, _STATS)
     return None
 
 
-def _ttft(stats: dict[str, Any]) -> float | None:
+def _ttft(stats: Mapping[str, JsonValue]) -> float | None:
     return _span(stats, "inference_start_ms", "first_token_ms")
 
 
