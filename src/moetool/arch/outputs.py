@@ -7,7 +7,7 @@ llama.cpp's ``convert_hf_to_gguf.py`` maps (it cannot map the fused ``experts.ga
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -235,38 +235,6 @@ MIXTRAL = MoEArch(
     checks=(_no_attn_bias,),
 )
 
-QWEN2_MOE = MoEArch(
-    name="qwen2_moe",
-    model_type="qwen2_moe",
-    class_name="Qwen2MoeForCausalLM",
-    config_class="Qwen2MoeConfig",
-    gguf_arch="qwen2moe",
-    # llama.cpp's qwen2moe never renormalises top-k weights; without a shared expert its Mixtral form computes
-    # a renormalised Qwen2-MoE exactly (it takes q/k/v biases)
-    gguf_unshared_arch="llama",
-    topk="config",
-    genai_type="qwen2",
-    accepts=("qwen2", "llama", "mistral"),
-    router="model.layers.{layer}.mlp.gate.weight",
-    expert="model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
-    proj_map=_QWEN_PROJ,
-    config_extra=_qwen_moe_extra,
-    count_key="num_experts",
-    mlx_switch="model.layers.{layer}.mlp.switch_mlp.{proj}",
-    shared="model.layers.{layer}.mlp.shared_expert.{proj}.weight",
-    shared_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
-    # Qwen2 attention always has q/k/v biases; zeros make a bias-free llama base compute exactly the same
-    zero_attn_bias=("q_proj", "k_proj", "v_proj"),
-    checks=(
-        _no_attn_bias,
-        lambda b: (
-            "has no sliding-window mistral variant"
-            if b.model_type == "mistral" and getattr(b, "sliding_window", None)
-            else None
-        ),
-    ),
-)
-
 QWEN3_MOE = MoEArch(
     name="qwen3_moe",
     model_type="qwen3_moe",
@@ -283,6 +251,34 @@ QWEN3_MOE = MoEArch(
     count_key="num_experts",
     mlx_switch="model.layers.{layer}.mlp.switch_mlp.{proj}",
 )
+
+# Qwen2-MoE: Qwen3-MoE's layout, with a shared expert and its gate, and q/k/v biases
+QWEN2_MOE = replace(
+    QWEN3_MOE,
+    name="qwen2_moe",
+    model_type="qwen2_moe",
+    class_name="Qwen2MoeForCausalLM",
+    config_class="Qwen2MoeConfig",
+    gguf_arch="qwen2moe",
+    # llama.cpp's qwen2moe never renormalises top-k weights; without a shared expert its Mixtral form computes
+    # a renormalised Qwen2-MoE exactly (it takes q/k/v biases)
+    gguf_unshared_arch="llama",
+    genai_type="qwen2",
+    accepts=("qwen2", "llama", "mistral"),
+    shared="model.layers.{layer}.mlp.shared_expert.{proj}.weight",
+    shared_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
+    # Qwen2 attention always has q/k/v biases; zeros make a bias-free llama base compute exactly the same
+    zero_attn_bias=("q_proj", "k_proj", "v_proj"),
+    checks=(
+        _no_attn_bias,
+        lambda b: (
+            "has no sliding-window mistral variant"
+            if b.model_type == "mistral" and getattr(b, "sliding_window", None)
+            else None
+        ),
+    ),
+)
+
 
 
 def _granite_extra(base: PretrainedConfig, n: int, k: int, _shared: int | None) -> dict[str, object]:

@@ -10,23 +10,22 @@ from moetool.export.base import ExportError
 from moetool.io.jsontypes import JsonValue
 
 
-def number(value: JsonValue, key: str, where: str = "config.json") -> float:
-    """``float(value)`` for a number or numeric string.
+def _numeric(value: JsonValue, key: str, where: str, want: str) -> str | int | float:
+    """``value`` where it is a number or numeric string (bools are ints here, as ``float(True)`` reads them).
 
     Raises:
-        ExportError: ``value`` is neither, naming ``key`` and ``where``.
+        ExportError: it is neither, naming ``key``, ``where`` and the ``want``-ed kind.
     """
     if isinstance(value, str | int | float):
-        return float(value)
-    raise ExportError(f"{where}: {key} is {value!r}, not a number")
+        return value
+    raise ExportError(f"{where}: {key} is {value!r}, not {want}")
+
+
+def number(value: JsonValue, key: str, where: str = "config.json") -> float:
+    """``float(value)`` for a number or numeric string (else an :class:`ExportError` naming ``key`` and ``where``)."""
+    return float(_numeric(value, key, where, "a number"))
 
 
 def integer(value: JsonValue, key: str, where: str = "config.json") -> int:
-    """``int(value)`` for a number or numeric string.
-
-    Raises:
-        ExportError: ``value`` is neither, naming ``key`` and ``where``.
-    """
-    if isinstance(value, str | int | float):
-        return int(value)
-    raise ExportError(f"{where}: {key} is {value!r}, not an integer")
+    """``int(value)`` for a number or numeric string (else an :class:`ExportError` naming ``key`` and ``where``)."""
+    return int(_numeric(value, key, where, "an integer"))

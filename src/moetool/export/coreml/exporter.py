@@ -30,7 +30,7 @@ from moetool.export.coreml.convert import compress, convert
 from moetool.export.coreml.join import Joined
 from moetool.export.coreml.package import check_package, description, hf_metadata, package_structure, structure
 from moetool.export.coreml.stateful import STATES, StatefulChunk
-from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, plan_chunks
+from moetool.export.graph.chunk_memory import ChunkPlan, Multiples, check_chunk_options, chunked_need, plan_chunks
 from moetool.export.graph.common import GraphPlan
 from moetool.export.graph.jobs import run_chunks, worker_env
 from moetool.export.graph.moe_kernel import dense_moe_kernel
@@ -89,20 +89,15 @@ def coreml_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> 
     no weight, but the structural check's MIL loader holds the package's (``disk``, the planned bytes), after the
     conversions: the larger of the two. Disk: the chunks and the joined package overlap by one chunk (the join removes
     each once copied)."""
-    from moetool.export.graph.chunk_memory import CHUNKED_WAY_OUT
-
     mem = chunks.memory
     how = "held in float32" if mem.held else "streamed from disk, one float32 layer at a time"
-    return Need(
-        stage="coreml export",
-        memory=max(mem.peak(verify), RUNTIME + disk),
-        memory_detail=f"converted in {mem.chunks} ({human(mem.converting)}); verified against the model {how}"
+    detail = (
+        f"converted in {mem.chunks} ({human(mem.converting)}); verified against the model {how}"
         if verify
-        else f"converted in {mem.chunks}",
-        disk=disk,
-        output=output,
-        way_out=CHUNKED_WAY_OUT,
+        else f"converted in {mem.chunks}"
     )
+    memory = max(mem.peak(verify), RUNTIME + disk)
+    return chunked_need(chunks, "coreml export", detail, verify=verify, output=output, disk=disk, memory=memory)
 
 
 def _package(src: StreamedExport, span: tuple[int, int], capacity: int, ends: tuple[bool, bool]) -> StatefulChunk:

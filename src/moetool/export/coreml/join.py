@@ -73,14 +73,17 @@ class Joined:
 
     def record(self) -> JsonObject:
         """The manifest's ``join`` entry."""
+        memory = (
+            f"the chunks' programs ({self.spec_bytes} bytes of protobuf) and a {COPY_BUFFER >> 20} MiB copy buffer: "
+            "no weight is loaded, whatever the model's size"
+        )
         return {
             "chunks": len(self.chunk_blobs),
             "blobs_per_chunk": [*self.chunk_blobs],
             "blobs": self.blobs,
             "weight_bytes": self.weight_bytes,
             "seconds": round(self.seconds, 2),
-            "memory": f"the chunks' programs ({self.spec_bytes} bytes of protobuf) and a {COPY_BUFFER >> 20} MiB copy "
-            "buffer: no weight is loaded, whatever the model's size",
+            "memory": memory,
         }
 
 

@@ -177,17 +177,11 @@ def runner_chunks(plan: GraphPlan) -> ChunkPlan:
 def executorch_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> Need:
     """Memory and disk of an ExecuTorch export in ``chunks`` (:func:`executorch_chunks`): ``jobs`` lowerings at
     once; verification holds the transformers reference (held in float32 or streamed) beside one chunk's program."""
-    from moetool.export.graph.chunk_memory import CHUNKED_WAY_OUT
+    from moetool.export.graph.chunk_memory import chunked_need
 
     mem = chunks.memory
-    return Need(
-        stage="executorch export",
-        memory=mem.peak(verify),
-        memory_detail=f"lowered in {mem.chunks}, each in a process of its own ({human(mem.converting)})",
-        disk=disk,
-        output=output,
-        way_out=CHUNKED_WAY_OUT,
-    )
+    detail = f"lowered in {mem.chunks}, each in a process of its own ({human(mem.converting)})"
+    return chunked_need(chunks, "executorch export", detail, verify=verify, output=output, disk=disk)
 
 
 class ExecuTorchExporter(GraphExporter):

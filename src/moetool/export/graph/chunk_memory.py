@@ -15,8 +15,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from moetool.export.graph.chunk import chunk_layers, planned_chunks
+from moetool.io.budget import Need
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from moetool.export.base import ExportRequest
     from moetool.export.graph.common import GraphPlan
 
@@ -28,6 +31,7 @@ __all__ = [
     "check_chunk_options",
     "chunk_bytes",
     "chunked_memory",
+    "chunked_need",
     "plan_chunks",
 ]
 
@@ -163,6 +167,21 @@ def plan_chunks(
     one = chunked_memory(plan, ranges, multiples=multiples, runtime=runtime, piece=piece)
     jobs = planned_jobs(req, len(ranges), one.converting, available_memory()) if in_child else 1
     return ChunkPlan(ranges, one.at_once(jobs))
+
+
+def chunked_need(
+    chunks: ChunkPlan, stage: str, detail: str, *, verify: bool, output: Path, disk: int, memory: int | None = None
+) -> Need:
+    """What a chunked export of ``stage`` needs: ``memory`` (by default its chunks' peak, ``verify``-ing or not),
+    ``detail`` saying how it was estimated, ``disk`` bytes under ``output``, and :data:`CHUNKED_WAY_OUT`."""
+    return Need(
+        stage=stage,
+        memory=chunks.memory.peak(verify) if memory is None else memory,
+        memory_detail=detail,
+        disk=disk,
+        output=output,
+        way_out=CHUNKED_WAY_OUT,
+    )
 
 
 def check_chunk_options(req: ExportRequest) -> None:

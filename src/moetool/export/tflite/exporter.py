@@ -87,17 +87,11 @@ def tflite_need(chunks: ChunkPlan, *, verify: bool, output: Path, disk: int) -> 
     """Memory and disk of a TFLite export in ``chunks`` (:func:`tflite_chunks`): ``jobs`` conversions at once;
     verification holds the transformers reference (in float32 or streamed) here beside one chunk in the
     interpreter."""
-    from moetool.export.graph.chunk_memory import CHUNKED_WAY_OUT
+    from moetool.export.graph.chunk_memory import chunked_need
 
     mem = chunks.memory
-    return Need(
-        stage="tflite export",
-        memory=mem.peak(verify),
-        memory_detail=f"converted in {mem.chunks} ({human(mem.converting)})",
-        disk=disk,
-        output=output,
-        way_out=CHUNKED_WAY_OUT,
-    )
+    detail = f"converted in {mem.chunks} ({human(mem.converting)})"
+    return chunked_need(chunks, "tflite export", detail, verify=verify, output=output, disk=disk)
 
 
 class TFLiteExporter(GraphExporter):
