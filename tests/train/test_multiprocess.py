@@ -57,7 +57,9 @@ def _fake_launch(monkeypatch, kind: str) -> None:
 
     monkeypatch.setattr(accelerate, "PartialState", TwoProcesses)
     monkeypatch.setattr(accelerate, "Accelerator", Sharded)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    # as torchrun sets them for each process it starts (a bare WORLD_SIZE is refused: no launcher started the others)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
 
 
 def test_grad_accum_must_split_over_processes(monkeypatch):

@@ -29,14 +29,59 @@ _WHY_NOT = {
     "so it cannot be tested where moetool is built), and ZeRO-3 would own the model and its checkpoints. FSDP "
     "shards the same way: launch with examples/accelerate/fsdp.yaml",
 }
+# what a launcher sets for each process it starts: the process count, and the rank torch.distributed's rendezvous
+# needs beside the rank 0 address (torchrun and accelerate set RANK and MASTER_ADDR; MPI its own rank)
+_WORLD_SIZES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+_RANKS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+# the backends accelerate's launcher selects by a variable (and the variables that describe them), which would own
+# the model: accelerate imports their package first and fails with its own traceback where it is missing, so moetool
+# reads these before accelerate does
+_OWNED = {
+    "DEEPSPEED": ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+    "MEGATRON_LM": ("ACCELERATE_USE_MEGATRON_LM",),
+}
+
+
+def _world_size_var() -> tuple[str, int]:
+    """The variable a launcher gave the process count in (torchrun and accelerate: ``WORLD_SIZE``; MPI its own),
+    and the count; ``("", 1)`` without one."""
+    for name in _WORLD_SIZES:
+        if os.environ.get(name, "").isdigit():
+            return name, int(os.environ[name])
+    return "", 1
 
 
 def _launched_world_size() -> int:
-    """The process count a launcher asked for (torchrun and accelerate set ``WORLD_SIZE``; MPI its own)."""
-    for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 1
+    """The process count a launcher asked for."""
+    return _world_size_var()[1]
+
+
+def check_launch() -> None:
+    """Refuse a launch accelerate would fail on with a traceback of its own, before it reads the environment.
+
+    Raises:
+        MoetoolError: the launch asks for DeepSpeed or Megatron-LM (backends that own the model), or for several
+            processes (``WORLD_SIZE`` > 1) that no launcher started (no rank, no rank 0 address).
+    """
+    from accelerate.utils import parse_flag_from_env
+
+    for kind, (flag, *more) in _OWNED.items():
+        if parse_flag_from_env(flag):
+            asked = ", ".join(f"{v}={os.environ[v]}" for v in (flag, *more) if v in os.environ)
+            raise MoetoolError(
+                f"the launch asks for {kind} ({asked}, as `accelerate launch` sets for --use_{kind.lower()} or a "
+                f"config with distributed_type: {kind}): {_refusal(kind)}"
+            )
+    name, n = _world_size_var()
+    wanted = {"RANK": _RANKS, "MASTER_ADDR": ("MASTER_ADDR",)}
+    missing = [v for v, names in wanted.items() if not any(os.environ.get(x) for x in names)]
+    if n > 1 and missing:
+        raise MoetoolError(
+            f"{name}={n} asks for {n} processes, but no launcher started them ({' and '.join(missing)} not set, which "
+            f"a launcher sets for each process it starts): launch with `torchrun --nproc-per-node {n} --no-python "
+            f"moetool train …` or `accelerate launch --num_processes {n} --no_python moetool train …` "
+            f"(examples/accelerate/README.md), or unset {name} to train in this one process"
+        )
 
 
 def _cpu_only() -> bool:
@@ -74,9 +119,11 @@ def make_accelerator(grad_accum: int, *, device: torch.device | None = None, sha
     itself (:mod:`moetool.train.sharded`); accelerate then only forms the group and accumulates.
 
     Raises:
-        MoetoolError: ``train.grad_accum`` is not a multiple of the process count; the launcher asked for several
-            processes but they did not join one group; the backend owns the model (DeepSpeed, Megatron).
+        MoetoolError: ``train.grad_accum`` is not a multiple of the process count; several processes asked for
+            that no launcher started, or that did not join one group; the backend owns the model (DeepSpeed,
+            Megatron), refused before accelerate reads the launch (:func:`check_launch`).
     """
+    check_launch()
     from accelerate import Accelerator, PartialState
 
     cpu = _cpu_only() or (device is not None and device.type == "cpu")
@@ -101,11 +148,14 @@ def make_accelerator(grad_accum: int, *, device: torch.device | None = None, sha
     # the Accelerator, not the PartialState, knows a backend plugin (FSDP, DeepSpeed) from the launch config
     kind = str(accelerator.distributed_type).split(".")[-1]
     if kind not in _SUPPORTED:
-        raise MoetoolError(
-            _WHY_NOT.get(kind, f"router tuning runs on one process, data-parallel (DDP) or FSDP2 ones, not {kind}")
-            + " (examples/accelerate/README.md)"
-        )
+        raise MoetoolError(_refusal(kind))
     return accelerator
+
+
+def _refusal(kind: str) -> str:
+    """Why router tuning does not run under accelerate's ``kind`` of launch (DeepSpeed, Megatron-LM, …)."""
+    why = _WHY_NOT.get(kind, f"router tuning runs on one process, data-parallel (DDP) or FSDP2 ones, not {kind}")
+    return why + " (examples/accelerate/README.md)"
 
 
 @contextlib.contextmanager
