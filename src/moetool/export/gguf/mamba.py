@@ -28,22 +28,28 @@ if TYPE_CHECKING:
     import torch
 
 ARCH = "mamba"
-# (HF regex, GGUF name, transform)
-TENSOR_MAP: tuple[tuple[str, str, str], ...] = (
-    (r"backbone\.embeddings\.weight", "token_embd.weight", "none"),
-    (r"backbone\.norm_f\.weight", "output_norm.weight", "none"),
-    (r"lm_head\.weight", "output.weight", "none"),
-    (r"backbone\.layers\.(?P<i>\d+)\.norm\.weight", "blk.{i}.attn_norm.weight", "none"),
-    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.in_proj\.weight", "blk.{i}.ssm_in.weight", "none"),
-    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.conv1d\.weight", "blk.{i}.ssm_conv1d.weight", "squeeze"),
-    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.conv1d\.bias", "blk.{i}.ssm_conv1d.bias", "none"),
-    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.x_proj\.weight", "blk.{i}.ssm_x.weight", "none"),
-    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.dt_proj\.weight", "blk.{i}.ssm_dt.weight", "none"),
-    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.dt_proj\.bias", "blk.{i}.ssm_dt.bias", "none"),
-    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.A_log", "blk.{i}.ssm_a", "neg_exp"),
-    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.D", "blk.{i}.ssm_d", "none"),
-    (r"backbone\.layers\.(?P<i>\d+)\.mixer\.out_proj\.weight", "blk.{i}.ssm_out.weight", "none"),
-)
+# HF name → GGUF name, outside the layer stack
+_GLOBAL = {
+    "backbone.embeddings.weight": "token_embd.weight",
+    "backbone.norm_f.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+# a layer's HF name after ``backbone.layers.{i}.`` → its GGUF name after ``blk.{i}.``
+_LAYER = {
+    "norm.weight": "attn_norm.weight",
+    "mixer.in_proj.weight": "ssm_in.weight",
+    "mixer.conv1d.weight": "ssm_conv1d.weight",
+    "mixer.conv1d.bias": "ssm_conv1d.bias",
+    "mixer.x_proj.weight": "ssm_x.weight",
+    "mixer.dt_proj.weight": "ssm_dt.weight",
+    "mixer.dt_proj.bias": "ssm_dt.bias",
+    "mixer.A_log": "ssm_a",
+    "mixer.D": "ssm_d",
+    "mixer.out_proj.weight": "ssm_out.weight",
+}
+# a layer's HF name (as in _LAYER) → how its tensor is written; every other tensor as it is
+_TRANSFORM = {"mixer.conv1d.weight": "squeeze", "mixer.A_log": "neg_exp"}
+_LAYER_NAME = re.compile(r"backbone\.layers\.(\d+)\.(.+)")
 # tensors that may be stored f16 (everything else stays f32)
 F16_OK = re.compile(r"^(token_embd|output|blk\.\d+\.ssm_in|blk\.\d+\.ssm_out)\.weight$")
 
@@ -76,10 +82,11 @@ def gguf_tensors(state: dict[str, torch.Tensor], tied: bool) -> list[tuple[str, 
 
 
 def _map(hf_name: str) -> tuple[str, str]:
-    for pattern, template, transform in TENSOR_MAP:
-        m = re.fullmatch(pattern, hf_name)
-        if m:
-            return template.format(**m.groupdict()), transform
+    m = _LAYER_NAME.fullmatch(hf_name)
+    if m and m[2] in _LAYER:
+        return f"blk.{m[1]}.{_LAYER[m[2]]}", _TRANSFORM.get(m[2], "none")
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name], "none"
     raise ExportError(f"Mamba GGUF: no GGUF name for tensor {hf_name!r}")
 
 
