@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from moetool.methods.embedding.router import CausalRouter, RouterConfig, causal_mask, router_param_count
-from moetool.methods.embedding.variants import EmbeddingConfig, RoutedEmbedding, measured_counts, param_counts
+from moetool.methods.embedding.variants import (
+    EmbeddingConfig,
+    RoutedEmbedding,
+    embedding_args,
+    measured_counts,
+    param_counts,
+)
 
 torch.set_num_threads(1)  # the CPU is shared; tiny models gain nothing from more threads
 
@@ -163,3 +169,13 @@ def test_balance_and_z_behave():
     assert float(load_balancing_loss(uniform, 4)) == pytest.approx(1.0, abs=1e-3)
     assert float(load_balancing_loss(skewed, 1)) > 3.5
     assert float(router_z_loss(uniform * 1e3 + 5)) > float(router_z_loss(uniform))
+
+
+def test_embedding_args_checks_each_setting() -> None:
+    kw = {"variant": "remix", "seed_dim": 8, "dropout": 0, "router": {"width": 16}, "aux": {"z": 1}}
+    args = embedding_args(kw)
+    assert args == {"variant": "remix", "seed_dim": 8, "dropout": 0.0, "router": {"width": 16}, "aux": {"z": 1.0}}
+    assert isinstance(args["dropout"], float)
+    for bad in ({"seed_dim": True}, {"seed_dim": "8"}, {"variant": None}, {"router": 3}, {"vocab": 8}):
+        with pytest.raises(ValueError, match=rf"embedding: {next(iter(bad))}: not an embedding setting"):
+            embedding_args(bad)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetool.io.jsontypes import JsonObject
+from moetool.io.narrow import scalar_fields
 from moetool.methods.embedding.router import CausalRouter, RouterConfig, causal_mask, diversity_loss, router_param_count
 from moetool.routing.losses import load_balancing_loss, router_z_loss
 
@@ -52,8 +53,8 @@ class EmbeddingArgs(TypedDict, total=False):
     aux: dict[str, float]
 
 
-_INT_FIELDS = ("seed_dim", "pool_dim", "mask_hidden", "n_experts", "top_k", "depth", "max_positions")
-_FLOAT_FIELDS = ("dropout", "ln_eps", "remix_diag")
+_MAPPING_FIELDS = ("router", "aux")  # checked entry by entry below; the others are str, int or float
+_SCALAR_FIELDS = tuple(k for k in EmbeddingArgs.__annotations__ if k not in _MAPPING_FIELDS)
 
 
 def embedding_args(kw: Mapping[str, object]) -> EmbeddingArgs:
@@ -62,31 +63,7 @@ def embedding_args(kw: Mapping[str, object]) -> EmbeddingArgs:
     Raises:
         ValueError: a key that is not a field, or a value of the wrong type (naming them).
     """
-    args = EmbeddingArgs()
-    if isinstance(v := kw.get("variant"), str):
-        args["variant"] = v
-    ints = {k: n for k in _INT_FIELDS if isinstance(n := kw.get(k), int) and not isinstance(n, bool)}
-    floats = {k: float(x) for k in _FLOAT_FIELDS if isinstance(x := kw.get(k), int | float) and not isinstance(x, bool)}
-    if "seed_dim" in ints:
-        args["seed_dim"] = ints["seed_dim"]
-    if "pool_dim" in ints:
-        args["pool_dim"] = ints["pool_dim"]
-    if "mask_hidden" in ints:
-        args["mask_hidden"] = ints["mask_hidden"]
-    if "n_experts" in ints:
-        args["n_experts"] = ints["n_experts"]
-    if "top_k" in ints:
-        args["top_k"] = ints["top_k"]
-    if "depth" in ints:
-        args["depth"] = ints["depth"]
-    if "max_positions" in ints:
-        args["max_positions"] = ints["max_positions"]
-    if "dropout" in floats:
-        args["dropout"] = floats["dropout"]
-    if "ln_eps" in floats:
-        args["ln_eps"] = floats["ln_eps"]
-    if "remix_diag" in floats:
-        args["remix_diag"] = floats["remix_diag"]
+    args = scalar_fields(EmbeddingArgs, kw, _SCALAR_FIELDS)
     if isinstance(r := kw.get("router"), Mapping):
         args["router"] = {str(k): int(v) for k, v in r.items() if isinstance(v, int)}
     if isinstance(a := kw.get("aux"), Mapping):

@@ -9,6 +9,7 @@ import torch
 
 from moetool.errors import MoetoolError
 from moetool.io.jsontypes import JsonValue
+from moetool.io.narrow import scalar_fields
 
 PROFILE_FORMAT = 1
 
@@ -50,19 +51,24 @@ class Machine(TypedDict):
     processor: str
 
 
-class LatencyProfile(TypedDict):
+class HowMeasured(TypedDict, total=False):
+    """The descriptive fields of ``latency_profile.json``: what was timed, how and when (each optional)."""
+
+    runtime: str
+    operation: str
+    threads: int
+    clock: str
+    repeats: int
+    measured_at: str
+
+
+class LatencyProfile(HowMeasured):
     """``latency_profile.json``: what was timed, how and where, and each expert's points and fit. A profile measured
     on a device needs only ``device`` and ``experts`` (its fits are recomputed)."""
 
     format: int
     device: str
-    runtime: NotRequired[str]
-    operation: NotRequired[str]
-    threads: NotRequired[int]
-    clock: NotRequired[str]
-    repeats: NotRequired[int]
     machine: NotRequired[Machine]
-    measured_at: NotRequired[str]
     experts: dict[str, ExpertTimes]
 
 
@@ -109,18 +115,7 @@ def profile_from_json(data: JsonValue, expert_names: list[str], *, where: str) -
         raise MoetoolError(f"{where}: device: missing (the name of the device it was measured on)")
     fmt = data.get("format", PROFILE_FORMAT)
     prof = LatencyProfile(format=fmt if isinstance(fmt, int) else PROFILE_FORMAT, device=device, experts={})
-    if isinstance(runtime := data.get("runtime"), str):
-        prof["runtime"] = runtime
-    if isinstance(operation := data.get("operation"), str):
-        prof["operation"] = operation
-    if isinstance(threads := data.get("threads"), int):
-        prof["threads"] = threads
-    if isinstance(clock_name := data.get("clock"), str):
-        prof["clock"] = clock_name
-    if isinstance(repeats := data.get("repeats"), int):
-        prof["repeats"] = repeats
-    if isinstance(measured_at := data.get("measured_at"), str):
-        prof["measured_at"] = measured_at
+    prof.update(scalar_fields(HowMeasured, data))
     machine = data.get("machine")
     if isinstance(machine, dict) and isinstance(machine.get("platform"), str):
         prof["machine"] = Machine(platform=str(machine["platform"]), processor=str(machine.get("processor", "")))
