@@ -18,7 +18,7 @@ Shapes: ``input_ids`` [B, T] int64; ``position_ids`` [B, T] int64; ``mask`` [B, 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -33,6 +33,8 @@ from moetool.export.graph.rope import GraphRope
 from moetool.export.graph.sparse import fuse_experts, sparse_moe
 
 NEG = -1e9  # additive mask value: finite, so a fully masked row stays finite in every runtime
+# one layer's cached keys and values, each [B, kv_heads, P, head_dim]
+KVPair: TypeAlias = tuple[torch.Tensor, torch.Tensor]
 
 
 class HFNorm(Protocol):
@@ -245,18 +247,13 @@ class Attention(nn.Module):
         self.k_norm = None if kn is None else RMSNorm(kn.weight, eps)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
-        past_k: torch.Tensor | None,
-        past_v: torch.Tensor | None,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, past: KVPair | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(attention output, keys, values): ``past``'s cached keys and values with the new positions'."""
         q, k, v = qkv_rope(self, x, cos, sin)
-        if past_k is not None and past_v is not None:
-            k = torch.cat([past_k, k], dim=2)
-            v = torch.cat([past_v, v], dim=2)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
         return attend(self, q, k, v, mask), k, v
 
 
@@ -277,7 +274,8 @@ class Block(nn.Module):
         past_k: torch.Tensor | None,
         past_v: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        a, k, v = self.attn(self.attn_norm(x), cos, sin, mask, past_k, past_v)
+        past = None if past_k is None or past_v is None else (past_k, past_v)
+        a, k, v = self.attn(self.attn_norm(x), cos, sin, mask, past)
         x = x + a
         return x + self.mlp(self.ffn_norm(x)), k, v
 
