@@ -5,18 +5,20 @@ from __future__ import annotations
 import hashlib
 import platform
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from moetool import __version__
 from moetool.arch.records import consumer_caveats
 from moetool.io.checkpoint import Checkpoint
 from moetool.io.hashes import cached_sha256, sha256_file
+from moetool.io.jsontypes import JsonObject, JsonValue
+from moetool.io.sources import ResolvedSource
 
 _REPO_ID_LIKE = ("hf-cache",)
 
 
-def source_hashes(sources: dict[str, Any], *, allow_pickle: bool = False) -> dict[Path, str]:
+def source_hashes(sources: Mapping[str, ResolvedSource], *, allow_pickle: bool = False) -> dict[Path, str]:
     """sha256 of every weight file of every source (each file once), remembered across runs for unchanged files
     (:mod:`moetool.io.hashes`). Reading and hashing release the GIL, so a merge runs this in a thread beside its
     tensor stream (:func:`provenance` takes the result)."""
@@ -25,38 +27,39 @@ def source_hashes(sources: dict[str, Any], *, allow_pickle: bool = False) -> dic
 
 
 def provenance(
-    sources: dict[str, Any],
+    sources: Mapping[str, ResolvedSource],
     recipe_text: str,
     *,
     allow_pickle: bool = False,
     hashes: dict[Path, str] | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Sources (reference, resolved path, kind, Hub revision, weight-file hashes) and tool versions; ``hashes`` from
     :func:`source_hashes` when they were computed already."""
     import torch
     import transformers
 
-    out: dict[str, Any] = {
+    listed: JsonObject = {}
+    for label, src in sources.items():
+        files = Checkpoint(src.path, allow_pickle=allow_pickle).weight_files
+        hashed: dict[str, JsonValue] = {f.name: hashes[f] if hashes and f in hashes else sha256_file(f) for f in files}
+        listed[label] = {
+            "ref": src.ref,
+            "kind": src.kind,
+            "path": str(src.path),
+            "revision": src.revision,
+            "files": hashed,
+        }
+    return {
         "moetool": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "recipe_sha256": hashlib.sha256(recipe_text.encode()).hexdigest(),
-        "sources": {},
+        "sources": listed,
     }
-    for label, src in sources.items():
-        files = Checkpoint(src.path, allow_pickle=allow_pickle).weight_files
-        out["sources"][label] = {
-            "ref": src.ref,
-            "kind": src.kind,
-            "path": str(src.path),
-            "revision": src.revision,
-            "files": {f.name: hashes[f] if hashes and f in hashes else sha256_file(f) for f in files},
-        }
-    return out
 
 
-def base_model_ids(sources: dict[str, Any]) -> list[str]:
+def base_model_ids(sources: Mapping[str, ResolvedSource]) -> list[str]:
     """``base_model`` entries: only Hub repo ids (from the local HF cache). Zoo and local models have no Hub id and
     the Hub rejects made-up ones, so they are listed in the card's Sources table instead."""
     seen: list[str] = []
@@ -66,7 +69,7 @@ def base_model_ids(sources: dict[str, Any]) -> list[str]:
     return seen
 
 
-def limits_section(config: dict[str, Any]) -> str:
+def limits_section(config: Mapping[str, object]) -> str:
     """A model card's "Known limits" section for ``config`` (config.json as a dict); empty when it has none."""
     caveats = consumer_caveats(config)
     return "## Known limits\n\n" + "".join(f"- {c}.\n" for c in caveats) + "\n" if caveats else ""
@@ -80,7 +83,7 @@ def model_card(
     experts: list[str],
     top_k: int,
     gate_mode: str,
-    sources: dict[str, Any],
+    sources: Mapping[str, ResolvedSource],
     recipe_text: str,
     extra_sections: str = "",
 ) -> str:

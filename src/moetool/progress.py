@@ -15,15 +15,15 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 
 class PlainConsole(Console):
     """A console for logs and pipes: no hard wrap (wide tables stay whole rows), rules as one short line."""
 
-    def rule(self, title: Any = "", *args: Any, **kwargs: Any) -> None:
+    def rule(self, title: str | Text = "", *args: object, **kwargs: object) -> None:
         self.print(f"== {title} ==" if title else "==", highlight=False)
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from moetool.eval.answers import Answer
 from moetool.eval.answers import ask as ask_transformers
 from moetool.export.greedy import common_prefix
+from moetool.io.jsontypes import JsonObject
 from moetool.io.sources import resolve_source
 
 __all__ = ["AskedQuestion", "GgufAnswer", "ask"]
@@ -28,7 +28,7 @@ class GgufAnswer:
     matches: bool
     tokens_per_s: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The answer as ``answers.json`` holds it."""
         return {
             "answer": self.text,
@@ -46,7 +46,7 @@ class AskedQuestion:
     answer: Answer
     gguf: dict[str, GgufAnswer] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The question's answers (transformers, then each GGUF) as ``answers.json`` holds them."""
         return self.answer.to_json() | {"gguf": {k: v.to_json() for k, v in self.gguf.items()}}
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from moetool.edit.layout import EditError, MoELayout
 from moetool.edit.plan import EditPlan, Slot, select_plan
 from moetool.edit.scoring import ExpertStats
+from moetool.io.jsontypes import JsonObject
 
 Criterion = Literal["reap", "frequency", "random"]
 CRITERIA: tuple[Criterion, ...] = ("reap", "frequency", "random")
@@ -69,9 +70,9 @@ class PruneChoice:
     by: Criterion
     per_layer: bool
 
-    def report(self, layout: MoELayout) -> list[dict[str, Any]]:
+    def report(self, layout: MoELayout) -> list[JsonObject]:
         """Per layer: kept and dropped experts with their scores, and the lowest score kept."""
-        rows = []
+        rows: list[JsonObject] = []
         for i, layer in enumerate(layout.moe_layers):
             kept = self.keep[layer]
             s = self.score[i] if self.per_layer else _global(self.score)

@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from moetool.edit.layout import EditError, require_tokenizer
 from moetool.eval.perplexity import load_causal_lm, text_windows
+from moetool.io.jsontypes import JsonObject
 from moetool.progress import silent, task
 from moetool.routing.tap import FusedExperts, expert_activation, experts_modules
 
@@ -54,12 +55,12 @@ class ExpertStats:
         """``[L, E]`` REAP saliency; 0 for an expert no token reached."""
         return self.reap / self.counts.clamp_min(1)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """Plain figures per layer (for ``moetool.json`` and ``--json``)."""
         return {
             "tokens": self.tokens,
             "top_k": self.top_k,
-            "experts": self.names,
+            "experts": list(self.names),
             "layers": {
                 str(layer): {
                     "share": [round(float(x), 6) for x in self.share()[i]],

@@ -6,8 +6,8 @@ or the token saved by ``hf auth login``; error messages are built here and scrub
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from moetool import __version__
 from moetool.errors import MoetoolError
@@ -19,7 +19,7 @@ class PushError(MoetoolError):
     """The folder is not ready to upload, or the Hub refused it."""
 
 
-def _front_matter(readme: Path) -> dict[str, Any]:
+def _front_matter(readme: Path) -> Mapping[str, object]:
     text = decode_utf8(
         read_bytes(readme, what="model card", error=PushError), readme, what="model card", error=PushError
     )
