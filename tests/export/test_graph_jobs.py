@@ -1,16 +1,21 @@
 """Chunks converted several at a time: the results come back in order, the conversions really overlap, a failure
-stops what has not started, and how many run at once follows --jobs, the cores and the memory available."""
+stops what has not started, an interrupt ends what runs, and how many run at once follows --jobs, the cores and the
+memory available."""
 
 from __future__ import annotations
 
+import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from worker_fixtures import exists, fake_python
 
 from moetool.export.base import ExportError, ExportRequest
 from moetool.export.graph import jobs
+from moetool.export.worker import run_worker
 from moetool.quant.plan import QuantSpec
 
 
@@ -58,6 +63,34 @@ def test_a_failure_is_raised_and_nothing_starts_after_it():
     with pytest.raises(ExportError, match="chunk 1 failed"):
         jobs.run_chunks(list(range(8)), convert, 2)
     assert sorted(started) == [0, 1]  # chunk 0 ran to its end; none of 2..7 began
+
+
+def test_an_interrupt_ends_the_running_conversions_and_starts_no_queued_one(tmp_path, monkeypatch):
+    """Ctrl-C (SIGTERM is raised as it) while two of four chunks convert: both workers are ended, neither queued
+    chunk starts, the interrupt comes through within seconds and no worker folder is left. It used to wait for
+    all four conversions to run to their end."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    pids = tmp_path / "pids"
+    python = fake_python(tmp_path / "python", f"echo $$ >> {pids}\nexec sleep 20\n")
+
+    def started() -> list[int]:
+        return [int(line) for line in pids.read_text().split()] if pids.exists() else []
+
+    def interrupt(main: int) -> None:
+        while len(started()) < 2:
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt, args=(threading.main_thread().ident,), daemon=True).start()
+    begun = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        jobs.run_chunks(range(4), lambda i, _: run_worker("chunk", {}, python=python, what=f"chunk {i}"), 2)
+    assert time.monotonic() - begun < 10
+    time.sleep(0.3)  # time enough for a queued chunk to start, were one let through
+    assert len(started()) == 2 and not [p for p in started() if exists(p)]
+    assert not list(temp.iterdir())
 
 
 def test_jobs_given_are_kept_within_the_chunks(monkeypatch):

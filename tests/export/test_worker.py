@@ -4,6 +4,7 @@ the interpreter and what the worker said."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,17 +64,58 @@ def test_a_worker_dies_with_the_process_that_started_it(tmp_path):
         pytest.fail("the worker outlived the process that started it")
 
 
-def test_run_worker_starts_its_worker_with_the_hook(tmp_path, monkeypatch):
+# a stand-in worker reporting how it was started: its parent-death signal, whether it leads a process group, its $TMPDIR
+REPORT = """\
+import ctypes, json, os
+sig = ctypes.c_int()
+ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
+print(json.dumps({"pdeathsig": sig.value, "leader": os.getpgid(0) == os.getpid(), "tmp": os.environ.get("TMPDIR", "")}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux's parent-death signal")
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_every_worker_dies_with_its_parent_and_has_a_folder_of_its_own(tmp_path, monkeypatch, jobs):
+    """Started from the main thread or from the chunk runner's threads, each worker is to be killed with the
+    thread that started it, leads its own process group (ended as one), and has for $TMPDIR a folder named after
+    this process that is gone once the worker has ended."""
+    import os
+    import tempfile
+
+    from worker_fixtures import fake_python
+
+    from moetool.export.graph.jobs import run_chunks
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    (tmp_path / "report.py").write_text(REPORT)
+    python = fake_python(tmp_path / "python", f"exec {sys.executable} {tmp_path / 'report.py'}\n")
+    got = run_chunks(range(2), lambda i, _: run_worker("w", {}, python=python, what="the step"), jobs)
+    for report in got:
+        assert report["pdeathsig"] == 9 and report["leader"]
+        assert Path(report["tmp"]).parent == temp and Path(report["tmp"]).name.startswith(
+            f"moetool-worker-{os.getpid()}-"
+        )
+    assert not list(temp.iterdir())
+
+
+def test_the_folders_of_workers_whose_owner_is_gone_are_swept(tmp_path, monkeypatch):
+    """A moetool killed with SIGKILL cannot remove its workers' folders; the next worker started removes them, and
+    leaves those of a live owner and anything not a worker's."""
+    import os
     import subprocess
+    import tempfile
 
-    from moetool.export import worker
+    from worker_fixtures import fake_python
 
-    seen = {}
-
-    def fake_run(cmd, **kw):
-        seen.update(kw)
-        return subprocess.CompletedProcess(cmd, 0, stdout='{"ok": true}\n', stderr="")
-
-    monkeypatch.setattr(worker.subprocess, "run", fake_run)
-    assert run_worker("moetool.anything", {}, what="the step") == {"ok": True}
-    assert seen["preexec_fn"] is worker.die_with_parent
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    for name in (f"moetool-worker-{dead.pid}-x", f"moetool-worker-{os.getpid()}-y", "someone-elses"):
+        (temp / name).mkdir()
+        (temp / name / "request.json").write_text("{}")
+    assert run_worker("w", {}, python=fake_python(tmp_path / "python", "echo '{}'\n"), what="the step") == {}
+    assert sorted(p.name for p in temp.iterdir()) == [f"moetool-worker-{os.getpid()}-y", "someone-elses"]

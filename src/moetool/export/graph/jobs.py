@@ -5,6 +5,12 @@ single-threaded Python (``torch.export``, the lowering and serialising passes), 
 cores idle: converting ``jobs`` chunks at once, each process given its share of the cores' threads, divides the wall
 time by up to ``jobs``. Each process holds its own chunk, so the memory estimate counts ``jobs`` of them, and the
 default is as many as the cores and the memory available allow (``--jobs`` sets it).
+
+An interrupted run (Ctrl-C, or SIGTERM, which :mod:`moetool.io.atomic` raises as one inside the output's write) stops
+at once: no queued chunk starts, the running conversions' processes are ended (:class:`WorkerGroup`: SIGTERM, SIGKILL
+after a grace) and their threads waited for, and only then does the interrupt go on to remove the output's temporary
+folder, so nothing writes into it after that. The main thread waits in short steps: a signal handler only runs in
+the main thread, between two Python steps.
 """
 
 from __future__ import annotations
@@ -12,10 +18,11 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from moetool.export.graph.chunk import count_option
+from moetool.export.worker import GRACE_S, WorkerGroup
 
 if TYPE_CHECKING:
     from moetool.export.base import ExportRequest
@@ -27,6 +34,7 @@ R = TypeVar("R")
 
 # the sizes of torch's (OpenMP's) and the BLAS libraries' thread pools, read when each process starts
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+_POLL_S = 0.25  # how long the main thread waits on the conversions before coming back to run a signal handler
 
 
 def cores() -> int:
@@ -68,27 +76,51 @@ def worker_env(jobs: int) -> dict[str, str]:
 
 def run_chunks(items: Sequence[T], convert: Callable[[int, T], R], jobs: int) -> list[R]:
     """``convert(index, item)`` for every item, ``jobs`` at a time, in threads (each ``convert`` waits on a process
-    of its own); the results in the items' order. The first failure is raised once the conversions already running
-    have ended, and none is started after it."""
+    of its own, :func:`moetool.export.worker.run_worker`); the results in the items' order. The first failure is
+    raised once the conversions already running have ended, and none is started after it. An interrupt
+    (``KeyboardInterrupt``) ends the running conversions' processes, starts none, and is raised once they are gone."""
     if jobs <= 1:
         return [convert(i, item) for i, item in enumerate(items)]
     failed = threading.Event()
+    group = WorkerGroup()
 
     def guarded(i: int, item: T) -> R | None:
         if failed.is_set():  # a conversion failed: what has not started yet never does
             return None
         try:
-            return convert(i, item)
+            with group.adopted():
+                return convert(i, item)
         except BaseException:
             failed.set()
             raise
 
-    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="moetool-chunk") as pool:
+    pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="moetool-chunk")
+    futures: list[Future[R | None]] = []
+    try:
         futures = [pool.submit(guarded, i, item) for i, item in enumerate(items)]
-        wait(futures, return_when=FIRST_EXCEPTION)
-        if failed.is_set():
-            for f in futures:
-                f.cancel()
+        while wait(futures, timeout=_POLL_S).not_done:  # after a failure, what was queued returns at once
+            pass
+    except BaseException:  # an interrupt: what runs is ended, nothing more starts
+        failed.set()
+        _stop(group, futures)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # every future is done by now
+    if failed.is_set():
+        raise next(e for f in futures if not f.cancelled() and (e := f.exception()) is not None)
+    return [cast("R", f.result()) for f in futures]
+
+
+def _stop(group: WorkerGroup, futures: list[Future[R | None]]) -> None:
+    """End the group's workers and wait for the threads waiting on them; a second interrupt meanwhile skips the
+    grace (SIGKILL at once) but still waits, so no conversion outlives the run."""
+    grace = GRACE_S
+    for f in futures:
+        f.cancel()
+    while True:
+        try:
+            group.stop(grace)
             wait(futures)
-            raise next(e for f in futures if not f.cancelled() and (e := f.exception()) is not None)
-        return [cast("R", f.result()) for f in futures]
+            return
+        except KeyboardInterrupt:
+            grace = 0.0
