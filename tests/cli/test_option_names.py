@@ -54,6 +54,29 @@ OPTIONS = list(_options())
 def test_the_walk_sees_every_command():
     commands = {c for c, _, _ in OPTIONS}
     assert {"export", "merge", "eval", "profile", "experts add", "gem eval", "hybrid pareto"} <= commands
+    # every command the app registers (top level, and each group's), and every option of each
+    registered = {c.name or c.callback.__name__ for c in app.registered_commands}
+    groups = {g.name: g.typer_instance for g in app.registered_groups}
+    registered |= {f"{n} {c.name or c.callback.__name__}" for n, t in groups.items() for c in t.registered_commands}
+    assert registered == set(COMMANDS)
+    for path, cmd in COMMANDS.items():
+        options = [p for p in cmd.params if p.param_type_name == "option"]
+        assert sum(1 for c, _, p in OPTIONS if c == path) == sum(len(p.opts) for p in options), path
+
+
+def test_one_meaning_has_one_name():
+    """Two option names with one meaning (--limit and --task-limit, --no-check and --no-verify were) are one name
+    and an old spelling (RENAMED) of it."""
+    names: dict[str, list[str]] = {}
+    for name, meaning in MEANINGS.items():
+        names.setdefault(meaning.what, []).append(name)
+    assert {what: n for what, n in names.items() if len(n) > 1} == {}
+    assert {name for _, name, p in OPTIONS if not p.hidden} <= set(MEANINGS)
+
+
+def test_an_option_on_no_command_is_no_row():
+    """A row of MEANINGS names an option some command has: a renamed option's row goes with it."""
+    assert set(MEANINGS) <= {name for _, name, p in OPTIONS if not p.hidden}
 
 
 @pytest.mark.parametrize(("command", "name", "param"), OPTIONS, ids=[f"{c}:{n}" for c, n, _ in OPTIONS])
@@ -75,11 +98,37 @@ def test_every_option_carries_its_names_one_meaning(command, name, param):
     )
 
 
+def _given_values():
+    """``(command, name, args)``: every option that takes a value, and every command's first argument, given ""."""
+    for path, cmd in COMMANDS.items():
+        words = path.split()
+        arguments = [p for p in cmd.params if p.param_type_name == "argument"]
+        if arguments:
+            yield path, (arguments[0].name or "").upper(), [*words, ""]
+        for p in cmd.params:
+            if p.param_type_name == "option" and not p.is_flag:
+                yield path, max(p.opts, key=len), [*words, p.opts[0], ""]
+
+
+GIVEN = list(_given_values())
+
+
+@pytest.mark.parametrize(("command", "name", "args"), GIVEN, ids=[f"{c}:{n}" for c, n, _ in GIVEN])
+def test_an_empty_value_is_refused_by_name_on_every_command(command, name, args):
+    """``--device ""`` (an unset shell variable) ran as the default; every option and argument now refuses it."""
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert f"{name} is empty" in r.output
+
+
 def test_old_spellings_are_hidden_and_name_a_declared_option():
     seen = {(c, n): p for c, n, p in OPTIONS}
+    # a flag's --no-NAME spelling names the option of --NAME's row
+    declared = {(c, off): p.opts[0] for c, _, p in OPTIONS for off in p.secondary_opts}
     for (command, old), new in RENAMED.items():
         assert (command, old) in seen and seen[command, old].hidden, f"moetool {command} {old}: not a hidden option"
-        assert (command, new) in seen and new in MEANINGS, f"moetool {command}: {new} is not one of its options"
+        named = declared.get((command, new), new)
+        assert (command, named) in seen and named in MEANINGS, f"moetool {command}: {new} is not one of its options"
 
 
 def test_device_is_the_torch_device_and_for_the_deployment_profile():

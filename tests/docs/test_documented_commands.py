@@ -135,7 +135,7 @@ COMMANDS: list[Cmd] = [
     run("moetool train recipes/real-mofe.yaml --model out/demo/merged --output out/demo/tuned-mofe"),
     run(
         "moetool eval zoo:smollm2-base zoo:smollm2-code zoo:smollm2-legal zoo:smollm2-medical out/demo/merged "
-        "out/demo/tuned-mofe --tasks local --limit 50",
+        "out/demo/tuned-mofe --tasks local --task-limit 50",
         why="the stand-in smollm2 profile (its 600-word held-out texts make 14 items per local task)",
     ),
     run(
@@ -162,12 +162,12 @@ COMMANDS: list[Cmd] = [
         SYNOPSIS,
     ),
     helponly(
-        "moetool eval MODEL... [--domains …] [--data D=FILE] [--own M=D] [--json FILE] [--plots DIR] "
-        "[--tasks T,… --limit N --num-fewshot K] [--dtype …] [--device …]",
+        "moetool eval MODEL... [--domains …] [--data D=FILE] [--own M=D] [-o FILE] [--json] [--plots DIR] "
+        "[--tasks T,… --task-limit N --num-fewshot K] [--dtype …] [--device …]",
         SYNOPSIS,
     ),
     notrun("bash scripts/setup.sh --eval", SETUP),
-    helponly("moetool eval … --tasks local --limit 50", REFERENCE),
+    helponly("moetool eval … --tasks local --task-limit 50", REFERENCE),
     helponly("moetool package", REFERENCE),
     notrun("moetool export moe --quant q8_0", REAL_DEFAULT),
     notrun("moetool experts remove moe medical", REAL_DEFAULT),
@@ -334,7 +334,7 @@ COMMANDS: list[Cmd] = [
     helponly("moetool experts list|add|remove|prune|extract …", REFERENCE),
     # docs/gem.md
     run("moetool merge recipes/demo-gem.yaml --dry-run"),
-    run("moetool gem eval out/gem --json out/gem-eval.json"),
+    run("moetool gem eval out/gem -o out/gem-eval.json"),
     run("moetool eval out/gem zoo:base zoo:code zoo:legal zoo:medical"),
     run('moetool gem route out/gem --text "def main(): ..." --log routes.jsonl'),
     helponly(
@@ -563,12 +563,12 @@ COMMANDS: list[Cmd] = [
     ),
     helponly(".venv/bin/python bench/seed_claims.py hybrid out/seeds-hybrid-toy/seed-*/hybrid.json", BENCH),
     helponly(
-        "moetool gem eval {out} --json {out}/gem-eval.json",
-        "the command bench/seeds.py runs on each seed's output ({out}); `moetool gem eval out/gem --json …` runs",
+        "moetool gem eval {out} -o {out}/gem-eval.json",
+        "the command bench/seeds.py runs on each seed's output ({out}); `moetool gem eval out/gem -o …` runs",
     ),
     helponly(
-        "moetool gem eval {out} --json {out}/gem-eval.json --max-tokens 2048",
-        "the command bench/seeds.py runs on each seed's output ({out}); `moetool gem eval out/gem --json …` runs",
+        "moetool gem eval {out} -o {out}/gem-eval.json --max-tokens 2048",
+        "the command bench/seeds.py runs on each seed's output ({out}); `moetool gem eval out/gem -o …` runs",
     ),
     helponly("moetool profile --from", REFERENCE),
     helponly("moetool merge --dry-run", REFERENCE),

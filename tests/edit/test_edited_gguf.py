@@ -64,7 +64,7 @@ def test_cli_remove_extract_list_and_a_named_error(edited, tmp_path):
     assert "removed x1 (3 → 2 experts, top-2)" in r.output and "parity vs_input_restricted" in r.output
     r = runner.invoke(app, ["experts", "extract", str(edited["moe"]), "x2", "-o", str(tmp_path / "x2")])
     assert r.exit_code == 0 and (tmp_path / "x2" / "config.json").is_file(), r.output
-    r = runner.invoke(app, ["experts", "list", str(tmp_path / "rm"), "--json", str(tmp_path / "l.json")])
+    r = runner.invoke(app, ["experts", "list", str(tmp_path / "rm"), "-o", str(tmp_path / "l.json")])
     assert r.exit_code == 0 and json.loads((tmp_path / "l.json").read_text())["experts"] == ["x2", "x3"], r.output
     r = runner.invoke(app, ["experts", "remove", str(edited["moe"]), "x1", "-o", str(tmp_path / "dry"), "--dry-run"])
     assert r.exit_code == 0 and "(dry run: nothing written)" in r.output and "experts: x2, x3" in r.output, r.output

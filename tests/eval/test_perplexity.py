@@ -133,7 +133,7 @@ def test_eval_reads_every_data_file_and_refuses_one_it_would_ignore(model, token
     (tmp_path / "notes.txt").write_text(TEXT, encoding="utf-8")
     runner = CliRunner()
     args = ["eval", str(tmp_path / "m"), "--data", f"notes={tmp_path / 'notes.txt'}", "--seq-len", "32"]
-    res = runner.invoke(app, [*args, "--json", str(tmp_path / "r.json")])
+    res = runner.invoke(app, [*args, "-o", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
     import json
 
@@ -162,10 +162,10 @@ def test_eval_refuses_bad_input_before_any_work(model, tokenizer, tmp_path, monk
         res = runner.invoke(app, ["eval", m, *args])
         return res.exit_code, " ".join(re.sub("[│╭╮╰╯─]", " ", res.output).split())
 
-    code, text = run("--data", f"notes={held}", "--json", str(held))
+    code, text = run("--data", f"notes={held}", "-o", str(held))
     assert code != 0 and "is an input" in text
     assert held.read_text(encoding="utf-8") == TEXT
-    code, text = run("--data", f"notes={held}", "--json", str(tmp_path))
+    code, text = run("--data", f"notes={held}", "-o", str(tmp_path))
     assert code != 0 and "is a directory" in text
     code, text = run("--data", str(held))
     assert code == 2 and "is not DOMAIN=FILE" in text
@@ -202,7 +202,7 @@ def test_eval_of_a_model_with_nan_weights_fails_naming_it(model, tokenizer, tmp_
     report = tmp_path / "report.json"
     res = CliRunner().invoke(
         app,
-        ["eval", str(tmp_path / "nan"), "--data", f"t={tmp_path / 't.txt'}", "--seq-len", "32", "--json", str(report)],
+        ["eval", str(tmp_path / "nan"), "--data", f"t={tmp_path / 't.txt'}", "--seq-len", "32", "-o", str(report)],
     )
     text = " ".join(res.output.split())
     weight = "model.layers.0.mlp.down_proj.weight" if where == "mlp" else "model.embed_tokens.weight"

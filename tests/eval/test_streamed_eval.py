@@ -31,7 +31,7 @@ def _eval(moe, tmp_path, name, budget, monkeypatch):
         monkeypatch.setenv("MOETOOL_MEMORY_BUDGET", str(budget))
     (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
     report = tmp_path / f"{name}.json"
-    args = ["eval", str(moe), "--data", f"t={tmp_path / 't.txt'}", "--seq-len", "32", "--json", str(report)]
+    args = ["eval", str(moe), "--data", f"t={tmp_path / 't.txt'}", "--seq-len", "32", "-o", str(report)]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     return json.loads(report.read_text()), " ".join(res.output.split())

@@ -38,7 +38,7 @@ def test_experts_list_reads_its_data_under_a_4gb_address_space_limit(moe, tmp_pa
     code.write_text(TEXT * 2, encoding="utf-8")
     report = tmp_path / "listing.json"
     cmd = f'ulimit -v {LIMIT_KB} && exec "$@"'
-    args = [str(MOETOOL), "experts", "list", str(moe), "--data", f"code={code}", "--json", str(report)]
+    args = [str(MOETOOL), "experts", "list", str(moe), "--data", f"code={code}", "-o", str(report)]
     res = subprocess.run(["bash", "-c", cmd, "bash", *args], check=False, capture_output=True, text=True, timeout=300)
     assert "MemoryError" not in res.stderr, res.stderr
     assert res.returncode == 0, res.stderr

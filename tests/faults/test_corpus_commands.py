@@ -79,7 +79,7 @@ def test_corrupt_model_given_to_train_or_eval(env, refused, command, corrupt, ex
         inputs = [model, r]
     else:
         t = _texts(env)["good"]
-        args = ["eval", str(model), "--data", f"code={t}", "--json", str(env.outs / "r.json")]
+        args = ["eval", str(model), "--data", f"code={t}", "-o", str(env.outs / "r.json")]
         inputs = [model, t]
     refused(args, [str(model), *expected], inputs=inputs, sandbox=env.root, allowed_new=lambda p: p.suffix == ".txt")
 
@@ -93,9 +93,9 @@ def _eval_cases(env) -> list[tuple[list[str], list[str]]]:
         (["--data", f"code={t['latin']}"], ["latin1.txt:1", "not UTF-8 text (byte 3"]),
         (["--data", f"code={env.work}"], ["is a directory, not a file"]),
         (["--data", f"code={env.work / 'missing.txt'}"], ["missing.txt", "cannot read"]),
-        (["--data", f"code={t['good']}", "--json", str(t["good"])], ["is an input"]),
-        (["--data", f"code={t['good']}", "--json", str(env.outs)], ["is a directory"]),
-        (["--data", f"code={t['good']}", "--json", str(Path(m) / "config.json")], ["is inside the input"]),
+        (["--data", f"code={t['good']}", "-o", str(t["good"])], ["is an input"]),
+        (["--data", f"code={t['good']}", "-o", str(env.outs)], ["is a directory"]),
+        (["--data", f"code={t['good']}", "-o", str(Path(m) / "config.json")], ["is inside the input"]),
         (["--data", f"code={t['good']}", "--seq-len", "0"], ["--seq-len"]),
         (["--data", f"code={t['good']}", "--max-tokens", "-5"], ["--max-tokens"]),
         (["--data", f"code={t['good']}", "--domains", "legal"], ["code is not among --domains legal"]),

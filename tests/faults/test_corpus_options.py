@@ -60,14 +60,14 @@ def _experts_cases(moe: Path, env, t: dict[str, Path]) -> dict[str, tuple[list[s
             ["experts", "prune", str(moe), "-o", str(moe / "pruned"), *data, "--keep", "2"],
             ["overlaps the input"],
         ),
-        "list-json-directory": (["experts", "list", str(moe), "--json", str(env.outs)], ["--json", "is a directory"]),
+        "list-json-directory": (["experts", "list", str(moe), "-o", str(env.outs)], ["--output", "is a directory"]),
         "list-json-over-config": (
-            ["experts", "list", str(moe), "--json", str(moe / "config.json")],
-            ["--json", "is inside the input"],
+            ["experts", "list", str(moe), "-o", str(moe / "config.json")],
+            ["--output", "is inside the input"],
         ),
         "list-json-over-data": (
-            ["experts", "list", str(moe), *data, "--json", str(t["good"])],
-            ["--json", "is an input"],
+            ["experts", "list", str(moe), *data, "-o", str(t["good"])],
+            ["--output", "is an input"],
         ),
         "list-dtype-without-data": (
             ["experts", "list", str(moe), "--dtype", "float16"],

@@ -274,7 +274,7 @@ def check_report_outputs(json_file: Path | None, plots: Path | None, inputs: lis
             ``inputs`` (a ``--data`` file, a model); likewise ``plots``.
     """
     if json_file is not None:
-        check_report_path(json_file, inputs, option="--json")
+        check_report_path(json_file, inputs, option="--output")  # the CLI writes a report with -o FILE
     if plots is not None:
         check_report_path(plots, inputs, option="--plots", folder=True)
 
@@ -310,7 +310,7 @@ def plan_export(model: str | Path, output: str | Path, **opts: Unpack[ExportOpti
 
     Raises:
         ExportError: what :func:`~moetool.export.resolve.plan_standard_export` refuses; a deployment profile
-            (``device``, ``--for``) for a method's output.
+            (``for_``, ``--for``) for a method's output.
         OutputPathError: ``output`` names an artifact file or lies inside the model.
     """
     model_dir = resolve_source(str(model)).path

@@ -100,6 +100,7 @@ def demo(
     from moetool.cli.render import acceptance, print_answers
     from moetool.errors import MoetoolError
     from moetool.extras import install_hint
+    from moetool.recipe.mofe import MoFERecipe
     from moetool.zoo import SMOLLM2, build_zoo
     from moetool.zoo.smollm2 import build_smollm2
 
@@ -110,7 +111,9 @@ def demo(
         build_smollm2(console=console)
     else:
         build_zoo("default", console=console)  # the toy zoo the demo recipes name (zoo:base, zoo:code, ...)
-    r: Any = api.load(recipe or Path(_DEMO_RECIPES[SMOLLM2 if real else "default"]))
+    r = api.load(recipe or Path(_DEMO_RECIPES[SMOLLM2 if real else "default"]))
+    if not isinstance(r, MoFERecipe):  # the demo merges experts of a base: a mofe recipe
+        raise MoetoolError(f"--recipe {recipe}: method is {r.method!r}; the demo runs a mofe recipe")
     verify = importlib.util.find_spec("llama_cpp") is not None
     if not verify:
         console.print(

@@ -237,6 +237,7 @@ class CheckedGroup(TyperGroup):
         return command
 
     def parse_args(self, ctx: Context, args: list[str]) -> list[str]:
+        show_deprecations()  # before the root's callback (which installs it too): old_json_file may warn
         return super().parse_args(ctx, old_json_file(self, args))
 
 
@@ -304,7 +305,6 @@ def old_json_file(root: TyperGroup, args: list[str]) -> list[str]:
             continue
         read.append(f"--output={file}")
         i += 1
-        show_deprecations()  # before the root's callback, which installs it too
         deprecated(
             f"`moetool {' '.join(path)} --json {file}` is the old spelling: write `-o {file}` (--json is a flag on "
             "every command: it prints the result as JSON on stdout)"

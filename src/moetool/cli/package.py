@@ -20,7 +20,7 @@ def package_cmd(
             "--artifact", help="`moetool export` output to include (repeatable; default for a run: exports/*)."
         ),
     ] = None,
-    eval_json: Annotated[Path | None, typer.Option("--eval", help="`moetool eval --json` report to include.")] = None,
+    eval_json: Annotated[Path | None, typer.Option("--eval", help="`moetool eval -o` report to include.")] = None,
     plots: Annotated[Path | None, typer.Option(help="Directory of PNG plots to include.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:

@@ -55,9 +55,9 @@ def check_output_path(output: Path | str, inputs: list[Path] | tuple[Path, ...] 
 
 
 def check_report_path(
-    path: Path | str, inputs: list[Path] | tuple[Path, ...] = (), *, option: str = "--json", folder: bool = False
+    path: Path | str, inputs: list[Path] | tuple[Path, ...] = (), *, option: str = "--output", folder: bool = False
 ) -> Path:
-    """Refuse, before any work, a report file (``--json``, ``--log``, a plots folder) that could not be written or
+    """Refuse, before any work, a report file (``-o FILE``, ``--log``, a plots folder) that could not be written or
     would replace an input; returns it resolved. Every command that writes a report checks it here.
 
     Refused (:class:`OutputPathError`, naming ``option``): an existing directory unless ``folder``, and everything

@@ -137,10 +137,10 @@ def pareto_cmd(
     from moetool.methods.hybrid.pareto import sweep, table, write_sweep
     from moetool.methods.hybrid.pipeline import prepare
     from moetool.recipe import load_recipe
-    from moetool.recipe.hybrid import sweep_value_problem
+    from moetool.recipe.hybrid import HybridRecipe, sweep_value_problem
 
-    r: Any = load_recipe(recipe)
-    if r.method != "hybrid":
+    r = load_recipe(recipe)
+    if not isinstance(r, HybridRecipe):
         raise MoetoolError(f"{recipe}: method is {r.method!r}, not hybrid")
     if parameter not in (None, "lambda_penalty", "threshold", "cost_weight"):
         raise MoetoolError(f"--parameter: {parameter!r} is not lambda_penalty, threshold or cost_weight")
