@@ -101,3 +101,23 @@ def test_validate_and_build_refuse_a_target_its_profile_does_not_run_before_any_
     with pytest.raises(RecipeError, match=said):
         api.build(recipe, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_quant_that_does_not_parse_is_named_under_quant():
+    with pytest.raises(RecipeError, match=r"r.yaml:7: targets\.0\.quant\.preset: unknown preset .nonsense."):
+        parse_recipe(MOFE + "  - {target: gguf, quant: nonsense}\n", Path("r.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("  - name: generalist\n", "  - name: g\n  - name: g\n", r"generalists\.1\.name: duplicate expert name 'g' "),
+        ("  - name: legal\n", "  - name: code\n", r"users\.1\.name: duplicate user name 'code' \(also users\.0\)"),
+        ("[{name: legal-s1}]", "[{name: code-s1}]", r"users\.1\.specialists\.0\.name: 'code-s1' is also users\.0"),
+    ],
+)
+def test_a_comigs_name_given_twice_names_both_places(old, new, expected):
+    text = (ROOT / "recipes" / "demo-comigs.yaml").read_text()
+    assert old in text
+    with pytest.raises(RecipeError, match=expected):
+        parse_recipe(text.replace(old, new, 1), ROOT / "recipes" / "c.yaml")

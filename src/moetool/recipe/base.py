@@ -6,11 +6,12 @@ use, such as ``moetool.quant.plan``, can import it without importing the recipe 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
-from pydantic import PrivateAttr
+from pydantic import ConfigDict, PrivateAttr, model_validator
 
 from moetool.errors import deprecated
 from moetool.strict import StrictModel
@@ -73,4 +74,31 @@ def renamed_key(data: Any, old: str, new: str, section: str) -> Any:
     return {(new if k == old else k): v for k, v in data.items()}
 
 
-__all__ = ["RecipeBase", "StrictModel", "renamed_key"]
+class ForSection(StrictModel):
+    """A section whose deployment profile or device is its ``for:`` key (``device:`` is its old spelling, still
+    read). ``for`` is a Python keyword: a subclass's field is ``for_``, read and written as ``for``."""
+
+    model_config = ConfigDict(**StrictModel.model_config, serialize_by_alias=True)
+    section: ClassVar[str]  # the section's name in the deprecation warning
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spelling(cls, data: Any) -> Any:
+        return renamed_key(data, "device", "for", cls.section)
+
+
+def unique_names(names: Iterable[str], path: str, what: str) -> dict[str, str]:
+    """Each name of the list at ``path`` with its place (``{path}.{i}``), for checks across lists.
+
+    Raises:
+        ValueError: a name given twice, naming both places, as a recipe validator reports it.
+    """
+    seen: dict[str, str] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise ValueError(f"{path}.{i}.name: duplicate {what} {name!r} (also {seen[name]})")
+        seen[name] = f"{path}.{i}"
+    return seen
+
+
+__all__ = ["ForSection", "RecipeBase", "StrictModel", "renamed_key", "unique_names"]

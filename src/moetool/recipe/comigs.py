@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from moetool.recipe.base import RecipeBase, StrictModel
+from moetool.recipe.base import RecipeBase, StrictModel, unique_names
 from moetool.recipe.train import DataSource
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -129,16 +129,9 @@ class ComigsRecipe(RecipeBase):
 
     @model_validator(mode="after")
     def _check(self) -> ComigsRecipe:
-        seen: dict[str, str] = {}
-        for i, g in enumerate(self.generalists):
-            if g.name in seen:
-                raise ValueError(f"generalists.{i}.name: duplicate expert name {g.name!r}")
-            seen[g.name] = f"generalists.{i}"
-        users: set[str] = set()
+        seen = unique_names((g.name for g in self.generalists), "generalists", "expert name")
+        unique_names((user.name for user in self.users), "users", "user name")
         for u, user in enumerate(self.users):
-            if user.name in users:
-                raise ValueError(f"users.{u}.name: duplicate user name {user.name!r}")
-            users.add(user.name)
             for j, s in enumerate(user.specialists):
                 if s.name in seen:
                     raise ValueError(f"users.{u}.specialists.{j}.name: {s.name!r} is also {seen[s.name]}")

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from moetool.recipe.base import renamed_key
-from moetool.strict import StrictModel
+from moetool.quant.devices import get_device
+from moetool.quant.plan import parse_quant
+from moetool.recipe.base import ForSection
 
 Target = Literal["gguf", "onnx", "tflite", "coreml", "executorch", "mlx"]
 
 
-class TargetSpec(StrictModel):
+class TargetSpec(ForSection):
     """One artifact: for a deployment profile (its preferred available format and a plan that fits), a target, or
     both. The profile's key is ``for:`` (``--for`` on the command line); ``device:`` is its old spelling."""
 
-    # `for` is a Python keyword: the field is `for_`, read and written as `for`
-    model_config = ConfigDict(**StrictModel.model_config, serialize_by_alias=True)
+    section = "targets"
 
     for_: str | None = Field(
         default=None, alias="for", description="A deployment profile (`moetool devices`), as `moetool export --for`."
@@ -38,27 +38,12 @@ class TargetSpec(StrictModel):
         "tokens) for llama.cpp's quantizer, or a GGUF imatrix file; needed by q2_k, q3_k and the IQ types.",
     )
 
-    @model_validator(mode="before")
+    @field_validator("for_", "quant")
     @classmethod
-    def _old_spelling(cls, data: Any) -> Any:
-        return renamed_key(data, "device", "for", "targets")
-
-    @field_validator("for_")
-    @classmethod
-    def _profile(cls, v: str | None) -> str | None:
+    def _known(cls, v: str | None, info: ValidationInfo) -> str | None:
+        """A deployment profile that exists, a --quant that parses (each refused in its checker's words)."""
         if v is not None:
-            from moetool.quant.devices import get_device
-
-            get_device(v)
-        return v
-
-    @field_validator("quant")
-    @classmethod
-    def _quant(cls, v: str | None) -> str | None:
-        if v is not None:
-            from moetool.quant.plan import parse_quant
-
-            parse_quant(v)
+            (get_device if info.field_name == "for_" else parse_quant)(v)
         return v
 
     @model_validator(mode="after")
@@ -68,8 +53,6 @@ class TargetSpec(StrictModel):
         if self.for_ is not None and self.target is not None:
             # the fact export.resolve.resolve_target refuses by at export time: checked here, so `moetool validate`
             # says it and `moetool build` stops before the merge and tuning instead of after them
-            from moetool.quant.devices import get_device
-
             formats = get_device(self.for_).formats
             if self.target not in formats:
                 raise ValueError(

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from moetool.recipe.base import RecipeBase, StrictModel, renamed_key
+from moetool.recipe.base import ForSection, RecipeBase, StrictModel
 from moetool.recipe.export import TargetSpec, check_target_names
 from moetool.recipe.train import DataSource
 
@@ -100,11 +100,10 @@ class HybridTrainSpec(StrictModel):
     seed: int = 0
 
 
-class HybridProfileSpec(StrictModel):
+class HybridProfileSpec(ForSection):
     """Where the latency profiles c_k(L) = a·L + b·L² come from."""
 
-    # `for` is a Python keyword: the field is `for_`, read and written as `for` (`device:` is its old spelling)
-    model_config = ConfigDict(**StrictModel.model_config, serialize_by_alias=True)
+    section = "profile"
 
     for_: str = Field(
         default="this-machine",
@@ -120,11 +119,6 @@ class HybridProfileSpec(StrictModel):
         description="cpu: CPU time of the calling thread (= wall time on an idle core for threads: 1; immune to "
         "other load); wall: perf_counter, for a dedicated device or threads > 1.",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _old_spelling(cls, data: Any) -> Any:
-        return renamed_key(data, "device", "for", "profile")
 
 
 class HybridSweepSpec(StrictModel):

@@ -9,7 +9,7 @@ from pydantic_core import PydanticCustomError
 
 from moetool.arch.outputs import OUTPUT_ARCHS
 from moetool.quant.plan import QuantSpec
-from moetool.recipe.base import RecipeBase, StrictModel
+from moetool.recipe.base import RecipeBase, StrictModel, unique_names
 from moetool.recipe.export import TargetSpec, check_target_names
 from moetool.recipe.train import FreezeSpec, TrainSpec
 
@@ -99,11 +99,7 @@ class MoFERecipe(RecipeBase):
 
     @model_validator(mode="after")
     def _check(self) -> MoFERecipe:
-        seen: dict[str, int] = {}
-        for i, e in enumerate(self.experts):
-            if e.name in seen:
-                raise ValueError(f"experts.{i}.name: duplicate expert name {e.name!r} (also experts.{seen[e.name]})")
-            seen[e.name] = i
+        unique_names((e.name for e in self.experts), "experts", "expert name")
         if self.experts_per_token > len(self.experts):
             raise ValueError(
                 f"experts_per_token: {self.experts_per_token} is larger than the number of experts "
