@@ -12,6 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from llama_cpp import Llama
+    from llama_cpp.llama_cpp import llama_model_params
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
@@ -22,7 +26,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -106,16 +110,16 @@ def quiet_stderr() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _extra_buffers(llama_cpp: Any, on: bool) -> Iterator[None]:
+def _extra_buffers(llama_cpp: ModuleType, on: bool) -> Iterator[None]:
     """llama.cpp's ``use_extra_bufts`` model parameter (weight repacking) set to ``on`` while a model loads:
     llama-cpp-python's ``Llama`` takes its parameters from ``llama_model_default_params`` and has no argument for it."""
     if on:
         yield
         return
     binding = llama_cpp.llama_cpp  # the module Llama calls it from
-    default = binding.llama_model_default_params
+    default: Callable[[], llama_model_params] = binding.llama_model_default_params
 
-    def params() -> Any:
+    def params() -> llama_model_params:
         out = default()
         out.use_extra_bufts = False
         return out
@@ -137,7 +141,7 @@ def load_llama(
     why: str = "verifying a GGUF",
     otherwise: str = "pass --no-verify to write an unverified artifact",
     repack: bool = True,
-) -> Any:
+) -> Llama:
     """``path`` in llama-cpp-python with logits kept for every position; ``f32_kv=False`` keeps llama.cpp's default
     f16 KV cache (as users run it). ``n_threads`` defaults to the CPU count, at most 4. ``repack=False`` keeps every
     weight in the mapped file: llama.cpp's CPU backend otherwise copies the q4_0, q4_k and iq4_nl tensors into its
@@ -147,7 +151,7 @@ def load_llama(
     # an f16 KV cache (llama.cpp's default) alone moves logits by ~5e-3; the parity check is of the weights
     kv = {"type_k": 0, "type_v": 0} if f32_kv else {}
     with quiet_stderr(), _extra_buffers(llama_cpp, repack):
-        return llama_cpp.Llama(
+        llm: Llama = llama_cpp.Llama(
             model_path=str(path),
             n_ctx=n_ctx,
             n_batch=n_ctx,
@@ -158,9 +162,10 @@ def load_llama(
             lora_path=str(lora_path) if lora_path else None,
             **kv,
         )
+    return llm
 
 
-def llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
+def llama_logits(llm: Llama, ids: list[int]) -> np.ndarray:
     """[T, V] logits of llama.cpp for ``ids`` (a fresh sequence)."""
     llm.reset()
     with quiet_stderr():
@@ -169,7 +174,7 @@ def llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
 
 
 def check_tokenizer(
-    llm: Any, tok: PreTrainedTokenizerBase, equivalent: Callable[[str], str] | None = None
+    llm: Llama, tok: PreTrainedTokenizerBase, equivalent: Callable[[str], str] | None = None
 ) -> list[TokenizerMismatch]:
     """Strings where llama.cpp's ids differ from the HF tokenizer's (empty when they all agree).
 
