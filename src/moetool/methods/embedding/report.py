@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TypedDict
 
 import torch
@@ -234,7 +234,7 @@ def _run_arm(
     )
     for lr in learning_rates:
         model.embed.load_state_dict(init_state)
-        s = replace(template, learning_rate=lr, history=[])
+        s = template.model_copy(update={"learning_rate": lr, "history": []})
         secs = train_embedding(model, teacher, corpus.batches, s)
         run = Run(
             select=domain_perplexity(model, corpus.select)["mean"],

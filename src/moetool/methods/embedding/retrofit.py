@@ -22,20 +22,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
+from pydantic import Field
 
 from moetool.methods.embedding.model import RoutedEmbeddingConfig, RoutedEmbeddingForCausalLM
 from moetool.methods.embedding.router import causal_mask
 from moetool.methods.embedding.variants import EmbeddingArgs, EmbeddingConfig
+from moetool.recipe.embedding import RetrofitTrainSpec
 from moetool.train.loop import optimise
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-    from moetool.recipe.embedding import RetrofitTrainSpec
 
 
 def svd_seed(
@@ -113,27 +112,17 @@ def init_from_embedding(model: RoutedEmbeddingForCausalLM, old: torch.Tensor) ->
     return r
 
 
-@dataclass
-class TrainSettings:
-    steps: int = 200
-    learning_rate: float = 3e-3
-    batch_size: int = 8
-    seq_len: int = 64
-    warmup_steps: int = 10
-    lm_weight: float = 1.0
-    distill_weight: float = 1.0
-    unfreeze_steps: int = 0
-    unfreeze_learning_rate: float = 1e-4
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.01
-    seed: int = 0
-    log_every: int = 50
-    history: list[dict[str, float]] = field(default_factory=list)
+class TrainSettings(RetrofitTrainSpec):
+    """A recipe's ``train:`` section (its fields and defaults) and how often the run logs its loss; ``history``
+    collects those ``{"step", "loss"}`` points as it trains (``data`` is not read here)."""
+
+    log_every: int = Field(default=50, ge=1)
+    history: list[dict[str, float]] = Field(default_factory=list)
 
     @classmethod
     def of(cls, spec: RetrofitTrainSpec) -> TrainSettings:
-        """The settings a recipe's ``train:`` section gives: every field of the same name (not the logging)."""
-        return cls(**{f.name: getattr(spec, f.name) for f in fields(cls) if f.name not in ("log_every", "history")})
+        """The settings a recipe's ``train:`` section gives (logging at the default interval)."""
+        return cls(**dict(spec))
 
 
 def _schedule(steps: int, warmup: int) -> Callable[[int], float]:
