@@ -95,6 +95,7 @@ def test_router_training_moves_only_the_router(fresh, built):
     from transformers import AutoTokenizer
 
     from moetool.methods.gem.router import gem_encoder, train_router
+    from moetool.recipe.gem import GemRouterSpec
     from moetool.train.data import tokenize_stream
 
     model, _ = fresh
@@ -104,17 +105,8 @@ def test_router_training_moves_only_the_router(fresh, built):
     for p in model.parameters():
         p.requires_grad_(False)
     model.model.router.requires_grad_(True)
-    hist = train_router(
-        model.model.router,
-        gem_encoder(model),
-        streams,
-        steps=15,
-        lr=0.05,
-        batch_size=3,
-        seq_len=24,
-        seed=0,
-        bos_id=tok.bos_token_id,
-    )
+    spec = GemRouterSpec(steps=15, learning_rate=0.05, batch_size=3, seq_len=24, seed=0)
+    hist = train_router(model.model.router, gem_encoder(model), streams, spec, bos_id=tok.bos_token_id)
     assert hist["loss_curve"][-1][1] < hist["loss_curve"][0][1]
     for n, p in model.named_parameters():
         same = torch.equal(p, before[n])

@@ -22,7 +22,7 @@ from torch import nn
 
 from moetool.methods.gem.model import GemForCausalLM, decide, rms_features
 from moetool.methods.gem.records import RouteDecision, RouterTraining, TauRow, TauTable
-from moetool.recipe.gem import GemRecipe
+from moetool.recipe.gem import GemRecipe, GemRouterSpec
 from moetool.train.data import load_source, sample_batch, tokenize_stream
 
 Featurize = Callable[[torch.Tensor], torch.Tensor]  # ids [B, T] -> e [B, T, D]
@@ -88,29 +88,27 @@ def train_router(
     router: nn.Linear,
     featurize: Featurize,
     streams: list[torch.Tensor],
+    spec: GemRouterSpec,
     *,
-    steps: int,
-    lr: float,
-    batch_size: int,
-    seq_len: int,
-    seed: int,
     bos_id: int | None,
     pool: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> RouterTraining:
-    """Train ``router`` (only) on windows of each domain's ids; row i of step s comes from domain (s·B + i) mod n.
+    """Train ``router`` (only) on windows of each domain's ids as a recipe's ``router`` section says (its steps,
+    learning rate, batch, window length and seed); row i of step s comes from domain (s·B + i) mod n.
 
     The encoder runs under no_grad and nothing else is handed to the optimiser, so every other weight stays
     bit-identical. Returns the loss curve (every 10 steps) and the time taken.
     """
 
-    opt = torch.optim.Adam(router.parameters(), lr=lr)
+    steps, batch_size = spec.steps, spec.batch_size
+    opt = torch.optim.Adam(router.parameters(), lr=spec.learning_rate)
     n = len(streams)
     curve: list[tuple[int, float]] = []
     t0 = time.perf_counter()
     router.train()
     for step in range(steps):
-        ids = sample_batch(streams, batch_size, seq_len, seed=seed, step=step, bos_id=bos_id)
+        ids = sample_batch(streams, batch_size, spec.seq_len, seed=spec.seed, step=step, bos_id=bos_id)
         labels = torch.tensor([(step * batch_size + i) % n for i in range(batch_size)])
         e = featurize(ids)
         logits = _logits(router, e, pool)

@@ -78,20 +78,8 @@ def train_recipe_router(
     pool: bool = False,
 ) -> RouterTraining:
     """The router trained on each domain's train stream as the recipe's ``router`` section says."""
-    spec = recipe.router
-    return train_router(
-        router,
-        featurize,
-        [s[0] for s in streams.values()],
-        steps=spec.steps,
-        lr=spec.learning_rate,
-        batch_size=spec.batch_size,
-        seq_len=spec.seq_len,
-        seed=spec.seed,
-        bos_id=bos,
-        pool=pool,
-        log=console.print,
-    )
+    train = [s[0] for s in streams.values()]
+    return train_router(router, featurize, train, recipe.router, bos_id=bos, pool=pool, log=console.print)
 
 
 def train_token_router(
