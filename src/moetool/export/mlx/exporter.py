@@ -89,16 +89,11 @@ def mlx_need(plan: MLXPlan, *, verify: bool, output: Path) -> Need:
     params, artifact = plan.quant.total_params, plan.quant.total_bytes
     writing = WRITE_OVERHEAD + int(artifact * WRITE_MULTIPLE)
     verifying = int(params * 4 * VERIFY_MULTIPLE) + artifact + VERIFY_OVERHEAD
-    return Need(
-        stage=f"MLX export ({plan.quant.label})",
-        memory=max(writing, verifying) if verify else writing,
-        memory_detail=f"written by mlx-lm ({human(writing)}); verified against the model held in float32"
-        if verify
-        else "written by mlx-lm",
-        disk=artifact,
-        output=output,
-        way_out="Export with --no-verify (the folder is not checked), or on a machine with more memory",
-    )
+    memory, detail = writing, "written by mlx-lm"
+    if verify:
+        memory, detail = max(writing, verifying), f"{detail} ({human(writing)}); verified against the model in float32"
+    way_out = "Export with --no-verify (the folder is not checked), or on a machine with more memory"
+    return Need(f"MLX export ({plan.quant.label})", memory, detail, disk=artifact, output=output, way_out=way_out)
 
 
 class MLXPlan(ArtifactPlan):
