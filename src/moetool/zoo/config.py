@@ -140,23 +140,30 @@ class ExpertCheck(TypedDict):
     relative_improvement: dict[str, float]
 
 
-class ZooMeta(TypedDict):
-    """What zoo.json records (written by :func:`build_zoo`, in this key order)."""
+class ZooRecord(TypedDict):
+    """What every profile's zoo.json records (:mod:`moetool.zoo.store` reads the models, matrix and check back);
+    each profile's record adds its own keys (:class:`ZooMeta`, ``smollm2``'s in :mod:`moetool.zoo.smollm2.matrix`).
+    The file's key order is its writer's."""
 
-    format: int
     profile: str
-    config: JsonValue
-    seed: int
     built_at: str
     build_seconds: float
     models: list[str]
     domains: list[str]
     perplexity: dict[str, dict[str, float]]
-    check: ExpertCheck
     training: dict[str, dict[str, float]]
+    versions: dict[str, str]
+
+
+class ZooMeta(ZooRecord):
+    """What a toy profile's zoo.json records (written by :func:`build_zoo`)."""
+
+    format: int
+    config: JsonValue
+    seed: int
+    check: ExpertCheck
     corpus: dict[str, dict[str, int]]
     corpus_pins: str
     corpus_documents: dict[str, dict[str, str | int]]
     model: dict[str, str | int]
-    versions: dict[str, str]
     platform: dict[str, str | int]

@@ -8,7 +8,6 @@ import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypedDict
 
 from rich.console import Console
 
@@ -16,33 +15,22 @@ from moetool.errors import MoetoolError
 from moetool.eval.perplexity import perplexity_matrix, render_matrix
 from moetool.io.jsontypes import JsonObject
 from moetool.zoo.build import tool_versions
-from moetool.zoo.config import BASE_NAME, SMOLLM2, ZOO_JSON
+from moetool.zoo.config import BASE_NAME, SMOLLM2, ZOO_JSON, ExpertCheck, ZooRecord
 from moetool.zoo.corpora import DOMAINS, DomainSplit
 from moetool.zoo.smollm2.experts import Smollm2Config
 
 
-class GainCheck(TypedDict):
+class GainCheck(ExpertCheck):
     """zoo.json's ``check``: each expert's gain on its own domain and whether all reach ``min_gain``."""
 
-    passed: bool
-    failures: list[str]
-    relative_improvement: dict[str, float]
     min_gain: float
 
 
-class Smollm2ZooMeta(TypedDict):
-    """The ``smollm2`` profile's zoo.json, in this key order."""
+class Smollm2ZooMeta(ZooRecord):
+    """The ``smollm2`` profile's zoo.json."""
 
-    profile: str
     config: JsonObject
-    built_at: str
-    build_seconds: float
-    models: list[str]
-    domains: list[str]
-    perplexity: dict[str, dict[str, float]]
     check: GainCheck
-    training: dict[str, dict[str, float]]
-    versions: dict[str, str]
 
 
 def check_gains(matrix: dict[str, dict[str, float]], min_gain: float) -> GainCheck:
