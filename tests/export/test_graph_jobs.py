@@ -65,10 +65,11 @@ def test_a_failure_is_raised_and_nothing_starts_after_it():
     assert sorted(started) == [0, 1]  # chunk 0 ran to its end; none of 2..7 began
 
 
-def test_an_interrupt_ends_the_running_conversions_and_starts_no_queued_one(tmp_path, monkeypatch):
-    """Ctrl-C (SIGTERM is raised as it) while two of four chunks convert: both workers are ended, neither queued
-    chunk starts, the interrupt comes through within seconds and no worker folder is left. It used to wait for
-    all four conversions to run to their end."""
+@pytest.mark.parametrize("at_once", [2, 1])
+def test_an_interrupt_ends_the_running_conversions_and_starts_no_queued_one(tmp_path, monkeypatch, at_once):
+    """Ctrl-C (SIGTERM is raised as it) while two (one) of four chunks convert: their workers are ended, no queued
+    chunk starts, the interrupt comes through within seconds and no worker folder is left. Two at once used to wait
+    for all the conversions to run to their end."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
@@ -79,17 +80,17 @@ def test_an_interrupt_ends_the_running_conversions_and_starts_no_queued_one(tmp_
         return [int(line) for line in pids.read_text().split()] if pids.exists() else []
 
     def interrupt(main: int) -> None:
-        while len(started()) < 2:
+        while len(started()) < at_once:
             time.sleep(0.01)
         signal.pthread_kill(main, signal.SIGINT)
 
     threading.Thread(target=interrupt, args=(threading.main_thread().ident,), daemon=True).start()
     begun = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        jobs.run_chunks(range(4), lambda i, _: run_worker("chunk", {}, python=python, what=f"chunk {i}"), 2)
+        jobs.run_chunks(range(4), lambda i, _: run_worker("chunk", {}, python=python, what=f"chunk {i}"), at_once)
     assert time.monotonic() - begun < 10
     time.sleep(0.3)  # time enough for a queued chunk to start, were one let through
-    assert len(started()) == 2 and not [p for p in started() if exists(p)]
+    assert len(started()) == at_once and not [p for p in started() if exists(p)]
     assert not list(temp.iterdir())
 
 

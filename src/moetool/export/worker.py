@@ -163,20 +163,25 @@ class WorkerGroup:
             self._procs.discard(proc)
 
     def stop(self, grace: float = GRACE_S) -> None:
-        """Refuse new workers; SIGTERM the running ones (their process groups), SIGKILL those still there after
-        ``grace`` seconds. Returns once they have ended."""
+        """Refuse new workers; end the running ones (:func:`_end`). Returns once they have ended."""
         with self._lock:
             self._stopped = True
             procs = list(self._procs)
-        for proc in procs:
-            _signal_group(proc, signal.SIGTERM if grace > 0 else signal.SIGKILL)
-        deadline = time.monotonic() + grace
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
+        _end(procs, grace)
+
+
+def _end(procs: list[subprocess.Popen[str]], grace: float) -> None:
+    """SIGTERM the workers ``procs`` (their process groups), SIGKILL those still there after ``grace`` seconds (at
+    once without one); returns once they have ended."""
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
 
 
 def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
@@ -191,15 +196,15 @@ def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
 
 
 def _communicate(proc: subprocess.Popen[str], group: WorkerGroup) -> tuple[str, str]:
-    """The worker's stdout and stderr once it has ended; interrupted, it is stopped before the interrupt goes on."""
+    """The worker's stdout and stderr once it has ended; interrupted, it is ended before the interrupt goes on."""
     try:
         while True:
             try:  # with a timeout: the main thread comes back to run a signal handler even if another got the signal
                 return proc.communicate(timeout=_POLL_S)
             except subprocess.TimeoutExpired:
                 continue
-    except BaseException:
-        group.stop()
+    except BaseException:  # this worker alone: in a chunk's thread, what fails here is no interrupt of the others
+        _end([proc], GRACE_S)
         raise
     finally:
         group.forget(proc)
