@@ -4,6 +4,7 @@ and --device announce."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -136,3 +137,21 @@ def test_api_export_reads_the_old_device_keyword_with_a_deprecation_warning(tmp_
     assert old.request.device == new.request.device == "raspberry-pi-4"
     with pytest.raises(MoetoolError, match="keep for_="):
         api.plan_export(base, tmp_path / "c", device="laptop", for_="laptop")
+
+
+def test_eval_json_prints_the_report_on_stdout_and_o_writes_it(tmp_path, tiny_models):
+    """--json is a flag on eval as everywhere: the report as JSON on stdout, nothing else there; -o FILE writes it."""
+    base = tiny_models("llama")["base"]
+    (tmp_path / "t.txt").write_text("def main(): return 1\n" * 40)
+    args = ["eval", str(base), "--data", f"t={tmp_path / 't.txt'}", "--seq-len", "16", "--max-tokens", "64"]
+    r = runner.invoke(app, [*args, "--json", "-o", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    printed = json.loads(r.stdout)
+    assert printed == json.loads((tmp_path / "r.json").read_text()) and "perplexity" in printed
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # the CLI prints moetool's deprecations itself, one line each
+        r = runner.invoke(app, [*args, "--json", str(tmp_path / "old.json")])
+    assert r.exit_code == 0 and json.loads((tmp_path / "old.json").read_text())["perplexity"], r.output
+    assert f"deprecated: `moetool eval --json {tmp_path / 'old.json'}` is the old spelling" in " ".join(
+        r.output.split()
+    )
