@@ -114,6 +114,11 @@ class ModelFacts:
     graph_targets: tuple[GraphTarget, ...] = GRAPH_TARGETS
 
     @property
+    def causal_lm_class(self) -> str:
+        """The transformers causal-LM class of ``config_class`` (``Qwen2MoeConfig`` → ``Qwen2MoeForCausalLM``)."""
+        return self.config_class.removesuffix("Config") + "ForCausalLM"
+
+    @property
     def gguf(self) -> LlamaCppArch:
         """The llama.cpp architecture of ``gguf_arch``."""
         return LLAMA_CPP_ARCHS[self.gguf_arch]

@@ -32,11 +32,11 @@ MISTRAL = DenseFamily(
 )
 QWEN2 = DenseFamily(
     model_type="qwen2",
+    attention_bias=True,
     config_class="Qwen2Config",
     gguf_arch="qwen2",
     moe_output="qwen2_moe",
     genai_type="qwen2",
-    attention_bias=True,
 )
 QWEN3 = DenseFamily(
     model_type="qwen3", config_class="Qwen3Config", gguf_arch="qwen3", moe_output="qwen3_moe", genai_type="qwen3"
@@ -44,11 +44,11 @@ QWEN3 = DenseFamily(
 # the graph export model has no Granite scales, so the graph targets refuse it
 GRANITE = DenseFamily(
     model_type="granite",
+    mofe_only=True,
+    graph_targets=(),
     config_class="GraniteConfig",
     gguf_arch="granite",
     moe_output="granitemoe",
-    mofe_only=True,
-    graph_targets=(),
 )
 FAMILIES: dict[str, DenseFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GRANITE)}
 
@@ -134,6 +134,6 @@ def dense_config(cfg: Mapping[str, Any], family: str, intermediate: int) -> dict
         kwargs["sliding_window"] = cfg["sliding_window"]
     record = FAMILIES[family]
     config = getattr(transformers, record.config_class)(**kwargs)
-    config.architectures = [record.config_class.replace("Config", "ForCausalLM")]
+    config.architectures = [record.causal_lm_class]
     out: dict[str, Any] = config.to_dict()
     return out

@@ -78,9 +78,10 @@ class MoEArch(ModelFacts):
     The facts (``ModelFacts``) are its config class, llama.cpp architecture, top-k rule, onnxruntime-genai type and
     graph targets.
 
+    Its recipe name (``architecture:``) is its ``model_type``, and its transformers causal-LM class the one of its
+    config class (:attr:`ModelFacts.causal_lm_class`).
+
     Attributes:
-        name: recipe name (``architecture:``).
-        class_name: transformers causal-LM class.
         accepts: dense base model types it can be built from.
         router: template of the router weight ``[E, H]``.
         expert: template of one expert projection; ``{proj}`` takes ``proj_map`` values.
@@ -98,8 +99,6 @@ class MoEArch(ModelFacts):
             per-expert (or GraniteMoE's stacked) tensors.
     """
 
-    name: str
-    class_name: str
     accepts: tuple[str, ...]
     router: str
     expert: str
@@ -112,6 +111,16 @@ class MoEArch(ModelFacts):
     stacked: tuple[tuple[str, tuple[str, ...]], ...] = ()
     count_key: str = "num_local_experts"
     mlx_switch: str = "model.layers.{layer}.block_sparse_moe.switch_mlp.{proj}"
+
+    @property
+    def name(self) -> str:
+        """The recipe name (``architecture:``): the model type."""
+        return self.model_type
+
+    @property
+    def class_name(self) -> str:
+        """The transformers causal-LM class."""
+        return self.causal_lm_class
 
     def supports(self, base: PretrainedConfig, *, shared: bool) -> Verdict:
         """Explain whether this architecture can hold a MoE built on dense config ``base``."""
@@ -221,13 +230,11 @@ def _qwen_moe_extra(base: PretrainedConfig, n: int, k: int, shared: int | None) 
 _QWEN_PROJ = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 
 MIXTRAL = MoEArch(
-    name="mixtral",
     model_type="mixtral",
-    class_name="MixtralForCausalLM",
+    accepts=("llama", "mistral"),
     config_class="MixtralConfig",
     gguf_arch="llama",
     genai_type="mistral",
-    accepts=("llama", "mistral"),
     router="model.layers.{layer}.block_sparse_moe.gate.weight",
     expert="model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight",
     proj_map={"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},
@@ -236,14 +243,12 @@ MIXTRAL = MoEArch(
 )
 
 QWEN3_MOE = MoEArch(
-    name="qwen3_moe",
     model_type="qwen3_moe",
-    class_name="Qwen3MoeForCausalLM",
+    accepts=("qwen3",),
     config_class="Qwen3MoeConfig",
     gguf_arch="qwen3moe",
     topk="config",
     genai_type="qwen3",
-    accepts=("qwen3",),
     router="model.layers.{layer}.mlp.gate.weight",
     expert="model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
     proj_map=_QWEN_PROJ,
@@ -255,20 +260,18 @@ QWEN3_MOE = MoEArch(
 # Qwen2-MoE: Qwen3-MoE's layout, with a shared expert and its gate, and q/k/v biases
 QWEN2_MOE = replace(
     QWEN3_MOE,
-    name="qwen2_moe",
     model_type="qwen2_moe",
-    class_name="Qwen2MoeForCausalLM",
+    accepts=("qwen2", "llama", "mistral"),
     config_class="Qwen2MoeConfig",
     gguf_arch="qwen2moe",
     # llama.cpp's qwen2moe never renormalises top-k weights; without a shared expert its Mixtral form computes
     # a renormalised Qwen2-MoE exactly (it takes q/k/v biases)
     gguf_unshared_arch="llama",
     genai_type="qwen2",
-    accepts=("qwen2", "llama", "mistral"),
-    shared="model.layers.{layer}.mlp.shared_expert.{proj}.weight",
-    shared_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
     # Qwen2 attention always has q/k/v biases; zeros make a bias-free llama base compute exactly the same
     zero_attn_bias=("q_proj", "k_proj", "v_proj"),
+    shared="model.layers.{layer}.mlp.shared_expert.{proj}.weight",
+    shared_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
     checks=(
         _no_attn_bias,
         lambda b: (
@@ -278,7 +281,6 @@ QWEN2_MOE = replace(
         ),
     ),
 )
-
 
 
 def _granite_extra(base: PretrainedConfig, n: int, k: int, _shared: int | None) -> dict[str, object]:
@@ -301,13 +303,11 @@ def _granite_head_dim(base: PretrainedConfig) -> str | None:
 
 # the graph export model has no Granite scales and no stacked experts: the graph targets refuse it
 GRANITEMOE = MoEArch(
-    name="granitemoe",
     model_type="granitemoe",
-    class_name="GraniteMoeForCausalLM",
+    accepts=("granite",),
     config_class="GraniteMoeConfig",
     gguf_arch="granitemoe",
     graph_targets=(),
-    accepts=("granite",),
     router="model.layers.{layer}.block_sparse_moe.router.layer.weight",
     expert="",  # experts are stacked (below): one tensor per layer for [gate; up] and one for down
     proj_map={},
