@@ -72,21 +72,17 @@ def _gate_phrase(g: GateReport) -> str:
 def _route_phrases(r: ParityRecord) -> list[str]:
     routes = r.routes
     assert routes is not None
-    parts = []
-    if routes.max_abs_prob_diff is not None:
-        parts.append(f"max abs ΔP {routes.max_abs_prob_diff:.1e}")
-    if routes.max_abs_score_diff is not None:
-        parts.append(f"max abs Δscore {routes.max_abs_score_diff:.1e}")
-    if routes.mismatches is not None:
-        off = routes.mismatches_off_boundary
-        parts.append(
-            f"{routes.mismatches} route(s) differ" + (f" ({off} off the tau boundary)" if off is not None else "")
-        )
-    if routes.same_route is not None:
-        parts.append(f"same route on {routes.same_route} of {r.windows if r.windows is not None else '?'} windows")
-    if routes.choice_agreement is not None:
-        parts.append(f"choice agreement {100 * routes.choice_agreement:.2f}%")
-    return parts
+    off = routes.mismatches_off_boundary
+    boundary = f" ({off} off the tau boundary)" if off is not None else ""
+    windows = r.windows if r.windows is not None else "?"
+    phrases = (  # each only where the check measured it
+        None if routes.max_abs_prob_diff is None else f"max abs ΔP {routes.max_abs_prob_diff:.1e}",
+        None if routes.max_abs_score_diff is None else f"max abs Δscore {routes.max_abs_score_diff:.1e}",
+        None if routes.mismatches is None else f"{routes.mismatches} route(s) differ{boundary}",
+        None if routes.same_route is None else f"same route on {routes.same_route} of {windows} windows",
+        None if routes.choice_agreement is None else f"choice agreement {100 * routes.choice_agreement:.2f}%",
+    )
+    return [p for p in phrases if p is not None]
 
 
 def _compact(v: int | float | str | bool) -> str:
