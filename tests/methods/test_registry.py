@@ -76,3 +76,14 @@ def test_export_serves_every_method(
     assert chosen.name == exporter and plan.description
     with pytest.raises(ExportError, match=refusal):
         plan_export(model, tmp_path / "out", target="nonsense")
+
+
+def test_a_method_exporter_runs_its_function_for_the_chosen_target(tmp_path: Path) -> None:
+    from moetool.export.base import ExportRequest
+    from moetool.methods.embedding import PLUGIN
+    from moetool.quant.plan import QuantSpec
+
+    exporter = PLUGIN.exporter(tmp_path, "tflite")
+    req = ExportRequest(tmp_path, tmp_path / "out", QuantSpec(), options={"quant": "q8_0"})
+    with pytest.raises(ExportError, match=r"--quant: routed-embedding models export in float32 only \(tflite\)"):
+        exporter.export(req, exporter.plan(req))

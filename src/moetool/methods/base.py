@@ -105,6 +105,8 @@ class MethodExportPlan:
 
 
 ExportFn = Callable[[ExportRequest, Console], JsonObject]  # a method's export: (request, console) → manifest
+# a method's export to a target of its choosing: (request, target, console) → manifest
+TargetExportFn = Callable[[ExportRequest, str, Console], JsonObject]
 
 
 @dataclass
@@ -311,13 +313,16 @@ class MethodPlugin(Generic[RecipeT, PlanT]):
         )
 
     def function_exporter(
-        self, model_dir: Path, target: str | None, fn: Callable[[str], ExportFn], describe: Callable[[str], str]
+        self, model_dir: Path, target: str | None, fn: TargetExportFn, describe: Callable[[str], str]
     ) -> FunctionExporter:
-        """``target`` (default: the first of :attr:`export_targets`) checked, then ``fn(target)`` as its exporter."""
+        """``target`` (default: the first of :attr:`export_targets`) checked, then ``fn(req, target, console)`` as
+        its exporter."""
         chosen = target or self.export_targets[0]
         if chosen not in self.export_targets:
             raise self.refuse_target(model_dir, chosen)
-        return FunctionExporter(name=chosen, requires=chosen, description=describe(chosen), fn=fn(chosen))
+        return FunctionExporter(
+            name=chosen, requires=chosen, description=describe(chosen), fn=lambda req, console: fn(req, chosen, console)
+        )
 
 
 class Assembler(Protocol[RecipeT_contra]):

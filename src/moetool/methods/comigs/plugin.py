@@ -100,6 +100,6 @@ class ComigsPlugin(AssemblerPlugin[ComigsRecipe]):
         return self.function_exporter(
             model_dir,
             target or "gguf",
-            lambda t: lambda req, console: export_baked(req, t, console),
+            export_baked,
             lambda t: f"bake the CoMiGS user model into a standard Mixtral (exact), then export it as {t}",
         )

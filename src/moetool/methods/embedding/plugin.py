@@ -10,19 +10,16 @@ from rich.console import Console
 
 from moetool.export.base import Exporter, ExportError, ExportRequest
 from moetool.io.jsontypes import JsonObject
-from moetool.methods.base import AssemblerPlugin, ExportFn, MethodExportPlan
+from moetool.methods.base import AssemblerPlugin, MethodExportPlan
 from moetool.recipe.embedding import EmbeddingRecipe
 
 
-def _export(target: str) -> ExportFn:
-    def run(req: ExportRequest, console: Console) -> JsonObject:
-        if req.options.get("quant") is not None:  # refused rather than ignored: the graphs are float32
-            raise ExportError(f"--quant: routed-embedding models export in float32 only ({target})")
-        from moetool.methods.embedding.export import export_routed
+def _export(req: ExportRequest, target: str, console: Console) -> JsonObject:
+    if req.options.get("quant") is not None:  # refused rather than ignored: the graphs are float32
+        raise ExportError(f"--quant: routed-embedding models export in float32 only ({target})")
+    from moetool.methods.embedding.export import export_routed
 
-        return export_routed(req.model_dir, target, req.output, force=req.force, eval_text=req.eval_text)
-
-    return run
+    return export_routed(req.model_dir, target, req.output, force=req.force, eval_text=req.eval_text)
 
 
 class EmbeddingPlugin(AssemblerPlugin[EmbeddingRecipe]):

@@ -11,7 +11,7 @@ from moetool import registry
 from moetool.errors import MoetoolError
 from moetool.export.base import Exporter, ExportError, ExportRequest
 from moetool.io.jsontypes import JsonObject
-from moetool.methods.base import AssemblerPlugin, ExportFn, FunctionExporter, MethodExportPlan
+from moetool.methods.base import AssemblerPlugin, FunctionExporter, MethodExportPlan
 from moetool.recipe.gem import GemRecipe
 
 TOKEN_TARGETS = ("onnx", "tflite")
@@ -33,16 +33,13 @@ def _token_tflite(req: ExportRequest, console: Console) -> JsonObject:
     return export_token_tflite(req.model_dir, req.output, force=req.force, verify=req.verify)
 
 
-def _sequence(target: str) -> ExportFn:
-    def run(req: ExportRequest, console: Console) -> JsonObject:
-        from moetool.methods.gem.export import export_sequence_bundle
+def _sequence(req: ExportRequest, target: str, console: Console) -> JsonObject:
+    from moetool.methods.gem.export import export_sequence_bundle
 
-        return export_sequence_bundle(
-            req.model_dir, req.output, target=target, quant=req.options.get("quant"), force=req.force,
-            verify=req.verify, console=console,
-        )  # fmt: skip
-
-    return run
+    return export_sequence_bundle(
+        req.model_dir, req.output, target=target, quant=req.options.get("quant"), force=req.force,
+        verify=req.verify, console=console,
+    )  # fmt: skip
 
 
 class GemPlugin(AssemblerPlugin[GemRecipe]):

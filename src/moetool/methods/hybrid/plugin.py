@@ -10,26 +10,23 @@ from rich.console import Console
 from moetool import registry
 from moetool.export.base import Exporter, ExportRequest
 from moetool.io.jsontypes import JsonObject
-from moetool.methods.base import AssemblerPlugin, ExportFn, MethodExportPlan
+from moetool.methods.base import AssemblerPlugin, MethodExportPlan
 from moetool.recipe.hybrid import HybridRecipe
 
 
-def _export(target: str) -> ExportFn:
-    def run(req: ExportRequest, console: Console) -> JsonObject:
-        from moetool.methods.hybrid.export import export_hybrid
+def _export(req: ExportRequest, target: str, console: Console) -> JsonObject:
+    from moetool.methods.hybrid.export import export_hybrid
 
-        return export_hybrid(
-            req.model_dir,
-            req.output,
-            expert_target=target,
-            quant=req.options.get("quant"),
-            force=req.force,
-            verify=req.verify,
-            experts=req.options.get("experts", True),
-            console=console,
-        )
-
-    return run
+    return export_hybrid(
+        req.model_dir,
+        req.output,
+        expert_target=target,
+        quant=req.options.get("quant"),
+        force=req.force,
+        verify=req.verify,
+        experts=req.options.get("experts", True),
+        console=console,
+    )
 
 
 class HybridPlugin(AssemblerPlugin[HybridRecipe]):
