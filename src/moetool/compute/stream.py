@@ -54,6 +54,7 @@ __all__ = [
     "give_back_freed_memory",
     "layer_bytes",
     "meta_causal_lm",
+    "quiet_transformers",
     "release_models",
     "stream_of",
     "streamed_causal_lm",
@@ -89,8 +90,9 @@ def stream_of(model: nn.Module) -> Stream | None:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """transformers' loading bar and load report off: a streamed model loads one layer per forward pass."""
+def quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars and info logs (its loading bar, its load report) off: a streamed model loads one
+    layer per forward pass, and the zoo reports its own progress."""
     from transformers.utils import logging
 
     was = logging.is_progress_bar_enabled()
@@ -193,7 +195,7 @@ class CheckpointLoader:
             set_parameter(self.model, target, value)
         if placement.rest:
             rest = {k: slices[k] for k in placement.rest}
-            with _quiet():
+            with quiet_transformers():
                 convert_and_load_state_dict_in_model(model=self.model, state_dict=rest, load_config=self._config)
         return read
 

@@ -14,14 +14,12 @@ Layout of ``zoo_dir(profile)``::
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import platform
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +28,7 @@ import torch
 from rich.console import Console
 
 import moetool
+from moetool.compute.stream import quiet_transformers
 from moetool.errors import MoetoolError
 from moetool.eval.perplexity import perplexity_matrix, render_matrix
 from moetool.io.atomic import atomic_dir, pid_alive
@@ -56,23 +55,6 @@ if TYPE_CHECKING:
     from transformers import LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["build_zoo", "quiet_transformers", "remove_stale_builds", "tool_versions", "train_zoo_model", "vocab_fields"]
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' own progress bars and info logs while the zoo reports its own."""
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def train_zoo_model(
