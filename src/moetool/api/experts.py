@@ -13,20 +13,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from rich.console import Console
 
-from moetool.edit.layout import EditError, read_layout
+from moetool.edit.layout import EditError, MoELayout, read_layout
 from moetool.edit.options import check_precision, check_unread_data
-from moetool.edit.run import EditResult, run
+from moetool.edit.run import EditResult, TuneOptions, WriteOptions, run
 from moetool.edit.tune import Recalibration, data_files, data_sources
 from moetool.eval.residency import eval_need
 from moetool.progress import silent
 
+if TYPE_CHECKING:
+    from moetool.edit.scoring import ExpertStats
+
 __all__ = [
     "EditResult",
     "Recalibration",
+    "TuneOptions",
+    "WriteOptions",
     "add",
     "calibration_text",
     "check_precision",
@@ -70,6 +75,25 @@ def calibration_text(data: dict[str, str], *, seed: int = 0) -> dict[str, str]:
     return out
 
 
+def _scored(
+    layout: MoELayout, data: dict[str, str], seed: int, max_tokens: int, reap: bool, options: TuneOptions
+) -> ExpertStats:
+    """Each expert's routing share (and, with ``reap``, REAP saliency) on the calibration text of ``data``.
+
+    The model is checked to fit first, then runs in ``options``' dtype on its device.
+    """
+    from moetool.edit.scoring import expert_stats
+
+    texts = calibration_text(data, seed=seed)
+    dtype, device = options.get("dtype"), options.get("device")
+    eval_need(layout.path, dtype=dtype, seq_len=256, batch_size=1).check()
+    names = list(layout.names)
+    console = options.get("console")
+    return expert_stats(
+        layout.path, texts, names=names, max_tokens=max_tokens, reap=reap, dtype=dtype, device=device, console=console
+    )
+
+
 def listing(
     moe: str | Path,
     data: dict[str, str] | None = None,
@@ -109,19 +133,7 @@ def listing(
         "edits": [e.get("summary", e.get("op")) for e in layout.meta.get("edits", [])],
     }
     if data:
-        from moetool.edit.scoring import expert_stats
-
-        texts = calibration_text(data)
-        eval_need(layout.path, dtype=dtype, seq_len=256, batch_size=1).check()
-        stats = expert_stats(
-            layout.path,
-            texts,
-            names=list(layout.names),
-            max_tokens=max_tokens,
-            dtype=dtype,
-            device=device,
-            console=console,
-        )
+        stats = _scored(layout, data, 0, max_tokens, True, TuneOptions(dtype=dtype, device=device, console=console))
         report["routing"] = stats.to_json()
     if json_file is not None:
         atomic_write_text(Path(json_file), json.dumps(report, indent=2))
@@ -134,16 +146,12 @@ def remove(
     out: str | Path,
     *,
     top_k: int | None = None,
-    tune: Recalibration | None = None,
     data: dict[str, str] | None = None,
-    force: bool = False,
-    verify: bool = True,
-    dry_run: bool = False,
-    console: Console | None = None,
-    dtype: str | None = None,
-    device: str | None = None,
+    **options: Unpack[TuneOptions],
 ) -> EditResult:
     """The MoE without the experts ``refs`` (names or indices), every other tensor bit for bit.
+
+    ``options``: how it is written and checked, and the router recalibration after (:class:`TuneOptions`).
 
     Raises:
         EditError: an unknown expert, too few left; ``data``, ``dtype`` or ``device`` that nothing would read
@@ -152,52 +160,25 @@ def remove(
     from moetool.edit.remove import remove_plan
 
     layout = read_layout(_local(moe, "MOE"))
+    tune = options.get("tune")
     steps = tune.steps if tune is not None else 0
     check_unread_data(data, steps)
-    check_precision(
-        layout.path, dtype, None, runs=bool(steps), why="remove computes nothing in it without --tune-steps"
-    )
-    check_precision(
-        layout.path,
-        None,
-        device,
-        runs=bool(steps) or verify,
-        why="with --no-check and no --tune-steps remove runs no model",
-    )
-    plan = remove_plan(layout, refs, top_k=top_k)
-    return run(
-        plan,
-        Path(out),
-        force=force,
-        console=console,
-        tune=tune,
-        data=data,
-        verify=verify,
-        dry_run=dry_run,
-        dtype=dtype,
-        device=device,
-    )
+    why = "remove computes nothing in it without --tune-steps"
+    check_precision(layout.path, options.get("dtype"), None, runs=bool(steps), why=why)
+    runs = bool(steps) or options.get("verify", True)
+    why = "with --no-check and no --tune-steps remove runs no model"
+    check_precision(layout.path, None, options.get("device"), runs=runs, why=why)
+    return run(remove_plan(layout, refs, top_k=top_k), Path(out), data=data, **options)
 
 
-def extract(
-    moe: str | Path,
-    ref: str,
-    out: str | Path,
-    *,
-    force: bool = False,
-    verify: bool = True,
-    console: Console | None = None,
-    dry_run: bool = False,
-) -> EditResult:
+def extract(moe: str | Path, ref: str, out: str | Path, **options: Unpack[WriteOptions]) -> EditResult:
     """Expert ``ref`` (name, index or ``shared``) as a dense model of the base family.
 
-    A moetool-built MoE gives back the source expert bit for bit.
+    A moetool-built MoE gives back the source expert bit for bit. ``options``: how it is written and checked.
     """
     from moetool.edit.remove import extract as extract_plan
 
-    return run(
-        extract_plan(_local(moe, "MOE"), ref), Path(out), force=force, console=console, verify=verify, dry_run=dry_run
-    )
+    return run(extract_plan(_local(moe, "MOE"), ref), Path(out), **options)
 
 
 def prune(
@@ -212,32 +193,26 @@ def prune(
     top_k: int | None = None,
     seed: int = 0,
     max_tokens: int = 8192,
-    tune: Recalibration | None = None,
-    force: bool = False,
-    verify: bool = True,
-    dry_run: bool = False,
-    console: Console | None = None,
-    dtype: str | None = None,
-    device: str | None = None,
+    **options: Unpack[TuneOptions],
 ) -> EditResult:
     """Keep ``keep`` experts per layer (a count, or a fraction below 1) chosen ``by`` reap, frequency or random.
 
     The experts are scored on the calibration ``data``; the per-layer report goes into ``moetool.json``.
+    ``options``: how it is written and checked, and the router recalibration after (:class:`TuneOptions`).
 
     Raises:
         EditError: an unknown criterion, a budget that keeps all or none, fewer experts than ``top_k``.
     """
     from moetool.edit.execute import check_not_input
     from moetool.edit.prune import CRITERIA, budget, choose, prune_plan
-    from moetool.edit.scoring import expert_stats
     from moetool.io.atomic import check_output
 
     if by not in CRITERIA:
         raise EditError(f"--by {by!r}: choose one of {', '.join(CRITERIA)}")
-    console = console if console is not None else silent()
+    dtype, device = options.get("dtype"), options.get("device")
     path = _local(moe, "MOE")
     check_not_input(Path(out), [path, *data_files(data)])  # before minutes of calibration
-    check_output(Path(out), force=force)
+    check_output(Path(out), force=options.get("force", False))
     layout = read_layout(path)
     n = budget(layout.n_experts, keep, power_of_two=power_of_two)
     check_precision(layout.path, dtype, device)
@@ -247,37 +222,15 @@ def prune(
             f"--keep {keep}: {n} expert(s) per layer is below the MoE's top-k ({layout.top_k}); keep at least "
             f"{layout.top_k}, or lower it with --top-k"
         )
-    texts = calibration_text(data, seed=seed)
-    eval_need(layout.path, dtype=dtype, seq_len=256, batch_size=1).check()
-    stats = expert_stats(
-        layout.path,
-        texts,
-        names=list(layout.names),
-        max_tokens=max_tokens,
-        reap=by == "reap",
-        dtype=dtype,
-        device=device,
-        console=console,
-    )
+    stats = _scored(layout, data, seed, max_tokens, by == "reap", options)
     choice = choose(stats, n, by, per_layer=per_layer, seed=seed)
     plan = prune_plan(layout, choice, top_k=top_k, data=sorted(data.values()))
     plan.record["calibration_tokens"] = stats.tokens
-    return run(
-        plan,
-        Path(out),
-        force=force,
-        console=console,
-        tune=tune,
-        data=data,
-        verify=verify,
-        dry_run=dry_run,
-        dtype=dtype,
-        device=device,
-    )
+    return run(plan, Path(out), data=data, **options)
 
 
 def _add_record(
-    layout: Any, name: str, origin: dict[str, Any], prompts: list[str], negative: list[str]
+    layout: MoELayout, name: str, origin: dict[str, str], prompts: list[str], negative: list[str]
 ) -> dict[str, Any]:
     """The edit record ``moetool.json`` keeps of an ``add``."""
     before, after = layout.n_experts, layout.n_experts + 1
@@ -305,18 +258,13 @@ def add(
     negative: list[str] | None = None,
     base: str | Path | None = None,
     chat_template: bool = False,
-    tune: Recalibration | None = None,
     data: dict[str, str] | None = None,
-    force: bool = False,
-    verify: bool = True,
-    dry_run: bool = False,
-    console: Console | None = None,
-    dtype: str | None = None,
-    device: str | None = None,
+    **options: Unpack[TuneOptions],
 ) -> EditResult:
     """``source`` (a dense model of the MoE's base, or a baked LoRA adapter of it) as a new last expert ``name``.
 
     It joins every MoE layer; its router row comes from ``prompts`` through the MoE's own router inputs; top-k is kept.
+    ``options``: how it is written and checked, and the router recalibration after (:class:`TuneOptions`).
 
     Raises:
         EditError: no prompt, a taken or malformed name, an incompatible source (every problem named).
@@ -334,10 +282,12 @@ def add(
     from moetool.io.atomic import check_output, scratch_dir
 
     check_request(name, prompts)
-    console = console if console is not None else silent()
+    given, tune, dry_run = options.get("console"), options.get("tune"), options.get("dry_run", False)
+    console = given if given is not None else silent()
+    dtype, device = options.get("dtype"), options.get("device")
     out, source = Path(out), _local(source, "--source")
     check_not_input(out, [source, *data_files(data)])
-    check_output(out, force=force)
+    check_output(out, force=options.get("force", False))
     layout = read_layout(_local(moe, "MOE"))
     check_unread_data(data, tune.steps if tune is not None else 0)
     check_precision(layout.path, dtype, device)
@@ -346,7 +296,7 @@ def add(
         dense_base = adapter_base(source, Path(base) if base is not None else None)
         check_adapter(source, dense_base, layout)  # from headers: nothing is baked for an adapter that cannot be
     with scratch_dir(out, "add") as scratch:
-        origin: dict[str, Any] = {"source": str(source.resolve())}
+        origin = {"source": str(source.resolve())}
         if dense_base is not None:
             origin |= {"adapter_base": str(dense_base.resolve())}
             source = bake_adapter(source, dense_base, scratch / "baked")
@@ -361,16 +311,4 @@ def add(
         )
         plan = add_plan(layout, source, name, shapes, _add_record(layout, name, origin, prompts, negative or []))
         plan.warnings += warnings
-        return run(
-            plan,
-            out,
-            computed=rows,
-            force=force,
-            console=console,
-            tune=tune,
-            data=data,
-            verify=verify,
-            dry_run=dry_run,
-            dtype=dtype,
-            device=device,
-        )
+        return run(plan, out, computed=rows, data=data, **options)

@@ -7,7 +7,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from rich.console import Console
@@ -21,6 +21,23 @@ from moetool.io.atomic import atomic_dir, check_output, scratch_dir
 from moetool.io.budget import Need
 from moetool.io.checkpoint import SAFETENSORS_TAG_BYTES
 from moetool.progress import silent
+
+
+class WriteOptions(TypedDict, total=False):
+    """How every edit writes and checks its output (each key optional, at :func:`run`'s default)."""
+
+    force: bool  # replace an existing output
+    verify: bool  # check the output against the input before it moves into place (default True)
+    dry_run: bool  # only the checks that read no weights; nothing written
+    console: Console | None
+
+
+class TuneOptions(WriteOptions, total=False):
+    """What the edits that may recalibrate the routers take besides (their ``--data`` text apart)."""
+
+    tune: Recalibration | None  # router recalibration after the edit (none without steps)
+    dtype: str | None  # the precision the model computes in (auto: the checkpoint's own)
+    device: str | None  # where it computes (auto: a GPU when there is one)
 
 
 @dataclass
