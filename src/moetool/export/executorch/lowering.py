@@ -156,19 +156,18 @@ def lower(model: ExportLM | ExportChunk, bounds: Bounds, step: Step | None = Non
 def lower_chunk(
     src: StreamedExport,
     layers: tuple[int, int],
+    ends: tuple[bool, bool],
     *,
-    first: bool,
-    last: bool,
     precisions: dict[str, str],
     path: Path,
     bounds: Bounds,
     step: Step | None = None,
 ) -> dict[str, Any]:
     """Layers ``[start, stop)`` of ``src`` read, quantized (their float weights dropped at once), lowered and written
-    to ``path``; returns the result the module docstring names."""
+    to ``path``; ``ends``: (the first chunk, the last chunk). Returns the result the module docstring names."""
     step = step or (lambda what: None)
     blocks = {i: src.block(i) for i in range(*layers)}
-    chunk = ExportChunk(src.em, blocks, first=first, last=last).eval()
+    chunk = ExportChunk(src.em, blocks, first=ends[0], last=ends[1]).eval()
     if any(p != "fp32" for p in precisions.values()):
         step("quantizing the linear layers with torchao")
     counts, notes = quantize_modules(chunk, precisions)
@@ -278,8 +277,7 @@ def _lowered(request: dict[str, Any]) -> dict[str, Any]:
     return lower_chunk(
         streamed_export_model(Path(request["model_dir"])),
         (int(start), int(stop)),
-        first=bool(request["first"]),
-        last=bool(request["last"]),
+        (bool(request["first"]), bool(request["last"])),
         precisions=request["precisions"],
         path=Path(request["path"]),
         bounds=Bounds(prefill=int(request["prefill"]), context=int(request["context"])),
