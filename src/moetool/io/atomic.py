@@ -21,11 +21,11 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TypeAlias
 
 from moetool.errors import OutputExistsError, OutputPathError
 from moetool.io.exchange import exchange
@@ -34,6 +34,11 @@ TMP_MARK = ".moetool-tmp-"
 OLD_MARK = ".moetool-old-"
 # .NAME.moetool-tmp-PID-RANDOM, .NAME.moetool-old-PID-RANDOM (and .NAME.moetool-old-PID of moetool before 0.2)
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.moetool-(?:(?P<kind>tmp)-(?P<pid>\d+)-[^/]+|old-(?P<oldpid>\d+)(?:-[^/]*)?)$")
+
+
+_HandlerFunction: TypeAlias = Callable[[int, FrameType | None], object]
+# a signal's handler as signal.getsignal returns it: a function, SIG_DFL or SIG_IGN, or None (not set from Python)
+_Handler: TypeAlias = _HandlerFunction | int | signal.Handlers | None
 
 
 class Terminated(KeyboardInterrupt):
@@ -153,7 +158,7 @@ class _Handlers:
     def __init__(self) -> None:
         self.depth = 0
         self.lock = threading.Lock()
-        self.saved: dict[int, Any] = {}
+        self.saved: dict[int, _Handler] = {}
 
     @staticmethod
     def _on_terminate(signum: int, frame: FrameType | None) -> None:
@@ -198,7 +203,7 @@ def _signals_blocked() -> Iterator[None]:
     """
     sigs = (signal.SIGINT, *_HANDLED)
     pending: list[int] = []
-    displaced: dict[int, Any] = {}
+    displaced: dict[int, _HandlerFunction] = {}
     active = [True]
 
     def record(signum: int, frame: FrameType | None) -> None:
@@ -207,7 +212,7 @@ def _signals_blocked() -> Iterator[None]:
         else:  # arrived while the handlers were being put back: behave as the handler it displaced
             displaced[signum](signum, frame)
 
-    mask: set[Any] | None = None
+    mask: Set[int] | None = None
     try:  # from the first handler swapped: a signal that interrupts the swapping must not strand a recorder
         if threading.current_thread() is threading.main_thread():  # handlers never run in other threads
             for s in sigs:

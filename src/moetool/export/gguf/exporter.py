@@ -50,6 +50,8 @@ class GGUFPlan(ArtifactPlan):
 
 
 class GGUFExporter:
+    """The GGUF target: one file for llama.cpp, its steps as the module docstring says."""
+
     name = "gguf"
     requires = "llama"
     default_quant = "f16"
