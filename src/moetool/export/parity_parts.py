@@ -8,7 +8,7 @@ missing.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol, TypedDict
 
 from moetool.io.jsontypes import JsonObject, JsonValue
@@ -140,11 +140,7 @@ class DecodeCheck:
     max_abs_logit_diff: float
 
     def to_json(self) -> JsonObject:
-        return {
-            "prefill_tokens": self.prefill_tokens,
-            "steps": self.steps,
-            "max_abs_logit_diff": self.max_abs_logit_diff,
-        }
+        return asdict(self)
 
     @classmethod
     def from_json(cls, v: JsonValue) -> DecodeCheck | None:
