@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from moetool.io.jsontypes import JsonObject
+
 # Type families, highest precision first; a plan is judged by the lowest-precision family among its matrices.
 FAMILIES: tuple[tuple[str, frozenset[str]], ...] = (
     ("float", frozenset({"f32", "f16", "bf16"})),
@@ -172,7 +174,7 @@ class GateReport:
         """Whether enough tokens were decisive for the agreement to count (else the KL bound decides alone)."""
         return self.decisive >= self.min_decisive
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         doc = asdict(self)
         doc["problems"] = list(self.problems)
         doc["verdict"] = "pass" if self.passed else "fail"

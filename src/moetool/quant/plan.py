@@ -11,7 +11,7 @@ import fnmatch
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from pydantic import Field, field_validator, model_validator
 
@@ -194,6 +194,14 @@ class Assignment:
         return math.prod(self.entry.shape)
 
 
+class RoleUse(TypedDict):
+    """One role's share of a plan (:meth:`QuantPlan.by_role`): parameters, bytes, and tensors by type."""
+
+    params: int
+    bytes: int
+    types: dict[str, int]
+
+
 @dataclass
 class QuantPlan:
     label: str
@@ -208,15 +216,15 @@ class QuantPlan:
     def total_params(self) -> int:
         return sum(a.params for a in self.assignments)
 
-    def by_role(self) -> dict[str, dict[str, Any]]:
+    def by_role(self) -> dict[str, RoleUse]:
         """Per role: parameters, bytes and the types used (with counts)."""
-        out: dict[str, dict[str, Any]] = defaultdict(lambda: {"params": 0, "bytes": 0, "types": defaultdict(int)})
+        out: dict[str, RoleUse] = {}
         for a in self.assignments:
-            row = out[a.role]
+            row = out.setdefault(a.role, {"params": 0, "bytes": 0, "types": {}})
             row["params"] += a.params
             row["bytes"] += a.nbytes
-            row["types"][a.type] += 1
-        return {k: {**v, "types": dict(v["types"])} for k, v in sorted(out.items(), key=lambda kv: ROLES.index(kv[0]))}
+            row["types"][a.type] = row["types"].get(a.type, 0) + 1
+        return {k: out[k] for k in sorted(out, key=ROLES.index)}
 
     def bpw(self) -> float:
         return 8 * self.total_bytes / max(self.total_params, 1)
