@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ __all__ = [
     "MetaModel",
     "NonFiniteModel",
     "Stream",
+    "TensorSlice",
     "TensorSource",
     "give_back_freed_memory",
     "layer_bytes",
@@ -107,12 +108,23 @@ def quiet_transformers() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+class TensorSlice(Protocol):
+    """One tensor not read yet, as a safetensors slice: its shape and stored dtype tag (``BF16``), read when indexed
+    (``[...]``)."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def get_dtype(self) -> str: ...
+
+    def __getitem__(self, index: object) -> torch.Tensor: ...
+
+
 class TensorSource(Protocol):
     """Named tensors read on demand, as a safetensors handle gives them: ``get_slice(name)[...]`` is the tensor."""
 
     def keys(self) -> list[str]: ...
 
-    def get_slice(self, name: str) -> Any: ...
+    def get_slice(self, name: str) -> TensorSlice: ...
 
 
 class CheckpointLoader:
@@ -152,7 +164,7 @@ class CheckpointLoader:
         # transformers annotates the mapping it builds more widely than the field it feeds
         self._config = LoadStateDictConfig(dtype=dtype, weight_mapping=conversions)  # type: ignore[arg-type]
 
-    def plan(self, keys: list[str]) -> tuple[dict[str, Any], dict[str, int], Placement]:
+    def plan(self, keys: list[str]) -> tuple[dict[str, TensorSlice], dict[str, int], Placement]:
         """For ``keys`` (checkpoint names), before anything is read: their slices, their bytes as stored, and where
         each lands (:func:`moetool.compute.placement.place`; the rest left to transformers' conversions)."""
         from moetool.compute.placement import place
@@ -162,7 +174,7 @@ class CheckpointLoader:
         stored = {k: math.prod(shapes[k]) * SAFETENSORS_TAG_BYTES.get(s.get_dtype(), 4) for k, s in slices.items()}
         return slices, stored, place(self.model, shapes, self._conversions, self._meta)
 
-    def held_dtype(self, target: str, sources: list[Any]) -> torch.dtype:
+    def held_dtype(self, target: str, sources: list[TensorSlice]) -> torch.dtype:
         """The dtype parameter ``target`` is held in: its sources' own where it is narrow and they are all one 16-bit
         dtype (exact in float32), else the loader's."""
         stored = {s.get_dtype() for s in sources}
