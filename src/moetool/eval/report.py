@@ -82,6 +82,17 @@ def _model_record(path: Path, model: PreTrainedModel, own_domain: str | None, he
     return record
 
 
+def _refuse_nonfinite(name: str, path: Path, model: torch.nn.Module) -> None:
+    """Refuse a model with a NaN or Inf weight before any figure: a NaN that no text reaches would still leave a
+    finite report."""
+    bad = nonfinite_weight(model)
+    if bad is not None:
+        raise NonFiniteModel(
+            f"{name}: weight {bad} holds NaN or Inf values; the checkpoint at {path} is corrupt or its training "
+            "diverged, so nothing is evaluated"
+        )
+
+
 def evaluate(
     models: Mapping[str, Path],
     texts: Mapping[str, str],
@@ -118,12 +129,7 @@ def evaluate(
     for name, path in models.items():
         held = (residency or {}).get(name) or Residency(streamed=False, batch_size=batch_size)
         model, tok = load_causal_lm(path, dtype=dtype, device=device, streamed=held.streamed)
-        bad = nonfinite_weight(model)
-        if bad is not None:  # before any figure: a NaN that no text reaches would still leave a finite report
-            raise NonFiniteModel(
-                f"{name}: weight {bad} holds NaN or Inf values; the checkpoint at {path} is corrupt or its training "
-                "diverged, so nothing is evaluated"
-            )
+        _refuse_nonfinite(name, path, model)
         record = _model_record(path, model, own_domains.get(name), held)
         out["models"][name] = record
         tap = RouterTap(model) if record["moe"] else None
