@@ -100,8 +100,23 @@ def test_the_old_json_file_is_read_as_output_with_a_deprecation(tmp_path):
 
 
 def test_inspect_json_is_a_flag_printing_json(tmp_path):
-    r = runner.invoke(app, ["devices", "--json"])
+    r = runner.invoke(app, ["profiles", "--json"])
     assert r.exit_code == 0 and r.stdout.lstrip().startswith("{")
+
+
+def test_the_deployment_profiles_are_listed_by_moetool_profiles_and_devices_is_its_old_name():
+    """``--for`` takes a deployment profile, ``--device`` a torch device: the listing of --for's values is named for
+    what it lists; the old command name still answers, with one deprecation line."""
+    new = runner.invoke(app, ["profiles", "--json"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        old = runner.invoke(app, ["devices", "--json"])
+    assert new.exit_code == old.exit_code == 0
+    assert json.loads(old.stdout) == json.loads(new.stdout)
+    assert "raspberry-pi-4" in json.loads(new.stdout)
+    assert "`moetool devices` is the old name: write `moetool profiles`" in old.stderr
+    commands = get_command(app).commands  # type: ignore[attr-defined]
+    assert commands["devices"].hidden and not commands["profiles"].hidden
 
 
 def test_renamed_options_warn_with_the_new_spelling():

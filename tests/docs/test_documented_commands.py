@@ -192,7 +192,7 @@ COMMANDS: list[Cmd] = [
         "bash scripts/build_llama_tools.sh",
         "builds llama.cpp's own tools (about 4 minutes) for the imatrix benchmark's llama-imatrix anchor only",
     ),
-    run("moetool devices [--json]", run="moetool devices --json", why="with the optional --json"),
+    run("moetool profiles [--json]", run="moetool profiles --json", why="with the optional --json"),
     run("moetool presets"),
     helponly(
         "moetool package MODEL_OR_RUN --output DIR [--artifact DIR]... [--eval FILE] [--plots DIR] [--force]", SYNOPSIS
@@ -211,7 +211,7 @@ COMMANDS: list[Cmd] = [
     helponly("moetool train", REFERENCE),
     helponly("moetool eval", REFERENCE),
     helponly("moetool export", REFERENCE),
-    run("moetool devices"),
+    run("moetool profiles"),
     helponly("moetool export ADAPTER_DIR --base MODEL --output DIR", SYNOPSIS),
     helponly("moetool export MODEL --target onnx|tflite|coreml|executorch", SYNOPSIS),
     helponly(

@@ -1,4 +1,4 @@
-"""``moetool export | devices | presets``: artifacts for devices, each checked in its runtime."""
+"""``moetool export | profiles | presets``: artifacts for devices, each checked in its runtime."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from rich.table import Table
 
 from moetool.cli.console import console, friendly, human, out
 from moetool.cli.options import TARGETS, ForOpt, JsonOpt, OldDeviceOpt, VerifyOpt, old_spelling
+from moetool.errors import deprecated
 
 ComputeUnitsOpt = Annotated[
     str | None, typer.Option(help="Core ML: ALL, CPU_ONLY, CPU_AND_GPU or CPU_AND_NE (the default).")
@@ -165,8 +166,9 @@ def _export_adapter(
     print_manifest(output, manifest)
 
 
-def devices(as_json: JsonOpt = False) -> None:
-    """Device profiles: memory budget, formats in order of preference, precisions, plans tried."""
+def profiles(as_json: JsonOpt = False) -> None:
+    """Deployment profiles (the values of --for): memory budget, formats in order of preference, precisions, plans
+    tried."""
     from dataclasses import asdict
 
     from moetool.quant.devices import DEVICES
@@ -174,12 +176,19 @@ def devices(as_json: JsonOpt = False) -> None:
     if as_json:
         sys.stdout.write(json.dumps({n: asdict(d) for n, d in DEVICES.items()}, indent=2) + "\n")
         return
-    t = Table(title="device profiles")
-    for col in ("device", "memory", "budget", "formats", "plans tried (best first)", "note"):
+    t = Table(title="deployment profiles (--for)")
+    for col in ("profile", "memory", "budget", "formats", "plans tried (best first)", "note"):
         t.add_column(col)
     for d in DEVICES.values():
         t.add_row(d.name, human(d.memory), human(d.budget), ", ".join(d.formats), ", ".join(d.ladder), d.note)
     out.print(t)
+
+
+def old_devices(as_json: JsonOpt = False) -> None:
+    """``moetool devices``: the old name of ``moetool profiles`` (it lists deployment profiles, the values of --for,
+    not torch devices), read for one release."""
+    deprecated("`moetool devices` is the old name: write `moetool profiles` (it lists the values of --for)")
+    profiles(as_json)
 
 
 def presets() -> None:
@@ -213,5 +222,6 @@ def register_alias(app: typer.Typer, models: str) -> None:
 
 def register(app: typer.Typer) -> None:
     app.command("export")(export_cmd)
-    app.command()(devices)
+    app.command()(profiles)
+    app.command("devices", hidden=True, help="The old name of `moetool profiles`.")(old_devices)
     app.command()(presets)

@@ -1,7 +1,7 @@
 """One meaning per option name across every command: the table each command's options are checked against.
 
 ``--device`` is always the torch device a command computes on (``auto``, ``cpu``, ``cuda:N``); the deployment
-profile an artifact is made for (``moetool devices``: ``raspberry-pi-4``, ``iphone-13``) is ``--for``, and ``for:``
+profile an artifact is made for (``moetool profiles``: ``raspberry-pi-4``, ``iphone-13``) is ``--for``, and ``for:``
 in a recipe's ``targets:``. A new option takes a name from :data:`MEANINGS` only in that name's meaning, or adds a
 row; ``tests/cli/test_option_names.py`` walks every command and fails on an option the table does not declare, on
 one whose kind (a flag, one value, repeated values) differs from its row, and on a help text that leaves out its
@@ -58,7 +58,7 @@ class Meaning:
 
 
 TORCH_DEVICE = "auto (a GPU when there is one), cpu, cuda"  # --device's value set, in every help text
-PROFILES = "`moetool devices`"  # --for's value set: the deployment profiles
+PROFILES = "`moetool profiles`"  # --for's value set: the deployment profiles
 TARGETS = ", ".join(registry.TARGETS)  # --target's value set: the exporter registry's, so the help cannot drift
 VERIFY = "check the result (an artifact in its runtime, an edit against its input); --no-verify skips it"
 

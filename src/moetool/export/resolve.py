@@ -149,7 +149,7 @@ class ExportOptions(TypedDict, total=False):
 
     target: str | None  # gguf, onnx, …; default: the device's first available format, else gguf
     quant: QuantSpec | str | None  # a QuantSpec or --quant text; default: the model's recipe section, else the target's
-    for_: str | None  # a deployment profile (`moetool devices`): its format and the best plan that fits its budget
+    for_: str | None  # a deployment profile (`moetool profiles`): its format and the best plan that fits its budget
     device: str | None  # the old keyword of for_ (read with a DeprecationWarning in this release only)
     force: bool  # replace an existing output
     verify: bool  # check the artifact in its runtime (default True)

@@ -20,7 +20,7 @@ class TargetSpec(ForSection):
     section = "targets"
 
     for_: str | None = Field(
-        default=None, alias="for", description="A deployment profile (`moetool devices`), as `moetool export --for`."
+        default=None, alias="for", description="A deployment profile (`moetool profiles`), as `moetool export --for`."
     )
     target: Target | None = Field(
         default=None, description="Format, with `for` one the profile runs; default: the profile's first available one."
@@ -58,7 +58,7 @@ class TargetSpec(ForSection):
                 raise ValueError(
                     f"target: the deployment profile {self.for_} runs {', '.join(formats)}, not {self.target}; give "
                     f"one of those, leave `target` out (the profile's first, {formats[0]}), or choose another "
-                    "profile (`moetool devices`)"
+                    "profile (`moetool profiles`)"
                 )
         return self
 
