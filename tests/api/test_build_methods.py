@@ -34,7 +34,7 @@ def test_build_runs_the_stages_the_method_has(recipe, tmp_path):
 
 @pytest.mark.parametrize(
     ("kw", "named"),
-    [({"tune": True}, "--train"), ({"presets": ["mofe"]}, "--presets"), ({"devices": ["pi"]}, "devices")],
+    [({"tune": True}, "--train"), ({"presets": ["mofe"]}, "--presets"), ({"profiles": ["pi"]}, "profiles")],
 )
 def test_a_stage_the_method_lacks_is_refused_before_any_work(recipe, tmp_path, kw, named):
     with pytest.raises(MoetoolError, match=f"method embedding has no stage for {named}"):

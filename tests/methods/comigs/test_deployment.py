@@ -258,7 +258,7 @@ def test_missing_device_policies(tmp_path):
     assert fail["error"].startswith("round 2: no reply from SuperNode 101 (user b)") and "on-missing" in fail["error"]
     assert fail["rounds_on_disk"] == {"a": 2, "b": 1}
     assert drop["dropped"] == {"b": 2} and drop["users"] == ["a"]
-    assert drop["history_users"] == [[0, 1], [0], [0]]  # partition ids that trained in each round
+    assert drop["history_users"] == [["0", "1"], ["0"], ["0"]]  # partition ids that trained in each round (JSON keys)
     assert drop["rounds_on_disk"] == {"a": 3, "b": 1}
     # "wait": b comes back as a fresh process, resumes from its round-1 file, and the run is the uninterrupted one
     assert "error" not in wait and wait["dropped"] is None and wait["rounds_on_disk"] == {"a": 3, "b": 3}
