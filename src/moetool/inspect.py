@@ -30,7 +30,7 @@ def inspect_model(path: str | Path) -> JsonObject:
     """Facts about the checkpoint at ``path`` (dense or MoE; per-expert, fused or mlx-lm layout).
 
     Raises:
-        ValueError: an mlx-lm folder whose ``config.json`` does not give the bits of a packed module.
+        SourceError: an mlx-lm folder whose ``config.json`` does not give the bits of a packed module.
     """
     ck = Checkpoint(Path(path))
     cfg = ck.config

@@ -50,3 +50,23 @@ def test_inspect_reads_an_mlx_export_as_the_model_it_holds(quant, mlx_folders):
         assert folder[key] == source[key], key
     assert source["total_params"] > folder["active_params_per_token"]  # one idle expert of 3 per layer
     assert str(folder["layout"]).startswith("mlx-lm") and source["layout"] == "Hugging Face"
+
+
+def test_inspect_refuses_packed_weights_whose_bits_the_config_does_not_give(mlx_folders, tmp_path):
+    """A packed folder whose config.json lost its quantization section: a named error (exit 2), no traceback."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from moetool.cli import app
+
+    _, outs = mlx_folders
+    folder = shutil.copytree(outs["moe-q4"], tmp_path / "mlx")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization")
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    r = CliRunner().invoke(app, ["inspect", str(folder), "--json"])
+    assert r.exit_code == 2, r.output
+    assert "is packed (uint32 words), but config.json's 'quantization' gives no bits for" in r.output

@@ -58,7 +58,7 @@ def parameter_shapes(config: Mapping[str, object], tensors: Mapping[str, TensorI
     its quantization, not parameters, and are left out. A Hugging Face checkpoint's shapes come back as they are.
 
     Raises:
-        ValueError: a packed module whose bits ``config.json``'s ``quantization`` does not give.
+        SourceError: a packed module whose bits ``config.json``'s ``quantization`` does not give.
     """
     packed = set(packed_modules(tensors))
     out: dict[str, tuple[int, ...]] = {}
@@ -70,7 +70,10 @@ def parameter_shapes(config: Mapping[str, object], tensors: Mapping[str, TensorI
         if module in packed and part == "weight":
             bits = _bits(config, module)
             if bits is None:
-                raise ValueError(f"{name} is packed, but config.json's 'quantization' gives no bits for {module}")
+                raise SourceError(
+                    f"{name} is packed (uint32 words), but config.json's 'quantization' gives no bits for {module}: "
+                    "the folder's config.json is not the one mlx-lm wrote with these weights"
+                )
             shape = (*shape[:-1], shape[-1] * WORD_BITS // bits)
         out[name] = shape
     return out
