@@ -37,8 +37,8 @@ def resolve_target(device: str | None, target: str | None) -> tuple[str, Any]:
         target = next((f for f in dev.formats if f in TARGETS), None)
         if target is None:
             raise ExportError(f"{dev.name} prefers {', '.join(dev.formats)}; none is available yet")
-    elif target not in dev.formats:
-        raise ExportError(f"{dev.name} runs {', '.join(dev.formats)}, not {target}")
+    elif (why := dev.not_run(target)) is not None:
+        raise ExportError(why)
     return target, dev
 
 

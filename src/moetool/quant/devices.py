@@ -53,6 +53,13 @@ class Device:
     def supports(self, fmt: str, type_name: str) -> bool:
         return type_name in self.precisions.get(fmt, ())
 
+    def not_run(self, target: str) -> str | None:
+        """Why this profile cannot take ``target`` (a format it does not run), in words; None where it runs it. The
+        one fact a recipe's target and ``moetool export --for … --target …`` are both refused by."""
+        if target in self.formats:
+            return None
+        return f"the deployment profile {self.name} runs {', '.join(self.formats)}, not {target}"
+
 
 def _profile(name: str, description: str, *, memory: int, budget: int, formats: tuple[str, ...], **more: Any) -> Device:
     """A device whose runtimes run every precision their format stores: each GGUF type in llama.cpp, fp32, int8 and

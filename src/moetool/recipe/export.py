@@ -53,12 +53,12 @@ class TargetSpec(ForSection):
         if self.for_ is not None and self.target is not None:
             # the fact export.resolve.resolve_target refuses by at export time: checked here, so `moetool validate`
             # says it and `moetool build` stops before the merge and tuning instead of after them
-            formats = get_device(self.for_).formats
-            if self.target not in formats:
+            profile = get_device(self.for_)
+            why = profile.not_run(self.target)
+            if why is not None:
                 raise ValueError(
-                    f"target: the deployment profile {self.for_} runs {', '.join(formats)}, not {self.target}; give "
-                    f"one of those, leave `target` out (the profile's first, {formats[0]}), or choose another "
-                    "profile (`moetool profiles`)"
+                    f"target: {why}; give one of those, leave `target` out (the profile's first, "
+                    f"{profile.formats[0]}), or choose another profile (`moetool profiles`)"
                 )
         return self
 
