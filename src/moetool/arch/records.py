@@ -112,6 +112,19 @@ def _gguf_maps() -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, tuple[st
 GGUF_TENSOR_MAP, GGUF_SPLIT_MAP = _gguf_maps()
 
 
+def topk_rule(cfg: Mapping[str, object]) -> tuple[ModelFacts, bool] | None:
+    """``cfg``'s model record and whether the model renormalises its top-k routing weights, where that matters.
+
+    ``cfg`` is config.json as a dict. None for a model type moetool does not know, a dense model, or one choosing all
+    its experts (renormalising changes nothing there).
+    """
+    rec = model_record(cfg.get("model_type"))
+    n, k = expert_count(cfg), config_int(cfg, "num_experts_per_tok")
+    if rec is None or not n or k >= n:
+        return None
+    return rec, rec.normalises_topk(cfg)
+
+
 def converter_caveat(cfg: Mapping[str, object]) -> str | None:
     """Why a consumer other than transformers would compute another function from a model of config ``cfg``.
 
@@ -120,11 +133,10 @@ def converter_caveat(cfg: Mapping[str, object]) -> str | None:
     model type as its own llama.cpp architecture (``ModelFacts.gguf_arch``), whose top-k rule may differ from the
     model's; the others have a class per model type with its own rule.
     """
-    rec = model_record(cfg.get("model_type"))
-    n, k = expert_count(cfg), config_int(cfg, "num_experts_per_tok")
-    if rec is None or not n or k >= n or rec.gguf.renormalises_topk is None:
+    chosen = topk_rule(cfg)
+    if chosen is None or chosen[0].gguf.renormalises_topk is None:
         return None
-    norm = rec.normalises_topk(cfg)
+    rec, norm = chosen
     others = differing(cfg, norm)
     said = f"this model has norm_topk_prob: {str(norm).lower()}"
     parts = []

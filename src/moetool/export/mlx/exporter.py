@@ -18,8 +18,8 @@ from pathlib import Path
 from rich.console import Console
 
 from moetool.arch.consumers import MLX_LM, differing
-from moetool.arch.outputs import expert_count, output_arch
-from moetool.arch.records import model_record
+from moetool.arch.outputs import output_arch
+from moetool.arch.records import model_record, topk_rule
 from moetool.arch.released import released_config
 from moetool.export.base import NOT_VERIFIED, ArtifactPlan, ExportError, ExportRequest, write_manifest
 from moetool.export.graph.parity import judge
@@ -50,13 +50,10 @@ def check_topk(cfg: Mapping[str, object]) -> None:
     Raises:
         ExportError: naming ``norm_topk_prob``, what mlx-lm does, and the recipe setting it computes.
     """
-    rec = model_record(cfg.get("model_type"))
-    n, k = expert_count(cfg), cfg.get("num_experts_per_tok")
-    if rec is None or not isinstance(k, int) or k >= n:  # all experts chosen: renormalising changes nothing
+    rule = topk_rule(cfg)
+    if rule is None or MLX_LM not in differing(cfg, rule[1]):
         return
-    norm = rec.normalises_topk(cfg)
-    if MLX_LM not in differing(cfg, norm):
-        return
+    rec, norm = rule
     fix = f"merge it with `norm_topk_prob: {str(not norm).lower()}` in the recipe, or " if rec.topk == "config" else ""
     raise ExportError(
         f"--target mlx: this {rec.model_type} has norm_topk_prob: {str(norm).lower()}, but mlx-lm "
