@@ -233,7 +233,9 @@ def print_export_need(need: Need | None) -> None:
 def print_output_check(output: Path, force: bool) -> None:
     """``--dry-run``: whether the real run would be refused because ``output`` exists (and what allows it), or that
     it replaces it (``--force``). Reads the folder only: a dry run writes (and sweeps) nothing."""
-    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+    from moetool.io.atomic import occupied
+
+    if not occupied(output):
         return
     if force:
         out.print(f"--force: the real run replaces {escape(str(output))}", highlight=False)

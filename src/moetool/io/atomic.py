@@ -134,6 +134,11 @@ def parent_problem(out: Path) -> str | None:
     return None
 
 
+def occupied(out: Path) -> bool:
+    """``out`` exists and is not an empty folder: what a write refuses to replace without ``--force``."""
+    return out.exists() and (not out.is_dir() or any(out.iterdir()))
+
+
 def check_output(out: Path, *, force: bool) -> None:
     """Refuse an existing, non-empty ``out`` unless ``force`` (after sweeping killed writers' leftovers of ``out``).
 
@@ -142,7 +147,7 @@ def check_output(out: Path, *, force: bool) -> None:
     """
     out = Path(out)
     sweep_leftovers(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    if occupied(out) and not force:
         raise OutputExistsError(f"{out} exists; pass --force to replace it")
 
 
@@ -336,6 +341,7 @@ __all__ = [
     "atomic_write_text",
     "check_output",
     "exchange",
+    "occupied",
     "parent_problem",
     "pid_alive",
     "scratch_dir",
