@@ -44,7 +44,11 @@ def test_the_runner_loads_the_program_and_generates_transformers_tokens(program)
     # greedy: the runner's 16 tokens are transformers' (an fp32 program is held to it; the export fails otherwise)
     assert runner["tokens_equal"] and runner["same_leading_tokens"] == runner["new_tokens"] == 16
     assert runner["prompt_tokens"] == runner["reference_prompt_tokens"]
-    assert runner["decode_tok_s"] > 0 and runner["prefill_tok_s"] > 0
+    # its own speed figures: a rate wherever its span (whole milliseconds) is not 0, and none where it is
+    for stage in ("prefill", "decode"):
+        span, rate = runner[f"{stage}_ms"], runner[f"{stage}_tok_s"]
+        assert span >= 0 and (rate > 0 if span > 0 else rate is None), (stage, span, rate)
+    assert runner["prefill_ms"] + runner["decode_ms"] > 0  # 16 tokens do not all fit in one millisecond
     # the same program in executorch.runtime, prefill at two lengths and cached decode, within the fp32 gate
     parity = man["parity"]
     assert max([*parity["max_abs_logit_diff"].values(), parity["decode"]["max_abs_logit_diff"]]) <= 1e-4
@@ -82,6 +86,33 @@ def test_a_float_program_the_runner_disagrees_with_is_refused(program, mixtral, 
     monkeypatch.setattr(runner_check, "runner_generate", other)
     with pytest.raises(ExportError, match="ExecuTorch's runner generated ' something else' where transformers"):
         runner_export._verify(plan[1], plan[2], out / "model.pte", out / "model.ptd", {2})
+
+
+def test_a_span_under_a_millisecond_gives_no_rate(program, mixtral, monkeypatch):
+    """The runner times in whole milliseconds and leaves out the rate of a span that rounds to 0 (a tiny prefill on a
+    fast machine): the record says 0 ms and no rate."""
+    from transformers import AutoModelForCausalLM
+
+    out, man = program
+    stats = {
+        "prompt_tokens": man["runner"]["prompt_tokens"],
+        "generated_tokens": 16,
+        "inference_start_ms": 100,
+        "prompt_eval_end_ms": 100,
+        "first_token_ms": 100,
+        "inference_end_ms": 132,
+        "decode_token_per_sec": 500.0,
+    }
+
+    def fast(pte, ptd, tokenizer, prompt, new_tokens):
+        return {"text": man["runner"]["text"].encode(), "stats": stats}
+
+    monkeypatch.setattr(runner_check, "runner_generate", fast)
+    hf = AutoModelForCausalLM.from_pretrained(mixtral)
+    got = runner_check.runner_check(out / "model.pte", out / "model.ptd", out, hf, {2})
+    assert (got["prefill_ms"], got["prefill_tok_s"]) == (0, None)
+    assert (got["decode_ms"], got["decode_tok_s"]) == (32, 500.0)
+    assert got["tokens_equal"]
 
 
 def test_jobs_needs_chunks(mixtral, tmp_path):

@@ -41,8 +41,12 @@ class RunnerRow:
     figure: str
 
 
-def _rate(value: Any, what: str) -> str:
-    return f", {what} {float(value):,.0f} tok/s" if isinstance(value, int | float) and value else ""
+def _rate(record: dict[str, Any], what: str) -> str:
+    value = record.get(f"{what}_tok_s")
+    if isinstance(value, int | float) and value:
+        return f", {what} {float(value):,.0f} tok/s"
+    # ExecuTorch's runner times in whole milliseconds and gives no rate for a span that rounds to 0
+    return f", {what} under 1 ms" if record.get(f"{what}_ms") == 0 else ""
 
 
 def _generation(record: Any) -> tuple[str, str]:
@@ -64,7 +68,7 @@ def _generation(record: Any) -> tuple[str, str]:
         figure = "the same tokens" if record["tokens_equal"] else f"first difference at token {first}"
     else:
         figure = ""
-    figure += _rate(record.get("prefill_tok_s"), "prefill") + _rate(record.get("decode_tok_s"), "decode")
+    figure += _rate(record, "prefill") + _rate(record, "decode")
     return run, figure.lstrip(", ")
 
 

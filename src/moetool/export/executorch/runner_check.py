@@ -182,8 +182,12 @@ def runner_check(
         "reference_text": b"".join(pieces).decode("utf-8", errors="replace"),
         "tokens_equal": same == len(want),
         "same_leading_tokens": same,
-        "prefill_tok_s": stats.get("prefill_token_per_sec"),
-        "decode_tok_s": stats.get("decode_token_per_sec"),
+        # the runner times in whole milliseconds and leaves a rate out when its span rounds to 0 ms (a tiny model's
+        # prefill on a fast machine): the rate is then None, the span 0
+        "prefill_ms": _span(stats, "inference_start_ms", "prompt_eval_end_ms"),
+        "decode_ms": _span(stats, "prompt_eval_end_ms", "inference_end_ms"),
+        "prefill_tok_s": _rate(stats, "prefill_token_per_sec"),
+        "decode_tok_s": _rate(stats, "decode_token_per_sec"),
         "time_to_first_token_ms": _ttft(stats),
         "load_ms": _span(stats, "model_load_start_ms", "model_load_end_ms"),
     }
@@ -193,6 +197,10 @@ def _span(stats: Mapping[str, JsonValue], start: str, end: str) -> float | None:
     if start in stats and end in stats:
         return number(stats[end], end, _STATS) - number(stats[start], start, _STATS)
     return None
+
+
+def _rate(stats: Mapping[str, JsonValue], key: str) -> float | None:
+    return number(stats[key], key, _STATS) if key in stats else None
 
 
 def _ttft(stats: Mapping[str, JsonValue]) -> float | None:
