@@ -209,8 +209,8 @@ def _edit_stages(root: Path, moe: Path, paths: dict[str, Path], texts: dict[str,
     moetool = str(BIN / "moetool")
     prompt = texts["math"].read_text()[:80]
     return [
-        ("experts remove --no-check", [moetool, "experts", "remove", str(moe), "math", "-o", str(root / "rm-nc"),
-                                       "--no-check", "--force"]),
+        ("experts remove --no-verify", [moetool, "experts", "remove", str(moe), "math", "-o", str(root / "rm-nc"),
+                                       "--no-verify", "--force"]),
         ("experts remove", [moetool, "experts", "remove", str(moe), "math", "-o", str(root / "rm"), "--force"]),
         ("experts prune", [moetool, "experts", "prune", str(moe), "--keep", "2", "--by", "frequency", "--data",
                            f"code={texts['code']}", "--max-tokens", "1024", "-o", str(root / "pruned"), "--force"]),
