@@ -65,6 +65,16 @@ def test_a_failure_is_raised_and_nothing_starts_after_it():
     assert sorted(started) == [0, 1]  # chunk 0 ran to its end; none of 2..7 began
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test, whatever the run inherited: a shell starts a background job with
+    SIGINT ignored, and then the interrupt would never come."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("python_sigint")
 @pytest.mark.parametrize("at_once", [2, 1])
 def test_an_interrupt_ends_the_running_conversions_and_starts_no_queued_one(tmp_path, monkeypatch, at_once):
     """Ctrl-C (SIGTERM is raised as it) while two (one) of four chunks convert: their workers are ended, no queued
