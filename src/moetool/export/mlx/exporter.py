@@ -63,10 +63,10 @@ def check_topk(cfg: Mapping[str, object]) -> None:
 
 
 # Peak RSS of `moetool export --target mlx` (bench/size_ladder.measured: the process tree sampled, and wait4; the
-# 360m verification's peak read from the process's VmHWM), 2026-12-06, mlx 0.32.4 CPU build, a loaded machine:
+# 360m verification's from /usr/bin/time -v), 2026-12-06, mlx 0.32.4 CPU build:
 #   tiny Mixtral (214K params):  moe-q4 written 0.30 GB, verified 0.48 GB; f32 verified 0.48 GB
 #   size ladder 360m (1.07B parameters, bf16 2.14 GB; the artifact 0.67 GB at moe-q4, 4.28 GB at f32):
-#     moe-q4 written 1.21 GB, f32 written 6.87 GB; moe-q4 verified 10.31 GB
+#     moe-q4 written 1.21 GB, f32 written 6.87 GB; moe-q4 verified 10.54 GB (7 min 42 s, the machine idle)
 # Writing: mlx-lm loads the model lazily and evaluates the artifact's arrays as it saves them, so the peak follows the
 # artifact, not the source: the overhead + 1.6 x the artifact (1.40 and 7.18 GB estimated for the two 360m figures).
 WRITE_OVERHEAD = 320 << 20  # python, mlx and mlx-lm: the tiny model's 0.30 GB
