@@ -66,7 +66,8 @@ def check_topk(cfg: Mapping[str, object]) -> None:
 # 360m verification's from /usr/bin/time -v), 2026-12-06, mlx 0.32.4 CPU build:
 #   tiny Mixtral (214K params):  moe-q4 written 0.30 GB, verified 0.48 GB; f32 verified 0.48 GB
 #   size ladder 360m (1.07B parameters, bf16 2.14 GB; the artifact 0.67 GB at moe-q4, 4.28 GB at f32):
-#     moe-q4 written 1.21 GB, f32 written 6.87 GB; moe-q4 verified 10.54 GB (7 min 42 s, the machine idle)
+#     moe-q4 written 1.21 GB, f32 written 6.87 GB; verified (the machine idle): moe-q4 10.54 GB in 7 min 42 s,
+#     f32 14.12 GB in 7 min 23 s (estimated 11.2 and 14.8 GB)
 # Writing: mlx-lm loads the model lazily and evaluates the artifact's arrays as it saves them, so the peak follows the
 # artifact, not the source: the overhead + 1.6 x the artifact (1.40 and 7.18 GB estimated for the two 360m figures).
 WRITE_OVERHEAD = 320 << 20  # python, mlx and mlx-lm: the tiny model's 0.30 GB
