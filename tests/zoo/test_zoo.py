@@ -166,6 +166,20 @@ def test_missing_zoo_errors(tmp_path, monkeypatch):
         zoo_domain_text("code")
 
 
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_a_root_holding_something_else_is_refused_and_kept(tmp_path, kind):
+    """A root that exists, is not empty and has no zoo.json is someone else's: refused without --force, untouched."""
+    root = tmp_path / "zoo"
+    if kind == "folder":
+        root.mkdir()
+        (root / "notes.txt").write_text("mine")
+    else:
+        root.write_text("mine")
+    with pytest.raises(MoetoolError, match=r"exists and is not a moetool zoo; remove it or pass force"):
+        build_zoo(PROFILE, root=root, console=_quiet())
+    assert (root / "notes.txt" if kind == "folder" else root).read_text() == "mine"
+
+
 def test_failed_expert_check_is_reported(tmp_path):
     # experts that do not train at all cannot beat the base: the build says which, and still saves the matrix
     cfg = dataclasses.replace(

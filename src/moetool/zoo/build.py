@@ -31,7 +31,7 @@ import moetool
 from moetool.compute.stream import quiet_transformers
 from moetool.errors import MoetoolError
 from moetool.eval.perplexity import perplexity_matrix, render_matrix
-from moetool.io.atomic import atomic_dir, pid_alive
+from moetool.io.atomic import atomic_dir, occupied, pid_alive
 from moetool.io.jsontypes import JsonObject
 from moetool.paths import zoo_dir
 from moetool.progress import task
@@ -180,7 +180,7 @@ def _reuse(root: Path, cfg_json: JsonObject, *, force: bool, console: Console) -
             )
         reason = "its config or corpus pins differ" if not same else "its expert check failed"
         console.print(f"[yellow]rebuilding zoo[/] {root}: {reason}")
-    elif existing is None and root.exists() and (not root.is_dir() or any(root.iterdir())) and not force:
+    elif existing is None and occupied(root) and not force:
         raise MoetoolError(f"{root} exists and is not a moetool zoo; remove it or pass force")
     return None
 
